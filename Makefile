@@ -1,0 +1,31 @@
+# Set-up and everyday commands. Every install goes through constraints.txt, which pins
+# torch==2.13.0 so pip takes the CPU wheel here instead of a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+export HF_HUB_OFFLINE := 1
+
+.PHONY: run test lint bench
+
+$(VENV)/.runtime: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) -e ".[test]"
+	touch $@
+
+# The main job (until the HTTP service lands): plan SD-1.5 across this host's devices.
+run: $(VENV)/.runtime
+	$(PY) -m server plan --config sd15 --devices auto --strategy memory
+
+test: $(VENV)/.test lint
+	$(PY) -m pytest
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.test
+	$(PY) -m benchmarks.shard

@@ -1,0 +1,80 @@
+"""Command line: `python -m server plan ...` prints how a UNet would be split across devices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
+from server.engine import DeviceError, PlanError, plan_shards
+from server.engine.plan import STRATEGIES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="plan a shard split and print it; loads no weights")
+    model = plan.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=Path, help="a diffusers pipeline folder (or its unet/)")
+    model.add_argument("--config", choices=sorted(UNET_CONFIGS), help="a well-known architecture")
+    plan.add_argument("--devices", default="auto", help="auto | cpu,cpu | cuda:0,cuda:1 (default: auto)")
+    plan.add_argument("--strategy", choices=STRATEGIES, default="even")
+    plan.add_argument("--max-memory", help="per-device budgets, e.g. cuda:0=20GiB,cpu=64GiB")
+    plan.add_argument("--device-map", help="explicit strategy: block=device,... or a JSON file of them")
+    plan.add_argument("--resolution", type=int, help="image side in pixels (default: the model's native)")
+    plan.add_argument("--batch", type=int, default=2, help="UNet batch, CFG rows included (default: 2)")
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _device_map(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    if Path(text).is_file():
+        return json.loads(Path(text).read_text())
+    pairs = [part.split("=", 1) for part in text.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise PlanError(f"bad --device-map {text!r}: write block=device,... e.g. embed=cuda:0,conv_in=cuda:0")
+    return {block.strip(): device.strip() for block, device in pairs}
+
+
+def plan_command(args: argparse.Namespace) -> None:
+    if args.model:
+        unet, scale = meta_unet_from_folder(args.model)
+    else:
+        unet, scale = meta_unet(args.config), VAE_SCALE_FACTOR
+    if args.resolution is not None and (args.resolution <= 0 or args.resolution % scale):
+        raise PlanError(f"--resolution must be a positive multiple of {scale}, got {args.resolution}")
+    plan = plan_shards(
+        unet,
+        args.devices,
+        args.strategy,
+        max_memory=args.max_memory,
+        device_map=_device_map(args.device_map),
+        dtype=DTYPES[args.dtype],
+        latent_size=args.resolution // scale if args.resolution else None,
+        batch=args.batch,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        plan_command(args)
+    except (PlanError, DeviceError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Device names and byte sizes as users write them: `auto`, `cpu,cpu`, `cuda:0=20GiB`."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class DeviceError(ValueError):
+    """A device name that does not exist on this host, or a malformed device or size."""
+
+
+def normalize_device(name: str) -> str:
+    """`'cuda'` → `'cuda:0'`; raises DeviceError for a device this host does not have."""
+    try:
+        device = torch.device(name.strip())
+    except RuntimeError as err:
+        raise DeviceError(f"unknown device {name!r}: use cpu or cuda:N") from err
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        index = device.index or 0
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise DeviceError(f"unknown device {name!r}: this host has {count} CUDA device(s)")
+        return f"cuda:{index}"
+    raise DeviceError(f"unsupported device {name!r}: use cpu or cuda:N")
+
+
+def resolve_devices(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """`auto` = every visible CUDA device, else `cpu`; a list may repeat a device."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    if [n.strip() for n in names] == ["auto"]:
+        count = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    if not names or any(not n.strip() for n in names):
+        raise DeviceError(f"empty device in {spec!r}")
+    return [normalize_device(n) for n in names]
+
+
+def parse_size(text: str | int) -> int:
+    """`'20GiB'` → 21474836480; plain numbers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match or match[2].lower() not in _UNITS:
+        raise ValueError(f"bad size {text!r}: write e.g. 512MiB, 20GiB or 2.5GB")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def parse_memory_map(spec: str | dict[str, str | int] | None) -> dict[str, int]:
+    """`'cuda:0=20GiB,cpu=64GiB'` (or a dict) → `{'cuda:0': bytes, 'cpu': bytes}`."""
+    if not spec:
+        return {}
+    items = spec.items() if isinstance(spec, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in spec.split(",")
+    )
+    budgets: dict[str, int] = {}
+    for device, size in items:
+        if size == "":
+            raise ValueError(f"bad max-memory entry {device!r}: write DEVICE=SIZE, e.g. cuda:0=20GiB")
+        budgets[normalize_device(device)] = parse_size(size)
+    return budgets
+
+
+def format_bytes(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,118 @@
+"""Which activations flow between blocks, and how many bytes, measured on the meta device.
+
+One forward of a weightless twin of the model records, for every tensor a block receives,
+the block that made it and the blocks that read it. Skip residuals, the timestep embedding
+and the text context all show up as tensors read far from where they were made. Glue code
+between blocks (e.g. `emb + aug_emb`) is credited to the block that ran last.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.engine.blocks import spec_for
+
+INPUT = "input"  # producer of the denoiser's own inputs
+
+
+@dataclass(frozen=True)
+class TensorFlow:
+    nbytes: int
+    producer: str  # a block name, or INPUT
+    consumers: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Flow:
+    tensors: tuple[TensorFlow, ...]
+    block_io_bytes: dict[str, int]  # bytes a block reads plus bytes it writes
+
+    def crossing(self, before: set[str]) -> list[TensorFlow]:
+        """Tensors made by `before` (or inputs) and read by some block after it."""
+        return [
+            t
+            for t in self.tensors
+            if (t.producer in before or t.producer == INPUT) and t.consumers - before
+        ]
+
+
+def meta_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The same architecture with no weights: built from config on the meta device."""
+    if hasattr(model, "config"):
+        with torch.device("meta"):
+            model = type(model).from_config(model.config)
+    else:  # a plain nn.Module: copy it, then drop the copy's weights
+        model = copy.deepcopy(model).to("meta")
+    # nn.Module.to, not diffusers' override: a weightless twin has nothing to keep in float32.
+    return nn.Module.to(model, dtype)
+
+
+def trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype) -> Flow:
+    twin = meta_twin(model, dtype)
+    spec = spec_for(twin)
+    made: dict[int, tuple[torch.Tensor, str, set[str]]] = {}  # id → (tensor kept alive, producer, readers)
+    io_bytes: dict[str, int] = {}
+    last = [INPUT]
+
+    def before(name: str):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            for t in _tensors((args, kwargs)):
+                _, producer, readers = made.setdefault(id(t), (t, last[0], set()))
+                if producer != name:
+                    readers.add(name)
+                    io_bytes[name] = io_bytes.get(name, 0) + _nbytes(t)
+
+        return hook
+
+    def after(name: str):
+        def hook(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+            for t in _tensors(output):
+                if id(t) not in made:
+                    made[id(t)] = (t, name, set())
+                    io_bytes[name] = io_bytes.get(name, 0) + _nbytes(t)
+            last[0] = name
+
+        return hook
+
+    handles = []
+    for block in spec.layout(twin).blocks:
+        for path in block.modules:
+            module = twin.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(before(block.name), with_kwargs=True))
+            handles.append(module.register_forward_hook(after(block.name), with_kwargs=True))
+    try:
+        inputs = spec.example_inputs(twin, batch, latent_size, dtype, torch.device("meta"))
+        for t in _tensors((inputs.sample, inputs.context, inputs.conditioning)):
+            made[id(t)] = (t, INPUT, set())
+        with torch.no_grad():
+            spec.forward(twin, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    tensors = tuple(
+        TensorFlow(_nbytes(t), producer, frozenset(readers))
+        for t, producer, readers in made.values()
+        if readers
+    )
+    return Flow(tensors, io_bytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)

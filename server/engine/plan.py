@@ -1,0 +1,389 @@
+"""Shard plans: which contiguous run of blocks each device executes, computed before any weight moves.
+
+A plan is a pure value. `plan_shards` builds one from a model (a weightless one on the meta
+device is enough), the devices and a strategy:
+
+- `even`     equal block counts, every device used while blocks remain;
+- `memory`   balanced parameter bytes under per-device budgets (accelerate's `max_memory`);
+- `cost`     balanced measured forward time: the slowest stage is as fast as it can be;
+- `explicit` the user's block → device map, validated.
+
+Stages follow execution order, so the activations that cross a boundary are the running
+hidden state plus whatever later blocks still need: skip residuals, the timestep embedding
+and the text context. Their bytes come from a meta-device trace (`flow.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.engine.blocks import Layout, layout_of
+from server.engine.devices import (
+    format_bytes,
+    normalize_device,
+    parse_memory_map,
+    resolve_devices,
+)
+from server.engine.flow import trace_flow
+from server.engine.profile import profile_block_costs
+
+STRATEGIES = ("even", "memory", "cost", "explicit")
+
+# Activations a device must keep free beside its weights, as a multiple of the largest bytes
+# one of its blocks reads plus writes: room for the block's own intermediates (attention,
+# norms) and the transfer buffers at its boundary. An estimate, not a measurement.
+ACTIVATION_HEADROOM = 4
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made or cannot fit; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    device: str
+    blocks: tuple[str, ...]
+    block_bytes: tuple[int, ...]  # parameter + buffer bytes of each block, in `dtype`
+    cost_s: float | None = None  # measured seconds per forward (cost strategy only)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.block_bytes)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    after_stage: int
+    bytes: int  # activations moved to the next stage's device on one forward
+    tensors: int
+    skips: tuple[str, ...]  # skip edges crossing it, e.g. "down_blocks.0→up_blocks.3×2"
+
+
+@dataclass(frozen=True)
+class DeviceEstimate:
+    device: str
+    param_bytes: int
+    activation_reserve: int
+    budget: int | None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    strategy: str
+    dtype: str
+    batch: int
+    latent_size: int
+    stages: tuple[Stage, ...]
+    boundaries: tuple[Boundary, ...]
+    devices: tuple[DeviceEstimate, ...]
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(b for stage in self.stages for b in stage.blocks)
+
+    def device_of(self, block: str) -> str:
+        for stage in self.stages:
+            if block in stage.blocks:
+                return stage.device
+        raise KeyError(f"no block {block!r} in this plan")
+
+    def blocks_on(self, device: str) -> tuple[str, ...]:
+        device = normalize_device(device)
+        return tuple(b for stage in self.stages if stage.device == device for b in stage.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = asdict(self)
+        for stage, raw in zip(self.stages, plan["stages"], strict=True):
+            raw["param_bytes"] = stage.param_bytes
+        return plan
+
+    def __str__(self) -> str:
+        head = (
+            f"ShardPlan strategy={self.strategy} dtype={self.dtype} "
+            f"batch={self.batch} latent={self.latent_size}x{self.latent_size}"
+        )
+        rows: list[tuple[str, ...]] = [("stage", "device", "block", "params", "cost")]
+        for i, stage in enumerate(self.stages):
+            for j, (block, nbytes) in enumerate(zip(stage.blocks, stage.block_bytes, strict=True)):
+                first = j == 0
+                cost = f"{stage.cost_s * 1e3:.1f} ms" if first and stage.cost_s is not None else ""
+                rows.append((str(i) if first else "", stage.device if first else "", block, format_bytes(nbytes), cost))
+            if i < len(self.boundaries):
+                edge = self.boundaries[i]
+                rows.append((f"  ↓ {format_bytes(edge.bytes)} of activations in {edge.tensors} tensors",))
+        devices = [("device", "weights", "activation reserve", "budget")]
+        for d in self.devices:
+            budget = format_bytes(d.budget) if d.budget is not None else "-"
+            devices.append((d.device, format_bytes(d.param_bytes), format_bytes(d.activation_reserve), budget))
+        return "\n".join([head, *_table(rows), "", *_table(devices)])
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns; one-cell rows are notes that span the table."""
+    cells = [r for r in rows if len(r) > 1]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(cells[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() if len(row) > 1 else row[0]
+        for row in rows
+    ]
+
+
+def plan_shards(
+    model: nn.Module,
+    devices: str | Sequence[str] = "auto",
+    strategy: str = "even",
+    *,
+    max_memory: str | Mapping[str, str | int] | None = None,
+    device_map: Mapping[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    latent_size: int | None = None,
+    batch: int = 2,
+    block_costs: Mapping[str, float] | None = None,
+) -> ShardPlan:
+    """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
+
+    `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a device listed k times
+    gives each of its stages 1/k of its budget. `device_map` is the `explicit` strategy's
+    block → device map. `block_costs` (seconds per block) skips the `cost` strategy's
+    profiling pass. Activation bytes are estimated for `batch` latents of `latent_size`².
+    """
+    # 1. Check the request before any work.
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if strategy == "explicit":
+        if not device_map:
+            raise PlanError("the explicit strategy needs a device_map of block → device")
+        device_map = {block: normalize_device(dev) for block, dev in device_map.items()}
+        device_list = list(dict.fromkeys(device_map.values()))
+    else:
+        device_list = resolve_devices(devices)
+    budgets = parse_memory_map(max_memory)
+    for device in budgets:
+        if device not in device_list:
+            raise PlanError(f"max_memory names {device}, which is not among the devices {device_list}")
+    if batch < 1:
+        raise PlanError(f"batch must be at least 1, got {batch}")
+
+    # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
+    layout = layout_of(model)
+    dtype = dtype or next(model.parameters()).dtype
+    latent_size = latent_size or int(model.config.sample_size)
+    block_bytes = _block_bytes(model, layout, dtype)
+    flow = trace_flow(model, batch, latent_size, dtype)
+    reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
+    capacities = _stage_capacities(device_list, budgets, reserve)
+
+    # 3. Assign blocks to devices.
+    names = list(layout.names)
+    sizes = [block_bytes[n] for n in names]
+    costs: dict[str, float] | None = None
+    if strategy == "even":
+        stages = _even(names, device_list)
+    elif strategy == "explicit":
+        stages = _explicit(names, device_map or {})
+    else:
+        if strategy == "cost":
+            costs = dict(block_costs) if block_costs else profile_block_costs(
+                model, batch, latent_size, dtype, device=device_list[0]
+            )
+            weights = [costs.get(n, 0.0) for n in names]
+        else:
+            weights = [float(s) for s in sizes]
+        cuts = _min_max_partition(weights, sizes, capacities)
+        if cuts is None:
+            _raise_no_fit(names, sizes, device_list, capacities, budgets, reserve)
+        stages = _stages_from_cuts(names, device_list, cuts)
+
+    # 4. Put the numbers on the plan and check it fits.
+    plan_stages = tuple(
+        Stage(
+            device,
+            tuple(blocks),
+            tuple(block_bytes[b] for b in blocks),
+            sum(costs.get(b, 0.0) for b in blocks) if costs is not None else None,
+        )
+        for device, blocks in stages
+    )
+    used = list(dict.fromkeys(s.device for s in plan_stages))
+    estimates = tuple(
+        DeviceEstimate(
+            device,
+            sum(s.param_bytes for s in plan_stages if s.device == device),
+            reserve,
+            budgets.get(device),
+        )
+        for device in used
+    )
+    _check_budgets(estimates)
+    return ShardPlan(
+        strategy=strategy,
+        dtype=str(dtype).removeprefix("torch."),
+        batch=batch,
+        latent_size=latent_size,
+        stages=plan_stages,
+        boundaries=_boundaries(plan_stages, layout, flow),
+        devices=estimates,
+    )
+
+
+def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes each block holds once cast to `dtype` (floating tensors take `dtype`'s size)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out: dict[str, int] = {}
+    for block in layout.blocks:
+        total = 0
+        for path in block.modules:
+            module = model.get_submodule(path)
+            for t in (*module.parameters(), *module.buffers()):
+                total += t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+        out[block.name] = total
+    return out
+
+
+def _stage_capacities(devices: list[str], budgets: dict[str, int], reserve: int) -> list[float]:
+    repeats = Counter(devices)
+    return [
+        (budgets[d] - reserve) / repeats[d] if d in budgets else math.inf
+        for d in devices
+    ]
+
+
+def _even(names: list[str], devices: list[str]) -> list[tuple[str, list[str]]]:
+    """Equal block counts; the first `len(names) % n` stages take one block more."""
+    n = min(len(devices), len(names))
+    base, extra = divmod(len(names), n)
+    lengths = [base + (1 if i < extra else 0) for i in range(n)]
+    return _stages_from_cuts(names, devices, lengths)
+
+
+def _explicit(names: list[str], device_map: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    unknown = sorted(set(device_map) - set(names))
+    if unknown:
+        raise PlanError(f"device_map names unknown blocks {unknown}; the blocks are {names}")
+    missing = [n for n in names if n not in device_map]
+    if missing:
+        raise PlanError(f"device_map is missing blocks {missing}: every block needs a device")
+    stages: list[tuple[str, list[str]]] = []
+    for name in names:  # contiguous runs on one device form a stage
+        if stages and stages[-1][0] == device_map[name]:
+            stages[-1][1].append(name)
+        else:
+            stages.append((device_map[name], [name]))
+    return stages
+
+
+def _stages_from_cuts(
+    names: list[str], devices: list[str], lengths: Sequence[int]
+) -> list[tuple[str, list[str]]]:
+    stages, start = [], 0
+    for device, length in zip(devices, lengths, strict=False):
+        if length:
+            stages.append((device, names[start : start + length]))
+        start += length
+    return stages
+
+
+def _min_max_partition(
+    weights: Sequence[float], sizes: Sequence[int], capacities: Sequence[float]
+) -> list[int] | None:
+    """Split blocks, in order, into one run per device minimising the heaviest run.
+
+    Each run's `sizes` must fit its device's capacity; runs may be empty only where
+    that is needed. Returns run lengths, or None when nothing fits. O(devices · blocks²).
+    """
+    n, d = len(weights), len(capacities)
+    prefix_w = [0.0]
+    prefix_s = [0]
+    for w, s in zip(weights, sizes, strict=True):
+        prefix_w.append(prefix_w[-1] + w)
+        prefix_s.append(prefix_s[-1] + s)
+    # best[k][i]: (heaviest run, -runs used) placing the first i blocks on the first k devices
+    inf = (math.inf, 0)
+    best = [[inf] * (n + 1) for _ in range(d + 1)]
+    choice = [[0] * (n + 1) for _ in range(d + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, d + 1):
+        for i in range(n + 1):
+            for j in range(i + 1):  # device k-1 takes blocks j..i-1
+                prev = best[k - 1][j]
+                if prev[0] == math.inf or prefix_s[i] - prefix_s[j] > capacities[k - 1]:
+                    continue
+                load = prefix_w[i] - prefix_w[j]
+                value = (max(prev[0], load), prev[1] - (1 if i > j else 0))
+                if value < best[k][i]:
+                    best[k][i], choice[k][i] = value, j
+    if best[d][n][0] == math.inf:
+        return None
+    lengths, i = [], n
+    for k in range(d, 0, -1):
+        j = choice[k][i]
+        lengths.append(i - j)
+        i = j
+    return lengths[::-1]
+
+
+def _raise_no_fit(
+    names: list[str],
+    sizes: list[int],
+    devices: list[str],
+    capacities: list[float],
+    budgets: dict[str, int],
+    reserve: int,
+) -> None:
+    """Say which budget is too small and by how much."""
+    repeats = Counter(devices)
+
+    def room(device: str) -> str:
+        shared = f", shared by {repeats[device]} stages" if repeats[device] > 1 else ""
+        return f"{device} (budget {format_bytes(budgets[device])}, {format_bytes(reserve)} kept for activations{shared})"
+
+    hint = "Raise --max-memory, add devices or use a smaller dtype."
+    big = max(range(len(sizes)), key=sizes.__getitem__)
+    roomy = max(range(len(devices)), key=capacities.__getitem__)
+    if sizes[big] > capacities[roomy]:
+        raise PlanError(
+            f"block {names[big]} needs {format_bytes(sizes[big])} but the roomiest stage, on "
+            f"{room(devices[roomy])}, has {format_bytes(max(capacities[roomy], 0))}: "
+            f"{format_bytes(sizes[big] - max(capacities[roomy], 0))} short. {hint}"
+        )
+    # Fill stages in order to find the weight left without a place.
+    i = 0
+    for capacity in capacities:
+        load = 0
+        while i < len(names) and load + sizes[i] <= capacity:
+            load += sizes[i]
+            i += 1
+    budgeted = ", ".join(room(d) for d in dict.fromkeys(devices) if d in budgets)
+    raise PlanError(
+        f"the model's {format_bytes(sum(sizes))} of weights do not fit {budgeted}: blocks "
+        f"{names[i]}…{names[-1]} ({format_bytes(sum(sizes[i:]))}) are left without room. {hint}"
+    )
+
+
+def _check_budgets(estimates: Sequence[DeviceEstimate]) -> None:
+    for d in estimates:
+        if d.budget is not None and d.param_bytes + d.activation_reserve > d.budget:
+            short = d.param_bytes + d.activation_reserve - d.budget
+            raise PlanError(
+                f"{d.device}: the plan puts {format_bytes(d.param_bytes)} of weights and "
+                f"{format_bytes(d.activation_reserve)} of activation reserve on it, over its "
+                f"budget of {format_bytes(d.budget)} by {format_bytes(short)}"
+            )
+
+
+def _boundaries(stages: Sequence[Stage], layout: Layout, flow: Any) -> tuple[Boundary, ...]:
+    out = []
+    done: set[str] = set()
+    for i, stage in enumerate(stages[:-1]):
+        done |= set(stage.blocks)
+        crossing = flow.crossing(done)
+        skips = tuple(str(e) for e in layout.skips if e.source in done and e.target not in done)
+        out.append(Boundary(i, sum(t.nbytes for t in crossing), len(crossing), skips))
+    return tuple(out)

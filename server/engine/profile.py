@@ -1,0 +1,70 @@
+"""Measured forward time per block: the weights the `cost` strategy balances.
+
+A UNet's blocks differ by an order of magnitude in cost at the same parameter bytes
+(high-resolution attention is cheap in weights and dear in time), so balancing bytes
+leaves one stage the bottleneck.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from server.engine.blocks import spec_for
+
+
+def profile_block_costs(
+    model: nn.Module,
+    batch: int,
+    latent_size: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Median seconds each block spends in forward over `repeats` runs after one warm-up.
+
+    A model on the meta device is built with random weights (seed 0) on `device` first:
+    time depends on shapes, not on the values of the weights.
+    """
+    if any(p.is_meta for p in model.parameters()):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = type(model).from_config(model.config)
+        model = model.to(dtype)
+    device = str(next(model.parameters()).device)
+    spec = spec_for(model)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    spent: dict[str, float] = {}
+    started: dict[int, float] = {}
+
+    def before(module: nn.Module, _args: tuple) -> None:
+        sync()
+        started[id(module)] = time.perf_counter()
+
+    def after(name: str):
+        def hook(module: nn.Module, _args: tuple, _output: object) -> None:
+            sync()
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started.pop(id(module))
+
+        return hook
+
+    handles = []
+    for block in spec.layout(model).blocks:
+        for path in block.modules:
+            module = model.get_submodule(path)
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after(block.name))]
+    runs: list[dict[str, float]] = []
+    try:
+        inputs = spec.example_inputs(model, batch, latent_size, dtype, torch.device(device))
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                spent.clear()
+                spec.forward(model, inputs)
+                runs.append(dict(spent))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: statistics.median(run[name] for run in runs[1:]) for name in runs[0]}

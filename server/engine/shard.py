@@ -1,0 +1,178 @@
+"""ModelShard: run one denoiser across several devices, moving activations only between stages.
+
+Each block is moved to its stage's device. Blocks of the first stage need nothing more:
+the shard moves the inputs there before calling the model's own, unchanged forward.
+Every block of a later stage gets one small pre-forward hook that moves the tensors it
+is called with to its device. The denoiser's forward passes the same timestep embedding,
+text context and skip residuals to many blocks, so each hook goes through a per-call
+transfer cache: a tensor crosses to a device once per forward, not once per block.
+accelerate, by contrast, hooks every leaf module (hundreds on a UNet).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from server.engine.blocks import DenoiserInputs, layout_of, spec_for
+from server.engine.devices import format_bytes
+from server.engine.memory import DeviceMemory, read_memory
+from server.engine.plan import PlanError, ShardPlan
+
+# Conditioning that forward adds onto tensors of several blocks outside any block: a single
+# device plan passes it through, a multi-device one cannot place the sums.
+_CROSS_BLOCK_RESIDUALS = (
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrablock_additional_residuals",
+)
+
+
+class _TransferCache:
+    """Copies made during one forward, keyed by (source tensor, device)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def move(self, obj: Any, device: torch.device) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device == device:
+                return obj
+            key = (id(obj), device)
+            hit = self._copies.get(key)
+            if hit is None:  # keep the source alive so its id is not reused this forward
+                hit = self._copies[key] = (obj, obj.to(device))
+            return hit[1]
+        if isinstance(obj, tuple):
+            return tuple(self.move(item, device) for item in obj)
+        if isinstance(obj, list):
+            return [self.move(item, device) for item in obj]
+        if isinstance(obj, dict):
+            return {key: self.move(value, device) for key, value in obj.items()}
+        return obj
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+class ModelShard:
+    """`model` split across devices by `plan`; call it like the denoiser.
+
+    >>> shard = ModelShard(unet, plan_shards(unet, "cuda:0,cuda:1", "cost"))
+    >>> eps = shard(latents, timesteps, text_embeddings)  # on cuda:0
+    """
+
+    def __init__(self, model: nn.Module, plan: ShardPlan) -> None:
+        # 1. The plan must be for this model, and the model must have weights.
+        layout = layout_of(model)
+        if plan.blocks != layout.names:
+            raise PlanError(f"the plan's blocks {list(plan.blocks)} are not this model's {list(layout.names)}")
+        if any(p.is_meta for p in model.parameters()):
+            raise PlanError("the model has no weights (meta device): load them before sharding")
+        self.model = model
+        self.plan = plan
+        self._spec = spec_for(model)
+        self._modules = {block.name: block.modules for block in layout.blocks}
+        self._cache = _TransferCache()
+        self._handles: list[RemovableHandle] = []
+
+        # 2. Place every block; hook the blocks of later stages.
+        for index, stage in enumerate(plan.stages):
+            device = torch.device(stage.device)
+            for block in stage.blocks:
+                for path in self._modules[block]:
+                    module = model.get_submodule(path).to(device)
+                    if index > 0:
+                        self._handles.append(
+                            module.register_forward_pre_hook(self._mover(device), with_kwargs=True)
+                        )
+        self.device = torch.device(plan.stages[0].device)
+
+    def _mover(self, device: torch.device):
+        def move_inputs(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return self._cache.move(args, device), self._cache.move(kwargs, device)
+
+        return move_inputs
+
+    def __call__(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor | float | int,
+        context: torch.Tensor,
+        **conditioning: Any,
+    ) -> torch.Tensor:
+        """One conditional forward; `timestep` is a scalar or a `[B]` tensor. Returns on `self.device`."""
+        if len(self.devices) > 1 and any(conditioning.get(k) is not None for k in _CROSS_BLOCK_RESIDUALS):
+            raise ValueError(
+                f"{', '.join(_CROSS_BLOCK_RESIDUALS)} need a plan on one device; this one spans {self.devices}"
+            )
+        move = self._cache.move
+        inputs = DenoiserInputs(
+            move(sample, self.device),
+            move(timestep, self.device),
+            move(context, self.device),
+            move(conditioning, self.device),
+        )
+        try:
+            with torch.inference_mode():
+                out = self._spec.forward(self.model, inputs)
+            return out.to(self.device)
+        finally:
+            self._cache.clear()
+
+    # Introspection: where every block and byte lives.
+
+    @property
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(stage.device for stage in self.plan.stages))
+
+    def blocks_on(self, device: str) -> tuple[str, ...]:
+        return self.plan.blocks_on(device)
+
+    def device_of(self, block: str) -> str:
+        return self.plan.device_of(block)
+
+    def param_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and buffers held per device, counted from the live tensors."""
+        held: dict[str, int] = defaultdict(int)
+        for block, paths in self._modules.items():
+            device = self.device_of(block)
+            for path in paths:
+                module = self.model.get_submodule(path)
+                for t in (*module.parameters(), *module.buffers()):
+                    held[device] += t.numel() * t.element_size()
+        return {device: held[device] for device in self.devices}
+
+    def memory(self) -> dict[str, DeviceMemory]:
+        return {device: read_memory(device, nbytes) for device, nbytes in self.param_bytes().items()}
+
+    def remove(self) -> None:
+        """Take the hooks off; the blocks stay where they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> ModelShard:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"ModelShard({type(self.model).__name__}, stages={[s.device for s in self.plan.stages]})"
+
+    def __str__(self) -> str:
+        lines = [repr(self)]
+        for device, reading in self.memory().items():
+            live = ""
+            if reading.allocated is not None:
+                live = (
+                    f", allocated {format_bytes(reading.allocated)}, reserved {format_bytes(reading.reserved or 0)}"
+                    f", free {format_bytes(reading.free or 0)} of {format_bytes(reading.total or 0)}"
+                )
+            lines.append(f"  {device}: {len(self.blocks_on(device))} blocks, holds {format_bytes(reading.shard_bytes)}{live}")
+        return "\n".join([*lines, str(self.plan)])
