@@ -60,7 +60,9 @@ def meta_unet_from_folder(folder: str | Path) -> tuple[UNet2DConditionModel, int
     root = Path(folder)
     unet_dir = root / "unet" if (root / "unet" / "config.json").is_file() else root
     if not (unet_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{root} has no unet/config.json: point --model at a diffusers pipeline folder")
+        raise FileNotFoundError(
+            f"{root} has no unet/config.json: point --model at a diffusers pipeline folder"
+        )
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_dir))
     vae_config = root / "vae" / "config.json"

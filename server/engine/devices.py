@@ -60,8 +60,10 @@ def parse_memory_map(spec: str | dict[str, str | int] | None) -> dict[str, int]:
     """`'cuda:0=20GiB,cpu=64GiB'` (or a dict) → `{'cuda:0': bytes, 'cpu': bytes}`."""
     if not spec:
         return {}
-    items = spec.items() if isinstance(spec, dict) else (
-        part.split("=", 1) if "=" in part else (part, "") for part in spec.split(",")
+    items = (
+        spec.items()
+        if isinstance(spec, dict)
+        else (part.split("=", 1) if "=" in part else (part, "") for part in spec.split(","))
     )
     budgets: dict[str, int] = {}
     for device, size in items:

@@ -36,9 +36,7 @@ class Flow:
     def crossing(self, before: set[str]) -> list[TensorFlow]:
         """Tensors made by `before` (or inputs) and read by some block after it."""
         return [
-            t
-            for t in self.tensors
-            if (t.producer in before or t.producer == INPUT) and t.consumers - before
+            t for t in self.tensors if (t.producer in before or t.producer == INPUT) and t.consumers - before
         ]
 
 

@@ -114,14 +114,24 @@ class ShardPlan:
             for j, (block, nbytes) in enumerate(zip(stage.blocks, stage.block_bytes, strict=True)):
                 first = j == 0
                 cost = f"{stage.cost_s * 1e3:.1f} ms" if first and stage.cost_s is not None else ""
-                rows.append((str(i) if first else "", stage.device if first else "", block, format_bytes(nbytes), cost))
+                rows.append(
+                    (
+                        str(i) if first else "",
+                        stage.device if first else "",
+                        block,
+                        format_bytes(nbytes),
+                        cost,
+                    )
+                )
             if i < len(self.boundaries):
                 edge = self.boundaries[i]
                 rows.append((f"  ↓ {format_bytes(edge.bytes)} of activations in {edge.tensors} tensors",))
         devices = [("device", "weights", "activation reserve", "budget")]
         for d in self.devices:
             budget = format_bytes(d.budget) if d.budget is not None else "-"
-            devices.append((d.device, format_bytes(d.param_bytes), format_bytes(d.activation_reserve), budget))
+            devices.append(
+                (d.device, format_bytes(d.param_bytes), format_bytes(d.activation_reserve), budget)
+            )
         return "\n".join([head, *_table(rows), "", *_table(devices)])
 
 
@@ -130,7 +140,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     cells = [r for r in rows if len(r) > 1]
     widths = [max(len(r[c]) for r in cells) for c in range(len(cells[0]))]
     return [
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() if len(row) > 1 else row[0]
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip()
+        if len(row) > 1
+        else row[0]
         for row in rows
     ]
 
@@ -190,8 +202,10 @@ def plan_shards(
         stages = _explicit(names, device_map or {})
     else:
         if strategy == "cost":
-            costs = dict(block_costs) if block_costs else profile_block_costs(
-                model, batch, latent_size, dtype, device=device_list[0]
+            costs = (
+                dict(block_costs)
+                if block_costs
+                else profile_block_costs(model, batch, latent_size, dtype, device=device_list[0])
             )
             weights = [costs.get(n, 0.0) for n in names]
         else:
@@ -249,10 +263,7 @@ def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[s
 
 def _stage_capacities(devices: list[str], budgets: dict[str, int], reserve: int) -> list[float]:
     repeats = Counter(devices)
-    return [
-        (budgets[d] - reserve) / repeats[d] if d in budgets else math.inf
-        for d in devices
-    ]
+    return [(budgets[d] - reserve) / repeats[d] if d in budgets else math.inf for d in devices]
 
 
 def _even(names: list[str], devices: list[str]) -> list[tuple[str, list[str]]]:
@@ -342,7 +353,8 @@ def _raise_no_fit(
 
     def room(device: str) -> str:
         shared = f", shared by {repeats[device]} stages" if repeats[device] > 1 else ""
-        return f"{device} (budget {format_bytes(budgets[device])}, {format_bytes(reserve)} kept for activations{shared})"
+        kept = f"{format_bytes(reserve)} kept for activations"
+        return f"{device} (budget {format_bytes(budgets[device])}, {kept}{shared})"
 
     hint = "Raise --max-memory, add devices or use a smaller dtype."
     big = max(range(len(sizes)), key=sizes.__getitem__)

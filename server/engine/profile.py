@@ -55,7 +55,10 @@ def profile_block_costs(
     for block in spec.layout(model).blocks:
         for path in block.modules:
             module = model.get_submodule(path)
-            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after(block.name))]
+            handles += [
+                module.register_forward_pre_hook(before),
+                module.register_forward_hook(after(block.name)),
+            ]
     runs: list[dict[str, float]] = []
     try:
         inputs = spec.example_inputs(model, batch, latent_size, dtype, torch.device(device))

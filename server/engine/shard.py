@@ -70,7 +70,9 @@ class ModelShard:
         # 1. The plan must be for this model, and the model must have weights.
         layout = layout_of(model)
         if plan.blocks != layout.names:
-            raise PlanError(f"the plan's blocks {list(plan.blocks)} are not this model's {list(layout.names)}")
+            raise PlanError(
+                f"the plan's blocks {list(plan.blocks)} are not this model's {list(layout.names)}"
+            )
         if any(p.is_meta for p in model.parameters()):
             raise PlanError("the model has no weights (meta device): load them before sharding")
         self.model = model
@@ -107,9 +109,8 @@ class ModelShard:
     ) -> torch.Tensor:
         """One conditional forward; `timestep` is a scalar or a `[B]` tensor. Returns on `self.device`."""
         if len(self.devices) > 1 and any(conditioning.get(k) is not None for k in _CROSS_BLOCK_RESIDUALS):
-            raise ValueError(
-                f"{', '.join(_CROSS_BLOCK_RESIDUALS)} need a plan on one device; this one spans {self.devices}"
-            )
+            names = ", ".join(_CROSS_BLOCK_RESIDUALS)
+            raise ValueError(f"{names} need a plan on one device; this one spans {self.devices}")
         move = self._cache.move
         inputs = DenoiserInputs(
             move(sample, self.device),
@@ -167,12 +168,10 @@ class ModelShard:
 
     def __str__(self) -> str:
         lines = [repr(self)]
-        for device, reading in self.memory().items():
-            live = ""
-            if reading.allocated is not None:
-                live = (
-                    f", allocated {format_bytes(reading.allocated)}, reserved {format_bytes(reading.reserved or 0)}"
-                    f", free {format_bytes(reading.free or 0)} of {format_bytes(reading.total or 0)}"
-                )
-            lines.append(f"  {device}: {len(self.blocks_on(device))} blocks, holds {format_bytes(reading.shard_bytes)}{live}")
+        for device, m in self.memory().items():
+            line = f"  {device}: {len(self.blocks_on(device))} blocks, holds {format_bytes(m.shard_bytes)}"
+            if m.allocated is not None:
+                line += f"; allocated {format_bytes(m.allocated)}, reserved {format_bytes(m.reserved or 0)}"
+                line += f", free {format_bytes(m.free or 0)} of {format_bytes(m.total or 0)}"
+            lines.append(line)
         return "\n".join([*lines, str(self.plan)])
