@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from server.engine.blocks import spec_for
 
@@ -51,30 +52,41 @@ def meta_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return nn.Module.to(model, dtype)
 
 
+class _CreditProducers(TorchFunctionMode):
+    """Credits every tensor an op makes to the block running (or that ran last) at that moment."""
+
+    def __init__(self, made: dict[int, tuple[torch.Tensor, str, set[str]]], running: list[str]) -> None:
+        super().__init__()
+        self.made, self.running = made, running
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self.made.setdefault(id(t), (t, self.running[0], set()))
+        return out
+
+
 def trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype) -> Flow:
     twin = meta_twin(model, dtype)
     spec = spec_for(twin)
-    made: dict[int, tuple[torch.Tensor, str, set[str]]] = {}  # id → (tensor kept alive, producer, readers)
+    made: dict[int, tuple[torch.Tensor, str, set[str]]] = {}  # id → (tensor, producer, readers)
     io_bytes: dict[str, int] = {}
-    last = [INPUT]
+    running = [INPUT]
 
     def before(name: str):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             for t in _tensors((args, kwargs)):
-                _, producer, readers = made.setdefault(id(t), (t, last[0], set()))
+                _, producer, readers = made.setdefault(id(t), (t, running[0], set()))
                 if producer != name:
                     readers.add(name)
                     io_bytes[name] = io_bytes.get(name, 0) + _nbytes(t)
+            running[0] = name
 
         return hook
 
     def after(name: str):
         def hook(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
-            for t in _tensors(output):
-                if id(t) not in made:
-                    made[id(t)] = (t, name, set())
-                    io_bytes[name] = io_bytes.get(name, 0) + _nbytes(t)
-            last[0] = name
+            io_bytes[name] = io_bytes.get(name, 0) + sum(_nbytes(t) for t in _tensors(output))
 
         return hook
 
@@ -86,9 +98,9 @@ def trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtyp
             handles.append(module.register_forward_hook(after(block.name), with_kwargs=True))
     try:
         inputs = spec.example_inputs(twin, batch, latent_size, dtype, torch.device("meta"))
-        for t in _tensors((inputs.sample, inputs.context, inputs.conditioning)):
+        for t in _tensors((inputs.sample, inputs.timestep, inputs.context, inputs.conditioning)):
             made[id(t)] = (t, INPUT, set())
-        with torch.no_grad():
+        with torch.no_grad(), _CreditProducers(made, running):
             spec.forward(twin, inputs)
     finally:
         for handle in handles:

@@ -374,8 +374,8 @@ def _raise_no_fit(
             i += 1
     budgeted = ", ".join(room(d) for d in dict.fromkeys(devices) if d in budgets)
     raise PlanError(
-        f"the model's {format_bytes(sum(sizes))} of weights do not fit {budgeted}: blocks "
-        f"{names[i]}…{names[-1]} ({format_bytes(sum(sizes[i:]))}) are left without room. {hint}"
+        f"the model's {format_bytes(sum(sizes))} of weights do not fit {budgeted}: "
+        f"{format_bytes(sum(sizes[i:]))} short, blocks {names[i]}…{names[-1]} have no room. {hint}"
     )
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks; run one with `python -m benchmarks.<name>`."""

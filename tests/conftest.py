@@ -1,0 +1,57 @@
+"""Tiny real diffusers UNets built from config under fixed seeds; `gpu` tests skip without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+
+def tiny_sd15_unet() -> UNet2DConditionModel:
+    """SD-1.5-shaped: cross-attention down/up blocks around a plain pair, 3 levels."""
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=16,
+        block_out_channels=(32, 32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=2,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+    ).eval()
+
+
+def tiny_sdxl_unet() -> UNet2DConditionModel:
+    """SDXL-shaped: text_time added embeddings, linear projections, 2 transformer layers deep."""
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=16,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        layers_per_block=2,
+        transformer_layers_per_block=(1, 2),
+        cross_attention_dim=32,
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8,
+    ).eval()
+
+
+TINY_UNETS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet}
+
+
+@pytest.fixture(params=sorted(TINY_UNETS))
+def tiny_unet(request: pytest.FixtureRequest) -> UNet2DConditionModel:
+    return TINY_UNETS[request.param]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

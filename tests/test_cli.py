@@ -1,0 +1,51 @@
+"""`python -m server plan`: the JSON plan and the errors, through a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_plan_sd15_memory_json() -> None:
+    done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu,cpu", "--strategy", "memory", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["strategy"] == "memory" and plan["dtype"] == "bfloat16"
+    assert [s["device"] for s in plan["stages"]] == ["cpu"] * 3
+    blocks = [b for s in plan["stages"] for b in s["blocks"]]
+    assert blocks.index("mid_block") < blocks.index("up_blocks.0")
+    assert len(blocks) == 12
+    assert [b["after_stage"] for b in plan["boundaries"]] == [0, 1]
+    assert all(b["bytes"] > 0 for b in plan["boundaries"])
+    # SD-1.5's UNet is 859.5 M parameters: 1.72 GB in bfloat16
+    assert sum(s["param_bytes"] for s in plan["stages"]) == 2 * 859_520_964
+
+
+def test_plan_table_for_sdxl() -> None:
+    done = run_cli("plan", "--config", "sdxl", "--devices", "cpu,cpu", "--resolution", "512")
+    assert done.returncode == 0, done.stderr
+    assert "latent=64x64" in done.stdout and "add_embedding" not in done.stdout  # blocks, not modules
+
+
+def test_errors_are_one_line_with_exit_code_2() -> None:
+    done = run_cli("plan", "--config", "sd15", "--devices", "cuda:3")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: unknown device 'cuda:3'")
+    done = run_cli(
+        "plan", "--config", "sd15", "--devices", "cpu", "--strategy", "memory", "--max-memory", "cpu=1GiB"
+    )
+    assert done.returncode == 2 and "short" in done.stderr
+
+
+def test_model_folder_without_a_unet(tmp_path) -> None:
+    done = run_cli("plan", "--model", str(tmp_path))
+    assert done.returncode == 2 and "unet/config.json" in done.stderr
