@@ -64,6 +64,9 @@ class ModelShard:
 
     >>> shard = ModelShard(unet, plan_shards(unet, "cuda:0,cuda:1", "cost"))
     >>> eps = shard(latents, timesteps, text_embeddings)  # on cuda:0
+
+    One forward at a time: the transfer cache belongs to the call in flight, so a shard is
+    owned by one thread (the engine loop).
     """
 
     def __init__(self, model: nn.Module, plan: ShardPlan) -> None:
