@@ -1,0 +1,1 @@
+"""The built-in model: a small text-to-image latent diffusion model trained here on shapes."""
