@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test lint bench
+.PHONY: run test lint bench model samples
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,3 +29,12 @@ lint: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) -m benchmarks.shard
+	$(PY) -m benchmarks.sampling
+
+# Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
+model: $(VENV)/.runtime
+	$(PY) -m server.demo.train
+	$(MAKE) samples
+
+samples: $(VENV)/.runtime
+	$(PY) -m server.demo.sampling --seeds 4 --grid docs/samples.png
