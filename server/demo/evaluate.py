@@ -13,7 +13,7 @@ images a small diffusion model generates (soft edges, off or washed-out colors, 
    otherwise the hue angle falls into one of five bins around the `dataset.COLORS` hues.
 4. Shape: the object's mask against an ideal circle, square and upright triangle drawn in its
    bounding box (taken after a 3x3 opening, so noise spurs do not stretch it; the triangle may
-   reach above it, for an apex lost to blur); the highest IoU wins.
+   reach above it, for an apex lost to blur); the highest IoU wins if it reaches MIN_SHAPE_IOU.
 
 `python -m server.demo.evaluate IMAGE.png ...` prints a verdict per file.
 """
@@ -31,6 +31,7 @@ from PIL import Image
 
 MIN_CONTRAST = 48.0  # RGB distance to the background below which nothing counts as drawn
 MIN_AREA = 24  # pixels; the smallest dataset shape (an 18 px triangle) has ~160
+MIN_SHAPE_IOU = 0.6  # a blob that fits no ideal shape this well is no shape: no free 1-in-3 guess
 WHITE_MAX_SATURATION = 0.3  # dataset white ≤ 0.1, dataset yellow ≈ 0.8 (0.65 when 25% grayed)
 # Upper hue bounds in degrees (HSV hue of the object minus background). The dataset hues are
 # red 0, yellow 54, green 124, blue 228, purple 282; every bound sits midway between neighbours,
@@ -199,7 +200,7 @@ def _color(rgb: np.ndarray, background: np.ndarray, mask: np.ndarray) -> str:
     return next((name for bound, name in HUE_BINS if hue < bound), "red")
 
 
-def _shape(mask: np.ndarray) -> str:
+def _shape(mask: np.ndarray) -> str | None:
     # the bounding box of the mask opened by a 3x3 square: noise grows thin spurs on the edge
     # that would stretch the box; the opening keeps square corners, and a triangle apex it
     # trims is restored by the triangle fit
@@ -219,7 +220,8 @@ def _shape(mask: np.ndarray) -> str:
             for extra in range(box.shape[0] // 3 + 1)
         ),
     }
-    return max(iou, key=iou.__getitem__)
+    best = max(iou, key=iou.__getitem__)
+    return best if iou[best] >= MIN_SHAPE_IOU else None
 
 
 def _triangle(u: np.ndarray, v: np.ndarray) -> np.ndarray:

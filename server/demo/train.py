@@ -117,6 +117,11 @@ def build_unet() -> UNet2DConditionModel:
     )
 
 
+def one_cycle(opt: torch.optim.Optimizer, lr: float, steps: int, warmup: float) -> Any:
+    """Warm up over `warmup` of the steps (at least two, so short runs work), then anneal."""
+    return torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=max(warmup, 2 / steps))
+
+
 def log(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -124,7 +129,7 @@ def log(**fields: Any) -> None:
 def train_vae(budget: Budget, g: torch.Generator) -> tuple[AutoencoderKL, dict[str, float]]:
     vae = build_vae().train()
     opt = torch.optim.AdamW(vae.parameters(), lr=budget.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, budget.lr, total_steps=budget.vae_steps, pct_start=0.05)
+    sched = one_cycle(opt, budget.lr, budget.vae_steps, warmup=0.05)
     start, loss_avg = time.perf_counter(), 0.0
     for step in range(budget.vae_steps):
         images = sample_batch(budget.vae_batch, g).images
@@ -186,7 +191,7 @@ def train_denoiser(
     noise_schedule = DDPMScheduler(**SCHEDULE)
     params = [*unet.parameters(), *text_encoder.parameters()]
     opt = torch.optim.AdamW(params, lr=budget.lr, weight_decay=1e-2)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, budget.lr, total_steps=budget.unet_steps, pct_start=0.03)
+    sched = one_cycle(opt, budget.lr, budget.unet_steps, warmup=0.03)
     empty = caption_ids.shape[0] - 1
     start, loss_avg = time.perf_counter(), 0.0
     for step in range(budget.unet_steps):

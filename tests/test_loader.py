@@ -1,0 +1,52 @@
+"""Loading diffusers folders: the built-in model loads; pickle-only or unknown folders do not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from server.demo import MODEL_DIR
+from server.pipeline.loader import ModelFolderError, load_components
+
+
+def test_built_in_model_loads_every_component_in_the_asked_dtype() -> None:
+    parts = load_components(MODEL_DIR, dtype=torch.bfloat16)
+    assert parts.kind == "sd" and len(parts.text_encoders) == 1 and len(parts.tokenizers) == 1
+    assert next(parts.unet.parameters()).dtype == torch.bfloat16
+    assert next(parts.text_encoders[0].parameters()).dtype == torch.bfloat16
+    assert type(parts.scheduler).__name__ == "DDIMScheduler"
+
+
+@pytest.fixture
+def folder_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, copy)
+    return copy
+
+
+def test_pickle_only_weights_are_refused_with_the_reason(folder_copy: Path) -> None:
+    weights = folder_copy / "unet" / "diffusion_pytorch_model.safetensors"
+    torch.save(load_file(weights), folder_copy / "unet" / "diffusion_pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(
+        ModelFolderError, match=r"unet has only pickle weights \(diffusion_pytorch_model.bin\)"
+    ):
+        load_components(folder_copy)
+
+
+def test_missing_index_unknown_pipeline_and_missing_part(folder_copy: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelFolderError, match=r"no model_index\.json"):
+        load_components(tmp_path)
+    index = json.loads((folder_copy / "model_index.json").read_text())
+    (folder_copy / "model_index.json").write_text(json.dumps(index | {"_class_name": "FluxPipeline"}))
+    with pytest.raises(ModelFolderError, match="holds a FluxPipeline"):
+        load_components(folder_copy)
+    (folder_copy / "model_index.json").write_text(json.dumps(index))
+    shutil.rmtree(folder_copy / "vae")
+    with pytest.raises(ModelFolderError, match="no vae/ folder"):
+        load_components(folder_copy)
