@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
-from server.engine import DeviceError, PlanError, plan_shards
+from server.engine import PlanError, plan_shards
 from server.engine.plan import STRATEGIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         plan_command(args)
-    except (PlanError, DeviceError, FileNotFoundError, ValueError) as err:
+    except (ValueError, FileNotFoundError) as err:  # PlanError and DeviceError are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         budget.unet_steps = args.unet_steps
     if args.vae_steps is not None:
         budget.vae_steps = args.vae_steps
-    if math.prod((budget.vae_steps, budget.unet_steps)) <= 0:
+    if min(budget.vae_steps, budget.unet_steps) <= 0:
         parser.error("step counts must be positive")
     train(args.out, budget, args.seed)
     return 0

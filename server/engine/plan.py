@@ -31,7 +31,7 @@ from server.engine.devices import (
     parse_memory_map,
     resolve_devices,
 )
-from server.engine.flow import trace_flow
+from server.engine.flow import Flow, trace_flow
 from server.engine.profile import profile_block_costs
 
 STRATEGIES = ("even", "memory", "cost", "explicit")
@@ -163,8 +163,9 @@ def plan_shards(
 
     `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a device listed k times
     gives each of its stages 1/k of its budget. `device_map` is the `explicit` strategy's
-    block → device map. `block_costs` (seconds per block) skips the `cost` strategy's
-    profiling pass. Activation bytes are estimated for `batch` latents of `latent_size`².
+    block → device map (its devices replace `devices`). `block_costs` (seconds per block)
+    skips the `cost` strategy's profiling pass. Activation bytes are estimated for `batch`
+    latents of `latent_size`².
     """
     # 1. Check the request before any work.
     if strategy not in STRATEGIES:
@@ -390,7 +391,7 @@ def _check_budgets(estimates: Sequence[DeviceEstimate]) -> None:
             )
 
 
-def _boundaries(stages: Sequence[Stage], layout: Layout, flow: Any) -> tuple[Boundary, ...]:
+def _boundaries(stages: Sequence[Stage], layout: Layout, flow: Flow) -> tuple[Boundary, ...]:
     out = []
     done: set[str] = set()
     for i, stage in enumerate(stages[:-1]):
