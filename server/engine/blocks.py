@@ -10,7 +10,7 @@ the planner or the shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,6 +179,22 @@ def layout_of(model: nn.Module) -> Layout:
     if orphans:
         raise ValueError(f"the layout of {type(model).__name__} leaves out {orphans[:5]}")
     return layout
+
+
+def block_modules(model: nn.Module, layout: Layout) -> Iterator[tuple[str, nn.Module]]:
+    """(block name, module) for every module each block owns, in execution order."""
+    for block in layout.blocks:
+        for path in block.modules:
+            yield block.name, model.get_submodule(path)
+
+
+def tensor_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of `module`'s parameters and buffers; with `dtype`, floating ones counted at its size."""
+    total = 0
+    for _, t in _tensors(module):
+        itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+        total += t.numel() * itemsize
+    return total
 
 
 def _tensors(module: nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from server.engine.blocks import spec_for
+from server.engine.blocks import block_modules, spec_for
 
 INPUT = "input"  # producer of the denoiser's own inputs
 
@@ -91,11 +91,9 @@ def trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtyp
         return hook
 
     handles = []
-    for block in spec.layout(twin).blocks:
-        for path in block.modules:
-            module = twin.get_submodule(path)
-            handles.append(module.register_forward_pre_hook(before(block.name), with_kwargs=True))
-            handles.append(module.register_forward_hook(after(block.name), with_kwargs=True))
+    for name, module in block_modules(twin, spec.layout(twin)):
+        handles.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
+        handles.append(module.register_forward_hook(after(name), with_kwargs=True))
     try:
         inputs = spec.example_inputs(twin, batch, latent_size, dtype, torch.device("meta"))
         for t in _tensors((inputs.sample, inputs.timestep, inputs.context, inputs.conditioning)):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Layout, layout_of
+from server.engine.blocks import Layout, block_modules, layout_of, tensor_bytes
 from server.engine.devices import (
     format_bytes,
     normalize_device,
@@ -250,15 +250,9 @@ def plan_shards(
 
 def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:
     """Bytes each block holds once cast to `dtype` (floating tensors take `dtype`'s size)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    out: dict[str, int] = {}
-    for block in layout.blocks:
-        total = 0
-        for path in block.modules:
-            module = model.get_submodule(path)
-            for t in (*module.parameters(), *module.buffers()):
-                total += t.numel() * (itemsize if t.is_floating_point() else t.element_size())
-        out[block.name] = total
+    out = dict.fromkeys(layout.names, 0)
+    for name, module in block_modules(model, layout):
+        out[name] += tensor_bytes(module, dtype)
     return out
 
 

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from server.engine.blocks import spec_for
+from server.engine.blocks import block_modules, spec_for
 
 
 def profile_block_costs(
@@ -52,13 +52,8 @@ def profile_block_costs(
         return hook
 
     handles = []
-    for block in spec.layout(model).blocks:
-        for path in block.modules:
-            module = model.get_submodule(path)
-            handles += [
-                module.register_forward_pre_hook(before),
-                module.register_forward_hook(after(block.name)),
-            ]
+    for name, module in block_modules(model, spec.layout(model)):
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after(name))]
     runs: list[dict[str, float]] = []
     try:
         inputs = spec.example_inputs(model, batch, latent_size, dtype, torch.device(device))

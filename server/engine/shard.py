@@ -11,14 +11,13 @@ accelerate, by contrast, hooks every leaf module (hundreds on a UNet).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from server.engine.blocks import DenoiserInputs, layout_of, spec_for
+from server.engine.blocks import DenoiserInputs, block_modules, layout_of, spec_for, tensor_bytes
 from server.engine.devices import format_bytes
 from server.engine.memory import DeviceMemory, read_memory
 from server.engine.plan import PlanError, ShardPlan
@@ -81,6 +80,7 @@ class ModelShard:
         self.model = model
         self.plan = plan
         self._spec = spec_for(model)
+        self._layout = layout
         self._modules = {block.name: block.modules for block in layout.blocks}
         self._cache = _TransferCache()
         self._handles: list[RemovableHandle] = []
@@ -96,6 +96,7 @@ class ModelShard:
                             module.register_forward_pre_hook(self._mover(device), with_kwargs=True)
                         )
         self.device = torch.device(plan.stages[0].device)
+        self.devices = list(dict.fromkeys(stage.device for stage in plan.stages))  # once, not per call
 
     def _mover(self, device: torch.device):
         def move_inputs(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -130,10 +131,6 @@ class ModelShard:
 
     # Introspection: where every block and byte lives.
 
-    @property
-    def devices(self) -> list[str]:
-        return list(dict.fromkeys(stage.device for stage in self.plan.stages))
-
     def blocks_on(self, device: str) -> tuple[str, ...]:
         return self.plan.blocks_on(device)
 
@@ -142,14 +139,10 @@ class ModelShard:
 
     def param_bytes(self) -> dict[str, int]:
         """Bytes of parameters and buffers held per device, counted from the live tensors."""
-        held: dict[str, int] = defaultdict(int)
-        for block, paths in self._modules.items():
-            device = self.device_of(block)
-            for path in paths:
-                module = self.model.get_submodule(path)
-                for t in (*module.parameters(), *module.buffers()):
-                    held[device] += t.numel() * t.element_size()
-        return {device: held[device] for device in self.devices}
+        held = dict.fromkeys(self.devices, 0)
+        for block, module in block_modules(self.model, self._layout):
+            held[self.device_of(block)] += tensor_bytes(module)
+        return held
 
     def memory(self) -> dict[str, DeviceMemory]:
         return {device: read_memory(device, nbytes) for device, nbytes in self.param_bytes().items()}
