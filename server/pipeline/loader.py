@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class Components:
     text_encoders: tuple[torch.nn.Module, ...]
     tokenizers: tuple[Any, ...]
     scheduler: Any  # the folder's own scheduler
+    index: dict[str, Any] = field(default_factory=dict)  # model_index.json: pipeline options
 
 
 def check_folder(folder: str | Path) -> dict[str, Any]:
@@ -95,4 +96,5 @@ def load_components(folder: str | Path, dtype: torch.dtype = torch.float32) -> C
         text_encoders=tuple(m.eval() for m in present("text_encoder", "text_encoder_2")),
         tokenizers=present("tokenizer", "tokenizer_2"),
         scheduler=load("scheduler"),
+        index=index,
     )

@@ -1,0 +1,204 @@
+"""The generation pipeline against diffusers' own pipelines, on tiny random SD-1.5- and
+SDXL-shaped folders and on the built-in model; batching; the pool seen from requests."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from PIL import Image
+
+from server.demo import MODEL_DIR
+from server.pipeline.denoise import GenerationRequest, Pipeline, RequestError
+from server.pipeline.images import encode_png, encode_png_async, to_uint8
+from server.pipeline.schedulers import SCHEDULER_NAMES, make_scheduler
+from tests.tiny_pipelines import BUILDERS, IMAGE_SIZE
+
+REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
+TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build(root / kind) for kind, build in BUILDERS.items()}
+
+
+def load(folder: Path) -> Pipeline:
+    """Split in two stages (cpu, cpu), so every test also runs through the ModelShard's hooks."""
+    return Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+
+
+def reference(folder: Path, kind: str, request: GenerationRequest) -> np.ndarray:
+    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
+    return pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        output_type="np",
+    ).images[0]
+
+
+def differs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_image_matches_diffusers(folders: dict[str, Path], kind: str, scheduler: str) -> None:
+    request = GenerationRequest(
+        "a red circle", negative_prompt="blue", seed=3, steps=6, guidance_scale=4.0, scheduler=scheduler
+    )
+    ours = load(folders[kind]).generate([request])[0]
+    theirs = reference(folders[kind], kind, request)
+    assert ours.shape == theirs.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+    assert differs(ours, theirs) < TOLERANCE
+    assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_unset_negative_prompt_and_no_guidance_match_diffusers(folders: dict[str, Path], kind: str) -> None:
+    """SDXL conditions an unset negative prompt on zeros; guidance ≤ 1 runs one row, no CFG."""
+    pipeline = load(folders[kind])
+    for guidance in (6.0, 1.0):
+        request = GenerationRequest("a green square", seed=5, steps=4, guidance_scale=guidance)
+        ours = pipeline.generate([request])[0]
+        assert differs(ours, reference(folders[kind], kind, request)) < TOLERANCE
+
+
+def test_built_in_model_matches_diffusers() -> None:
+    request = GenerationRequest("a yellow triangle", seed=11, steps=10)
+    pipeline = Pipeline.load(MODEL_DIR, devices="cpu,cpu", strategy="even")
+    resolved = pipeline.resolve(request)
+    assert (resolved.guidance_scale, resolved.width) == (5.0, 64)  # from recommended.json
+    ours = pipeline.generate([request])[0]
+    assert differs(ours, reference(MODEL_DIR, "sd15", resolved)) < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_batched_equals_alone(folders: dict[str, Path], kind: str) -> None:
+    """Requests at different steps, schedulers and guidance scales share UNet calls."""
+    pipeline = load(folders[kind])
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=6, guidance_scale=4.0, scheduler="euler_a"),
+        GenerationRequest("a blue square", seed=2, steps=4, guidance_scale=1.0, scheduler="dpmpp_2m"),
+        GenerationRequest("a green star", "red", seed=3, steps=5, guidance_scale=7.5, scheduler="ddim"),
+    ]
+    alone = [pipeline.generate([r])[0] for r in requests]
+
+    first = pipeline.start(requests[:1])
+    pipeline.step(first)
+    pipeline.step(first)  # the first request is two steps ahead when the others join
+    states = first + pipeline.start(requests[1:])
+    calls = 0
+    while active := [s for s in states if not s.done]:
+        pipeline.step(active)
+        calls += 1
+    together = [image.numpy().copy() for image in pipeline.decode(states)]
+    for state in states:
+        state.close()
+
+    assert calls == 5  # max(6 - 2, 4, 5): every call advanced every unfinished request
+    for solo, batched in zip(alone, together, strict=True):
+        assert differs(solo, batched) < TOLERANCE
+    assert differs(together[0], together[1]) > 0.05  # the requests really differ
+
+
+def test_sizes_form_separate_groups(folders: dict[str, Path]) -> None:
+    pipeline = load(folders["sd15"])
+    small, wide = GenerationRequest("a circle", steps=2), GenerationRequest("a circle", steps=2, width=48)
+    images = pipeline.generate([small, wide])
+    assert [image.shape for image in images] == [(32, 32, 3), (32, 48, 3)]
+    states = pipeline.start([small, wide])
+    with pytest.raises(ValueError, match="group them"):
+        pipeline.step(states)
+    for state in states:
+        state.close()
+
+
+def test_pool_hit_rate_and_flat_bytes_over_100_requests(folders: dict[str, Path]) -> None:
+    pipeline = load(folders["sd15"])
+    request = GenerationRequest("a red circle", steps=2, guidance_scale=3.0)
+    pipeline.generate([request])  # warm-up
+    warm = pipeline.pool.stats()["cpu"]
+    for seed in range(100):
+        pipeline.generate([GenerationRequest("a red circle", seed=seed, steps=2, guidance_scale=3.0)])
+    stats = pipeline.pool.stats()["cpu"]
+    hits, misses = stats.hits - warm.hits, stats.misses - warm.misses
+    assert hits / (hits + misses) >= 0.99
+    assert stats.bytes_pooled == warm.bytes_pooled and stats.bytes_in_use == 0
+
+
+def test_an_exception_mid_request_returns_everything_and_serving_goes_on(folders: dict[str, Path]) -> None:
+    pipeline = load(folders["sdxl"])
+    requests = [GenerationRequest("a red circle", seed=s, steps=5, guidance_scale=3.0) for s in (1, 2)]
+    before = pipeline.generate(requests[:1])[0]
+
+    def fail_at_step_three(states) -> None:
+        assert pipeline.pool.stats()["cpu"].bytes_in_use > 0
+        if states[0].index == 3:
+            raise RuntimeError("client went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        pipeline.generate(requests, on_step=fail_at_step_three)
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
+    assert differs(pipeline.generate(requests[:1])[0], before) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"steps": 0}, "steps"),
+        ({"guidance_scale": float("nan")}, "guidance_scale"),
+        ({"scheduler": "plms"}, "scheduler"),
+        ({"width": 30}, "width"),
+        ({"height": -8}, "height"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_requests_name_the_field_and_rent_nothing(folders: dict[str, Path], change, field) -> None:
+    pipeline = load(folders["sd15"])
+    good = GenerationRequest("a circle", steps=2)
+    with pytest.raises(RequestError, match=f"^{field}: ") as caught:
+        pipeline.generate([good, GenerationRequest(**{"prompt": "a circle", **change})])
+    assert caught.value.field == field
+    assert pipeline.pool.stats() == {}
+
+
+def test_png_is_deterministic_and_encoded_off_the_event_loop(folders: dict[str, Path]) -> None:
+    pipeline = load(folders["sd15"])
+    request = GenerationRequest("a red circle", seed=7, steps=3)
+    first, second = (encode_png(pipeline.generate([request])[0]) for _ in range(2))
+    assert first == second
+    image = pipeline.generate([request])[0]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(first))), to_uint8(image))
+
+    async def encode_while_ticking() -> tuple[bytes, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        big = np.random.default_rng(0).random((512, 512, 3), dtype=np.float32)
+        png = await encode_png_async(big)
+        ticker.cancel()
+        return png, ticks
+
+    png, ticks = asyncio.run(encode_while_ticking())
+    assert png.startswith(b"\x89PNG") and ticks > 0  # the loop kept running while encoding

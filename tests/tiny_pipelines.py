@@ -1,0 +1,114 @@
+"""Tiny Stable Diffusion-family pipeline folders with random weights, built from config under
+fixed seeds and saved as diffusers saves any pipeline (safetensors). Shapes follow the real
+models: SD-1.5 (one CLIP encoder, cross-attention UNet) and SDXL (two encoders, pooled
+projection, text_time added embeddings); sizes are a few thousand parameters per part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    EulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+from server.demo.tokenizer import build_tokenizer
+
+TEXT_DIM = 32
+IMAGE_SIZE = 32  # pixels; latents are 16x16 (the tiny VAE downsamples by 2)
+
+# Stable Diffusion's published scheduler settings (epsilon prediction, "leading" spacing).
+SD_SCHEDULE = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "steps_offset": 1,
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+}
+
+
+def _text_config(tokenizer, **extra) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=tokenizer.model_max_length,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+
+
+def _vae() -> AutoencoderKL:
+    return AutoencoderKL(
+        block_out_channels=(16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=IMAGE_SIZE,
+    )
+
+
+def _unet(**extra) -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=IMAGE_SIZE // 2,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=1,
+        attention_head_dim=2,
+        norm_num_groups=8,
+        **extra,
+    )
+
+
+def build_sd15_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    StableDiffusionPipeline(
+        vae=_vae(),
+        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        tokenizer=tokenizer,
+        unet=_unet(cross_attention_dim=TEXT_DIM),
+        scheduler=DDIMScheduler(**SD_SCHEDULE),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_sdxl_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    StableDiffusionXLPipeline(
+        vae=_vae(),
+        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, projection_dim=TEXT_DIM)),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=_unet(
+            cross_attention_dim=2 * TEXT_DIM,  # both encoders' hidden states side by side
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=TEXT_DIM + 6 * 8,
+        ),
+        scheduler=EulerDiscreteScheduler.from_config(SD_SCHEDULE),  # SDXL's default class
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+BUILDERS = {"sd15": build_sd15_folder, "sdxl": build_sdxl_folder}
