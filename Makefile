@@ -30,6 +30,7 @@ lint: $(VENV)/.test
 bench: $(VENV)/.test
 	$(PY) -m benchmarks.shard
 	$(PY) -m benchmarks.sampling
+	$(PY) -m benchmarks.pipeline
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
 model: $(VENV)/.runtime

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
+
+from tests.tiny_pipelines import BUILDERS
 
 
 def tiny_sd15_unet() -> UNet2DConditionModel:
@@ -46,6 +50,13 @@ TINY_UNETS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet}
 @pytest.fixture(params=sorted(TINY_UNETS))
 def tiny_unet(request: pytest.FixtureRequest) -> UNet2DConditionModel:
     return TINY_UNETS[request.param]()
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/tiny_pipelines.py), built once."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build(root / kind) for kind, build in BUILDERS.items()}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,13 +1,18 @@
-"""On a CUDA host: a mixed cuda:0 + cpu plan runs, matches the GPU model and places every weight."""
+"""On a CUDA host: mixed cuda:0 + cpu plans run, match the GPU model or the CPU pipeline, and place
+every weight where the plan says."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from server.engine import ModelShard, layout_of, plan_shards
 from server.engine.blocks import spec_for
+from server.pipeline.denoise import GenerationRequest, Pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -33,3 +38,20 @@ def test_mixed_cuda_and_cpu_plan_matches_the_gpu_model(tiny_unet: nn.Module) -> 
         assert memory["cuda:0"].allocated and memory["cuda:0"].total
     assert out.device == torch.device("cuda:0")
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_pipeline_on_cuda_and_cpu_matches_the_cpu_pipeline(folders: dict[str, Path], kind: str) -> None:
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=4, scheduler="euler_a"),
+        GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=1.0),
+    ]
+    on_cpu = Pipeline.load(folders[kind], devices="cpu").generate(requests)
+    mixed = Pipeline.load(folders[kind], devices="cuda:0,cpu", strategy="even")
+    assert mixed.device == torch.device("cuda:0") and mixed.encoder_device == torch.device("cuda:0")
+    images = mixed.generate(requests)
+    for a, b in zip(on_cpu, images, strict=True):
+        assert np.abs(a - b).max() < 1e-2  # cuDNN may run float32 convolutions in TF32
+    stats = mixed.pool.stats()
+    assert stats["cuda:0"].bytes_in_use == 0 and stats["cuda:0"].misses > 0
+    assert stats["cpu"].bytes_in_use == 0 and stats["cpu"].misses > 0  # pinned noise and images

@@ -23,12 +23,6 @@ REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
 
 
-@pytest.fixture(scope="session")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {kind: build(root / kind) for kind, build in BUILDERS.items()}
-
-
 def load(folder: Path) -> Pipeline:
     """Split in two stages (cpu, cpu), so every test also runs through the ModelShard's hooks."""
     return Pipeline.load(folder, devices="cpu,cpu", strategy="even")
@@ -86,6 +80,16 @@ def test_built_in_model_matches_diffusers() -> None:
     assert differs(ours, reference(MODEL_DIR, "sd15", resolved)) < TOLERANCE
 
 
+def test_bfloat16_is_a_setting_and_draws_nearly_the_same_image() -> None:
+    request = GenerationRequest("a purple square", seed=4, steps=10)
+    pipeline = Pipeline.load(MODEL_DIR, devices="cpu", dtype=torch.bfloat16)
+    assert pipeline.unet_dtype == torch.bfloat16
+    assert next(pipeline.vae.parameters()).dtype == torch.bfloat16
+    full = Pipeline.load(MODEL_DIR, devices="cpu").generate([request])[0]
+    half = pipeline.generate([request])[0]
+    assert half.dtype == np.float32 and np.abs(full - half).mean() < 0.02
+
+
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_batched_equals_alone(folders: dict[str, Path], kind: str) -> None:
     """Requests at different steps, schedulers and guidance scales share UNet calls."""
@@ -125,6 +129,8 @@ def test_sizes_form_separate_groups(folders: dict[str, Path]) -> None:
         pipeline.step(states)
     for state in states:
         state.close()
+    with pytest.raises(ValueError, match="closed"):
+        pipeline.step(states[:1])  # its buffers may already belong to another request
 
 
 def test_pool_hit_rate_and_flat_bytes_over_100_requests(folders: dict[str, Path]) -> None:

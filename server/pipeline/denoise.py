@@ -79,6 +79,7 @@ class RequestState:
     scope: PoolScope
     index: int = 0  # steps taken
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
+    closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     _step_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -103,6 +104,8 @@ class RequestState:
         return (*self.latents.shape[1:], *self.context.shape[1:])
 
     def close(self) -> None:
+        """End the request (finished, failed or cancelled); safe to call more than once."""
+        self.closed = True
         self.scope.close()
 
 
@@ -267,10 +270,9 @@ class Pipeline:
         """Advance every state by one step in a single batched UNet call."""
         if not states:
             return
-        if any(s.done for s in states):
-            raise ValueError("a finished request cannot take another step")
-        if len({s.group for s in states}) > 1:
-            raise ValueError("states of different sizes cannot share a step; group them by `group`")
+        if any(s.done or s.closed for s in states):
+            raise ValueError("a finished or closed request cannot take another step")
+        _check_group(states)
         first, rows = states[0], sum(s.rows for s in states)
         with self.pool.scope() as batch:
             sample = batch.rent((rows, *first.latents.shape[1:]), self.unet_dtype, self.device)
@@ -303,8 +305,9 @@ class Pipeline:
         """Decode finished states in one VAE call; each image lands in a buffer its scope rents."""
         if not states:
             return []
-        if len({s.group for s in states}) > 1:
-            raise ValueError("states of different sizes cannot share a decode; group them by `group`")
+        if any(s.closed for s in states):
+            raise ValueError("a closed request cannot be decoded")
+        _check_group(states)
         vae = self.vae
         latents = torch.cat([s.latents for s in states]).to(self.encoder_device, vae.dtype)
         mean, std = vae.config.get("latents_mean"), vae.config.get("latents_std")
@@ -409,6 +412,11 @@ def _step_kwargs(scheduler_class: type, generator: torch.Generator) -> dict[str,
     if _accepts(scheduler_class, "generator"):
         kwargs["generator"] = generator
     return kwargs
+
+
+def _check_group(states: Sequence[RequestState]) -> None:
+    if len({s.group for s in states}) > 1:
+        raise ValueError("requests of different sizes cannot share a UNet or VAE call; group them by `group`")
 
 
 def _spans(states: Sequence[RequestState]) -> Iterable[slice]:
