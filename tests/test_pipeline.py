@@ -170,6 +170,7 @@ def test_an_exception_mid_request_returns_everything_and_serving_goes_on(folders
         ({"guidance_scale": float("nan")}, "guidance_scale"),
         ({"scheduler": "plms"}, "scheduler"),
         ({"width": 30}, "width"),
+        ({"width": 0}, "width"),
         ({"height": -8}, "height"),
         ({"seed": -1}, "seed"),
     ],

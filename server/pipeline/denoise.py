@@ -184,8 +184,8 @@ class Pipeline:
             steps=d.steps if request.steps is None else request.steps,
             guidance_scale=d.guidance_scale if request.guidance_scale is None else request.guidance_scale,
             scheduler=request.scheduler or d.scheduler,
-            width=request.width or d.size,
-            height=request.height or d.size,
+            width=d.size if request.width is None else request.width,
+            height=d.size if request.height is None else request.height,
         )
         _check(request, math.lcm(8, self.vae_scale_factor))  # 8: what diffusers' pipelines require
         return request
