@@ -1,15 +1,21 @@
-"""Command line: `python -m server plan ...` prints how a UNet would be split across devices."""
+"""Command line: `python -m server serve ...` runs the HTTP service; `python -m server plan ...`
+prints how a UNet would be split across devices."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
+import uvicorn
+from pydantic import ValidationError
 
+from server.app import create_app
 from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
+from server.config import Settings
 from server.engine import PlanError, plan_shards
 from server.engine.plan import STRATEGIES
 
@@ -19,6 +25,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP service (OpenAI Images API) under uvicorn")
+    # every setting is a flag: the settings class is the one list of them
+    for name, info in Settings.model_fields.items():
+        default = "the built-in model" if name == "model" else info.default
+        serve.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            metavar=name.split("_")[-1].upper(),
+            help=f"{info.description} (env DIFFSHARD_{name.upper()}; default: {default})",
+        )
 
     plan = commands.add_parser("plan", help="plan a shard split and print it; loads no weights")
     model = plan.add_mutually_exclusive_group(required=True)
@@ -66,9 +83,49 @@ def plan_command(args: argparse.Namespace) -> None:
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
 
 
+def _settings(args: argparse.Namespace) -> Settings:
+    """Flags over environment over defaults, validated; errors name the flag and its variable."""
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    try:
+        return Settings(**{name: value for name, value in given.items() if value is not None})
+    except ValidationError as err:
+        problems = []
+        for error in err.errors():
+            name = str(error["loc"][0]) if error["loc"] else "settings"
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"--{name.replace('_', '-')} (DIFFSHARD_{name.upper()}): {message}")
+        raise ValueError("; ".join(problems)) from None
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    # Plan on the meta device first: a split that cannot fit fails here, before any weight loads.
+    unet, _ = meta_unet_from_folder(settings.model)
+    plan_shards(
+        unet,
+        settings.devices,
+        "even" if settings.strategy == "even" else "memory",
+        max_memory=settings.max_memory,
+        dtype=settings.torch_dtype,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app.state.runtime.on_fatal = stop
+    server.run()
+    failed = app.state.runtime.status == "failed" or not server.started
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            return serve_command(args)
         plan_command(args)
     except (ValueError, FileNotFoundError) as err:  # PlanError and DeviceError are ValueErrors
         print(f"error: {err}", file=sys.stderr)

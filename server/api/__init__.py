@@ -1,0 +1,1 @@
+"""The HTTP API: OpenAI's Images API plus model, shard and health views."""

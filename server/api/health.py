@@ -1,0 +1,24 @@
+"""Probes: /livez answers while the process runs (it touches no device); /readyz answers 200
+once the model is loaded and until the server starts draining, 503 otherwise."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from server.api.errors import envelope
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/livez")
+async def livez() -> dict[str, str]:
+    return {"status": "alive"}
+
+
+@router.get("/readyz", response_model=None)
+async def readyz(request: Request) -> dict[str, str] | JSONResponse:
+    runtime = request.app.state.runtime
+    if runtime.status != "ready":
+        return envelope(503, runtime.status_message(), code=runtime.status)
+    return {"status": "ready", "model": runtime.settings.served_name}

@@ -1,0 +1,106 @@
+"""The FastAPI application: `create_app(settings)` wires routes and error handlers; its lifespan
+loads the model in a worker thread, so /livez answers and /readyz says 503 while weights load.
+
+Nothing is built at import time: `python -m server serve` validates the settings, plans the
+split on the meta device (a plan that cannot fit fails before any weight loads), then runs
+this app under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+
+from server.api import health, routes
+from server.api.errors import install_error_handlers
+from server.api.limits import BodyLimit
+from server.config import Settings, read_api_keys
+from server.engine.memory import retain_freed_host_memory
+from server.pipeline.denoise import Pipeline
+from server.pipeline.worker import Worker
+
+log = logging.getLogger("diffshard")
+
+STATUS = {
+    "loading": "the model is loading; retry shortly",
+    "ready": "ready",
+    "draining": "the server is shutting down",
+    "failed": "the model failed to load",
+}
+
+
+@dataclass
+class Runtime:
+    """What the routes read: settings, keys and, once loaded, the worker that owns the pipeline."""
+
+    settings: Settings
+    api_keys: frozenset[str] | None
+    worker: Worker | None = None
+    status: str = "loading"  # loading → ready → draining, or loading → failed
+    error: str | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+    on_fatal: Callable[[], None] | None = None  # `serve` sets it: stop the server
+
+    def status_message(self) -> str:
+        return STATUS[self.status] + (f": {self.error}" if self.error else "")
+
+
+def load_worker(settings: Settings) -> Worker:
+    retain_freed_host_memory()
+    pipeline = Pipeline.load(
+        settings.model,
+        devices=settings.devices,
+        strategy=settings.strategy,
+        dtype=settings.torch_dtype,
+        max_memory=settings.max_memory,
+    )
+    return Worker(pipeline)
+
+
+async def _load(runtime: Runtime) -> None:
+    started = time.perf_counter()
+    try:
+        runtime.worker = await asyncio.to_thread(load_worker, runtime.settings)
+    except Exception as err:
+        runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
+        log.error("cannot serve %s: %s", runtime.settings.model, runtime.error)
+        if runtime.on_fatal is not None:
+            runtime.on_fatal()
+        return
+    runtime.status = "ready"
+    log.info(
+        "ready: %s loaded in %.1f s\n%s",
+        runtime.settings.served_name,
+        time.perf_counter() - started,
+        runtime.worker.pipeline.shard,
+    )
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    runtime: Runtime = app.state.runtime
+    loading = asyncio.create_task(_load(runtime))
+    try:
+        yield
+    finally:
+        runtime.status = "draining" if runtime.status != "failed" else runtime.status
+        await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
+        if runtime.worker is not None:
+            await asyncio.to_thread(runtime.worker.close)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
+    app = FastAPI(title="diffshard", version="0.1.0", lifespan=lifespan)
+    app.state.runtime = Runtime(settings, keys)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(routes.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

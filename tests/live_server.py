@@ -1,0 +1,68 @@
+"""`python -m server serve` in a subprocess on a free loopback port, for tests that need the real
+thing (uvicorn, its lifespan, the body limit, the official SDK). Readiness is the "ready:" line
+the service logs once the model is loaded: an event awaited with a deadline, not a sleep."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+STARTUP_DEADLINE_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+
+
+def _pump(stream, lines: queue.Queue, log: list[str]) -> None:
+    for line in stream:
+        log.append(line)
+        lines.put(line)
+    lines.put(None)  # end of output: the process exited
+
+
+@contextmanager
+def live_server(*args: str, env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+    server = LiveServer(f"http://127.0.0.1:{port}", process)
+    lines: queue.Queue = queue.Queue()
+    pump = threading.Thread(target=_pump, args=(process.stderr, lines, server.log), daemon=True)
+    pump.start()
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while True:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line is None:
+                raise RuntimeError("the server exited during startup:\n" + "".join(server.log))
+            if "diffshard: ready:" in line:
+                break
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        pump.join(timeout=30)  # reads to the end of the closed pipe
+        process.stderr.close()

@@ -1,0 +1,202 @@
+"""The HTTP service end to end: the real server (uvicorn, `python -m server serve`, the built-in
+model) driven by the official openai SDK and by raw HTTP for what the SDK cannot send."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from tests.live_server import LiveServer, live_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("# one key a line\nsk-first\nsk-second\n")
+    with live_server("--api-key-file", str(keys)) as running:
+        yield running
+
+
+def pngs(result) -> list[bytes]:
+    return [base64.b64decode(item.b64_json) for item in result.data]
+
+
+def test_openai_sdk_generates_pngs_and_the_seed_fixes_the_bytes(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+    def generate():
+        return client.images.generate(
+            prompt="a red circle",
+            size="64x64",
+            n=2,
+            response_format="b64_json",
+            extra_body={"seed": 7, "num_inference_steps": 10},
+        )
+
+    first = generate()
+    images = [Image.open(io.BytesIO(png)) for png in pngs(first)]
+    assert [(image.format, image.size) for image in images] == [("PNG", (64, 64))] * 2
+    assert first.size == "64x64" and first.data[0].revised_prompt == "a red circle"
+    assert pngs(first)[0] != pngs(first)[1]  # image i uses seed + i
+    assert pngs(generate()) == pngs(first)
+
+
+def test_openai_sdk_raises_bad_request_for_a_bad_size(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="multiples of 8") as caught:
+        client.images.generate(prompt="a red circle", size="60x64")
+    assert caught.value.param == "size"
+
+
+def test_keys_guard_v1_but_not_health(keyed_server: LiveServer) -> None:
+    wrong = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.images.generate(prompt="a red circle", extra_body={"num_inference_steps": 1})
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sk-second", max_retries=0)
+    assert [model.id for model in right.models.list()] == ["diffshard-shapes"]
+    missing = httpx.get(f"{keyed_server.url}/v1/models")
+    assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]["message"]
+    assert httpx.get(f"{keyed_server.url}/livez").status_code == 200
+    assert httpx.get(f"{keyed_server.url}/readyz").status_code == 200
+
+
+GOOD = {"prompt": "a blue square", "num_inference_steps": 2, "seed": 1}
+BAD_BODIES = [
+    # (body, param, words the message must contain)
+    ({**GOOD, "size": "60x64"}, "size", ["multiples of 8"]),
+    ({**GOOD, "size": "2048x2048"}, "size", ["4194304 pixels", "1048576", "DIFFSHARD_MAX_PIXELS"]),
+    ({**GOOD, "size": "big"}, "size", ["WIDTHxHEIGHT"]),
+    ({**GOOD, "num_inference_steps": 0}, "num_inference_steps", ["between 1 and 100", "DIFFSHARD_MAX_STEPS"]),
+    ({**GOOD, "num_inference_steps": 10_000}, "num_inference_steps", ["between 1 and 100", "got 10000"]),
+    ({**GOOD, "n": 11}, "n", ["between 1 and 10", "DIFFSHARD_MAX_N"]),
+    ({**GOOD, "n": 0}, "n", ["between 1 and 10"]),
+    ({**GOOD, "prompt": ""}, "prompt", ["must not be empty"]),
+    ({**GOOD, "prompt": "a" * 2001}, "prompt", ["2001 characters", "2000", "DIFFSHARD_MAX_PROMPT_CHARS"]),
+    ({**GOOD, "negative_prompt": "b" * 2001}, "negative_prompt", ["2001 characters"]),
+    ({**GOOD, "scheduler": "plms"}, "scheduler", ["one of default, ddim", "'plms'"]),
+    ({**GOOD, "n": "2"}, "n", ["valid integer"]),
+    ({**GOOD, "prompt": 5}, "prompt", ["valid string"]),
+    ({**GOOD, "guidance_scale": "high"}, "guidance_scale", ["valid number"]),
+    ({**GOOD, "guidance_scale": 1e9}, "guidance_scale", ["between 0 and 100"]),
+    ({**GOOD, "seed": -1}, "seed", ["between 0 and"]),
+    ({**GOOD, "response_format": "url"}, "response_format", ["only b64_json"]),
+    ({**GOOD, "model": "dall-e-3"}, "model", ["diffshard-shapes"]),
+    ({"n": 1}, "prompt", ["Field required"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"), BAD_BODIES, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_BODIES)]
+)
+def test_bad_input_gets_the_envelope_and_serving_goes_on(server: LiveServer, body, param, words) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        response = client.post("/v1/images/generations", json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+        for word in words:
+            assert word in error["message"]
+        assert client.post("/v1/images/generations", json=GOOD).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "words"),
+    [
+        (b"not json", 400, ["not valid JSON"]),
+        (b"[1, 2]", 400, ["JSON object"]),
+        (
+            json.dumps({**GOOD, "prompt": "a" * 70_000}).encode(),
+            413,
+            ["65536 bytes", "DIFFSHARD_MAX_BODY_BYTES"],
+        ),
+    ],
+)
+def test_malformed_and_huge_bodies(server: LiveServer, content: bytes, status: int, words) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        headers = {"content-type": "application/json"}
+        response = client.post("/v1/images/generations", content=content, headers=headers)
+        assert response.status_code == status
+        for word in words:
+            assert word in response.json()["error"]["message"]
+        assert client.post("/v1/images/generations", json=GOOD).status_code == 200
+
+
+def test_a_streamed_body_over_the_limit_is_cut_off(server: LiveServer) -> None:
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count as it streams
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"a" * 1024
+        yield b'"}'
+
+    response = httpx.post(f"{server.url}/v1/images/generations", content=chunks(), timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_unknown_route_and_method_get_the_envelope(server: LiveServer) -> None:
+    missing = httpx.get(f"{server.url}/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.delete(f"{server.url}/v1/models")
+    assert wrong.status_code == 405 and "DELETE" in wrong.json()["error"]["message"]
+
+
+def test_models_and_shards_views(server: LiveServer) -> None:
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "diffshard-shapes"
+    shards = httpx.get(f"{server.url}/v1/shards").json()
+    assert shards["plan"]["stages"][0]["device"] == "cpu"
+    cpu = shards["devices"]["cpu"]
+    assert cpu["blocks"][0] == "embed" and cpu["blocks"][-1] == "out"
+    assert cpu["memory"]["shard_bytes"] > 10 * 2**20  # the built-in UNet's 17 MiB in float32
+    assert "ModelShard(UNet2DConditionModel" in shards["text"]
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        (["--model", "/nonexistent"], {}, ["--model (DIFFSHARD_MODEL)", "no model_index.json"]),
+        (
+            [],
+            {"DIFFSHARD_MAX_STEPS": "0"},
+            ["--max-steps (DIFFSHARD_MAX_STEPS)", "greater than or equal to 1"],
+        ),
+        (["--devices", "cuda:7"], {}, ["--devices (DIFFSHARD_DEVICES)", "cuda:7"]),
+        (["--api-key-file", "/nonexistent"], {}, ["--api-key-file", "cannot read /nonexistent"]),
+        (["--max-memory", "cpu=1MiB"], {}, ["cpu", "short"]),
+    ],
+)
+def test_bad_settings_fail_fast_saying_what_to_fix(args, env, words, tmp_path: Path) -> None:
+    result = serve(*args, env=env)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ")
+    for word in words:
+        assert word in line
