@@ -16,9 +16,9 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) -e ".[test]"
 	touch $@
 
-# The main job (until the HTTP service lands): plan SD-1.5 across this host's devices.
+# The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`).
 run: $(VENV)/.runtime
-	$(PY) -m server plan --config sd15 --devices auto --strategy memory
+	$(PY) -m server serve
 
 test: $(VENV)/.test lint
 	$(PY) -m pytest

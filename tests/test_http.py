@@ -140,6 +140,12 @@ def test_malformed_and_huge_bodies(server: LiveServer, content: bytes, status: i
         assert client.post("/v1/images/generations", json=GOOD).status_code == 200
 
 
+def test_a_body_not_sent_as_json_says_so(server: LiveServer) -> None:
+    response = httpx.post(f"{server.url}/v1/images/generations", data={"prompt": "a red circle"})
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
 def test_a_streamed_body_over_the_limit_is_cut_off(server: LiveServer) -> None:
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count as it streams
         yield b'{"prompt": "'

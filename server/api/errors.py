@@ -33,12 +33,14 @@ def envelope(status: int, message: str, param: str | None = None, code: str | No
     return JSONResponse(body, status_code=status)
 
 
-def _validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
+def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None]:
     """FastAPI's first validation error as (message, param), in the API's words."""
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     if error.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', 'parse error')}", None
     if not loc:
+        if "json" not in content_type:  # FastAPI reads a body as JSON only when it says it is
+            return f"send the body as JSON with Content-Type: application/json, not {content_type!r}", None
         return "the request body must be a JSON object with at least a prompt", None
     param = ".".join(loc)
     return f"{param}: {error.get('msg', 'invalid value')}", param
@@ -50,8 +52,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return envelope(err.status, err.message, err.param, err.code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(err.errors()[0])
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(err.errors()[0], request.headers.get("content-type", ""))
         return envelope(400, message, param, "invalid_value")
 
     @app.exception_handler(HTTPException)
