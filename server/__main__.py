@@ -7,17 +7,21 @@ import argparse
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 import torch
 import uvicorn
 from pydantic import ValidationError
 
-from server.app import create_app
+from server.app import Runtime, create_app
 from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
 from server.config import Settings
 from server.engine import PlanError, plan_shards
 from server.engine.plan import STRATEGIES
+
+log = logging.getLogger("diffshard")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,12 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     # every setting is a flag: the settings class is the one list of them
     for name, info in Settings.model_fields.items():
         default = "the built-in model" if name == "model" else info.default
-        serve.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            metavar=name.split("_")[-1].upper(),
-            help=f"{info.description} (env DIFFSHARD_{name.upper()}; default: {default})",
-        )
+        flag, env = f"--{name.replace('_', '-')}", f"env DIFFSHARD_{name.upper()}"
+        if info.annotation is bool:
+            help_text = f"{info.description} ({env})"
+            serve.add_argument(flag, dest=name, action="store_const", const=True, help=help_text)
+        else:
+            help_text = f"{info.description} ({env}; default: {default})"
+            metavar = name.removesuffix("_s").split("_")[-1].upper()
+            serve.add_argument(flag, dest=name, metavar=metavar, help=help_text)
 
     plan = commands.add_parser("plan", help="plan a shard split and print it; loads no weights")
     model = plan.add_mutually_exclusive_group(required=True)
@@ -97,6 +103,32 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise ValueError("; ".join(problems)) from None
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on SIGTERM (or Ctrl+C): /readyz and new requests get 503
+    while the listening socket stays open, in-flight requests finish (up to the drain timeout),
+    then the server exits 0. A second signal stops it at once."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        self.draining = True
+        threading.Thread(target=self._drain, name="diffshard-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        timeout = self.runtime.settings.drain_timeout_s
+        log.info("draining: refusing new requests, waiting up to %g s for those in flight", timeout)
+        if not self.runtime.drain(timeout):
+            log.warning("drain timeout: requests still in flight are ended")
+        self.should_exit = True
+
+
 def serve_command(args: argparse.Namespace) -> int:
     settings = _settings(args)
     # Plan on the meta device first: a split that cannot fit fails here, before any weight loads.
@@ -110,15 +142,22 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None))
+    runtime: Runtime = app.state.runtime
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=5,  # after the drain: responses already computed go out
+    )
+    server = DrainingServer(config, runtime)
 
     def stop() -> None:
         server.should_exit = True
 
-    app.state.runtime.on_fatal = stop
+    runtime.on_fatal = stop
     server.run()
-    failed = app.state.runtime.status == "failed" or not server.started
-    return 1 if failed else 0
+    return 1 if runtime.status == "failed" or not server.started else 0
 
 
 def main(argv: list[str] | None = None) -> int:

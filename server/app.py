@@ -22,8 +22,8 @@ from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.config import Settings, read_api_keys
 from server.engine.memory import retain_freed_host_memory
+from server.pipeline.batcher import Engine
 from server.pipeline.denoise import Pipeline
-from server.pipeline.worker import Worker
 
 log = logging.getLogger("diffshard")
 
@@ -37,11 +37,11 @@ STATUS = {
 
 @dataclass
 class Runtime:
-    """What the routes read: settings, keys and, once loaded, the worker that owns the pipeline."""
+    """What the routes read: settings, keys and, once loaded, the engine that owns the pipeline."""
 
     settings: Settings
     api_keys: frozenset[str] | None
-    worker: Worker | None = None
+    engine: Engine | None = None
     status: str = "loading"  # loading → ready → draining, or loading → failed
     error: str | None = None
     started: int = field(default_factory=lambda: int(time.time()))
@@ -50,8 +50,17 @@ class Runtime:
     def status_message(self) -> str:
         return STATUS[self.status] + (f": {self.error}" if self.error else "")
 
+    def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (readyz and new requests say 503); wait for in-flight requests to end."""
+        if self.status == "ready":
+            self.status = "draining"
+        if self.engine is None:
+            return True
+        self.engine.stop_admitting()
+        return self.engine.wait_idle(timeout_s)
 
-def load_worker(settings: Settings) -> Worker:
+
+def load_engine(settings: Settings) -> Engine:
     retain_freed_host_memory()
     pipeline = Pipeline.load(
         settings.model,
@@ -60,25 +69,32 @@ def load_worker(settings: Settings) -> Worker:
         dtype=settings.torch_dtype,
         max_memory=settings.max_memory,
     )
-    return Worker(pipeline)
+    return Engine(
+        pipeline,
+        max_queue=settings.max_queue,
+        max_batch=settings.max_batch,
+        inject_faults=settings.inject_faults,
+    )
 
 
 async def _load(runtime: Runtime) -> None:
     started = time.perf_counter()
     try:
-        runtime.worker = await asyncio.to_thread(load_worker, runtime.settings)
+        engine = await asyncio.to_thread(load_engine, runtime.settings)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         log.error("cannot serve %s: %s", runtime.settings.model, runtime.error)
         if runtime.on_fatal is not None:
             runtime.on_fatal()
         return
-    runtime.status = "ready"
+    runtime.engine = engine
+    if runtime.status == "loading":  # not draining already
+        runtime.status = "ready"
     log.info(
         "ready: %s loaded in %.1f s\n%s",
         runtime.settings.served_name,
         time.perf_counter() - started,
-        runtime.worker.pipeline.shard,
+        engine.pipeline.shard,
     )
 
 
@@ -91,8 +107,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
-        if runtime.worker is not None:
-            await asyncio.to_thread(runtime.worker.close)
+        if runtime.engine is not None:
+            await asyncio.to_thread(runtime.engine.close)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -46,6 +46,13 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(2000, ge=1, description="characters of prompt or negative_prompt")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="bytes of a request body")
 
+    # The engine loop: batching, overload, deadlines, drain.
+    max_batch: int = Field(16, ge=1, le=1024, description="UNet rows per batched step (2 per guided image)")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a place; beyond it: 503")
+    request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
+    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    inject_faults: bool = Field(False, description="tests only: [[fail]] or [[oom]] in a prompt fails a step")
+
     @field_validator("model")
     @classmethod
     def _model_folder(cls, folder: Path) -> Path:

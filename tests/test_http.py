@@ -17,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.live_server import LiveServer, live_server
+from server.launch import LiveServer, live_server
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,29 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
-def envelope(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def envelope(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     kind = "server_error" if status >= 500 else TYPES.get(status, "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None]:
@@ -49,7 +62,7 @@ def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
-        return envelope(err.status, err.message, err.param, err.code)
+        return envelope(err.status, err.message, err.param, err.code, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -1,5 +1,5 @@
-"""/v1: OpenAI's Images API, the model list, and the shard view. Routes stay thin: checks
-live in schemas.py, generation in the pipeline's worker thread."""
+"""/v1: OpenAI's Images API, the model list, the shard and engine views. Routes stay thin:
+checks live in schemas.py, generation in the engine loop (server/pipeline/batcher.py)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,69 @@ from fastapi import APIRouter, Depends, Request
 from server.api.auth import require_key
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
+from server.pipeline.batcher import DeadlineExceeded, Draining, Job, Overloaded, StepFailed
+from server.pipeline.denoise import RequestError
 from server.pipeline.images import encode_png_async
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
 
-def _runtime(request: Request) -> Any:
+def _runtime(request: Request, *, admitting: bool = True) -> Any:
+    """The runtime, once the model is loaded; `admitting`: and not draining either."""
     runtime = request.app.state.runtime
-    if runtime.status != "ready":
+    if runtime.engine is None or (admitting and runtime.status != "ready"):
         raise APIError(503, runtime.status_message(), code=runtime.status)
     return runtime
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read by now, so receive waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _outcome(job: Job, request: Request, engine: Any) -> list:
+    """The job's images; a client that leaves first has its job cancelled at the next step."""
+    result = asyncio.wrap_future(job.future)
+    gone = asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not result.done():
+        engine.cancel(job)  # dropped at the next step boundary, its buffers returned
+        raise APIError(499, "the client disconnected", code="cancelled")  # uvicorn drops it: no one listens
+    try:
+        return result.result()
+    except Draining as err:
+        raise APIError(503, str(err), code="draining") from None
+    except DeadlineExceeded as err:
+        timeout = request.app.state.runtime.settings.request_timeout_s
+        raise APIError(504, f"{err}: {timeout:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)", code="timeout") from None
+    except StepFailed as err:
+        if err.out_of_memory:  # retrying the same request would fail the same way
+            raise APIError(503, str(err), code="out_of_memory", headers={"x-should-retry": "false"}) from None
+        raise APIError(500, f"{err}; the server log has the details", code="generation_failed") from None
+
+
+def _overloaded(err: Overloaded) -> APIError:
+    return APIError(503, str(err), code="overloaded", headers={"retry-after": str(err.retry_after)})
 
 
 @router.post("/images/generations", response_model=ImagesResponse)
 async def generate_images(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
     runtime = _runtime(request)
-    settings, defaults = runtime.settings, runtime.worker.pipeline.defaults
-    requests, size = generation_requests(body, settings, defaults, settings.served_name)
-    images = await runtime.worker.generate(requests)
+    settings, engine = runtime.settings, runtime.engine
+    requests, size = generation_requests(body, settings, engine.pipeline.defaults, settings.served_name)
+    try:
+        job = engine.submit(requests, settings.request_timeout_s)
+    except RequestError as err:
+        raise APIError(400, str(err), param=err.field, code="invalid_value") from None
+    except Overloaded as err:
+        raise _overloaded(err) from None
+    except Draining as err:
+        raise APIError(503, str(err), code="draining") from None
+    images = await _outcome(job, request, engine)
     pngs = await asyncio.gather(*(encode_png_async(image) for image in images))
     return ImagesResponse(
         created=int(time.time()),
@@ -62,7 +107,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/shards")
 async def shards(request: Request) -> dict[str, Any]:
     """The plan, each device's blocks and live memory: where every block and byte is."""
-    pipeline = _runtime(request).worker.pipeline
+    pipeline = _runtime(request, admitting=False).engine.pipeline
     shard, memory, pool = pipeline.shard, pipeline.shard.memory(), pipeline.pool.stats()
     return {
         "plan": shard.plan.to_dict(),
@@ -72,4 +117,15 @@ async def shards(request: Request) -> dict[str, Any]:
         },
         "pool": {device: asdict(stats) | {"hit_rate": stats.hit_rate} for device, stats in pool.items()},
         "text": str(shard),
+    }
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    """The engine's counters and each active request's progress, and the pool's per device."""
+    engine = _runtime(request, admitting=False).engine
+    pool = engine.pipeline.pool.stats()
+    return {
+        "engine": engine.stats().to_dict(),
+        "pool": {device: asdict(stats) | {"hit_rate": stats.hit_rate} for device, stats in pool.items()},
     }

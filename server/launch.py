@@ -1,9 +1,11 @@
-"""`python -m server serve` in a subprocess on a free loopback port, for tests that need the real
-thing (uvicorn, its lifespan, the body limit, the official SDK). Readiness is the "ready:" line
-the service logs once the model is loaded: an event awaited with a deadline, not a sleep."""
+"""Start `python -m server serve` as a child process on a free loopback port and wait until it
+is ready: for the tests and benchmarks that need the real thing (uvicorn, its lifespan, the
+body limit, signals). Readiness is the "ready:" line the service logs once the model is
+loaded, an event awaited with a deadline, not a sleep."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -11,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,6 +32,20 @@ class LiveServer:
     url: str
     process: subprocess.Popen
     log: list[str] = field(default_factory=list)
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/v1/stats", timeout=30) as response:
+            return json.load(response)
+
+    def wait_for(self, condition: Callable[[dict], bool], timeout_s: float = 60) -> dict:
+        """Poll /v1/stats until `condition` holds; AssertionError with the last reading at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if condition(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not reached within {timeout_s} s; last stats: {stats}")
 
 
 def _pump(stream, lines: queue.Queue, log: list[str]) -> None:

@@ -1,0 +1,75 @@
+"""The engine loop in process, on tiny random SD-1.5- and SDXL-shaped folders: requests that
+ran batched give the image they give alone, whatever they share a step with."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.pipeline.batcher import Engine, Overloaded
+from server.pipeline.denoise import GenerationRequest, Pipeline
+
+TOLERANCE = 1e-3
+
+MIXED = [  # steps, guidance, seeds, sizes and schedulers all differ
+    [GenerationRequest("a red circle", seed=1, steps=6, guidance_scale=4.0, scheduler="euler_a")],
+    [GenerationRequest("a blue square", seed=2, steps=4, guidance_scale=1.0, scheduler="dpmpp_2m")],
+    [
+        GenerationRequest("a green star", "red", seed=3, steps=5, guidance_scale=7.5, scheduler="ddim"),
+        GenerationRequest("a green star", "red", seed=4, steps=5, guidance_scale=7.5, scheduler="ddim"),
+    ],
+    [GenerationRequest("a white circle", seed=5, steps=3, scheduler="euler", width=48, height=24)],
+    [GenerationRequest("a purple square", seed=6, steps=7, guidance_scale=2.0, width=48, height=24)],
+]
+
+
+def wait_until(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not reached before the deadline"
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_batched_requests_give_the_images_they_give_alone(folders: dict[str, Path], kind: str) -> None:
+    pipeline = Pipeline.load(folders[kind], devices="cpu")
+    alone = [pipeline.generate(requests) for requests in MIXED]
+    engine = Engine(pipeline, max_batch=16)
+    try:
+        first = engine.submit(MIXED[0], timeout_s=60)
+        wait_until(lambda: engine.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2)  # joins late
+        jobs = [first] + [engine.submit(requests, timeout_s=60) for requests in MIXED[1:]]
+        together = [job.future.result(timeout=60) for job in jobs]
+        stats = engine.stats()
+    finally:
+        engine.close()
+    for solo, batched in zip(alone, together, strict=True):
+        for a, b in zip(solo, batched, strict=True):
+            assert np.abs(a - b).max() < TOLERANCE
+    assert max(stats.batch_rows) > 2  # requests really shared UNet calls
+    assert stats.jobs_completed == len(MIXED) and stats.images_completed == 6
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
+
+
+def test_a_job_larger_than_a_batch_runs_alone_in_several_calls(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    requests = [GenerationRequest("a red circle", seed=s, steps=2, guidance_scale=3.0) for s in range(3)]
+    engine = Engine(pipeline, max_batch=4)  # 6 rows: calls of 4 and 2
+    try:
+        images = engine.submit(requests, timeout_s=60).future.result(timeout=60)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert len(images) == 3 and dict(stats.batch_rows) == {4: 2, 2: 2}
+
+
+def test_closing_ends_queued_and_running_jobs_and_a_full_queue_refuses(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    engine = Engine(pipeline, max_queue=0)
+    with pytest.raises(Overloaded) as caught:
+        engine.submit([GenerationRequest("a red circle", steps=2)], timeout_s=60)
+    assert 1 <= caught.value.retry_after <= 120
+    engine.close()
+    assert engine.stats().rejected["queue_full"] == 1
