@@ -83,8 +83,14 @@ def test_a_disconnected_client_is_cancelled_and_its_buffers_returned(busy: LiveS
     ("marker", "status", "code"), [("[[fail]]", 500, "generation_failed"), ("[[oom]]", 503, "out_of_memory")]
 )
 def test_a_failing_step_fails_only_its_requests(busy: LiveServer, background, marker, status, code) -> None:
+    reason = {"[[fail]]": "failed", "[[oom]]": "out_of_memory"}[marker]
+    before = busy.stats()["engine"]["rejected"].get(reason, 0)
     failing = post_later(
         background, busy, {**LONG, "prompt": f"a red circle {marker}", "num_inference_steps": 5}
+    )
+    # admitted (or already failed), so the one-place queue has room again
+    busy.wait_for(
+        lambda s: s["engine"]["active_jobs"] == 1 or s["engine"]["rejected"].get(reason, 0) > before
     )
     other_size = post_later(background, busy, {**QUICK, "size": "32x32"})  # another group, another call
     response = failing.result()

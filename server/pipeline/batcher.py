@@ -258,18 +258,25 @@ class Engine:
         return admitted
 
     def _iterate(self, admitted: list[Job]) -> None:
-        for job in admitted:
-            try:
-                job.states = self.pipeline.start(job.requests)
-            except Exception as err:
-                self._resolve(job, err if isinstance(err, ValueError) else _failure(err))
-                continue
-            with self._wake:
-                self._active.append(job)
+        if admitted:
+            self._start(admitted)
         self._drop_leavers()
         for chunk in self._chunks():
             self._step(chunk)
         self._finish()
+
+    def _start(self, admitted: list[Job]) -> None:
+        """Encode every admitted job's prompts in one batched call, then open their states."""
+        try:
+            states = self.pipeline.start([r for job in admitted for r in job.requests])
+        except Exception as err:
+            for job in admitted:
+                self._resolve(job, err if isinstance(err, ValueError) else _failure(err))
+            return
+        for job in admitted:
+            job.states, states = states[: len(job.requests)], states[len(job.requests) :]
+        with self._wake:
+            self._active.extend(admitted)
 
     def _drop_leavers(self) -> None:
         now = time.monotonic()

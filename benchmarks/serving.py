@@ -1,0 +1,127 @@
+"""Serving throughput and latency over real HTTP: step-level batching vs one request at a time.
+
+Two real servers (`python -m server serve`, the built-in model, its recommended 25 steps and
+guidance) run side by side: `batched` with the default settings, and `one_at_a_time` with
+`--max-batch 2`, so a single guided request (2 UNet rows) fills every step, as a server
+that runs requests one after another does. For 1, 4, 8 and 16 concurrent clients, each
+sending requests back to back, both servers are measured in the same round (in alternating
+order): images/s over the round's wall time, and per-request latency percentiles.
+
+One JSON object per (clients, server, round), then a summary: medians over rounds, the
+throughput ratio batched / one_at_a_time, and p95 latency at 8 clients over a lone request.
+
+    python -m benchmarks.serving [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+
+from server.launch import LiveServer, live_server
+
+CLIENTS = (1, 4, 8, 16)
+SERVERS = {"batched": (), "one_at_a_time": ("--max-batch", "2")}
+TARGET_SPEEDUP_AT_8 = 3.0
+TARGET_P95_OVER_LONE_AT_8 = 4.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def client_loop(server: LiveServer, requests: int, seed: int) -> list[float]:
+    """Send `requests` one after another; the latency of each."""
+    latencies = []
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        for i in range(requests):
+            body = {"prompt": "a red circle", "seed": seed * 1000 + i}
+            started = time.perf_counter()
+            response = client.post("/v1/images/generations", json=body)
+            latencies.append(time.perf_counter() - started)
+            response.raise_for_status()
+    return latencies
+
+
+def measure(server: LiveServer, clients: int, per_client: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        runs = list(pool.map(lambda c: client_loop(server, per_client, c), range(clients)))
+    wall = time.perf_counter() - started
+    latencies = [seconds for run in runs for seconds in run]
+    return {
+        "images": len(latencies),
+        "wall_s": round(wall, 3),
+        "images_per_s": round(len(latencies) / wall, 3),
+        "p50_s": round(percentile(latencies, 0.5), 3),
+        "p95_s": round(percentile(latencies, 0.95), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="1 round of 1 request per client, not 3 of 3")
+    args = parser.parse_args(argv)
+    rounds, per_client = (1, 1) if args.quick else (3, 3)
+
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        servers = {name: stack.enter_context(live_server(*flags)) for name, flags in SERVERS.items()}
+        for server in servers.values():
+            measure(server, 2, 1)  # warm-up
+        for clients in CLIENTS:
+            for round_ in range(rounds):
+                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    row = {"clients": clients, "server": name, "round": round_}
+                    row |= measure(servers[name], clients, per_client)
+                    batches = servers[name].stats()["engine"]["batch_rows"]
+                    row["largest_batch_rows"] = max(int(rows_) for rows_ in batches)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+
+    def median(clients: int, server: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["clients"] == clients and r["server"] == server)
+
+    table = {
+        f"{server}_{clients}": {
+            key: median(clients, server, key) for key in ("images_per_s", "p50_s", "p95_s")
+        }
+        for clients in CLIENTS
+        for server in SERVERS
+    }
+    speedups = {
+        clients: round(
+            median(clients, "batched", "images_per_s") / median(clients, "one_at_a_time", "images_per_s"), 3
+        )
+        for clients in CLIENTS
+    }
+    lone = median(1, "batched", "p50_s")
+    p95_ratio = round(median(8, "batched", "p95_s") / lone, 3)
+    summary = {
+        "summary": True,
+        "rounds": rounds,
+        "requests_per_client": per_client,
+        "table": table,
+        "throughput_speedup": {str(c): s for c, s in speedups.items()},
+        "lone_request_p50_s": lone,
+        "p95_at_8_over_lone": p95_ratio,
+        "targets": {"speedup_at_8": TARGET_SPEEDUP_AT_8, "p95_at_8_over_lone": TARGET_P95_OVER_LONE_AT_8},
+        "meets_target": speedups[8] >= TARGET_SPEEDUP_AT_8 and p95_ratio <= TARGET_P95_OVER_LONE_AT_8,
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
