@@ -16,12 +16,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, start_http_server
 
+from server import __version__
 from server.api import health, routes
 from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.config import Settings, read_api_keys
 from server.engine.memory import retain_freed_host_memory
+from server.metrics import HttpMetrics, Metrics
 from server.pipeline.batcher import Engine
 from server.pipeline.denoise import Pipeline
 
@@ -44,6 +47,7 @@ class Runtime:
     engine: Engine | None = None
     status: str = "loading"  # loading → ready → draining, or loading → failed
     error: str | None = None
+    load_seconds: float | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[], None] | None = None  # `serve` sets it: stop the server
 
@@ -87,13 +91,13 @@ async def _load(runtime: Runtime) -> None:
         if runtime.on_fatal is not None:
             runtime.on_fatal()
         return
-    runtime.engine = engine
+    runtime.engine, runtime.load_seconds = engine, time.perf_counter() - started
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
     log.info(
         "ready: %s loaded in %.1f s\n%s",
         runtime.settings.served_name,
-        time.perf_counter() - started,
+        runtime.load_seconds,
         engine.pipeline.shard,
     )
 
@@ -101,22 +105,36 @@ async def _load(runtime: Runtime) -> None:
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     runtime: Runtime = app.state.runtime
+    settings = runtime.settings
+    exporter = None
+    if settings.metrics_port:  # Prometheus scrapes its own port, apart from the API
+        try:
+            exporter, _ = start_http_server(settings.metrics_port, settings.host, app.state.metrics.registry)
+        except OSError as err:
+            log.error("cannot serve metrics on port %d: %s (set --metrics-port)", settings.metrics_port, err)
+            raise
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     loading = asyncio.create_task(_load(runtime))
     try:
         yield
     finally:
+        if exporter is not None:
+            exporter.shutdown()
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
         if runtime.engine is not None:
             await asyncio.to_thread(runtime.engine.close)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, registry: CollectorRegistry | None = None) -> FastAPI:
+    """The app; its metrics go on `registry` (a fresh one by default), served on the metrics port."""
     keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
-    app = FastAPI(title="diffshard", version="0.1.0", lifespan=lifespan)
-    app.state.runtime = Runtime(settings, keys)
+    app = FastAPI(title="diffshard", version=__version__, lifespan=lifespan)
+    app.state.runtime = runtime = Runtime(settings, keys)
+    app.state.metrics = metrics = Metrics(registry or CollectorRegistry(), runtime)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: it sees the 413s too
     return app

@@ -58,8 +58,20 @@ def _pump(stream, lines: queue.Queue, log: list[str]) -> None:
 @contextmanager
 def live_server(*args: str, env: dict[str, str] | None = None) -> Iterator[LiveServer]:
     port = free_port()
+    metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]  # off unless asked for
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *metrics,
+            *args,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -98,6 +98,31 @@ class Job:
         return [(s.index, s.steps) for s in self.states]
 
 
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Distribution:
+    """Observations counted into fixed buckets (upper bounds), as a Prometheus histogram keeps them."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bound, not cumulative; the last: above all
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Distribution:
+        return Distribution(self.bounds, list(self.counts), self.total, self.count)
+
+
 @dataclass
 class EngineStats:
     """Plain counters, read by /v1/stats and the metrics collectors."""
@@ -107,10 +132,10 @@ class EngineStats:
     active_images: int = 0
     active_rows: int = 0
     steps: int = 0  # batched UNet calls
-    step_seconds_total: float = 0.0
     rows_total: int = 0
     batch_rows: Counter = field(default_factory=Counter)  # rows per call → calls
-    recent_step_seconds: deque = field(default_factory=lambda: deque(maxlen=256))
+    step_seconds: Distribution = field(default_factory=lambda: Distribution(STEP_BUCKETS))
+    queue_wait_seconds: Distribution = field(default_factory=lambda: Distribution(WAIT_BUCKETS))
     jobs_completed: int = 0
     images_completed: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason → jobs
@@ -123,7 +148,8 @@ class EngineStats:
             "active_images": self.active_images,
             "active_rows": self.active_rows,
             "steps": self.steps,
-            "step_seconds_total": round(self.step_seconds_total, 6),
+            "step_seconds_total": round(self.step_seconds.total, 6),
+            "queue_wait_seconds_total": round(self.queue_wait_seconds.total, 6),
             "rows_total": self.rows_total,
             "batch_rows": {str(rows): calls for rows, calls in sorted(self.batch_rows.items())},
             "jobs_completed": self.jobs_completed,
@@ -267,6 +293,7 @@ class Engine:
 
     def _start(self, admitted: list[Job]) -> None:
         """Encode every admitted job's prompts in one batched call, then open their states."""
+        admitted_at = time.monotonic()
         try:
             states = self.pipeline.start([r for job in admitted for r in job.requests])
         except Exception as err:
@@ -277,6 +304,8 @@ class Engine:
             job.states, states = states[: len(job.requests)], states[len(job.requests) :]
         with self._wake:
             self._active.extend(admitted)
+            for job in admitted:
+                self._stats.queue_wait_seconds.observe(admitted_at - job.submitted)
 
     def _drop_leavers(self) -> None:
         now = time.monotonic()
@@ -326,10 +355,9 @@ class Engine:
         with self._wake:
             stats = self._stats
             stats.steps += 1
-            stats.step_seconds_total += seconds
+            stats.step_seconds.observe(seconds)
             stats.rows_total += rows
             stats.batch_rows[rows] += 1
-            stats.recent_step_seconds.append(seconds)
 
     def _finish(self) -> None:
         ready = [s for j in self._active for s in j.states if s.done and s.image is None and not s.closed]
@@ -399,6 +427,6 @@ def _inject_fault(chunk: list[RequestState]) -> None:
 def _copy(value: Any) -> Any:
     if isinstance(value, Counter | dict):
         return type(value)(value)
-    if isinstance(value, deque):
-        return deque(value, maxlen=value.maxlen)
+    if isinstance(value, Distribution):
+        return value.copy()
     return value

@@ -1,0 +1,144 @@
+"""A real Prometheus (Debian's `prometheus` package, installed here if missing) scrapes a live
+`python -m server serve`: every PromQL expression of the Grafana dashboard must return a
+series, so a panel naming a metric we do not export fails. promtool checks the scrape
+config and alert rules and runs the rules' unit tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server.launch import free_port, live_server
+from server.metrics import CATALOG, PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "diffshard.json"
+RULES = ROOT / "deploy" / "prometheus"
+DEADLINE_S = 60
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$device": ".*"}
+
+
+def ensure_prometheus() -> None:
+    """Install Debian's prometheus (server and promtool) unless both are on PATH."""
+    if shutil.which("prometheus") and shutil.which("promtool"):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
+        subprocess.run(install, env=env, capture_output=True, check=True)
+    assert shutil.which("prometheus") and shutil.which("promtool"), "prometheus did not install"
+
+
+@pytest.fixture(scope="module")
+def prometheus_installed() -> None:
+    ensure_prometheus()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ],
+)
+def test_promtool(prometheus_installed, command: list[str]) -> None:
+    result = subprocess.run(["promtool", *command], cwd=RULES, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def dashboard_queries() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+def families_in(expr: str) -> set[str]:
+    """The catalog names of the diffshard metrics an expression reads (suffixes stripped)."""
+    names = set(re.findall(rf"{PREFIX}_[a-z_]+", expr))
+    return {re.sub(r"_(bucket|sum|count|info)$", "", n).removeprefix(f"{PREFIX}_") for n in names}
+
+
+@pytest.fixture
+def prometheus(prometheus_installed, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A server with traffic behind it, and a Prometheus scraping its metrics port every second."""
+    metrics_port, web_port = free_port(), free_port()
+    with live_server("--metrics-port", str(metrics_port)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for seed in range(3):
+                body = {"prompt": "a red circle", "seed": seed, "num_inference_steps": 4, "n": 2}
+                assert client.post("/v1/images/generations", json=body).status_code == 200
+            assert client.post("/v1/images/generations", json={"prompt": ""}).status_code == 400
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s}\n"
+            "scrape_configs:\n"
+            f"  - job_name: diffshard\n    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
+        )
+        process = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{web_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            yield server.url, f"http://127.0.0.1:{web_port}"
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def query(api: str, expr: str) -> list:
+    response = httpx.get(f"{api}/api/v1/query", params={"query": expr}, timeout=10)
+    response.raise_for_status()
+    return response.json()["data"]["result"]
+
+
+def wait_for_series(api: str, expr: str) -> list:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            result = query(api, expr)
+        except httpx.HTTPError:  # Prometheus is still starting
+            result = []
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"no series for {expr} within {DEADLINE_S} s"
+
+
+def test_every_dashboard_query_returns_a_series(prometheus) -> None:
+    _, api = prometheus
+    # three scrapes at least: rate() over the window needs two samples
+    wait_for_series(api, f'count_over_time({PREFIX}_queue_depth{{job="diffshard"}}[1m]) >= 3')
+    cuda_only = {f.name for f in CATALOG if f.cuda_only}
+    known = {f.name for f in CATALOG} | {f.name.removesuffix("_total") for f in CATALOG}
+    empty = []
+    for expr in dashboard_queries():
+        families = families_in(expr)
+        assert families <= known, f"the dashboard reads metrics diffshard does not export: {families - known}"
+        if families & cuda_only and not torch.cuda.is_available():
+            continue  # allocator series exist on CUDA devices only
+        promql = expr
+        for variable, value in GRAFANA_VARIABLES.items():
+            promql = promql.replace(variable, value)
+        if not query(api, promql):
+            empty.append(expr)
+    assert not empty, f"dashboard queries with no series: {empty}"
+    devices = httpx.get(
+        f"{api}/api/v1/label/device/values", params={"match[]": f"{PREFIX}_shard_parameter_bytes"}
+    ).json()["data"]
+    assert devices == ["cpu"]  # the $device variable's values
