@@ -84,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
                 for name in order:
                     row = {"clients": clients, "server": name, "round": round_}
+                    before = servers[name].stats()["engine"]["batch_rows"]
                     row |= measure(servers[name], clients, per_client)
-                    batches = servers[name].stats()["engine"]["batch_rows"]
-                    row["largest_batch_rows"] = max(int(rows_) for rows_ in batches)
+                    after = servers[name].stats()["engine"]["batch_rows"]
+                    row["largest_batch_rows"] = max(
+                        int(n) for n, calls in after.items() if calls > before.get(n, 0)
+                    )
                     rows.append(row)
                     print(json.dumps(row), flush=True)
 

@@ -11,19 +11,16 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-import torch
 import uvicorn
 from pydantic import ValidationError
 
 from server.app import Runtime, create_app
 from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
-from server.config import Settings
+from server.config import DTYPES, Settings
 from server.engine import PlanError, plan_shards
 from server.engine.plan import STRATEGIES
 
 log = logging.getLogger("diffshard")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +122,9 @@ class DrainingServer(uvicorn.Server):
         timeout = self.runtime.settings.drain_timeout_s
         log.info("draining: refusing new requests, waiting up to %g s for those in flight", timeout)
         if not self.runtime.drain(timeout):
-            log.warning("drain timeout: requests still in flight are ended")
+            log.warning("drain timeout: the requests still in flight are answered 503")
+            if self.runtime.engine is not None:
+                self.runtime.engine.close()  # their clients still listen: answer them now
         self.should_exit = True
 
 

@@ -51,6 +51,13 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[], None] | None = None  # `serve` sets it: stop the server
 
+    @property
+    def serving(self) -> bool:
+        """Loaded, not draining, and the engine loop alive."""
+        if self.status == "ready" and self.engine is not None and not self.engine.alive:
+            self.status, self.error = "failed", "the engine loop stopped; the server log says why"
+        return self.status == "ready"
+
     def status_message(self) -> str:
         return STATUS[self.status] + (f": {self.error}" if self.error else "")
 

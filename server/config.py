@@ -48,7 +48,7 @@ class Settings(BaseSettings):
 
     # The engine loop: batching, overload, deadlines, drain.
     max_batch: int = Field(16, ge=1, le=1024, description="UNet rows per batched step (2 per guided image)")
-    max_queue: int = Field(64, ge=0, description="requests waiting for a place; beyond it: 503")
+    max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
     drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     inject_faults: bool = Field(False, description="tests only: [[fail]] or [[oom]] in a prompt fails a step")

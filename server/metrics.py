@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 PREFIX = "diffshard"
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Rejection reasons, always exported (0 until one happens) so dashboards and alerts see them.
 REASONS = ("queue_full", "timeout", "cancelled", "oom", "invalid", "unauthorized", "failed", "draining")
 ENGINE_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # engine stats key → label
@@ -91,7 +90,13 @@ CATALOG = (
         "http_requests_total", "counter", "requests", ("route", "method", "code"), "HTTP requests answered"
     ),
     Family("http_request_duration_seconds", "histogram", "seconds", ("route",), "time to answer a request"),
-    Family("queue_wait_seconds", "histogram", "seconds", (), "time from arrival to the first denoising step"),
+    Family(
+        "queue_wait_seconds",
+        "histogram",
+        "seconds",
+        (),
+        "arrival to admission (or to leaving the queue)",
+    ),
     Family(
         "step_duration_seconds", "histogram", "seconds", (), "one batched denoising step (UNet + schedulers)"
     ),
@@ -134,7 +139,8 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=registry,
         )
-        self.http_rejections: Counter[str] = Counter()  # invalid, unauthorized: counted by HttpMetrics
+        # refusals only the HTTP layer sees; keys exist up front so a scrape never copies a growing dict
+        self.http_rejections: Counter[str] = Counter(invalid=0, unauthorized=0, draining=0)
         registry.register(_Collector(self))
 
 
@@ -232,11 +238,7 @@ class _Collector:
         if stats is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
-            rows = Distribution(ROW_BUCKETS)
-            for size, calls in stats.batch_rows.items():
-                for _ in range(calls):
-                    rows.observe(size)
-            yield _histogram("batch_rows", rows)
+            yield _histogram("batch_rows", stats.rows_per_step)
 
     def _devices(self, pipeline) -> Iterator[Metric]:
         shard = pipeline.shard

@@ -125,3 +125,13 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(backgrou
         assert httpx.get(f"{server.url}/readyz").status_code == 503
         assert in_flight.result().status_code == 200
         assert server.process.wait(timeout=60) == 0
+
+
+def test_a_drain_that_times_out_answers_the_requests_left_503(background) -> None:
+    with live_server("--drain-timeout-s", "0.2") as server:
+        in_flight = post_later(background, server, LONG)
+        server.wait_for(lambda s: s["engine"]["active_jobs"] == 1)
+        server.process.send_signal(signal.SIGTERM)
+        response = in_flight.result()
+        assert response.status_code == 503 and response.json()["error"]["code"] == "draining"
+        assert server.process.wait(timeout=60) == 0

@@ -19,6 +19,6 @@ async def livez() -> dict[str, str]:
 @router.get("/readyz", response_model=None)
 async def readyz(request: Request) -> dict[str, str] | JSONResponse:
     runtime = request.app.state.runtime
-    if runtime.status != "ready":
+    if not runtime.serving:
         return envelope(503, runtime.status_message(), code=runtime.status)
     return {"status": "ready", "model": runtime.settings.served_name}

@@ -28,7 +28,7 @@ class BodyLimit:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                break  # the client went away; let the app see it
+                return  # the client went away mid-body: nobody to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:

@@ -24,7 +24,9 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 def _runtime(request: Request, *, admitting: bool = True) -> Any:
     """The runtime, once the model is loaded; `admitting`: and not draining either."""
     runtime = request.app.state.runtime
-    if runtime.engine is None or (admitting and runtime.status != "ready"):
+    if runtime.engine is None or (admitting and not runtime.serving):
+        if runtime.status == "draining":
+            request.app.state.metrics.http_rejections["draining"] += 1
         raise APIError(503, runtime.status_message(), code=runtime.status)
     return runtime
 
@@ -49,7 +51,7 @@ async def _outcome(job: Job, request: Request, engine: Any) -> list:
     try:
         return result.result()
     except Draining as err:
-        raise APIError(503, str(err), code="draining") from None
+        raise _draining(err) from None
     except DeadlineExceeded as err:
         timeout = request.app.state.runtime.settings.request_timeout_s
         raise APIError(504, f"{err}: {timeout:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)", code="timeout") from None
@@ -61,6 +63,14 @@ async def _outcome(job: Job, request: Request, engine: Any) -> list:
 
 def _overloaded(err: Overloaded) -> APIError:
     return APIError(503, str(err), code="overloaded", headers={"retry-after": str(err.retry_after)})
+
+
+def _draining(err: Draining) -> APIError:
+    return APIError(503, str(err), code="draining")
+
+
+def _pool_stats(pipeline: Any) -> dict[str, dict[str, Any]]:
+    return {device: asdict(s) | {"hit_rate": s.hit_rate} for device, s in pipeline.pool.stats().items()}
 
 
 @router.post("/images/generations", response_model=ImagesResponse)
@@ -75,7 +85,7 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Ima
     except Overloaded as err:
         raise _overloaded(err) from None
     except Draining as err:
-        raise APIError(503, str(err), code="draining") from None
+        raise _draining(err) from None
     images = await _outcome(job, request, engine)
     pngs = await asyncio.gather(*(encode_png_async(image) for image in images))
     return ImagesResponse(
@@ -108,14 +118,14 @@ async def models(request: Request) -> dict[str, Any]:
 async def shards(request: Request) -> dict[str, Any]:
     """The plan, each device's blocks and live memory: where every block and byte is."""
     pipeline = _runtime(request, admitting=False).engine.pipeline
-    shard, memory, pool = pipeline.shard, pipeline.shard.memory(), pipeline.pool.stats()
+    shard, memory = pipeline.shard, pipeline.shard.memory()
     return {
         "plan": shard.plan.to_dict(),
         "devices": {
             device: {"blocks": list(shard.blocks_on(device)), "memory": asdict(memory[device])}
             for device in shard.devices
         },
-        "pool": {device: asdict(stats) | {"hit_rate": stats.hit_rate} for device, stats in pool.items()},
+        "pool": _pool_stats(pipeline),
         "text": str(shard),
     }
 
@@ -124,8 +134,4 @@ async def shards(request: Request) -> dict[str, Any]:
 async def stats(request: Request) -> dict[str, Any]:
     """The engine's counters and each active request's progress, and the pool's per device."""
     engine = _runtime(request, admitting=False).engine
-    pool = engine.pipeline.pool.stats()
-    return {
-        "engine": engine.stats().to_dict(),
-        "pool": {device: asdict(stats) | {"hit_rate": stats.hit_rate} for device, stats in pool.items()},
-    }
+    return {"engine": engine.stats().to_dict(), "pool": _pool_stats(engine.pipeline)}

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from server.pipeline.denoise import GenerationRequest, Pipeline, RequestState
+from server.pipeline.denoise import GenerationRequest, Pipeline, RequestState, group_states
 
 log = logging.getLogger("diffshard")
 
@@ -98,6 +98,7 @@ class Job:
         return [(s.index, s.steps) for s in self.states]
 
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -134,6 +135,7 @@ class EngineStats:
     steps: int = 0  # batched UNet calls
     rows_total: int = 0
     batch_rows: Counter = field(default_factory=Counter)  # rows per call → calls
+    rows_per_step: Distribution = field(default_factory=lambda: Distribution(ROW_BUCKETS))
     step_seconds: Distribution = field(default_factory=lambda: Distribution(STEP_BUCKETS))
     queue_wait_seconds: Distribution = field(default_factory=lambda: Distribution(WAIT_BUCKETS))
     jobs_completed: int = 0
@@ -217,10 +219,6 @@ class Engine:
             stats.progress = {j.id: j.progress() for j in self._active}
             return EngineStats(**{name: _copy(value) for name, value in vars(stats).items()})
 
-    def idle(self) -> bool:
-        with self._wake:
-            return not self._queue and not self._active
-
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is queued or running, or `timeout` passes; True if idle."""
         deadline = time.monotonic() + timeout
@@ -259,9 +257,17 @@ class Engine:
                 self._iterate(admitted)
             except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
                 log.exception("engine loop error")
-                self._end(list(self._active), StepFailed("internal error in the engine loop", False))
+                try:
+                    self._end(list(self._active), StepFailed("internal error in the engine loop", False))
+                except Exception:
+                    log.exception("engine loop error while failing its requests")
             with self._wake:
                 self._wake.notify_all()  # wait_idle() may be waiting
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (a dead loop would leave every request waiting)."""
+        return self._thread.is_alive()
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""
@@ -271,7 +277,8 @@ class Engine:
         self._wake.notify_all()
 
     def _admit(self) -> list[Job]:
-        """Pop queued jobs while their rows fit (called with the lock held)."""
+        """Move queued jobs to the active list while their rows fit (called with the lock held);
+        they count as active (for stats and drains) from here, before their prompts are encoded."""
         admitted: list[Job] = []
         rows = sum(j.rows for j in self._active)
         while self._queue:
@@ -281,6 +288,10 @@ class Engine:
             self._queue.popleft()
             admitted.append(job)
             rows += job.rows
+        now = time.monotonic()
+        for job in admitted:
+            self._stats.queue_wait_seconds.observe(now - job.submitted)
+        self._active.extend(admitted)
         return admitted
 
     def _iterate(self, admitted: list[Job]) -> None:
@@ -293,19 +304,13 @@ class Engine:
 
     def _start(self, admitted: list[Job]) -> None:
         """Encode every admitted job's prompts in one batched call, then open their states."""
-        admitted_at = time.monotonic()
         try:
             states = self.pipeline.start([r for job in admitted for r in job.requests])
-        except Exception as err:
-            for job in admitted:
-                self._resolve(job, err if isinstance(err, ValueError) else _failure(err))
+        except Exception as err:  # the requests were checked at submit: this is the device's doing
+            self._fail(admitted, err)
             return
         for job in admitted:
             job.states, states = states[: len(job.requests)], states[len(job.requests) :]
-        with self._wake:
-            self._active.extend(admitted)
-            for job in admitted:
-                self._stats.queue_wait_seconds.observe(admitted_at - job.submitted)
 
     def _drop_leavers(self) -> None:
         now = time.monotonic()
@@ -313,23 +318,18 @@ class Engine:
             queued = [j for j in self._queue if j.cancel_requested or now > j.deadline]
             for job in queued:
                 self._queue.remove(job)
+                self._stats.queue_wait_seconds.observe(now - job.submitted)  # waited, then left
         leaving = queued + [j for j in self._active if j.cancel_requested or now > j.deadline]
         for job in leaving:
             if job.cancel_requested:
                 self._end([job], Cancelled("the client disconnected"))
             else:
-                self._end(
-                    [job], DeadlineExceeded("the request passed its deadline (DIFFSHARD_REQUEST_TIMEOUT_S)")
-                )
+                self._end([job], DeadlineExceeded("the request ran past its deadline"))
 
     def _chunks(self) -> Iterable[list[RequestState]]:
-        """Running states grouped by size, in calls of at most `max_batch` rows."""
-        groups: dict[tuple, list[RequestState]] = {}
-        for job in self._active:
-            for state in job.states:
-                if not state.done:
-                    groups.setdefault(state.group, []).append(state)
-        for states in groups.values():
+        """Running states grouped by size, in calls of at most `max_batch` rows (or one state)."""
+        running = [s for job in self._active for s in job.states if not s.done]
+        for states in group_states(running):
             chunk: list[RequestState] = []
             for state in states:
                 if chunk and sum(s.rows for s in chunk) + state.rows > self.max_batch:
@@ -358,18 +358,16 @@ class Engine:
             stats.step_seconds.observe(seconds)
             stats.rows_total += rows
             stats.batch_rows[rows] += 1
+            stats.rows_per_step.observe(rows)
 
     def _finish(self) -> None:
         ready = [s for j in self._active for s in j.states if s.done and s.image is None and not s.closed]
-        groups: dict[tuple, list[RequestState]] = {}
-        for state in ready:
-            groups.setdefault(state.group, []).append(state)
-        for states in groups.values():
+        for states in group_states(ready):
             try:
                 self.pipeline.decode(states)
             except Exception as err:
                 self._fail(states, err)
-        for job in [j for j in self._active if all(s.image is not None for s in j.states)]:
+        for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
             images = [s.image.numpy().copy() for s in job.states]  # copied out before the scopes close
             seconds = time.monotonic() - job.submitted
             self._job_seconds = (
@@ -380,10 +378,10 @@ class Engine:
                 self._stats.images_completed += len(images)
             self._end([job], images)
 
-    def _fail(self, states: list[RequestState], err: Exception) -> None:
-        """A step or decode raised: fail the jobs it carried, and only those."""
-        carried = {id(s) for s in states}
-        failed = [j for j in self._active if any(id(s) in carried for s in j.states)]
+    def _fail(self, carrying: list[RequestState] | list[Job], err: Exception) -> None:
+        """A start, step or decode raised: fail the jobs it carried, and only those."""
+        carried = {id(x) for x in carrying}
+        failed = [j for j in self._active if id(j) in carried or any(id(s) in carried for s in j.states)]
         log.error("a batch of %d requests failed: %s: %s", len(failed), type(err).__name__, err)
         self._end(failed, _failure(err))
         if isinstance(err, torch.OutOfMemoryError) and torch.cuda.is_available():
@@ -400,6 +398,8 @@ class Engine:
             self._resolve(job, outcome)
 
     def _resolve(self, job: Job, outcome: list[np.ndarray] | Exception) -> None:
+        if job.future.done():  # cancelled by its waiter: nobody to tell
+            return
         if isinstance(outcome, Exception):
             reason = getattr(outcome, "reason", "invalid" if isinstance(outcome, ValueError) else "failed")
             with self._wake:

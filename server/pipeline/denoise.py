@@ -342,11 +342,11 @@ class Pipeline:
         states = self.start(requests)
         try:
             while active := [s for s in states if not s.done]:
-                for group in _groups(active):
+                for group in group_states(active):
                     self.step(group)
                 if on_step is not None:
                     on_step(states)
-            for group in _groups(states):
+            for group in group_states(states):
                 self.decode(group)
             return [s.image.numpy().copy() for s in states]  # copied out before the scopes close
         finally:
@@ -426,7 +426,8 @@ def _spans(states: Sequence[RequestState]) -> Iterable[slice]:
         start += state.rows
 
 
-def _groups(states: Sequence[RequestState]) -> list[list[RequestState]]:
+def group_states(states: Sequence[RequestState]) -> list[list[RequestState]]:
+    """States in groups that can share a UNet call and a VAE decode, in first-seen order."""
     groups: dict[tuple[Any, ...], list[RequestState]] = {}
     for state in states:
         groups.setdefault(state.group, []).append(state)
