@@ -31,6 +31,7 @@ bench: $(VENV)/.test
 	$(PY) -m benchmarks.shard
 	$(PY) -m benchmarks.sampling
 	$(PY) -m benchmarks.pipeline
+	$(PY) -m benchmarks.unet_rows
 	$(PY) -m benchmarks.serving
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
