@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.pipeline.batcher import Engine, Overloaded
+from server.pipeline.batcher import Draining, Engine, Overloaded
 from server.pipeline.denoise import GenerationRequest, Pipeline
 
 TOLERANCE = 1e-3
@@ -65,11 +65,25 @@ def test_a_job_larger_than_a_batch_runs_alone_in_several_calls(folders: dict[str
     assert len(images) == 3 and dict(stats.batch_rows) == {4: 2, 2: 2}
 
 
-def test_closing_ends_queued_and_running_jobs_and_a_full_queue_refuses(folders: dict[str, Path]) -> None:
-    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
-    engine = Engine(pipeline, max_queue=0)
-    with pytest.raises(Overloaded) as caught:
-        engine.submit([GenerationRequest("a red circle", steps=2)], timeout_s=60)
+def test_a_full_queue_refuses_with_retry_after(folders: dict[str, Path]) -> None:
+    engine = Engine(Pipeline.load(folders["sd15"], devices="cpu"), max_queue=0)
+    try:
+        with pytest.raises(Overloaded) as caught:
+            engine.submit([GenerationRequest("a red circle", steps=2)], timeout_s=60)
+    finally:
+        engine.close()
     assert 1 <= caught.value.retry_after <= 120
-    engine.close()
     assert engine.stats().rejected["queue_full"] == 1
+
+
+def test_closing_ends_running_and_queued_jobs_and_returns_their_buffers(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    engine = Engine(pipeline, max_batch=2)  # one guided image at a time: the second job waits
+    running = engine.submit([GenerationRequest("a red circle", steps=500)], timeout_s=60)
+    queued = engine.submit([GenerationRequest("a blue square", steps=500)], timeout_s=60)
+    wait_until(lambda: engine.stats().progress.get(running.id, [(0, 0)])[0][0] >= 1)
+    engine.close()
+    for job in (running, queued):
+        assert isinstance(job.future.exception(timeout=60), Draining)
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
+    assert engine.stats().rejected["draining"] == 2
