@@ -47,6 +47,7 @@ async def _outcome(job: Job, request: Request, engine: Any) -> list:
         gone.cancel()
     if not result.done():
         engine.cancel(job)  # dropped at the next step boundary, its buffers returned
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())  # its end is nobody's news
         raise APIError(499, "the client disconnected", code="cancelled")  # uvicorn drops it: no one listens
     try:
         return result.result()
