@@ -132,8 +132,6 @@ class EngineStats:
     active_jobs: int = 0
     active_images: int = 0
     active_rows: int = 0
-    steps: int = 0  # batched UNet calls
-    rows_total: int = 0
     batch_rows: Counter = field(default_factory=Counter)  # rows per call → calls
     rows_per_step: Distribution = field(default_factory=lambda: Distribution(ROW_BUCKETS))
     step_seconds: Distribution = field(default_factory=lambda: Distribution(STEP_BUCKETS))
@@ -142,6 +140,15 @@ class EngineStats:
     images_completed: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason → jobs
     progress: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # active job → per image
+
+    @property
+    def steps(self) -> int:
+        """Batched UNet calls."""
+        return self.rows_per_step.count
+
+    @property
+    def rows_total(self) -> int:
+        return int(self.rows_per_step.total)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -339,10 +346,9 @@ class Engine:
             yield chunk
 
     def _step(self, chunk: list[RequestState]) -> None:
-        if any(s.closed for s in chunk):  # a job of this chunk failed earlier this round
-            chunk = [s for s in chunk if not s.closed]
-            if not chunk:
-                return
+        chunk = [s for s in chunk if not s.closed]  # a job of this chunk may have failed this round
+        if not chunk:
+            return
         started = time.perf_counter()
         try:
             if self.inject_faults:
@@ -354,9 +360,7 @@ class Engine:
         seconds, rows = time.perf_counter() - started, sum(s.rows for s in chunk)
         with self._wake:
             stats = self._stats
-            stats.steps += 1
             stats.step_seconds.observe(seconds)
-            stats.rows_total += rows
             stats.batch_rows[rows] += 1
             stats.rows_per_step.observe(rows)
 
