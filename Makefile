@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test lint bench model samples
+.PHONY: run test lint bench model samples prometheus
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -16,11 +16,26 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) -e ".[test]"
 	touch $@
 
+# tests/test_prometheus.py runs Debian's prometheus and promtool; install them when either is missing
+# (apt-get update only if the install fails; sudo only when not root).
+APT := env DEBIAN_FRONTEND=noninteractive apt-get
+APT_INSTALL := $(APT) install -y --no-install-recommends prometheus
+prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if ! command -v apt-get >/dev/null; then \
+	    echo "tests/test_prometheus.py needs prometheus and promtool on PATH: install them" >&2; exit 1; \
+	  elif [ "$$(id -u)" -eq 0 ]; then sudo=; \
+	  elif command -v sudo >/dev/null; then sudo=sudo; \
+	  else echo "installing prometheus for tests/test_prometheus.py needs root or sudo" >&2; exit 1; fi; \
+	  echo "installing Debian's prometheus for tests/test_prometheus.py"; \
+	  $$sudo $(APT_INSTALL) || { $$sudo $(APT) update && $$sudo $(APT_INSTALL); }; \
+	fi
+
 # The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`).
 run: $(VENV)/.runtime
 	$(PY) -m server serve
 
-test: $(VENV)/.test lint
+test: $(VENV)/.test prometheus lint
 	$(PY) -m pytest
 
 lint: $(VENV)/.test

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from server.launch import LiveServer, live_server
+from tests.live import LiveServer, live_server
 
 CLIENTS = (1, 4, 8, 16)
 SERVERS = {"batched": (), "one_at_a_time": ("--max-batch", "2")}

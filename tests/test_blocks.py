@@ -46,7 +46,7 @@ def test_sdxl_embed_block_owns_the_added_embeddings() -> None:
 def test_full_size_layouts_cover_every_parameter(name: str) -> None:
     layout = layout_of(meta_unet(name))  # raises if a parameter is in no block or in two
     assert layout.names[0] == "embed" and layout.names[-1] == "out"
-    assert sum(edge.count for edge in layout.skips) == 12 if name != "sdxl" else 9
+    assert sum(edge.count for edge in layout.skips) == (12 if name != "sdxl" else 9)
 
 
 def test_declared_skips_match_the_traced_data_flow(tiny_unet: nn.Module) -> None:

@@ -3,7 +3,7 @@ ran batched give the image they give alone, whatever they share a step with."""
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 
 from server.pipeline.batcher import Draining, Engine, Overloaded
 from server.pipeline.denoise import GenerationRequest, Pipeline
+from tests.waiting import wait_until
 
 TOLERANCE = 1e-3
 
@@ -26,24 +27,32 @@ MIXED = [  # steps, guidance, seeds, sizes and schedulers all differ
 ]
 
 
-def wait_until(condition, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not reached before the deadline"
-
-
 @pytest.mark.parametrize("kind", ["sd15", "sdxl"])
 def test_batched_requests_give_the_images_they_give_alone(folders: dict[str, Path], kind: str) -> None:
     pipeline = Pipeline.load(folders[kind], devices="cpu")
     alone = [pipeline.generate(requests) for requests in MIXED]
     engine = Engine(pipeline, max_batch=16)
+    joined, step = threading.Event(), pipeline.step
+
+    def step_then_hold(states) -> None:  # the engine waits at the first job's step 2 for the others
+        step(states)
+        if not joined.is_set() and any(state.index >= 2 for state in states):
+            joined.wait(timeout=60)
+
+    pipeline.step = step_then_hold  # the 6-step first job would otherwise be done between two polls
     try:
         first = engine.submit(MIXED[0], timeout_s=60)
-        wait_until(lambda: engine.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2)  # joins late
+        wait_until(  # the others join late
+            lambda: engine.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2,
+            60,
+            "the first job at its step 2",
+        )
         jobs = [first] + [engine.submit(requests, timeout_s=60) for requests in MIXED[1:]]
+        joined.set()
         together = [job.future.result(timeout=60) for job in jobs]
         stats = engine.stats()
     finally:
+        joined.set()
         engine.close()
     for solo, batched in zip(alone, together, strict=True):
         for a, b in zip(solo, batched, strict=True):
@@ -81,7 +90,11 @@ def test_closing_ends_running_and_queued_jobs_and_returns_their_buffers(folders:
     engine = Engine(pipeline, max_batch=2)  # one guided image at a time: the second job waits
     running = engine.submit([GenerationRequest("a red circle", steps=500)], timeout_s=60)
     queued = engine.submit([GenerationRequest("a blue square", steps=500)], timeout_s=60)
-    wait_until(lambda: engine.stats().progress.get(running.id, [(0, 0)])[0][0] >= 1)
+    wait_until(
+        lambda: engine.stats().progress.get(running.id, [(0, 0)])[0][0] >= 1,
+        60,
+        "the running job's first step",
+    )
     engine.close()
     for job in (running, queued):
         assert isinstance(job.future.exception(timeout=60), Draining)

@@ -15,9 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from PIL import Image
 
-from server.launch import LiveServer, live_server
+from tests.live import LiveServer, live_server
+
+# what `serve` shards over with its default `--devices auto`: every visible CUDA device, else cpu
+VISIBLE = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +172,15 @@ def test_models_and_shards_views(server: LiveServer) -> None:
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "diffshard-shapes"
     shards = httpx.get(f"{server.url}/v1/shards").json()
-    assert shards["plan"]["stages"][0]["device"] == "cpu"
-    cpu = shards["devices"]["cpu"]
-    assert cpu["blocks"][0] == "embed" and cpu["blocks"][-1] == "out"
-    assert cpu["memory"]["shard_bytes"] > 10 * 2**20  # the built-in UNet's 17 MiB in float32
+    assert shards["plan"]["stages"][0]["device"] == VISIBLE[0]
+    assert shards["plan"]["dtype"] == ("float32" if VISIBLE == ["cpu"] else "bfloat16")  # dtype auto
+    devices = shards["devices"]
+    assert set(devices) <= set(VISIBLE)
+    blocks = [block for device in devices.values() for block in device["blocks"]]
+    assert blocks[0] == "embed" and blocks[-1] == "out"
+    # the built-in UNet's 17 MiB in float32, half that in bfloat16
+    scale = torch.finfo(getattr(torch, shards["plan"]["dtype"])).bits / 32
+    assert sum(device["memory"]["shard_bytes"] for device in devices.values()) > 10 * 2**20 * scale
     assert "ModelShard(UNet2DConditionModel" in shards["text"]
 
 
@@ -196,7 +205,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
         ),
         (["--devices", "cuda:7"], {}, ["--devices (DIFFSHARD_DEVICES)", "cuda:7"]),
         (["--api-key-file", "/nonexistent"], {}, ["--api-key-file", "cannot read /nonexistent"]),
-        (["--max-memory", "cpu=1MiB"], {}, ["cpu", "short"]),
+        (["--max-memory", ",".join(f"{device}=1MiB" for device in VISIBLE)], {}, [VISIBLE[0], "short"]),
     ],
 )
 def test_bad_settings_fail_fast_saying_what_to_fix(args, env, words, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A real Prometheus (Debian's `prometheus` package, installed here if missing) scrapes a live
+"""A real Prometheus (Debian's `prometheus` package, which `make test` installs) scrapes a live
 `python -m server serve`: every PromQL expression of the Grafana dashboard must return a
 series, so a panel naming a metric we do not export fails. promtool checks the scrape
 config and alert rules and runs the rules' unit tests."""
@@ -6,11 +6,9 @@ config and alert rules and runs the rules' unit tests."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +16,9 @@ import httpx
 import pytest
 import torch
 
-from server.launch import free_port, live_server
 from server.metrics import CATALOG, PREFIX
+from tests.live import free_port, live_server
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "diffshard.json"
@@ -28,21 +27,15 @@ DEADLINE_S = 60
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$device": ".*"}
 
 
-def ensure_prometheus() -> None:
-    """Install Debian's prometheus (server and promtool) unless both are on PATH."""
-    if shutil.which("prometheus") and shutil.which("promtool"):
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
-        subprocess.run(install, env=env, capture_output=True, check=True)
-    assert shutil.which("prometheus") and shutil.which("promtool"), "prometheus did not install"
-
-
 @pytest.fixture(scope="module")
 def prometheus_installed() -> None:
-    ensure_prometheus()
+    """Debian's prometheus (server and promtool) on PATH; the Makefile installs it, not the test."""
+    missing = [binary for binary in ("prometheus", "promtool") if not shutil.which(binary)]
+    if missing:
+        not_found = ", ".join(missing)
+        pytest.fail(
+            f"prometheus is not installed: run `make test`, which installs it ({not_found} not on PATH)"
+        )
 
 
 @pytest.mark.parametrize(
@@ -109,19 +102,17 @@ def query(api: str, expr: str) -> list:
 
 
 def wait_for_series(api: str, expr: str) -> list:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
+    def series() -> list:
         try:
-            result = query(api, expr)
+            return query(api, expr)
         except httpx.HTTPError:  # Prometheus is still starting
-            result = []
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"no series for {expr} within {DEADLINE_S} s"
+            return []
+
+    return wait_until(series, DEADLINE_S, f"a series for {expr}")
 
 
 def test_every_dashboard_query_returns_a_series(prometheus) -> None:
-    _, api = prometheus
+    url, api = prometheus
     # three scrapes at least: rate() over the window needs two samples
     wait_for_series(api, f'count_over_time({PREFIX}_queue_depth{{job="diffshard"}}[1m]) >= 3')
     cuda_only = {f.name for f in CATALOG if f.cuda_only}
@@ -138,7 +129,12 @@ def test_every_dashboard_query_returns_a_series(prometheus) -> None:
         if not query(api, promql):
             empty.append(expr)
     assert not empty, f"dashboard queries with no series: {empty}"
+    # the $device variable's values: the devices the server shards over, which `--devices auto`
+    # draws from every visible CUDA device, else cpu
+    visible = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+    served = list(httpx.get(f"{url}/v1/shards").json()["devices"])
+    assert served[:1] == visible[:1] and set(served) <= set(visible), served
     devices = httpx.get(
         f"{api}/api/v1/label/device/values", params={"match[]": f"{PREFIX}_shard_parameter_bytes"}
     ).json()["data"]
-    assert devices == ["cpu"]  # the $device variable's values
+    assert devices == sorted(served)

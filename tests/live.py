@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from tests.waiting import wait_until
+
 STARTUP_DEADLINE_S = 120
 
 
@@ -38,14 +40,19 @@ class LiveServer:
             return json.load(response)
 
     def wait_for(self, condition: Callable[[dict], bool], timeout_s: float = 60) -> dict:
-        """Poll /v1/stats until `condition` holds; AssertionError with the last reading at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            if condition(stats):
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not reached within {timeout_s} s; last stats: {stats}")
+        """Poll /v1/stats, with a short backoff, until `condition` holds; AssertionError with the
+        last reading at the deadline."""
+        last: dict = {}
+
+        def reading() -> dict | None:
+            nonlocal last
+            last = self.stats()
+            return last if condition(last) else None
+
+        try:
+            return wait_until(reading, timeout_s, "/v1/stats meeting the condition")
+        except AssertionError as missed:
+            raise AssertionError(f"{missed}; last stats: {last}") from None
 
 
 def _pump(stream, lines: queue.Queue, log: list[str]) -> None:
