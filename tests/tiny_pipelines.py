@@ -12,6 +12,9 @@ from diffusers import (
     AutoencoderKL,
     DDIMScheduler,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -112,3 +115,55 @@ def build_sdxl_folder(folder: Path) -> Path:
 
 
 BUILDERS = {"sd15": build_sd15_folder, "sdxl": build_sdxl_folder}
+
+
+# Stable Diffusion 3: an MMDiT over 16-channel latents, two CLIP encoders with projections, and no T5
+# (the pipeline then feeds zeros in its place). Scheduler and VAE factors are SD3-medium's.
+SD3_SCHEDULE = {"num_train_timesteps": 1000, "shift": 3.0}
+SD3_LATENT_CHANNELS = 16
+
+
+def _sd3_transformer(**extra) -> SD3Transformer2DModel:
+    """Tiny MMDiT: 4 heads × 8 = 32 = caption_projection_dim, as the blocks require."""
+    config = {
+        "sample_size": IMAGE_SIZE // 2,
+        "patch_size": 2,
+        "in_channels": SD3_LATENT_CHANNELS,
+        "out_channels": SD3_LATENT_CHANNELS,
+        "num_layers": 3,
+        "attention_head_dim": 8,
+        "num_attention_heads": 4,
+        "caption_projection_dim": 32,
+        "joint_attention_dim": 3 * TEXT_DIM,  # wider than both CLIPs side by side, as 4096 > 768 + 1280
+        "pooled_projection_dim": 2 * TEXT_DIM,  # both CLIPs' projections side by side
+        "pos_embed_max_size": IMAGE_SIZE // 2,
+    }
+    return SD3Transformer2DModel(**{**config, **extra})
+
+
+def build_sd3_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    StableDiffusion3Pipeline(
+        transformer=_sd3_transformer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULE),
+        vae=AutoencoderKL(
+            block_out_channels=(16, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=SD3_LATENT_CHANNELS,
+            norm_num_groups=8,
+            sample_size=IMAGE_SIZE,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text_encoder=CLIPTextModelWithProjection(_text_config(tokenizer, projection_dim=TEXT_DIM)),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, projection_dim=TEXT_DIM)),
+        tokenizer_2=tokenizer,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
