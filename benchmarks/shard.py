@@ -32,10 +32,11 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
-from server.architectures import UNET_CONFIGS
 from server.engine import ModelShard, ShardPlan, layout_of, plan_shards
-from server.engine.blocks import DenoiserInputs, UNetSpec
+from server.engine.blocks import DenoiserInputs
 from server.engine.memory import retain_freed_host_memory
+from server.engine.unet import UNetSpec
+from server.pipeline.families.sd import SD
 
 TARGET_RATIO = 1.02
 Forward = Callable[[DenoiserInputs], torch.Tensor]
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     latent, batch, dtype = (16 if args.quick else 32), 2, torch.bfloat16
     retained = retain_freed_host_memory()  # the same for every variant; halves run-to-run noise
 
-    model = build_unet(UNET_CONFIGS["sd15"], dtype)
+    model = build_unet(SD.reference_configs["sd15"], dtype)
     inputs = UNetSpec().example_inputs(model, batch, latent, dtype, torch.device("cpu"))
     rows = measure(model, inputs, rounds)
     for row in rows:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     retain_freed_host_memory()
     pipeline = Pipeline.load(devices="cpu")
-    unet, size = pipeline.components.unet, pipeline.components.unet.config.sample_size
+    unet, size = pipeline.components.denoiser, pipeline.components.denoiser.config.sample_size
     generator = torch.Generator().manual_seed(0)
     dim = unet.config.cross_attention_dim
     inputs = {

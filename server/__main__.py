@@ -1,5 +1,7 @@
 """Command line: `python -m server serve ...` runs the HTTP service; `python -m server plan ...`
-prints how a UNet would be split across devices."""
+prints how a model's denoiser would be split across devices. Both take their shared options
+(devices, strategy, budgets, dtype, batch, pixels) from the one settings class, with the same
+defaults, so the plan `plan` prints is the plan `serve` runs."""
 
 from __future__ import annotations
 
@@ -14,13 +16,34 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from server.app import Runtime, create_app
-from server.architectures import UNET_CONFIGS, VAE_SCALE_FACTOR, meta_unet, meta_unet_from_folder
-from server.config import DTYPES, Settings
-from server.engine import PlanError, plan_shards
-from server.engine.plan import STRATEGIES
+from server.app import create_app
+from server.config import Settings
+from server.engine import ShardPlan, Strategy
+from server.errors import ConfigError, PlanError
+from server.pipeline.families import Family, reference_family, reference_names
+from server.pipeline.loader import read_family
+from server.pipeline.planning import largest_side, plan_model
+from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
+
+PLAN_SETTINGS = ("devices", "strategy", "max_memory", "dtype", "max_batch", "max_pixels")
+
+
+def _add_setting(parser: argparse.ArgumentParser, name: str) -> None:
+    """A flag for a settings field: its description, environment variable and default."""
+    info = Settings.model_fields[name]
+    default = "the built-in model" if name == "model" else info.default
+    default = getattr(default, "value", default)  # enums print as their value
+    flag, env = f"--{name.replace('_', '-')}", f"env DIFFSHARD_{name.upper()}"
+    if info.annotation is bool:
+        parser.add_argument(
+            flag, dest=name, action="store_const", const=True, help=f"{info.description} ({env})"
+        )
+        return
+    help_text = f"{info.description} ({env}; default: {default})"
+    metavar = name.removesuffix("_s").split("_")[-1].upper()
+    parser.add_argument(flag, dest=name, metavar=metavar, help=help_text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,29 +51,24 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the HTTP service (OpenAI Images API) under uvicorn")
-    # every setting is a flag: the settings class is the one list of them
-    for name, info in Settings.model_fields.items():
-        default = "the built-in model" if name == "model" else info.default
-        flag, env = f"--{name.replace('_', '-')}", f"env DIFFSHARD_{name.upper()}"
-        if info.annotation is bool:
-            help_text = f"{info.description} ({env})"
-            serve.add_argument(flag, dest=name, action="store_const", const=True, help=help_text)
-        else:
-            help_text = f"{info.description} ({env}; default: {default})"
-            metavar = name.removesuffix("_s").split("_")[-1].upper()
-            serve.add_argument(flag, dest=name, metavar=metavar, help=help_text)
+    for name in Settings.model_fields:  # every setting is a flag: the settings class is the one list
+        _add_setting(serve, name)
 
     plan = commands.add_parser("plan", help="plan a shard split and print it; loads no weights")
-    model = plan.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="a diffusers pipeline folder (or its unet/)")
-    model.add_argument("--config", choices=sorted(UNET_CONFIGS), help="a well-known architecture")
-    plan.add_argument("--devices", default="auto", help="auto | cpu,cpu | cuda:0,cuda:1 (default: auto)")
-    plan.add_argument("--strategy", choices=STRATEGIES, default="even")
-    plan.add_argument("--max-memory", help="per-device budgets, e.g. cuda:0=20GiB,cpu=64GiB")
-    plan.add_argument("--device-map", help="explicit strategy: block=device,... or a JSON file of them")
-    plan.add_argument("--resolution", type=int, help="image side in pixels (default: the model's native)")
-    plan.add_argument("--batch", type=int, default=2, help="UNet batch, CFG rows included (default: 2)")
-    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    model = plan.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, help="a diffusers pipeline folder (default: the built-in model)")
+    model.add_argument("--config", choices=reference_names(), help="a well-known architecture instead")
+    for name in PLAN_SETTINGS:
+        _add_setting(plan, name)
+    plan.add_argument(
+        "--device-map",
+        help="the explicit strategy's block=device,... or a JSON file of them (--strategy explicit)",
+    )
+    plan.add_argument(
+        "--resolution",
+        type=int,
+        help="image side in pixels the reserve is sized for (default: the largest allowed)",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -66,38 +84,52 @@ def _device_map(text: str | None) -> dict[str, str] | None:
     return {block.strip(): device.strip() for block, device in pairs}
 
 
-def plan_command(args: argparse.Namespace) -> None:
-    if args.model:
-        unet, scale = meta_unet_from_folder(args.model)
-    else:
-        unet, scale = meta_unet(args.config), VAE_SCALE_FACTOR
-    if args.resolution is not None and (args.resolution <= 0 or args.resolution % scale):
-        raise PlanError(f"--resolution must be a positive multiple of {scale}, got {args.resolution}")
-    plan = plan_shards(
-        unet,
-        args.devices,
-        args.strategy,
-        max_memory=args.max_memory,
-        device_map=_device_map(args.device_map),
-        dtype=DTYPES[args.dtype],
-        latent_size=args.resolution // scale if args.resolution else None,
-        batch=args.batch,
-    )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
-
-
-def _settings(args: argparse.Namespace) -> Settings:
+def _settings(args: argparse.Namespace, **overrides: object) -> Settings:
     """Flags over environment over defaults, validated; errors name the flag and its variable."""
     given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     try:
-        return Settings(**{name: value for name, value in given.items() if value is not None})
+        return Settings(**{name: value for name, value in given.items() if value is not None} | overrides)
     except ValidationError as err:
         problems = []
         for error in err.errors():
             name = str(error["loc"][0]) if error["loc"] else "settings"
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"--{name.replace('_', '-')} (DIFFSHARD_{name.upper()}): {message}")
-        raise ValueError("; ".join(problems)) from None
+        raise ConfigError("; ".join(problems)) from None
+
+
+def plan_for(
+    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
+) -> ShardPlan:
+    """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
+    options.setdefault("side", largest_side(family, settings.max_pixels))
+    return plan_model(
+        family,
+        settings.devices,
+        options.pop("strategy", settings.strategy),
+        dtype=settings.torch_dtype,
+        batch=settings.max_batch,
+        max_memory=settings.max_memory,
+        folder=folder,
+        **options,
+    )
+
+
+def plan_command(args: argparse.Namespace) -> None:
+    explicit = args.strategy == Strategy.EXPLICIT
+    settings = _settings(args, **({"strategy": Strategy.MEMORY} if explicit else {}))
+    family = reference_family(args.config) if args.config else read_family(settings.model)
+    options: dict = (
+        {"strategy": Strategy.EXPLICIT, "device_map": _device_map(args.device_map)} if explicit else {}
+    )
+    if args.resolution is not None:
+        if args.resolution <= 0 or args.resolution % family.size_multiple:
+            raise PlanError(
+                f"--resolution must be a positive multiple of {family.size_multiple}, got {args.resolution}"
+            )
+        options["side"] = args.resolution
+    plan = plan_for(settings, family, folder=None if args.config else settings.model, **options)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
 
 
 class DrainingServer(uvicorn.Server):
@@ -105,9 +137,10 @@ class DrainingServer(uvicorn.Server):
     while the listening socket stays open, in-flight requests finish (up to the drain timeout),
     then the server exits 0. A second signal stops it at once."""
 
-    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.runtime = runtime
+        self.drain_timeout_s = drain_timeout_s
         self.draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -119,29 +152,28 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="diffshard-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        timeout = self.runtime.settings.drain_timeout_s
+        timeout = self.drain_timeout_s
         log.info("draining: refusing new requests, waiting up to %g s for those in flight", timeout)
         if not self.runtime.drain(timeout):
             log.warning("drain timeout: the requests still in flight are answered 503")
-            if self.runtime.engine is not None:
-                self.runtime.engine.close()  # their clients still listen: answer them now
+            if self.runtime.service is not None:
+                self.runtime.service.close()  # their clients still listen: answer them now
         self.should_exit = True
 
 
 def serve_command(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    # Plan on the meta device first: a split that cannot fit fails here, before any weight loads.
-    unet, _ = meta_unet_from_folder(settings.model)
-    plan_shards(
-        unet,
-        settings.devices,
-        "even" if settings.strategy == "even" else "memory",
-        max_memory=settings.max_memory,
-        dtype=settings.torch_dtype,
-    )
+    # Plan once, on the meta device: a split that cannot fit fails here, before any weight loads;
+    # the server then loads the model with this very plan.
+    plan = plan_for(settings, read_family(settings.model), folder=settings.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    runtime: Runtime = app.state.runtime
+    server: DrainingServer | None = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, plan, on_fatal=stop)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -149,12 +181,8 @@ def serve_command(args: argparse.Namespace) -> int:
         log_config=None,
         timeout_graceful_shutdown=5,  # after the drain: responses already computed go out
     )
-    server = DrainingServer(config, runtime)
-
-    def stop() -> None:
-        server.should_exit = True
-
-    runtime.on_fatal = stop
+    runtime: Runtime = app.state.runtime
+    server = DrainingServer(config, runtime, settings.drain_timeout_s)
     server.run()
     return 1 if runtime.status == "failed" or not server.started else 0
 
@@ -165,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve_command(args)
         plan_command(args)
-    except (ValueError, FileNotFoundError) as err:  # PlanError and DeviceError are ValueErrors
+    except (ValueError, FileNotFoundError) as err:  # ConfigErrors (plan, device, folder) are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

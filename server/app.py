@@ -1,9 +1,10 @@
-"""The FastAPI application: `create_app(settings)` wires routes and error handlers; its lifespan
-loads the model in a worker thread, so /livez answers and /readyz says 503 while weights load.
+"""The FastAPI application: `create_app(settings, plan)` wires routes, error handlers and metrics;
+its lifespan loads the model in a worker thread, so /livez answers and /readyz says 503 while
+weights load.
 
-Nothing is built at import time: `python -m server serve` validates the settings, plans the
-split on the meta device (a plan that cannot fit fails before any weight loads), then runs
-this app under uvicorn.
+Nothing is built at import time: `python -m server serve` validates the settings and plans the
+split on the meta device (a plan that cannot fit fails before any weight loads), then runs this
+app under uvicorn, which loads the model with that very plan.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
@@ -23,96 +23,60 @@ from server.api import health, routes
 from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.config import Settings, read_api_keys
+from server.engine import ShardPlan
 from server.engine.memory import retain_freed_host_memory
 from server.metrics import HttpMetrics, Metrics
-from server.pipeline.batcher import Engine
-from server.pipeline.denoise import Pipeline
+from server.pipeline import Pipeline
+from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
 
-STATUS = {
-    "loading": "the model is loading; retry shortly",
-    "ready": "ready",
-    "draining": "the server is shutting down",
-    "failed": "the model failed to load",
-}
 
-
-@dataclass
-class Runtime:
-    """What the routes read: settings, keys and, once loaded, the engine that owns the pipeline."""
-
-    settings: Settings
-    api_keys: frozenset[str] | None
-    engine: Engine | None = None
-    status: str = "loading"  # loading → ready → draining, or loading → failed
-    error: str | None = None
-    load_seconds: float | None = None
-    started: int = field(default_factory=lambda: int(time.time()))
-    on_fatal: Callable[[], None] | None = None  # `serve` sets it: stop the server
-
-    @property
-    def serving(self) -> bool:
-        """Loaded, not draining, and the engine loop alive."""
-        if self.status == "ready" and self.engine is not None and not self.engine.alive:
-            self.status, self.error = "failed", "the engine loop stopped; the server log says why"
-        return self.status == "ready"
-
-    def status_message(self) -> str:
-        return STATUS[self.status] + (f": {self.error}" if self.error else "")
-
-    def drain(self, timeout_s: float) -> bool:
-        """Stop admitting (readyz and new requests say 503); wait for in-flight requests to end."""
-        if self.status == "ready":
-            self.status = "draining"
-        if self.engine is None:
-            return True
-        self.engine.stop_admitting()
-        return self.engine.wait_idle(timeout_s)
-
-
-def load_engine(settings: Settings) -> Engine:
+def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
+    """Load the model placed by `plan` (or by one made from the settings) behind a step loop."""
     retain_freed_host_memory()
     pipeline = Pipeline.load(
         settings.model,
+        plan=plan,
         devices=settings.devices,
         strategy=settings.strategy,
         dtype=settings.torch_dtype,
         max_memory=settings.max_memory,
     )
-    return Engine(
+    return Service(
         pipeline,
+        settings.served_name,
+        settings.limits,
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
         inject_faults=settings.inject_faults,
     )
 
 
-async def _load(runtime: Runtime) -> None:
+async def _load(app: FastAPI) -> None:
+    runtime: Runtime = app.state.runtime
+    settings: Settings = app.state.settings
     started = time.perf_counter()
     try:
-        engine = await asyncio.to_thread(load_engine, runtime.settings)
+        service = await asyncio.to_thread(load_service, settings, app.state.plan)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
-        log.error("cannot serve %s: %s", runtime.settings.model, runtime.error)
-        if runtime.on_fatal is not None:
-            runtime.on_fatal()
+        log.error("cannot serve %s: %s", settings.model, runtime.error)
+        if app.state.on_fatal is not None:
+            app.state.on_fatal()
         return
-    runtime.engine, runtime.load_seconds = engine, time.perf_counter() - started
+    runtime.service, runtime.load_seconds = service, time.perf_counter() - started
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
     log.info(
-        "ready: %s loaded in %.1f s\n%s",
-        runtime.settings.served_name,
-        runtime.load_seconds,
-        engine.pipeline.shard,
+        "ready: %s loaded in %.1f s\n%s", runtime.model_name, runtime.load_seconds, service.pipeline.shard
     )
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     runtime: Runtime = app.state.runtime
-    settings = runtime.settings
+    settings: Settings = app.state.settings
     exporter = None
     if settings.metrics_port:  # Prometheus scrapes its own port, apart from the API
         try:
@@ -121,7 +85,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.error("cannot serve metrics on port %d: %s (set --metrics-port)", settings.metrics_port, err)
             raise
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    loading = asyncio.create_task(_load(runtime))
+    loading = asyncio.create_task(_load(app))
     try:
         yield
     finally:
@@ -129,16 +93,26 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             exporter.shutdown()
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
-        if runtime.engine is not None:
-            await asyncio.to_thread(runtime.engine.close)
+        if runtime.service is not None:
+            await asyncio.to_thread(runtime.service.close)
 
 
-def create_app(settings: Settings, registry: CollectorRegistry | None = None) -> FastAPI:
-    """The app; its metrics go on `registry` (a fresh one by default), served on the metrics port."""
-    keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
+def create_app(
+    settings: Settings,
+    plan: ShardPlan | None = None,
+    *,
+    registry: CollectorRegistry | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app; it loads the model with `plan` (made from the settings if None). Its metrics go
+    on `registry` (a fresh one by default), served on the metrics port. `on_fatal` is called if
+    the model cannot load (`serve` stops the server)."""
     app = FastAPI(title="diffshard", version=__version__, lifespan=lifespan)
-    app.state.runtime = runtime = Runtime(settings, keys)
-    app.state.metrics = metrics = Metrics(registry or CollectorRegistry(), runtime)
+    app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
+    app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
+    dtype = str(settings.torch_dtype).removeprefix("torch.")
+    app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue)
+    app.state.metrics = metrics = Metrics(registry or CollectorRegistry(), runtime.snapshot)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)

@@ -1,27 +1,36 @@
-"""Every setting of the service, in one place: flags of `python -m server serve`, or environment
-variables `DIFFSHARD_<NAME>` (flags win). Validated once, at startup, with messages that say
-what to fix."""
+"""Every setting of the service, in one place: flags of `python -m server serve` (and, for those
+that shape a plan, of `python -m server plan`), or environment variables `DIFFSHARD_<NAME>`
+(flags win). Validated once, at startup, into typed values (a device list, byte budgets per
+device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.demo import MODEL_DIR
-from server.engine.devices import parse_memory_map, resolve_devices
-from server.engine.plan import STRATEGIES
-from server.pipeline.loader import check_folder
+from server.engine import Strategy
+from server.engine.devices import auto_dtype, parse_memory_map, resolve_devices
+from server.pipeline.families import pipeline_classes
+from server.pipeline.loader import read_family
+from server.serving import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILT_IN_NAME = "diffshard-shapes"
+SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
+
+Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
+Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DIFFSHARD_", frozen=True, protected_namespaces=())
+    model_config = SettingsConfigDict(
+        env_prefix="DIFFSHARD_", frozen=True, protected_namespaces=(), validate_default=True
+    )
 
     # Where to listen.
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in a container)")
@@ -29,13 +38,22 @@ class Settings(BaseSettings):
     metrics_port: int = Field(8001, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
 
     # What to serve, and where.
-    model: Path = Field(MODEL_DIR, description="a diffusers Stable Diffusion folder")
+    model: Path = Field(
+        MODEL_DIR, description=f"a diffusers pipeline folder: {', '.join(pipeline_classes())}"
+    )
     model_name: str | None = Field(None, description="the id /v1/models shows (default: the folder's name)")
-    devices: str = Field("auto", description="auto | cpu | cuda:0,cuda:1 ... (UNet stages, in order)")
-    strategy: str = Field("memory", description="how to split the UNet: even, memory or cost")
-    max_memory: str | None = Field(None, description="per-device budgets, e.g. cuda:0=20GiB,cuda:1=20GiB")
+    devices: Devices = Field(
+        "auto", description="auto (every GPU, else cpu) | cpu | cuda:0,cuda:1 ... in order"
+    )
+    strategy: Strategy = Field(Strategy.MEMORY, description="how to split the denoiser: even, memory or cost")
+    max_memory: Budgets = Field(
+        None,
+        description="per-device budgets, e.g. cuda:0=20GiB,cuda:1=20GiB (default on GPUs: free less 10%)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights' dtype; auto: bfloat16 on CUDA, float32 on CPU"
+        "auto",
+        description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs, "
+        "float32 when a stage runs on the CPU",
     )
     api_key_file: Path | None = Field(None, description="bearer keys, one a line; unset: no auth")
 
@@ -46,8 +64,10 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(2000, ge=1, description="characters of prompt or negative_prompt")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="bytes of a request body")
 
-    # The engine loop: batching, overload, deadlines, drain.
-    max_batch: int = Field(16, ge=1, le=1024, description="UNet rows per batched step (2 per guided image)")
+    # The step loop: batching, overload, deadlines, drain.
+    max_batch: int = Field(
+        16, ge=1, le=1024, description="denoiser rows per batched step (2 per guided image)"
+    )
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
     drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
@@ -56,27 +76,24 @@ class Settings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _model_folder(cls, folder: Path) -> Path:
-        check_folder(folder)  # a ModelFolderError (a ValueError) says what is wrong with it
+        read_family(folder)  # a ModelFolderError (a ValueError) says what is wrong with it
         return folder
-
-    @field_validator("devices")
-    @classmethod
-    def _devices(cls, devices: str) -> str:
-        resolve_devices(devices)
-        return devices
 
     @field_validator("strategy")
     @classmethod
-    def _strategy(cls, strategy: str) -> str:
-        if strategy not in STRATEGIES or strategy == "explicit":
-            raise ValueError(f"must be one of {', '.join(s for s in STRATEGIES if s != 'explicit')}")
+    def _strategy(cls, strategy: Strategy) -> Strategy:
+        if strategy not in SERVED_STRATEGIES:
+            raise ValueError(f"must be one of {', '.join(SERVED_STRATEGIES)}")
         return strategy
 
     @field_validator("max_memory")
     @classmethod
-    def _max_memory(cls, max_memory: str | None) -> str | None:
-        parse_memory_map(max_memory)
-        return max_memory
+    def _budgets_name_devices(cls, budgets: dict[str, int], info) -> dict[str, int]:
+        devices = info.data.get("devices", ())
+        for device in budgets:
+            if devices and device not in devices:
+                raise ValueError(f"names {device}, which is not among the devices {list(devices)}")
+        return budgets
 
     @field_validator("api_key_file")
     @classmethod
@@ -87,15 +104,23 @@ class Settings(BaseSettings):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        return DTYPES[self.dtype]
+        return auto_dtype(list(self.devices)) if self.dtype == "auto" else DTYPES[self.dtype]
 
     @property
     def served_name(self) -> str:
         if self.model_name:
             return self.model_name
         return BUILT_IN_NAME if self.model.resolve() == MODEL_DIR.resolve() else self.model.resolve().name
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_n=self.max_n,
+            max_steps=self.max_steps,
+            max_pixels=self.max_pixels,
+            max_prompt_chars=self.max_prompt_chars,
+            request_timeout_s=self.request_timeout_s,
+        )
 
 
 def read_api_keys(path: Path) -> frozenset[str]:

@@ -1,25 +1,24 @@
 """Prometheus metrics: device memory, the activation pool and serving, on a registry passed in.
 
-Nothing is global: `Metrics(registry, runtime)` registers
+Nothing is global: `Metrics(registry, snapshot)` registers
 - live HTTP families (requests by route and status, request duration), updated by
   `HttpMetrics`, an ASGI middleware;
 - one collector that reads everything else when Prometheus scrapes: per-device memory (the
   CUDA allocator, the device, the shard's weights; on CPU the host and the process), the
-  pool's counters and the engine's plain stats (queue, rows, step times, rejections).
+  pool's counters and the step loop's plain stats (queue, rows, step times, rejections), all
+  from one `Snapshot` that `snapshot()` returns (the serving layer's plain data).
 
 `CATALOG` lists every family (docs/metrics.md is its table; a test keeps the two in step).
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client import CollectorRegistry, Histogram
@@ -34,16 +33,15 @@ from prometheus_client.core import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import __version__
-from server.pipeline.batcher import Distribution
-
-if TYPE_CHECKING:
-    from server.app import Runtime
+from server.engine.memory import resident_bytes
+from server.engine.pool import PoolStats
+from server.serving.stats import DeviceView, Distribution, LoopStats, Snapshot
 
 PREFIX = "diffshard"
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Rejection reasons, always exported (0 until one happens) so dashboards and alerts see them.
 REASONS = ("queue_full", "timeout", "cancelled", "oom", "invalid", "unauthorized", "failed", "draining")
-ENGINE_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # engine stats key → label
+LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
 DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (empty on CPU)
 
 
@@ -121,11 +119,11 @@ def metric_name(family: Family) -> str:
 
 
 class Metrics:
-    """Every diffshard family on `registry`, reading `runtime` (settings, engine) at scrape time."""
+    """Every diffshard family on `registry`, reading `snapshot()` at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, runtime: Runtime) -> None:
+    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], Snapshot]) -> None:
         self.registry = registry
-        self.runtime = runtime
+        self.snapshot = snapshot
         self.http_requests = PromCounter(
             f"{PREFIX}_http_requests",
             "HTTP requests answered",
@@ -140,7 +138,7 @@ class Metrics:
             registry=registry,
         )
         # refusals only the HTTP layer sees; keys exist up front so a scrape never copies a growing dict
-        self.http_rejections: Counter[str] = Counter(invalid=0, unauthorized=0, draining=0)
+        self.http_rejections: Counter[str] = Counter(invalid=0, unauthorized=0)
         registry.register(_Collector(self))
 
 
@@ -183,87 +181,79 @@ class _Collector:
         return []  # families are built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        runtime = self.metrics.runtime
-        yield from self._build(runtime)
-        engine = runtime.engine
-        yield from self._serving(runtime, engine)
-        if engine is not None:
-            yield from self._devices(engine.pipeline)
-            yield from self._pool(engine.pipeline.pool)
+        snapshot = self.metrics.snapshot()
+        yield from self._build(snapshot)
+        yield from self._serving(snapshot)
+        yield from self._devices(snapshot.devices)
+        yield from self._pool(snapshot.pool)
         yield from self._process()
 
-    def _build(self, runtime: Runtime) -> Iterator[Metric]:
+    def _build(self, snapshot: Snapshot) -> Iterator[Metric]:
         info = InfoMetricFamily(f"{PREFIX}_build", "versions and the model")
-        settings = runtime.settings
         info.add_metric(
             [],
             {
                 "version": __version__,
                 "torch": torch.__version__,
                 "diffusers": version("diffusers"),
-                "model": settings.served_name,
-                "dtype": str(settings.torch_dtype).removeprefix("torch."),
+                "model": snapshot.model,
+                "dtype": snapshot.dtype,
             },
         )
         yield info
-        if runtime.load_seconds is not None:
+        if snapshot.load_seconds is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_model_load_duration_seconds",
                 "time to load and place the model",
-                runtime.load_seconds,
+                snapshot.load_seconds,
             )
 
-    def _serving(self, runtime: Runtime, engine) -> Iterator[Metric]:
-        stats = engine.stats() if engine is not None else None
+    def _serving(self, snapshot: Snapshot) -> Iterator[Metric]:
+        stats = snapshot.loop or LoopStats()  # zeros while the model loads
         gauges = {
-            "queue_depth": stats.queue_depth if stats else 0,
-            "queue_capacity": runtime.settings.max_queue,
-            "running_requests": stats.active_jobs if stats else 0,
-            "running_rows": stats.active_rows if stats else 0,
+            "queue_depth": stats.queue_depth,
+            "queue_capacity": snapshot.queue_capacity,
+            "running_requests": stats.active_jobs,
+            "running_rows": stats.active_rows,
         }
         for name, value in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", _help(name), value)
         rejections = CounterMetricFamily(f"{PREFIX}_rejections", _help("rejections_total"), labels=["reason"])
         counts = Counter(self.metrics.http_rejections)
-        for reason, n in stats.rejected.items() if stats else ():
-            counts[ENGINE_REASONS.get(reason, reason)] += n
+        for reason, n in stats.rejected.items():
+            counts[LOOP_REASONS.get(reason, reason)] += n
         for reason in dict.fromkeys((*REASONS, *counts)):
             rejections.add_metric([reason], counts[reason])
         yield rejections
         yield CounterMetricFamily(
-            f"{PREFIX}_images_generated",
-            _help("images_generated_total"),
-            stats.images_completed if stats else 0,
+            f"{PREFIX}_images_generated", _help("images_generated_total"), stats.images_completed
         )
-        if stats is not None:
+        if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
             yield _histogram("batch_rows", stats.rows_per_step)
 
-    def _devices(self, pipeline) -> Iterator[Metric]:
-        shard = pipeline.shard
+    def _devices(self, devices: dict[str, DeviceView]) -> Iterator[Metric]:
+        if not devices:
+            return
         families = {
             f.name: GaugeMetricFamily(f"{PREFIX}_{f.name}", f.help, labels=DEVICE_LABELS)
             for f in CATALOG
             if f.labels == DEVICE_LABELS
         }
-        for device, memory in shard.memory().items():
-            labels = _device_labels(device)
+        for device, view in devices.items():
+            labels, memory = _device_labels(device), view.memory
             families["shard_parameter_bytes"].add_metric(labels, memory.shard_bytes)
-            families["shard_blocks"].add_metric(labels, len(shard.blocks_on(device)))
+            families["shard_blocks"].add_metric(labels, len(view.blocks))
             if memory.allocated is not None:  # CUDA
                 families["device_allocated_bytes"].add_metric(labels, memory.allocated)
                 families["device_reserved_bytes"].add_metric(labels, memory.reserved or 0)
                 families["device_peak_allocated_bytes"].add_metric(labels, memory.peak or 0)
-                families["device_free_bytes"].add_metric(labels, memory.free or 0)
-                families["device_total_bytes"].add_metric(labels, memory.total or 0)
-            else:
-                free, total = _host_memory()
-                families["device_free_bytes"].add_metric(labels, free)
-                families["device_total_bytes"].add_metric(labels, total)
+            families["device_free_bytes"].add_metric(labels, memory.free or 0)
+            families["device_total_bytes"].add_metric(labels, memory.total or 0)
         yield from families.values()
 
-    def _pool(self, pool) -> Iterator[Metric]:
+    def _pool(self, pool: dict[str, PoolStats]) -> Iterator[Metric]:
         pooled = GaugeMetricFamily(
             f"{PREFIX}_pool_pooled_bytes", _help("pool_pooled_bytes"), labels=["device"]
         )
@@ -276,7 +266,7 @@ class _Collector:
         evictions = CounterMetricFamily(
             f"{PREFIX}_pool_evictions", _help("pool_evictions_total"), labels=["device"]
         )
-        for device, stats in pool.stats().items():
+        for device, stats in pool.items():
             pooled.add_metric([device], stats.bytes_pooled)
             in_use.add_metric([device], stats.bytes_in_use)
             rents.add_metric([device, "hit"], stats.hits)
@@ -286,7 +276,7 @@ class _Collector:
 
     def _process(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
-            f"{PREFIX}_process_resident_bytes", _help("process_resident_bytes"), _resident_bytes()
+            f"{PREFIX}_process_resident_bytes", _help("process_resident_bytes"), resident_bytes()
         )
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
         yield GaugeMetricFamily(
@@ -319,18 +309,3 @@ def _device_labels(device: str) -> list[str]:
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
     return [device, str(index), f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid]
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of the host's RAM, from /proc/meminfo."""
-    fields = {}
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            name, value = line.split(":", 1)
-            fields[name] = int(value.split()[0]) * 1024
-    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from tests.tiny_pipelines import BUILDERS
+from tests.tiny_pipelines import BUILDERS, build_sd3_folder
 
 
 def tiny_sd15_unet() -> UNet2DConditionModel:
@@ -57,6 +57,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/tiny_pipelines.py), built once."""
     root = tmp_path_factory.mktemp("tiny")
     return {kind: build(root / kind) for kind, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD3-shaped pipeline folder (an MMDiT, two CLIP encoders, no T5), built once."""
+    return build_sd3_folder(tmp_path_factory.mktemp("tiny") / "sd3")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from server.architectures import meta_unet
 from server.engine import layout_of
 from server.engine.blocks import SkipEdge
 from server.engine.flow import trace_flow
+from server.pipeline.families import meta_denoiser, reference_family
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 
 
@@ -44,7 +44,9 @@ def test_sdxl_embed_block_owns_the_added_embeddings() -> None:
 
 @pytest.mark.parametrize("name", ["sd15", "sd21", "sdxl"])
 def test_full_size_layouts_cover_every_parameter(name: str) -> None:
-    layout = layout_of(meta_unet(name))  # raises if a parameter is in no block or in two
+    layout = layout_of(
+        meta_denoiser(reference_family(name))
+    )  # raises if a parameter is in no block or in two
     assert layout.names[0] == "embed" and layout.names[-1] == "out"
     assert sum(edge.count for edge in layout.skips) == (12 if name != "sdxl" else 9)
 

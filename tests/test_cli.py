@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
@@ -16,7 +18,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_plan_sd15_memory_json() -> None:
-    done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu,cpu", "--strategy", "memory", "--json")
+    done = run_cli(
+        "plan",
+        "--config",
+        "sd15",
+        "--devices",
+        "cpu,cpu,cpu",
+        "--strategy",
+        "memory",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["strategy"] == "memory" and plan["dtype"] == "bfloat16"
@@ -39,13 +52,31 @@ def test_plan_table_for_sdxl() -> None:
 def test_errors_are_one_line_with_exit_code_2() -> None:
     done = run_cli("plan", "--config", "sd15", "--devices", "cuda:3")
     assert done.returncode == 2
-    assert done.stderr.startswith("error: unknown device 'cuda:3'")
+    assert done.stderr.startswith("error: --devices (DIFFSHARD_DEVICES): unknown device 'cuda:3'")
     done = run_cli(
         "plan", "--config", "sd15", "--devices", "cpu", "--strategy", "memory", "--max-memory", "cpu=1GiB"
     )
     assert done.returncode == 2 and "short" in done.stderr
 
 
-def test_model_folder_without_a_unet(tmp_path) -> None:
+def test_model_folder_that_is_not_a_pipeline(tmp_path) -> None:
     done = run_cli("plan", "--model", str(tmp_path))
-    assert done.returncode == 2 and "unet/config.json" in done.stderr
+    assert (
+        done.returncode == 2
+        and "--model (DIFFSHARD_MODEL)" in done.stderr
+        and "model_index.json" in done.stderr
+    )
+
+
+def test_plan_and_serve_share_their_defaults() -> None:
+    """With no options, `plan` prints the plan `serve` runs: the built-in model, every GPU else
+    the CPU, the memory strategy, the dtype for those devices, reserve for --max-batch rows."""
+    done = run_cli("plan", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    gpu = torch.cuda.is_available()
+    assert plan["strategy"] == "memory" and plan["batch"] == 16
+    assert plan["stages"][0]["device"] == ("cuda:0" if gpu else "cpu")
+    assert gpu or plan["dtype"] == "float32"
+    assert plan["latent_size"] == 1024 // 4  # the largest allowed side (1024²) through the 4x VAE
+    assert plan["devices"][0]["other_bytes"] > 0  # the text encoder and VAE share the first device

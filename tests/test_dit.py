@@ -9,28 +9,12 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-from server.engine import ModelShard, layout_of, plan_shards, register_spec
-from server.engine.blocks import spec_for, tensor_bytes
-from server.engine.dit import CLIP_TOKENS, T5_TOKENS, SD3TransformerSpec
+from server.engine import ModelShard, layout_of, plan_shards, spec_for
+from server.engine.blocks import tensor_bytes
+from server.engine.dit import CLIP_TOKENS, T5_TOKENS
 from server.engine.flow import trace_flow
+from server.pipeline.families import meta_denoiser, reference_family
 from tests.tiny_pipelines import IMAGE_SIZE, _sd3_transformer, build_sd3_folder
-
-register_spec(SD3Transformer2DModel, SD3TransformerSpec)
-
-# stabilityai/stable-diffusion-3-medium-diffusers, transformer/config.json
-SD3_MEDIUM = {
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "num_layers": 24,
-    "attention_head_dim": 64,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1536,
-    "pooled_projection_dim": 2048,
-    "out_channels": 16,
-    "pos_embed_max_size": 192,
-}
 
 
 def tiny_sd3_transformer() -> SD3Transformer2DModel:
@@ -97,8 +81,7 @@ def test_only_the_two_token_streams_and_the_timestep_embedding_cross_a_boundary(
 
 
 def test_sd3_medium_plans_on_the_meta_device_over_two_cpus() -> None:
-    with torch.device("meta"):
-        model = SD3Transformer2DModel(**SD3_MEDIUM)
+    model = meta_denoiser(reference_family("sd3"))  # SD3-medium's transformer config
     plan = plan_shards(model, "cpu,cpu", "memory")
     blocks = [f"transformer_blocks.{i}" for i in range(24)]
     assert plan.blocks == ("embed", *blocks, "out")

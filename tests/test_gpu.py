@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine import ModelShard, layout_of, plan_shards
-from server.engine.blocks import spec_for
-from server.pipeline.denoise import GenerationRequest, Pipeline
+from server.engine import ModelShard, layout_of, plan_shards, spec_for
+from server.pipeline import GenerationRequest, Pipeline
 
 pytestmark = pytest.mark.gpu
 

@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from server.demo import MODEL_DIR
-from server.pipeline.loader import ModelFolderError, load_components
+from server.errors import ModelFolderError
+from server.pipeline.loader import load_components
 
 
 def test_built_in_model_loads_every_component_in_the_asked_dtype() -> None:
     parts = load_components(MODEL_DIR, dtype=torch.bfloat16)
-    assert parts.kind == "sd" and len(parts.text_encoders) == 1 and len(parts.tokenizers) == 1
-    assert next(parts.unet.parameters()).dtype == torch.bfloat16
+    assert parts.family.name == "sd" and len(parts.text_encoders) == 1 and len(parts.tokenizers) == 1
+    assert next(parts.denoiser.parameters()).dtype == torch.bfloat16
     assert next(parts.text_encoders[0].parameters()).dtype == torch.bfloat16
     assert type(parts.scheduler).__name__ == "DDIMScheduler"
 

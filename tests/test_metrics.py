@@ -9,37 +9,35 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from server.app import Runtime
-from server.config import Settings
 from server.metrics import CATALOG, Metrics, metric_name
-from server.pipeline.batcher import Engine
-from server.pipeline.denoise import GenerationRequest, Pipeline
+from server.pipeline import GenerationRequest, Pipeline
+from server.serving import Runtime, Service
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def served(folders: dict[str, Path]):
-    """A runtime whose engine ran real generations, and the metrics registry reading it."""
+    """A runtime whose service ran real generations, and the metrics registry reading it."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu,cpu", strategy="even")
-    runtime = Runtime(Settings(model=folders["sd15"], max_queue=7), api_keys=None)
-    runtime.engine, runtime.load_seconds = Engine(pipeline, max_batch=8), 1.5
+    runtime = Runtime("tiny-sd15", "float32", queue_capacity=7)
+    runtime.service, runtime.load_seconds = Service(pipeline, "tiny-sd15", max_queue=7, max_batch=8), 1.5
     registry = CollectorRegistry()
-    metrics = Metrics(registry, runtime)
+    metrics = Metrics(registry, runtime.snapshot)
     jobs = [
-        runtime.engine.submit([GenerationRequest("a red circle", seed=s, steps=3) for s in range(n)], 60)
+        runtime.service.submit([GenerationRequest("a red circle", seed=s, steps=3) for s in range(n)])
         for n in (1, 2)
     ]
     for job in jobs:
         job.future.result(timeout=60)
     yield runtime, registry, metrics
-    runtime.engine.close()
+    runtime.service.close()
 
 
 def test_values_equal_the_pool_shard_and_engine_state(served) -> None:
     runtime, registry, _ = served
     value = registry.get_sample_value
-    pipeline, stats = runtime.engine.pipeline, runtime.engine.stats()
+    pipeline, stats = runtime.service.pipeline, runtime.service.stats()
 
     for device, pool in pipeline.pool.stats().items():
         assert value("diffshard_pool_pooled_bytes", {"device": device}) == pool.bytes_pooled > 0
@@ -66,10 +64,10 @@ def test_values_equal_the_pool_shard_and_engine_state(served) -> None:
 
 def test_rejections_join_engine_and_http_reasons(served) -> None:
     runtime, registry, metrics = served
-    engine = runtime.engine
-    engine.stop_admitting()
+    service = runtime.service
+    service.drain(timeout_s=0)
     with pytest.raises(Exception, match="shutting down"):
-        engine.submit([GenerationRequest("a red circle", steps=2)], 60)
+        service.submit([GenerationRequest("a red circle", steps=2)])
     metrics.http_rejections["unauthorized"] += 2  # as HttpMetrics counts a 401
     value = registry.get_sample_value
     assert value("diffshard_rejections_total", {"reason": "draining"}) == 1
@@ -95,12 +93,12 @@ def test_every_family_is_named_by_convention_and_documented(served) -> None:
 @pytest.mark.gpu
 def test_cuda_values_equal_the_allocator(folders: dict[str, Path]) -> None:
     pipeline = Pipeline.load(folders["sd15"], devices="cuda:0,cpu", strategy="even")
-    runtime = Runtime(Settings(model=folders["sd15"]), api_keys=None)
-    runtime.engine = Engine(pipeline)
+    runtime = Runtime("tiny-sd15", "float32", queue_capacity=64)
+    runtime.service = Service(pipeline, "tiny-sd15")
     registry = CollectorRegistry()
-    Metrics(registry, runtime)
+    Metrics(registry, runtime.snapshot)
     try:
-        runtime.engine.submit([GenerationRequest("a red circle", steps=3)], 60).future.result(timeout=60)
+        runtime.service.submit([GenerationRequest("a red circle", steps=3)]).future.result(timeout=60)
         torch.cuda.synchronize()
         index = torch.cuda.current_device()
         uuid = str(torch.cuda.get_device_properties(index).uuid)
@@ -115,4 +113,4 @@ def test_cuda_values_equal_the_allocator(folders: dict[str, Path]) -> None:
         assert value("diffshard_device_total_bytes", labels) == torch.cuda.mem_get_info(0)[1]
         assert value("diffshard_shard_parameter_bytes", labels) == pipeline.shard.param_bytes()["cuda:0"]
     finally:
-        runtime.engine.close()
+        runtime.service.close()

@@ -14,10 +14,11 @@ from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 
 from server.demo import MODEL_DIR
-from server.pipeline.denoise import GenerationRequest, Pipeline, RequestError
+from server.errors import InvalidRequest
+from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.images import encode_png, encode_png_async, to_uint8
 from server.pipeline.schedulers import SCHEDULER_NAMES, make_scheduler
-from tests.tiny_pipelines import BUILDERS, IMAGE_SIZE
+from tests.tiny_pipelines import BUILDERS, IMAGE_SIZE, diffusers_image
 
 REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
@@ -32,16 +33,7 @@ def reference(folder: Path, kind: str, request: GenerationRequest) -> np.ndarray
     pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
-    return pipe(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
-        height=request.height,
-        width=request.width,
-        output_type="np",
-    ).images[0]
+    return diffusers_image(pipe, request)
 
 
 def differs(a: np.ndarray, b: np.ndarray) -> float:
@@ -83,7 +75,7 @@ def test_built_in_model_matches_diffusers() -> None:
 def test_bfloat16_is_a_setting_and_draws_nearly_the_same_image() -> None:
     request = GenerationRequest("a purple square", seed=4, steps=10)
     pipeline = Pipeline.load(MODEL_DIR, devices="cpu", dtype=torch.bfloat16)
-    assert pipeline.unet_dtype == torch.bfloat16
+    assert pipeline.denoiser_dtype == torch.bfloat16
     assert next(pipeline.vae.parameters()).dtype == torch.bfloat16
     full = Pipeline.load(MODEL_DIR, devices="cpu").generate([request])[0]
     half = pipeline.generate([request])[0]
@@ -101,6 +93,7 @@ def test_batched_equals_alone(folders: dict[str, Path], kind: str) -> None:
     ]
     alone = [pipeline.generate([r])[0] for r in requests]
 
+    requests = [pipeline.resolve(r) for r in requests]
     first = pipeline.start(requests[:1])
     pipeline.step(first)
     pipeline.step(first)  # the first request is two steps ahead when the others join
@@ -124,7 +117,7 @@ def test_sizes_form_separate_groups(folders: dict[str, Path]) -> None:
     small, wide = GenerationRequest("a circle", steps=2), GenerationRequest("a circle", steps=2, width=48)
     images = pipeline.generate([small, wide])
     assert [image.shape for image in images] == [(32, 32, 3), (32, 48, 3)]
-    states = pipeline.start([small, wide])
+    states = pipeline.start([pipeline.resolve(small), pipeline.resolve(wide)])
     with pytest.raises(ValueError, match="group them"):
         pipeline.step(states)
     for state in states:
@@ -169,16 +162,16 @@ def test_an_exception_mid_request_returns_everything_and_serving_goes_on(folders
         ({"steps": 0}, "steps"),
         ({"guidance_scale": float("nan")}, "guidance_scale"),
         ({"scheduler": "plms"}, "scheduler"),
-        ({"width": 30}, "width"),
-        ({"width": 0}, "width"),
-        ({"height": -8}, "height"),
+        ({"width": 30}, "size"),
+        ({"width": 0}, "size"),
+        ({"height": -8}, "size"),
         ({"seed": -1}, "seed"),
     ],
 )
 def test_bad_requests_name_the_field_and_rent_nothing(folders: dict[str, Path], change, field) -> None:
     pipeline = load(folders["sd15"])
     good = GenerationRequest("a circle", steps=2)
-    with pytest.raises(RequestError, match=f"^{field}: ") as caught:
+    with pytest.raises(InvalidRequest, match=f"^{field}: ") as caught:
         pipeline.generate([good, GenerationRequest(**{"prompt": "a circle", **change})])
     assert caught.value.field == field
     assert pipeline.pool.stats() == {}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from server.engine import DeviceError, PlanError, layout_of, plan_shards
 from server.engine.devices import parse_size
-from server.engine.plan import _min_max_partition
+from server.engine.partition import min_max_partition
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 
 SD15 = tiny_sd15_unet()
@@ -77,7 +77,7 @@ def test_partition_minimises_the_heaviest_run(weights: list[int], caps: list[flo
         loads = [sum(weights[a:b]) for a, b in itertools.pairwise(bounds)]
         if all(load <= cap for load, cap in zip(loads, caps, strict=True)):
             best = min(best, max(loads))
-    lengths = _min_max_partition(weights, weights, caps)
+    lengths = min_max_partition([weights] * len(caps), weights, caps)
     if best == math.inf:
         assert lengths is None
         return

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine import ModelShard, PlanError, layout_of, plan_shards
-from server.engine.blocks import spec_for
+from server.engine import ModelShard, PlanError, layout_of, plan_shards, spec_for
 from tests.conftest import tiny_sd15_unet
 
 

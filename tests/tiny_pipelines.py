@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import (
     AutoencoderKL,
@@ -167,3 +168,17 @@ def build_sd3_folder(folder: Path) -> Path:
         tokenizer_3=None,
     ).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def diffusers_image(pipe, request) -> np.ndarray:
+    """What a diffusers pipeline makes for a (resolved) GenerationRequest: the reference image."""
+    return pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        output_type="np",
+    ).images[0]

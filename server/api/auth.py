@@ -10,7 +10,7 @@ from server.api.errors import APIError
 
 
 def require_key(request: Request) -> None:
-    keys: frozenset[str] | None = request.app.state.runtime.api_keys
+    keys: frozenset[str] | None = request.app.state.api_keys
     if keys is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")

@@ -1,4 +1,5 @@
-"""One error envelope for every failure, OpenAI's: {"error": {"message", "type", "param", "code"}}.
+"""One error envelope for every failure, OpenAI's: {"error": {"message", "type", "param", "code"}},
+and one table from diffshard's error tree (`server/errors.py`) to HTTP.
 
 The official SDKs turn the status into an exception class (400 BadRequestError, 401
 AuthenticationError, ...) and show `message`, so every message names the field and the limit.
@@ -14,12 +15,39 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from server.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DiffshardError,
+    Draining,
+    InvalidRequest,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+    StepFailed,
+)
+
 log = logging.getLogger("diffshard")
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+# The pipeline's names for request fields, as the Images API calls them.
+WIRE_NAMES = {"steps": "num_inference_steps"}
+
+# error class → (HTTP status, code); the first class in an error's MRO found here wins.
+STATUS: dict[type[DiffshardError], tuple[int, str | None]] = {
+    InvalidRequest: (400, "invalid_value"),
+    NotReady: (503, None),  # the code is the status: loading or failed
+    Overloaded: (503, "overloaded"),
+    Draining: (503, "draining"),
+    OutOfMemory: (503, "out_of_memory"),
+    DeadlineExceeded: (504, "timeout"),
+    Cancelled: (499, "cancelled"),  # nobody listens: uvicorn drops it
+    StepFailed: (500, "generation_failed"),
+}
 
 
 class APIError(Exception):
+    """An HTTP-only failure (auth, routing) that has no place in the domain tree."""
+
     def __init__(
         self,
         status: int,
@@ -41,9 +69,27 @@ def envelope(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    kind = "server_error" if status >= 500 else TYPES.get(status, "invalid_request_error")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def domain_response(err: DiffshardError) -> JSONResponse:
+    """The envelope for an error of diffshard's tree, by the table above."""
+    status, code = next((STATUS[c] for c in type(err).__mro__ if c in STATUS), (500, "internal_error"))
+    message, param, headers = str(err), None, None
+    if isinstance(err, InvalidRequest):
+        param = WIRE_NAMES.get(err.field, err.field)
+        message = f"{param}:{message.split(':', 1)[1]}" if ":" in message else message
+    elif isinstance(err, NotReady):
+        code = err.status
+    elif isinstance(err, Overloaded):
+        headers = {"retry-after": str(err.retry_after)}
+    elif isinstance(err, OutOfMemory):
+        headers = {"x-should-retry": "false"}  # retrying the same request would fail the same way
+    elif isinstance(err, StepFailed):
+        message = f"{err}; the server log has the details"
+    return envelope(status, message, param, code, headers)
 
 
 def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None]:
@@ -60,6 +106,10 @@ def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, 
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(DiffshardError)
+    async def domain_error(_request: Request, err: DiffshardError) -> JSONResponse:
+        return domain_response(err)
+
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
         return envelope(err.status, err.message, err.param, err.code, err.headers)

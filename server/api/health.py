@@ -3,9 +3,10 @@ once the model is loaded and until the server starts draining, 503 otherwise."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from server.api.deps import RuntimeDep
 from server.api.errors import envelope
 
 router = APIRouter(tags=["health"])
@@ -17,8 +18,7 @@ async def livez() -> dict[str, str]:
 
 
 @router.get("/readyz", response_model=None)
-async def readyz(request: Request) -> dict[str, str] | JSONResponse:
-    runtime = request.app.state.runtime
+async def readyz(runtime: RuntimeDep) -> dict[str, str] | JSONResponse:
     if not runtime.serving:
         return envelope(503, runtime.status_message(), code=runtime.status)
-    return {"status": "ready", "model": runtime.settings.served_name}
+    return {"status": "ready", "model": runtime.model_name}

@@ -1,12 +1,15 @@
 """The ModelShard engine: plan a denoiser's split across devices, then run it split."""
 
-from server.engine.blocks import Block, DenoiserSpec, Layout, SkipEdge, layout_of, register_spec
-from server.engine.devices import DeviceError
+from server.engine.blocks import Block, DenoiserSpec, Layout, SkipEdge
 from server.engine.memory import DeviceMemory
-from server.engine.plan import PlanError, ShardPlan, plan_shards
+from server.engine.plan import ShardPlan, Strategy, plan_shards
+from server.engine.pool import ActivationPool
 from server.engine.shard import ModelShard
+from server.engine.specs import layout_of, register_spec, spec_for
+from server.errors import DeviceError, PlanError
 
 __all__ = [
+    "ActivationPool",
     "Block",
     "DenoiserSpec",
     "DeviceError",
@@ -16,7 +19,9 @@ __all__ = [
     "PlanError",
     "ShardPlan",
     "SkipEdge",
+    "Strategy",
     "layout_of",
     "plan_shards",
     "register_spec",
+    "spec_for",
 ]

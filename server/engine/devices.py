@@ -6,16 +6,14 @@ import re
 
 import torch
 
+from server.errors import DeviceError
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-class DeviceError(ValueError):
-    """A device name that does not exist on this host, or a malformed device or size."""
 
 
 def normalize_device(name: str) -> str:
@@ -52,7 +50,7 @@ def parse_size(text: str | int) -> int:
         return text
     match = _SIZE.match(text)
     if not match or match[2].lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: write e.g. 512MiB, 20GiB or 2.5GB")
+        raise DeviceError(f"bad size {text!r}: write e.g. 512MiB, 20GiB or 2.5GB")
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
@@ -68,9 +66,33 @@ def parse_memory_map(spec: str | dict[str, str | int] | None) -> dict[str, int]:
     budgets: dict[str, int] = {}
     for device, size in items:
         if size == "":
-            raise ValueError(f"bad max-memory entry {device!r}: write DEVICE=SIZE, e.g. cuda:0=20GiB")
+            raise DeviceError(f"bad max-memory entry {device!r}: write DEVICE=SIZE, e.g. cuda:0=20GiB")
         budgets[normalize_device(device)] = parse_size(size)
     return budgets
+
+
+# Without --max-memory, a CUDA device's budget is its free memory less this share of its total:
+# room for the CUDA context, other processes' growth and allocator fragmentation.
+CUDA_MARGIN = 0.10
+
+
+def default_budget(device: str) -> int | None:
+    """A CUDA device's free bytes less `CUDA_MARGIN` of its total; None (no bound) for the CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(dev)
+    return max(0, int(free - CUDA_MARGIN * total))
+
+
+def auto_dtype(devices: list[str]) -> torch.dtype:
+    """bfloat16 where every device is a GPU that runs it natively, float16 on older GPUs,
+    float32 as soon as one stage runs on the CPU (one dtype for the whole model)."""
+    if any(torch.device(d).type != "cuda" for d in devices):
+        return torch.float32
+    if all(torch.cuda.get_device_capability(torch.device(d)) >= (8, 0) for d in devices):
+        return torch.bfloat16
+    return torch.float16
 
 
 def format_bytes(n: int | float) -> str:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from server.engine.blocks import block_modules, spec_for
+from server.engine.blocks import block_modules
+from server.engine.specs import spec_for
 
 INPUT = "input"  # producer of the denoiser's own inputs
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,15 +16,18 @@ class DeviceMemory:
     allocated: int | None = None  # CUDA caching allocator: bytes in live tensors
     reserved: int | None = None  # ... bytes held from the driver
     peak: int | None = None  # ... highest `allocated` since the last reset
-    free: int | None = None  # the device's free bytes (all processes)
-    total: int | None = None
+    free: int | None = None  # the device's free bytes (all processes); on CPU the host's available RAM
+    total: int | None = None  # on CPU: the host's RAM
+    resident: int | None = None  # on CPU: the whole process's resident bytes (the shard's are part of it)
 
 
 def read_memory(device: str, shard_bytes: int) -> DeviceMemory:
-    """One reading; on CPU only the shard's own bytes are known (the process RSS is not per device)."""
+    """One reading. On CPU there is no allocator to ask: the host's RAM and the process's
+    resident bytes stand in (the process RSS is not split per device)."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return DeviceMemory(device, shard_bytes)
+        free, total = host_memory()
+        return DeviceMemory(device, shard_bytes, free=free, total=total, resident=resident_bytes())
     free, total = torch.cuda.mem_get_info(dev)
     return DeviceMemory(
         device,
@@ -34,6 +38,21 @@ def read_memory(device: str, shard_bytes: int) -> DeviceMemory:
         free=free,
         total=total,
     )
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of the host's RAM, from /proc/meminfo."""
+    fields = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

@@ -5,7 +5,8 @@ device is enough), the devices and a strategy:
 
 - `even`     equal block counts, every device used while blocks remain;
 - `memory`   balanced parameter bytes under per-device budgets (accelerate's `max_memory`);
-- `cost`     balanced measured forward time: the slowest stage is as fast as it can be;
+- `cost`     balanced measured forward time: the slowest stage is as fast as it can be, each
+             block timed on a device of the kind its stage would run on;
 - `explicit` the user's block → device map, validated.
 
 Stages follow execution order, so the activations that cross a boundary are the running
@@ -19,31 +20,40 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import nn
 
-from server.engine.blocks import Layout, block_modules, layout_of, tensor_bytes
+from server.engine.blocks import Layout, block_modules, tensor_bytes
 from server.engine.devices import (
+    default_budget,
     format_bytes,
     normalize_device,
     parse_memory_map,
     resolve_devices,
 )
 from server.engine.flow import Flow, trace_flow
+from server.engine.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
 from server.engine.profile import profile_block_costs
+from server.engine.specs import layout_of
+from server.errors import PlanError
 
-STRATEGIES = ("even", "memory", "cost", "explicit")
+
+class Strategy(StrEnum):
+    EVEN = "even"
+    MEMORY = "memory"
+    COST = "cost"
+    EXPLICIT = "explicit"
+
+
+STRATEGIES = tuple(s.value for s in Strategy)
 
 # Activations a device must keep free beside its weights, as a multiple of the largest bytes
 # one of its blocks reads plus writes: room for the block's own intermediates (attention,
 # norms) and the transfer buffers at its boundary. An estimate, not a measurement.
 ACTIVATION_HEADROOM = 4
-
-
-class PlanError(ValueError):
-    """A plan that cannot be made or cannot fit; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ class DeviceEstimate:
     device: str
     param_bytes: int
     activation_reserve: int
-    budget: int | None
+    budget: int | None  # --max-memory's, else on CUDA the free memory less a margin
+    other_bytes: int = 0  # what else sits there beside the shard: text encoders, VAE
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,7 @@ class ShardPlan:
     stages: tuple[Stage, ...]
     boundaries: tuple[Boundary, ...]
     devices: tuple[DeviceEstimate, ...]
+    costs_from: tuple[str, ...] = ()  # cost strategy: where block times were measured, or ("given",)
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -109,6 +121,9 @@ class ShardPlan:
             f"ShardPlan strategy={self.strategy} dtype={self.dtype} "
             f"batch={self.batch} latent={self.latent_size}x{self.latent_size}"
         )
+        if self.costs_from:
+            given = self.costs_from == ("given",)
+            head += " costs=" + ("given" if given else "measured on " + ", ".join(self.costs_from))
         rows: list[tuple[str, ...]] = [("stage", "device", "block", "params", "cost")]
         for i, stage in enumerate(self.stages):
             for j, (block, nbytes) in enumerate(zip(stage.blocks, stage.block_bytes, strict=True)):
@@ -126,12 +141,11 @@ class ShardPlan:
             if i < len(self.boundaries):
                 edge = self.boundaries[i]
                 rows.append((f"  ↓ {format_bytes(edge.bytes)} of activations in {edge.tensors} tensors",))
-        devices = [("device", "weights", "activation reserve", "budget")]
+        devices = [("device", "weights", "activation reserve", "encoders and VAE", "budget")]
         for d in self.devices:
             budget = format_bytes(d.budget) if d.budget is not None else "-"
-            devices.append(
-                (d.device, format_bytes(d.param_bytes), format_bytes(d.activation_reserve), budget)
-            )
+            sizes = (d.param_bytes, d.activation_reserve, d.other_bytes)
+            devices.append((d.device, *(format_bytes(n) for n in sizes), budget))
         return "\n".join([head, *_table(rows), "", *_table(devices)])
 
 
@@ -150,7 +164,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 def plan_shards(
     model: nn.Module,
     devices: str | Sequence[str] = "auto",
-    strategy: str = "even",
+    strategy: str = Strategy.MEMORY,
     *,
     max_memory: str | Mapping[str, str | int] | None = None,
     device_map: Mapping[str, str] | None = None,
@@ -158,18 +172,21 @@ def plan_shards(
     latent_size: int | None = None,
     batch: int = 2,
     block_costs: Mapping[str, float] | None = None,
+    resident: Mapping[str, int] | None = None,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
-    `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a device listed k times
-    gives each of its stages 1/k of its budget. `device_map` is the `explicit` strategy's
-    block → device map (its devices replace `devices`). `block_costs` (seconds per block)
-    skips the `cost` strategy's profiling pass. Activation bytes are estimated for `batch`
-    latents of `latent_size`².
+    `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a CUDA device without one
+    gets its free memory less a margin; a device listed k times gives each of its stages 1/k
+    of its budget. `device_map` is the `explicit` strategy's block → device map (its devices
+    replace `devices`). `block_costs` (seconds per block) skips the `cost` strategy's profiling
+    pass. Activation bytes are estimated for `batch` latents of `latent_size`². `resident`
+    counts bytes other components (text encoders, VAE) keep on a device against its budget.
     """
     # 1. Check the request before any work.
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    strategy = Strategy(strategy)
     if strategy == "explicit":
         if not device_map:
             raise PlanError("the explicit strategy needs a device_map of block → device")
@@ -183,6 +200,10 @@ def plan_shards(
             raise PlanError(f"max_memory names {device}, which is not among the devices {device_list}")
     if batch < 1:
         raise PlanError(f"batch must be at least 1, got {batch}")
+    for device in dict.fromkeys(device_list):
+        if device not in budgets and (free := default_budget(device)) is not None:
+            budgets[device] = free
+    resident = {normalize_device(d): n for d, n in (resident or {}).items()}
 
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout = layout_of(model)
@@ -191,30 +212,29 @@ def plan_shards(
     block_bytes = _block_bytes(model, layout, dtype)
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
-    capacities = _stage_capacities(device_list, budgets, reserve)
+    capacities = _stage_capacities(device_list, budgets, reserve, resident)
 
     # 3. Assign blocks to devices.
     names = list(layout.names)
     sizes = [block_bytes[n] for n in names]
-    costs: dict[str, float] | None = None
+    costs: dict[str, dict[str, float]] | None = None  # stage device → seconds per block
+    costs_from: tuple[str, ...] = ()
     if strategy == "even":
-        stages = _even(names, device_list)
+        stages = even_split(names, device_list)
     elif strategy == "explicit":
-        stages = _explicit(names, device_map or {})
+        stages = explicit_split(names, device_map or {})
     else:
-        if strategy == "cost":
-            costs = (
-                dict(block_costs)
-                if block_costs
-                else profile_block_costs(model, batch, latent_size, dtype, device=device_list[0])
-            )
-            weights = [costs.get(n, 0.0) for n in names]
+        if strategy == "cost":  # timed on one guided image at (at most) the native size: relative
+            # costs are what balance a split, and a forward at the largest size can take minutes
+            profile_at = (min(batch, 2), min(latent_size, int(model.config.sample_size)))
+            costs, costs_from = _block_costs(model, device_list, block_costs, *profile_at, dtype)
+            weights = [[costs[d].get(n, 0.0) for n in names] for d in device_list]
         else:
-            weights = [float(s) for s in sizes]
-        cuts = _min_max_partition(weights, sizes, capacities)
+            weights = [[float(s) for s in sizes]] * len(device_list)
+        cuts = min_max_partition(weights, sizes, capacities)
         if cuts is None:
             _raise_no_fit(names, sizes, device_list, capacities, budgets, reserve)
-        stages = _stages_from_cuts(names, device_list, cuts)
+        stages = stages_from_cuts(names, device_list, cuts)
 
     # 4. Put the numbers on the plan and check it fits.
     plan_stages = tuple(
@@ -222,7 +242,7 @@ def plan_shards(
             device,
             tuple(blocks),
             tuple(block_bytes[b] for b in blocks),
-            sum(costs.get(b, 0.0) for b in blocks) if costs is not None else None,
+            sum(costs[device].get(b, 0.0) for b in blocks) if costs is not None else None,
         )
         for device, blocks in stages
     )
@@ -233,6 +253,7 @@ def plan_shards(
             sum(s.param_bytes for s in plan_stages if s.device == device),
             reserve,
             budgets.get(device),
+            resident.get(device, 0),
         )
         for device in used
     )
@@ -245,7 +266,31 @@ def plan_shards(
         stages=plan_stages,
         boundaries=_boundaries(plan_stages, layout, flow),
         devices=estimates,
+        costs_from=costs_from,
     )
+
+
+def _block_costs(
+    model: nn.Module,
+    devices: list[str],
+    given: Mapping[str, float] | None,
+    batch: int,
+    latent_size: int,
+    dtype: torch.dtype,
+) -> tuple[dict[str, dict[str, float]], tuple[str, ...]]:
+    """Seconds per block for each stage device: given ones for all, else measured once per kind
+    of device (cuda:0 stands for cuda:1; a cpu stage is timed on the cpu), so a mixed plan
+    does not cost a CPU stage at a GPU's speed."""
+    if given:
+        return {d: dict(given) for d in devices}, ("given",)
+    measured: dict[str, dict[str, float]] = {}  # device type → costs
+    timed_on: list[str] = []
+    for device in dict.fromkeys(devices):
+        kind = torch.device(device).type
+        if kind not in measured:
+            measured[kind] = profile_block_costs(model, batch, latent_size, dtype, device=device)
+            timed_on.append(device)
+    return {d: measured[torch.device(d).type] for d in devices}, tuple(timed_on)
 
 
 def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:
@@ -256,83 +301,14 @@ def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[s
     return out
 
 
-def _stage_capacities(devices: list[str], budgets: dict[str, int], reserve: int) -> list[float]:
+def _stage_capacities(
+    devices: list[str], budgets: dict[str, int], reserve: int, resident: Mapping[str, int]
+) -> list[float]:
     repeats = Counter(devices)
-    return [(budgets[d] - reserve) / repeats[d] if d in budgets else math.inf for d in devices]
-
-
-def _even(names: list[str], devices: list[str]) -> list[tuple[str, list[str]]]:
-    """Equal block counts; the first `len(names) % n` stages take one block more."""
-    n = min(len(devices), len(names))
-    base, extra = divmod(len(names), n)
-    lengths = [base + (1 if i < extra else 0) for i in range(n)]
-    return _stages_from_cuts(names, devices, lengths)
-
-
-def _explicit(names: list[str], device_map: Mapping[str, str]) -> list[tuple[str, list[str]]]:
-    unknown = sorted(set(device_map) - set(names))
-    if unknown:
-        raise PlanError(f"device_map names unknown blocks {unknown}; the blocks are {names}")
-    missing = [n for n in names if n not in device_map]
-    if missing:
-        raise PlanError(f"device_map is missing blocks {missing}: every block needs a device")
-    stages: list[tuple[str, list[str]]] = []
-    for name in names:  # contiguous runs on one device form a stage
-        if stages and stages[-1][0] == device_map[name]:
-            stages[-1][1].append(name)
-        else:
-            stages.append((device_map[name], [name]))
-    return stages
-
-
-def _stages_from_cuts(
-    names: list[str], devices: list[str], lengths: Sequence[int]
-) -> list[tuple[str, list[str]]]:
-    stages, start = [], 0
-    for device, length in zip(devices, lengths, strict=False):
-        if length:
-            stages.append((device, names[start : start + length]))
-        start += length
-    return stages
-
-
-def _min_max_partition(
-    weights: Sequence[float], sizes: Sequence[int], capacities: Sequence[float]
-) -> list[int] | None:
-    """Split blocks, in order, into one run per device minimising the heaviest run.
-
-    Each run's `sizes` must fit its device's capacity; runs may be empty only where
-    that is needed. Returns run lengths, or None when nothing fits. O(devices · blocks²).
-    """
-    n, d = len(weights), len(capacities)
-    prefix_w = [0.0]
-    prefix_s = [0]
-    for w, s in zip(weights, sizes, strict=True):
-        prefix_w.append(prefix_w[-1] + w)
-        prefix_s.append(prefix_s[-1] + s)
-    # best[k][i]: (heaviest run, -runs used) placing the first i blocks on the first k devices
-    inf = (math.inf, 0)
-    best = [[inf] * (n + 1) for _ in range(d + 1)]
-    choice = [[0] * (n + 1) for _ in range(d + 1)]
-    best[0][0] = (0.0, 0)
-    for k in range(1, d + 1):
-        for i in range(n + 1):
-            for j in range(i + 1):  # device k-1 takes blocks j..i-1
-                prev = best[k - 1][j]
-                if prev[0] == math.inf or prefix_s[i] - prefix_s[j] > capacities[k - 1]:
-                    continue
-                load = prefix_w[i] - prefix_w[j]
-                value = (max(prev[0], load), prev[1] - (1 if i > j else 0))
-                if value < best[k][i]:
-                    best[k][i], choice[k][i] = value, j
-    if best[d][n][0] == math.inf:
-        return None
-    lengths, i = [], n
-    for k in range(d, 0, -1):
-        j = choice[k][i]
-        lengths.append(i - j)
-        i = j
-    return lengths[::-1]
+    return [
+        (budgets[d] - reserve - resident.get(d, 0)) / repeats[d] if d in budgets else math.inf
+        for d in devices
+    ]
 
 
 def _raise_no_fit(
@@ -376,12 +352,13 @@ def _raise_no_fit(
 
 def _check_budgets(estimates: Sequence[DeviceEstimate]) -> None:
     for d in estimates:
-        if d.budget is not None and d.param_bytes + d.activation_reserve > d.budget:
-            short = d.param_bytes + d.activation_reserve - d.budget
+        needed = d.param_bytes + d.activation_reserve + d.other_bytes
+        if d.budget is not None and needed > d.budget:
+            others = f", {format_bytes(d.other_bytes)} of text encoders and VAE" if d.other_bytes else ""
             raise PlanError(
-                f"{d.device}: the plan puts {format_bytes(d.param_bytes)} of weights and "
+                f"{d.device}: the plan puts {format_bytes(d.param_bytes)} of weights{others} and "
                 f"{format_bytes(d.activation_reserve)} of activation reserve on it, over its "
-                f"budget of {format_bytes(d.budget)} by {format_bytes(short)}"
+                f"budget of {format_bytes(d.budget)} by {format_bytes(needed - d.budget)}"
             )
 
 

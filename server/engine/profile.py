@@ -13,7 +13,8 @@ import time
 import torch
 from torch import nn
 
-from server.engine.blocks import block_modules, spec_for
+from server.engine.blocks import block_modules
+from server.engine.specs import spec_for
 
 
 def profile_block_costs(
@@ -24,19 +25,21 @@ def profile_block_costs(
     device: str = "cpu",
     repeats: int = 3,
 ) -> dict[str, float]:
-    """Median seconds each block spends in forward over `repeats` runs after one warm-up.
+    """Median seconds each block spends in forward on `device` over `repeats` runs after one warm-up.
 
-    A model on the meta device is built with random weights (seed 0) on `device` first:
-    time depends on shapes, not on the values of the weights.
+    Unless the model's weights already sit on `device` in `dtype`, a twin with random weights
+    (seed 0) is built there: time depends on shapes, not on the values of the weights, and a
+    split for GPUs must not be balanced with CPU timings.
     """
-    if any(p.is_meta for p in model.parameters()):
+    weight = next(model.parameters())
+    if weight.is_meta or weight.device != torch.device(device) or weight.dtype != dtype:
         torch.manual_seed(0)
         with torch.device(device):
             model = type(model).from_config(model.config)
         model = model.to(dtype)
-    device = str(next(model.parameters()).device)
     spec = spec_for(model)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cuda = torch.device(device) if torch.device(device).type == "cuda" else None
+    sync = (lambda: torch.cuda.synchronize(cuda)) if cuda is not None else (lambda: None)
     spent: dict[str, float] = {}
     started: dict[int, float] = {}
 

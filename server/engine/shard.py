@@ -17,10 +17,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from server.engine.blocks import DenoiserInputs, block_modules, layout_of, spec_for, tensor_bytes
+from server.engine.blocks import DenoiserInputs, block_modules, tensor_bytes
 from server.engine.devices import format_bytes
 from server.engine.memory import DeviceMemory, read_memory
-from server.engine.plan import PlanError, ShardPlan
+from server.engine.plan import ShardPlan
+from server.engine.specs import layout_of, spec_for
+from server.errors import PlanError
 
 # Conditioning that forward adds onto tensors of several blocks outside any block: a single
 # device plan passes it through, a multi-device one cannot place the sums.

@@ -1,5 +1,6 @@
 """Per-request schedulers: diffusers schedulers keep state (step index, solver history), so
-every request gets its own instance, built from the folder's scheduler config."""
+every request gets its own instance, built from the folder's scheduler config. Which names a
+model accepts is its family's `schedulers`."""
 
 from __future__ import annotations
 

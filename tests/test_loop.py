@@ -1,4 +1,4 @@
-"""The engine loop in process, on tiny random SD-1.5- and SDXL-shaped folders: requests that
+"""The service loop in process, on tiny random SD-1.5- and SDXL-shaped folders: requests that
 ran batched give the image they give alone, whatever they share a step with."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.pipeline.batcher import Draining, Engine, Overloaded
-from server.pipeline.denoise import GenerationRequest, Pipeline
+from server.errors import Draining, Overloaded
+from server.pipeline import GenerationRequest, Pipeline
+from server.serving import Limits, Service
 from tests.waiting import wait_until
 
 TOLERANCE = 1e-3
+LIMITS = Limits(max_steps=1000, request_timeout_s=60)
 
 MIXED = [  # steps, guidance, seeds, sizes and schedulers all differ
     [GenerationRequest("a red circle", seed=1, steps=6, guidance_scale=4.0, scheduler="euler_a")],
@@ -31,29 +33,29 @@ MIXED = [  # steps, guidance, seeds, sizes and schedulers all differ
 def test_batched_requests_give_the_images_they_give_alone(folders: dict[str, Path], kind: str) -> None:
     pipeline = Pipeline.load(folders[kind], devices="cpu")
     alone = [pipeline.generate(requests) for requests in MIXED]
-    engine = Engine(pipeline, max_batch=16)
+    service = Service(pipeline, "tiny", LIMITS, max_batch=16)
     joined, step = threading.Event(), pipeline.step
 
-    def step_then_hold(states) -> None:  # the engine waits at the first job's step 2 for the others
+    def step_then_hold(states) -> None:  # the loop waits at the first job's step 2 for the others
         step(states)
         if not joined.is_set() and any(state.index >= 2 for state in states):
             joined.wait(timeout=60)
 
     pipeline.step = step_then_hold  # the 6-step first job would otherwise be done between two polls
     try:
-        first = engine.submit(MIXED[0], timeout_s=60)
+        first = service.submit(MIXED[0])
         wait_until(  # the others join late
-            lambda: engine.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2,
+            lambda: service.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2,
             60,
             "the first job at its step 2",
         )
-        jobs = [first] + [engine.submit(requests, timeout_s=60) for requests in MIXED[1:]]
+        jobs = [first] + [service.submit(requests) for requests in MIXED[1:]]
         joined.set()
         together = [job.future.result(timeout=60) for job in jobs]
-        stats = engine.stats()
+        stats = service.stats()
     finally:
         joined.set()
-        engine.close()
+        service.close()
     for solo, batched in zip(alone, together, strict=True):
         for a, b in zip(solo, batched, strict=True):
             assert np.abs(a - b).max() < TOLERANCE
@@ -65,38 +67,40 @@ def test_batched_requests_give_the_images_they_give_alone(folders: dict[str, Pat
 def test_a_job_larger_than_a_batch_runs_alone_in_several_calls(folders: dict[str, Path]) -> None:
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
     requests = [GenerationRequest("a red circle", seed=s, steps=2, guidance_scale=3.0) for s in range(3)]
-    engine = Engine(pipeline, max_batch=4)  # 6 rows: calls of 4 and 2
+    service = Service(pipeline, "tiny", LIMITS, max_batch=4)  # 6 rows: calls of 4 and 2
     try:
-        images = engine.submit(requests, timeout_s=60).future.result(timeout=60)
-        stats = engine.stats()
+        images = service.submit(requests).future.result(timeout=60)
+        stats = service.stats()
     finally:
-        engine.close()
+        service.close()
     assert len(images) == 3 and dict(stats.batch_rows) == {4: 2, 2: 2}
 
 
 def test_a_full_queue_refuses_with_retry_after(folders: dict[str, Path]) -> None:
-    engine = Engine(Pipeline.load(folders["sd15"], devices="cpu"), max_queue=0)
+    service = Service(Pipeline.load(folders["sd15"], devices="cpu"), "tiny", LIMITS, max_queue=0)
     try:
         with pytest.raises(Overloaded) as caught:
-            engine.submit([GenerationRequest("a red circle", steps=2)], timeout_s=60)
+            service.submit([GenerationRequest("a red circle", steps=2)])
     finally:
-        engine.close()
+        service.close()
     assert 1 <= caught.value.retry_after <= 120
-    assert engine.stats().rejected["queue_full"] == 1
+    assert service.stats().rejected["queue_full"] == 1
 
 
 def test_closing_ends_running_and_queued_jobs_and_returns_their_buffers(folders: dict[str, Path]) -> None:
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
-    engine = Engine(pipeline, max_batch=2)  # one guided image at a time: the second job waits
-    running = engine.submit([GenerationRequest("a red circle", steps=500)], timeout_s=60)
-    queued = engine.submit([GenerationRequest("a blue square", steps=500)], timeout_s=60)
+    service = Service(
+        pipeline, "tiny", LIMITS, max_batch=2
+    )  # one guided image at a time: the second job waits
+    running = service.submit([GenerationRequest("a red circle", steps=500)])
+    queued = service.submit([GenerationRequest("a blue square", steps=500)])
     wait_until(
-        lambda: engine.stats().progress.get(running.id, [(0, 0)])[0][0] >= 1,
+        lambda: service.stats().progress.get(running.id, [(0, 0)])[0][0] >= 1,
         60,
         "the running job's first step",
     )
-    engine.close()
+    service.close()
     for job in (running, queued):
         assert isinstance(job.future.exception(timeout=60), Draining)
     assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
-    assert engine.stats().rejected["draining"] == 2
+    assert service.stats().rejected["draining"] == 2

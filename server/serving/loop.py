@@ -1,14 +1,13 @@
-"""The engine loop: step-level continuous batching on one thread, the model's only owner.
+"""The step loop: step-level continuous batching on one thread, the pipeline's only owner.
 
-At every step boundary the loop
+Every turn of the loop (`_run`)
 1. admits waiting jobs, first come first served, while the active rows fit `max_batch`
-   (a job bigger than that runs alone, its rows split across calls);
+   (a job bigger than that runs alone, its rows split across calls), and encodes their prompts;
 2. drops jobs whose client left or whose deadline passed, returning their buffers;
-3. runs one batched UNet step per group of same-size requests, each row at its own timestep;
+3. runs one batched denoiser step per group of same-size requests, each row at its own timestep;
 4. decodes the requests whose schedule ended (one VAE call per group) and resolves the jobs
    whose images are all done.
 
-A job is one HTTP request: n images, each its own `RequestState` with its own pool scope.
 A job ends exactly once (done, failed, cancelled, expired or drained), and its scopes close
 then. The HTTP side only submits jobs and awaits their futures; it never touches torch.
 """
@@ -19,17 +18,24 @@ import logging
 import math
 import threading
 import time
-import uuid
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
+from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from server.pipeline.denoise import GenerationRequest, Pipeline, RequestState, group_states
+from server.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    OutOfMemory,
+    Overloaded,
+    Rejected,
+    StepFailed,
+)
+from server.pipeline import Pipeline, RequestState, group_states
+from server.serving.jobs import Job
+from server.serving.stats import LoopStats
 
 log = logging.getLogger("diffshard")
 
@@ -37,138 +43,7 @@ FAULT_MARKERS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError}
 FAULT_STEP = 2  # the step at which a marked request's batch fails
 
 
-class Rejected(Exception):
-    """A job the engine did not finish; `reason` is its stats key."""
-
-    reason = "rejected"
-
-
-class Overloaded(Rejected):
-    reason = "queue_full"
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the queue is full; retry in {retry_after} s")
-        self.retry_after = retry_after
-
-
-class Draining(Rejected):
-    reason = "draining"
-
-
-class DeadlineExceeded(Rejected):
-    reason = "deadline"
-
-
-class Cancelled(Rejected):
-    reason = "cancelled"
-
-
-class StepFailed(Rejected):
-    reason = "failed"
-
-    def __init__(self, message: str, out_of_memory: bool) -> None:
-        super().__init__(message)
-        self.out_of_memory = out_of_memory
-        if out_of_memory:
-            self.reason = "out_of_memory"
-
-
-@dataclass(eq=False)
-class Job:
-    requests: list[GenerationRequest]  # resolved: every field set
-    deadline: float  # time.monotonic() past which the job is dropped
-    future: Future = field(default_factory=Future)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    submitted: float = field(default_factory=time.monotonic)
-    states: list[RequestState] = field(default_factory=list)
-    cancel_requested: bool = False
-
-    @property
-    def rows(self) -> int:
-        return sum(2 if r.guidance_scale > 1 else 1 for r in self.requests)
-
-    def cancel(self) -> None:
-        """Drop the job at the next step boundary (the client went away)."""
-        self.cancel_requested = True
-
-    def progress(self) -> list[tuple[int, int]]:
-        """(steps done, steps in all) per image."""
-        if not self.states:
-            return [(0, r.steps) for r in self.requests]
-        return [(s.index, s.steps) for s in self.states]
-
-
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-@dataclass
-class Distribution:
-    """Observations counted into fixed buckets (upper bounds), as a Prometheus histogram keeps them."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bound, not cumulative; the last: above all
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = self.counts or [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
-        self.total += value
-        self.count += 1
-
-    def copy(self) -> Distribution:
-        return Distribution(self.bounds, list(self.counts), self.total, self.count)
-
-
-@dataclass
-class EngineStats:
-    """Plain counters, read by /v1/stats and the metrics collectors."""
-
-    queue_depth: int = 0
-    active_jobs: int = 0
-    active_images: int = 0
-    active_rows: int = 0
-    batch_rows: Counter = field(default_factory=Counter)  # rows per call → calls
-    rows_per_step: Distribution = field(default_factory=lambda: Distribution(ROW_BUCKETS))
-    step_seconds: Distribution = field(default_factory=lambda: Distribution(STEP_BUCKETS))
-    queue_wait_seconds: Distribution = field(default_factory=lambda: Distribution(WAIT_BUCKETS))
-    jobs_completed: int = 0
-    images_completed: int = 0
-    rejected: Counter = field(default_factory=Counter)  # reason → jobs
-    progress: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # active job → per image
-
-    @property
-    def steps(self) -> int:
-        """Batched UNet calls."""
-        return self.rows_per_step.count
-
-    @property
-    def rows_total(self) -> int:
-        return int(self.rows_per_step.total)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "queue_depth": self.queue_depth,
-            "active_jobs": self.active_jobs,
-            "active_images": self.active_images,
-            "active_rows": self.active_rows,
-            "steps": self.steps,
-            "step_seconds_total": round(self.step_seconds.total, 6),
-            "queue_wait_seconds_total": round(self.queue_wait_seconds.total, 6),
-            "rows_total": self.rows_total,
-            "batch_rows": {str(rows): calls for rows, calls in sorted(self.batch_rows.items())},
-            "jobs_completed": self.jobs_completed,
-            "images_completed": self.images_completed,
-            "rejected": dict(self.rejected),
-            "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
-        }
-
-
-class Engine:
+class StepLoop:
     def __init__(
         self,
         pipeline: Pipeline,
@@ -187,15 +62,14 @@ class Engine:
         self._admitting = True
         self._stopping = False
         self._job_seconds: float | None = None  # moving average, for Retry-After
-        self._stats = EngineStats()
-        self._thread = threading.Thread(target=self._run, name="diffshard-engine", daemon=True)
+        self._stats = LoopStats()
+        self._thread = threading.Thread(target=self._run, name="diffshard-loop", daemon=True)
         self._thread.start()
 
     # The HTTP side: submit, cancel, read stats, drain.
 
-    def submit(self, requests: Sequence[GenerationRequest], timeout_s: float) -> Job:
-        """Queue a job; raises RequestError (bad input), Overloaded or Draining at once."""
-        job = Job([self.pipeline.resolve(r) for r in requests], time.monotonic() + timeout_s)
+    def submit(self, job: Job) -> Job:
+        """Queue a job of resolved requests; raises Overloaded or Draining at once."""
         with self._wake:
             if not self._admitting:
                 self._stats.rejected["draining"] += 1
@@ -216,7 +90,7 @@ class Engine:
             job.cancel()
             self._wake.notify()
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> LoopStats:
         with self._wake:
             stats = self._stats
             stats.queue_depth = len(self._queue)
@@ -224,7 +98,7 @@ class Engine:
             stats.active_images = sum(len(j.requests) for j in self._active)
             stats.active_rows = sum(j.rows for j in self._active)
             stats.progress = {j.id: j.progress() for j in self._active}
-            return EngineStats(**{name: _copy(value) for name, value in vars(stats).items()})
+            return stats.copy()
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is queued or running, or `timeout` passes; True if idle."""
@@ -249,6 +123,11 @@ class Engine:
             self._wake.notify_all()
         self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (a dead loop would leave every request waiting)."""
+        return self._thread.is_alive()
+
     # The loop.
 
     def _run(self) -> None:
@@ -261,20 +140,24 @@ class Engine:
                     return
                 admitted = self._admit()
             try:
-                self._iterate(admitted)
+                # 1. Admitted jobs: encode their prompts in one call, open their states.
+                if admitted:
+                    self._start(admitted)
+                # 2. Jobs whose client left or whose deadline passed.
+                self._drop_leavers()
+                # 3. One batched step per group of same-size requests.
+                for chunk in self._chunks():
+                    self._step(chunk)
+                # 4. Decode what finished; resolve the jobs whose images are all done.
+                self._finish()
             except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
-                log.exception("engine loop error")
+                log.exception("step loop error")
                 try:
-                    self._end(list(self._active), StepFailed("internal error in the engine loop", False))
+                    self._end(list(self._active), StepFailed("internal error in the step loop"))
                 except Exception:
-                    log.exception("engine loop error while failing its requests")
+                    log.exception("step loop error while failing its requests")
             with self._wake:
                 self._wake.notify_all()  # wait_idle() may be waiting
-
-    @property
-    def alive(self) -> bool:
-        """The loop thread runs (a dead loop would leave every request waiting)."""
-        return self._thread.is_alive()
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""
@@ -301,16 +184,7 @@ class Engine:
         self._active.extend(admitted)
         return admitted
 
-    def _iterate(self, admitted: list[Job]) -> None:
-        if admitted:
-            self._start(admitted)
-        self._drop_leavers()
-        for chunk in self._chunks():
-            self._step(chunk)
-        self._finish()
-
     def _start(self, admitted: list[Job]) -> None:
-        """Encode every admitted job's prompts in one batched call, then open their states."""
         try:
             states = self.pipeline.start([r for job in admitted for r in job.requests])
         except Exception as err:  # the requests were checked at submit: this is the device's doing
@@ -331,7 +205,10 @@ class Engine:
             if job.cancel_requested:
                 self._end([job], Cancelled("the client disconnected"))
             else:
-                self._end([job], DeadlineExceeded("the request ran past its deadline"))
+                message = (
+                    f"the request ran past its deadline: {job.timeout_s:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)"
+                )
+                self._end([job], DeadlineExceeded(message))
 
     def _chunks(self) -> Iterable[list[RequestState]]:
         """Running states grouped by size, in calls of at most `max_batch` rows (or one state)."""
@@ -359,10 +236,9 @@ class Engine:
             return
         seconds, rows = time.perf_counter() - started, sum(s.rows for s in chunk)
         with self._wake:
-            stats = self._stats
-            stats.step_seconds.observe(seconds)
-            stats.batch_rows[rows] += 1
-            stats.rows_per_step.observe(rows)
+            self._stats.step_seconds.observe(seconds)
+            self._stats.batch_rows[rows] += 1
+            self._stats.rows_per_step.observe(rows)
 
     def _finish(self) -> None:
         ready = [s for j in self._active for s in j.states if s.done and s.image is None and not s.closed]
@@ -392,31 +268,27 @@ class Engine:
             self.pipeline.pool.clear()
             torch.cuda.empty_cache()
 
-    def _end(self, jobs: list[Job], outcome: list[np.ndarray] | Exception) -> None:
+    def _end(self, jobs: list[Job], outcome: list[np.ndarray] | Rejected) -> None:
         for job in jobs:
             for state in job.states:
                 state.close()
             with self._wake:
                 if job in self._active:
                     self._active.remove(job)
-            self._resolve(job, outcome)
-
-    def _resolve(self, job: Job, outcome: list[np.ndarray] | Exception) -> None:
-        if job.future.done():  # cancelled by its waiter: nobody to tell
-            return
-        if isinstance(outcome, Exception):
-            reason = getattr(outcome, "reason", "invalid" if isinstance(outcome, ValueError) else "failed")
-            with self._wake:
-                self._stats.rejected[reason] += 1
-            job.future.set_exception(outcome)
-        else:
-            job.future.set_result(outcome)
+            if job.future.done():  # cancelled by its waiter: nobody to tell
+                continue
+            if isinstance(outcome, Rejected):
+                with self._wake:
+                    self._stats.rejected[outcome.reason] += 1
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
 
 
-def _failure(err: Exception) -> StepFailed:
+def _failure(err: Exception) -> Rejected:
     if isinstance(err, torch.OutOfMemoryError):
-        return StepFailed(f"out of device memory during generation: {err}", out_of_memory=True)
-    return StepFailed(f"generation failed: {type(err).__name__}", out_of_memory=False)
+        return OutOfMemory(f"out of device memory during generation: {err}")
+    return StepFailed(f"generation failed: {type(err).__name__}")
 
 
 def _inject_fault(chunk: list[RequestState]) -> None:
@@ -426,11 +298,3 @@ def _inject_fault(chunk: list[RequestState]) -> None:
         for marker, error in FAULT_MARKERS.items():
             if marker in state.request.prompt and state.index == FAULT_STEP:
                 raise error(f"injected fault {marker}")
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, Counter | dict):
-        return type(value)(value)
-    if isinstance(value, Distribution):
-        return value.copy()
-    return value

@@ -1,0 +1,47 @@
+"""Which `DenoiserSpec` describes a model: the registry the planner, the trace and the shard ask."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from torch import nn
+
+from server.engine.blocks import DenoiserSpec, Layout, tensors_of
+from server.engine.dit import SD3TransformerSpec
+from server.engine.unet import UNetSpec
+
+_SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
+    (UNet2DConditionModel, UNetSpec),
+    (SD3Transformer2DModel, SD3TransformerSpec),
+]
+
+
+def register_spec(model_type: type[nn.Module], spec: Callable[[], DenoiserSpec]) -> None:
+    """Teach the engine another denoiser: declare its blocks, inputs and forward call."""
+    _SPECS.insert(0, (model_type, spec))
+
+
+def spec_for(model: nn.Module) -> DenoiserSpec:
+    for model_type, spec in _SPECS:
+        if isinstance(model, model_type):
+            return spec()
+    known = ", ".join(t.__name__ for t, _ in _SPECS)
+    raise TypeError(f"no block layout for {type(model).__name__} (known: {known}); see register_spec")
+
+
+def layout_of(model: nn.Module) -> Layout:
+    """The model's blocks in execution order, checked to own every parameter and buffer once."""
+    layout = spec_for(model).layout(model)
+    owners: dict[str, str] = {}
+    for block in layout.blocks:
+        for path in block.modules:
+            for name, _ in tensors_of(model.get_submodule(path)):
+                full = f"{path}.{name}"
+                if full in owners:
+                    raise ValueError(f"{full} is in both {owners[full]} and {block.name}")
+                owners[full] = block.name
+    orphans = [name for name, _ in tensors_of(model) if name not in owners]
+    if orphans:
+        raise ValueError(f"the layout of {type(model).__name__} leaves out {orphans[:5]}")
+    return layout

@@ -1,0 +1,57 @@
+"""The model families diffshard serves, and how a folder or a name finds its family.
+
+This registry is the one place that lists families by name: everything else asks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.errors import ModelFolderError, PlanError
+from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
+from server.pipeline.families.sd import SD
+from server.pipeline.families.sd3 import SD3
+from server.pipeline.families.sdxl import SDXL
+
+FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3)
+SD_VAE = {"block_out_channels": (128, 256, 512, 512)}  # the 8x VAE every reference model uses
+
+
+def pipeline_classes() -> tuple[str, ...]:
+    return tuple(name for family in FAMILIES for name in family.pipeline_classes)
+
+
+def family_class(index: dict[str, Any]) -> type[Family]:
+    """The family serving a folder whose model_index.json is `index`."""
+    name = index.get("_class_name")
+    for family in FAMILIES:
+        if name in family.pipeline_classes:
+            return family
+    raise ModelFolderError(f"the folder holds a {name}; diffshard serves {', '.join(pipeline_classes())}")
+
+
+def reference_names() -> tuple[str, ...]:
+    return tuple(sorted(name for family in FAMILIES for name in family.reference_configs))
+
+
+def reference_family(name: str) -> Family:
+    """The family of a well-known architecture (`plan --config NAME`), with its denoiser's config."""
+    for family in FAMILIES:
+        if name in family.reference_configs:
+            with torch.device("meta"):  # a config with every default filled in
+                model = family.denoiser_class.from_config(family.reference_configs[name])
+            index = {"_class_name": family.pipeline_classes[0]}
+            return family(ModelConfig(index, dict(model.config), SD_VAE))
+    raise PlanError(f"unknown architecture {name!r}: choose one of {', '.join(reference_names())}")
+
+
+def meta_denoiser(family: Family) -> nn.Module:
+    """The family's denoiser built from its config on the meta device: no weights, seconds to make."""
+    with torch.device("meta"):
+        return family.denoiser_class.from_config(family.config.denoiser)
+
+
+__all__ = ["FAMILIES", "Family", "ModelConfig", "TextEmbeddings", "family_class", "meta_denoiser"]

@@ -1,0 +1,165 @@
+"""What a model family declares: how prompts become the denoiser's conditioning, how latents are
+shaped, scheduled and decoded. The pipeline runs any family the same way; only the family knows
+its text encoders, extra conditioning rows and latent scaling.
+
+A family reads a folder's configs (`ModelConfig`), never its weights: the planner uses the same
+family object before anything loads. The weighted parts (encoders, tokenizers, VAE) are passed
+in by the pipeline that loaded them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from diffusers import UNet2DConditionModel
+from torch import nn
+
+# Every family's scheduler names beside "default" (the folder's own); classes in schedulers.py.
+DDPM_SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A folder's configs, read without loading a weight: model_index.json and each part's config."""
+
+    index: dict[str, Any]
+    denoiser: dict[str, Any]
+    vae: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TextEmbeddings:
+    context: torch.Tensor  # [N, tokens, dim]: what the denoiser attends to
+    pooled: torch.Tensor | None = None  # [N, dim]: one vector per prompt, for families that take one
+
+
+class Family:
+    """SD 1.x/2.x, the base every family refines: one CLIP encoder's last hidden state, a UNet,
+    a VAE scaled by `scaling_factor`. Subclasses override what differs."""
+
+    name: ClassVar[str] = "sd"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+    denoiser: ClassVar[str] = "unet"  # the folder's part the ModelShard splits
+    denoiser_class: ClassVar[type[nn.Module]] = UNet2DConditionModel
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
+    default_steps: ClassVar[int] = 50
+    default_guidance: ClassVar[float] = 7.5
+    # Architectures `python -m server plan --config NAME` can plan: the reference checkpoints'
+    # denoiser configs, trimmed to what differs from the class defaults.
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    @property
+    def weighted(self) -> tuple[str, ...]:
+        """The folder's parts that hold weights (safetensors only)."""
+        return (self.denoiser, "vae", *self.text_encoders)
+
+    # 1. Prompts → conditioning.
+
+    def rows(self, guidance_scale: float) -> int:
+        """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
+        return 2 if guidance_scale > 1 else 1
+
+    @property
+    def zero_unset_negative(self) -> bool:
+        """Whether an unset negative prompt conditions on zeros instead of on ""."""
+        return False
+
+    def encode(
+        self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
+    ) -> TextEmbeddings:
+        encoder, device = encoders[0], _device(encoders[0])
+        tokens = tokenize(tokenizers[0], prompts)
+        # as diffusers: the attention mask only for encoders configured to use one
+        use_mask = getattr(encoder.config, "use_attention_mask", False)
+        mask = tokens.attention_mask.to(device) if use_mask else None
+        return TextEmbeddings(encoder(tokens.input_ids.to(device), attention_mask=mask)[0])
+
+    def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
+        """Per-row conditioning beside the context (rows as `pooled`'s), e.g. SDXL's time ids."""
+        return {}
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The batched extras as keyword arguments of the denoiser's forward."""
+        return {}
+
+    # 2. Latents and their schedule.
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.config.vae.get("block_out_channels", (0,) * 4)) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.config.denoiser["in_channels"])
+
+    @property
+    def native_size(self) -> int:
+        """The image side the denoiser was built for, in pixels."""
+        return int(self.config.denoiser["sample_size"]) * self.vae_scale_factor
+
+    @property
+    def size_multiple(self) -> int:
+        """Width and height must be multiples of this (8: what diffusers' pipelines require)."""
+        return math.lcm(8, self.vae_scale_factor)
+
+    @property
+    def max_size(self) -> int | None:
+        """The largest image side the denoiser can take, if it has one."""
+        return None
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int, int]:
+        scale = self.vae_scale_factor
+        return (1, self.latent_channels, height // scale, width // scale)
+
+    def set_timesteps(self, scheduler: Any, steps: int, device: torch.device, latent_shape: tuple) -> None:
+        scheduler.set_timesteps(steps, device=device)
+
+    def init_noise_sigma(self, scheduler: Any) -> float:
+        return float(scheduler.init_noise_sigma)
+
+    def model_input(self, scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return scheduler.scale_model_input(latents, t)
+
+    # 3. Latents → pixels.
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as the VAE decodes them: undo the scaling (and shift) applied at training."""
+        vae = self.config.vae
+        return latents / vae["scaling_factor"] + (vae.get("shift_factor") or 0.0)
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        """Configs that disagree (raise ModelFolderError); nothing to check for SD."""
+
+
+def tokenize(tokenizer: Any, prompts: list[str]) -> Any:
+    """Every prompt padded to the tokenizer's full length: CLIP's causal attention keeps the
+    padding from reaching the tokens before it, so prompts batch without changing each other."""
+    return tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    )
+
+
+def penultimate_states(
+    encoder: nn.Module, tokenizer: Any, prompts: list[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the penultimate hidden states [N, T, D], the encoder's first output) as SDXL and SD3 take them;
+    the first output is the pooled projection of a CLIPTextModelWithProjection."""
+    out = encoder(tokenize(tokenizer, prompts).input_ids.to(_device(encoder)), output_hidden_states=True)
+    return out.hidden_states[-2], out[0]
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device

@@ -1,0 +1,81 @@
+"""SDXL: two CLIP encoders side by side, a pooled prompt vector and six size/crop ids as extra
+conditioning (`added_cond_kwargs`), zeros for an unset negative prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from server.errors import ModelFolderError
+from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
+
+
+class SDXL(Family):
+    name: ClassVar[str] = "sdxl"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
+    tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
+    default_guidance: ClassVar[float] = 5.0
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
+        "sdxl": {
+            "sample_size": 128,
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "block_out_channels": (320, 640, 1280),
+            "transformer_layers_per_block": (1, 2, 10),
+            "cross_attention_dim": 2048,
+            "attention_head_dim": (5, 10, 20),
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+        }
+    }
+
+    @property
+    def zero_unset_negative(self) -> bool:
+        return bool(self.config.index.get("force_zeros_for_empty_prompt", True))
+
+    def encode(
+        self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
+    ) -> TextEmbeddings:
+        contexts, pooled = [], None
+        for tokenizer, encoder in zip(tokenizers, encoders, strict=True):
+            hidden, first = penultimate_states(encoder, tokenizer, prompts)
+            if pooled is None and first.ndim == 2:  # CLIPTextModelWithProjection's text_embeds
+                pooled = first
+            contexts.append(hidden)
+        return TextEmbeddings(torch.cat(contexts, dim=-1), pooled)
+
+    def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
+        assert pooled is not None, "SDXL's second text encoder gives a pooled projection"
+        size = (height, width)  # original size, crop top-left (0, 0), target size
+        time_ids = torch.tensor([*size, 0, 0, *size], dtype=pooled.dtype, device=pooled.device)
+        return {"text_embeds": pooled, "time_ids": time_ids.expand(pooled.shape[0], 6)}
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"added_cond_kwargs": extras}
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.config.vae
+        mean, std = vae.get("latents_mean"), vae.get("latents_std")
+        if mean is None or std is None:
+            return super().unscale_latents(latents)
+        shape = (1, -1, 1, 1)  # VAEs with per-channel normalised latents
+        mean_t = torch.tensor(mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std_t = torch.tensor(std, dtype=latents.dtype, device=latents.device).view(shape)
+        return latents * std_t / vae["scaling_factor"] + mean_t
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        """The added embedding must take the pooled text plus 6 size ids, as diffusers checks."""
+        pooled = encoders[-1].config.projection_dim
+        given = self.config.denoiser["addition_time_embed_dim"] * 6 + pooled
+        expected = denoiser.add_embedding.linear_1.in_features
+        if given != expected:
+            raise ModelFolderError(
+                f"the UNet's added embedding takes {expected} features but the text encoder's pooled "
+                f"projection ({pooled}) and 6 time ids make {given}: the folder's configs disagree"
+            )

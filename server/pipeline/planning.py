@@ -1,0 +1,60 @@
+"""Plan a model's split before loading it: `serve` and `plan` both call `plan_model`, so the plan
+a user prints is the plan the server runs.
+
+The activation reserve is sized for the largest work the service admits (`batch` rows at the
+largest allowed image side), and the text encoders' and VAE's bytes count against the budget
+of the device they will sit on (the first one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from server.engine import ShardPlan, plan_shards
+from server.engine.devices import resolve_devices
+from server.pipeline.families import Family, meta_denoiser
+from server.pipeline.loader import part_bytes
+
+
+def largest_side(family: Family, max_pixels: int) -> int:
+    """The largest square image side a request may ask for under `max_pixels`."""
+    multiple = family.size_multiple
+    side = max(multiple, math.isqrt(max_pixels) // multiple * multiple)
+    return min(side, family.max_size) if family.max_size else side
+
+
+def plan_model(
+    family: Family,
+    devices: str | Sequence[str],
+    strategy: str,
+    *,
+    dtype: torch.dtype,
+    batch: int,
+    side: int,
+    max_memory: Mapping[str, int] | str | None = None,
+    device_map: Mapping[str, str] | None = None,
+    folder: Path | None = None,
+) -> ShardPlan:
+    """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
+    activations for `batch` rows of `side`² images; with `folder`, its encoders and VAE count
+    on the first device."""
+    first = next(iter(device_map.values())) if device_map else resolve_devices(devices)[0]
+    resident = {}
+    if folder is not None:
+        parts = ("vae", *(n for n in family.text_encoders if (folder / n).is_dir()))
+        resident[first] = part_bytes(folder, parts, dtype)
+    return plan_shards(
+        meta_denoiser(family),
+        devices,
+        strategy,
+        max_memory=max_memory,
+        device_map=device_map,
+        dtype=dtype,
+        latent_size=side // family.vae_scale_factor,
+        batch=batch,
+        resident=resident,
+    )

@@ -1,0 +1,99 @@
+"""One image to generate, its defaults, and the model invariants every request must meet.
+
+These checks are what the model can run at all (sizes its VAE and denoiser take, schedulers its
+family supports); the service's policy limits (max steps, pixels, ...) are applied on top of the
+resolved request, in `server/serving/limits.py`. Both raise `InvalidRequest(field, message)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from server.errors import InvalidRequest
+from server.pipeline.families import Family
+
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
+MAX_MODEL_STEPS = 1000  # diffusers' schedulers train on 1000 timesteps
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One image. Unset fields take the pipeline's defaults (`Pipeline.defaults`)."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int = 0
+    steps: int | None = None
+    guidance_scale: float | None = None
+    scheduler: str | None = None
+    width: int | None = None
+    height: int | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.steps, self.guidance_scale, self.scheduler, self.width, self.height)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    steps: int
+    guidance_scale: float
+    scheduler: str
+    size: int  # native image side in pixels
+
+
+def read_defaults(folder: Path, family: Family) -> Defaults:
+    """The folder's recommended settings (recommended.json, as the built-in model has), else the family's."""
+    settings: dict = {}
+    recommended = folder / "recommended.json"
+    if recommended.is_file():
+        settings = json.loads(recommended.read_text()).get("recommended", {})
+    return Defaults(
+        steps=int(settings.get("num_inference_steps", family.default_steps)),
+        guidance_scale=float(settings.get("guidance_scale", family.default_guidance)),
+        scheduler="default",
+        size=int(settings.get("size", family.native_size)),
+    )
+
+
+def resolve(request: GenerationRequest, defaults: Defaults, family: Family) -> GenerationRequest:
+    """`request` with every unset field filled in from `defaults`, checked against the model."""
+    request = with_defaults(request, defaults)
+    _check(request, family)
+    return request
+
+
+def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationRequest:
+    """`request` with every unset field filled in from `defaults`; nothing checked."""
+    d = defaults
+    return replace(
+        request,
+        steps=d.steps if request.steps is None else request.steps,
+        guidance_scale=d.guidance_scale if request.guidance_scale is None else request.guidance_scale,
+        scheduler=request.scheduler or d.scheduler,
+        width=d.size if request.width is None else request.width,
+        height=d.size if request.height is None else request.height,
+    )
+
+
+def _check(request: GenerationRequest, family: Family) -> None:
+    if not request.prompt.strip():
+        raise InvalidRequest("prompt", "must not be empty")
+    if not 1 <= request.steps <= MAX_MODEL_STEPS:
+        raise InvalidRequest("steps", f"must be between 1 and {MAX_MODEL_STEPS}, got {request.steps}")
+    if not (math.isfinite(request.guidance_scale) and request.guidance_scale >= 0):
+        raise InvalidRequest("guidance_scale", f"must be a finite number ≥ 0, got {request.guidance_scale}")
+    if request.scheduler not in family.schedulers:
+        names = ", ".join(family.schedulers)
+        raise InvalidRequest("scheduler", f"must be one of {names} for this model, got {request.scheduler!r}")
+    multiple, largest = family.size_multiple, family.max_size
+    size = f"{request.width}x{request.height}"
+    if min(request.width, request.height) <= 0 or request.width % multiple or request.height % multiple:
+        raise InvalidRequest("size", f"width and height must be positive multiples of {multiple}, got {size}")
+    if largest is not None and max(request.width, request.height) > largest:
+        raise InvalidRequest("size", f"width and height must be at most {largest} for this model, got {size}")
+    if not 0 <= request.seed < SEED_LIMIT:
+        raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {request.seed}")

@@ -1,0 +1,78 @@
+"""One request's state between steps, and which states can share a denoiser call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from server.engine.pool import PoolScope
+from server.pipeline.requests import GenerationRequest
+
+
+@dataclass
+class RequestState:
+    """Everything one request carries between steps; `close()` returns what it rented."""
+
+    request: GenerationRequest  # resolved: every field set
+    scheduler: Any  # its own instance: diffusers schedulers keep a step index and history
+    generator: torch.Generator
+    latents: torch.Tensor  # [1, C, h, w], LATENT_DTYPE, updated in place every step
+    context: torch.Tensor  # [rows, tokens, dim]: negative row first when guided
+    extras: dict[str, torch.Tensor]  # the family's other per-row conditioning, [rows, ...] each
+    scope: PoolScope
+    index: int = 0  # steps taken
+    image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
+    closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
+    step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
+
+    @property
+    def rows(self) -> int:
+        return self.context.shape[0]
+
+    @property
+    def steps(self) -> int:
+        return len(self.scheduler.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.index >= self.steps
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.scheduler.timesteps[self.index]
+
+    @property
+    def group(self) -> tuple[Any, ...]:
+        """States with equal groups can share one denoiser call and one VAE decode."""
+        return (*self.latents.shape[1:], *self.context.shape[1:])
+
+    def close(self) -> None:
+        """End the request (finished, failed or cancelled); safe to call more than once."""
+        self.closed = True
+        self.scope.close()
+
+
+def group_states(states: Sequence[RequestState]) -> list[list[RequestState]]:
+    """States in groups that can share a denoiser call and a VAE decode, in first-seen order."""
+    groups: dict[tuple[Any, ...], list[RequestState]] = {}
+    for state in states:
+        groups.setdefault(state.group, []).append(state)
+    return list(groups.values())
+
+
+def check_group(states: Sequence[RequestState]) -> None:
+    if len({s.group for s in states}) > 1:
+        raise ValueError(
+            "requests of different sizes cannot share a denoiser or VAE call; group them by `group`"
+        )
+
+
+def spans(states: Sequence[RequestState]) -> Iterable[slice]:
+    """Each state's rows in the batch the states make, in order."""
+    start = 0
+    for state in states:
+        yield slice(start, start + state.rows)
+        start += state.rows

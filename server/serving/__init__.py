@@ -1,0 +1,19 @@
+"""Serving: the step loop, jobs and their outcomes, admission, deadlines, stats as plain data."""
+
+from server.serving.jobs import Job
+from server.serving.limits import Limits
+from server.serving.loop import StepLoop
+from server.serving.service import ModelInfo, Runtime, Service
+from server.serving.stats import Distribution, LoopStats, Snapshot
+
+__all__ = [
+    "Distribution",
+    "Job",
+    "Limits",
+    "LoopStats",
+    "ModelInfo",
+    "Runtime",
+    "Service",
+    "Snapshot",
+    "StepLoop",
+]

@@ -1,0 +1,38 @@
+"""A job is one HTTP request: n images, each its own `RequestState`; it ends exactly once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from server.pipeline.requests import GenerationRequest
+from server.pipeline.state import RequestState
+
+
+@dataclass(eq=False)
+class Job:
+    requests: list[GenerationRequest]  # resolved: every field set
+    rows: int  # denoiser rows the job takes at every step
+    timeout_s: float  # from submission; past it the job is dropped
+    future: Future = field(default_factory=Future)  # its images (float [H, W, 3] arrays) or a Rejected
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    submitted: float = field(default_factory=time.monotonic)
+    states: list[RequestState] = field(default_factory=list)
+    cancel_requested: bool = False
+
+    @property
+    def deadline(self) -> float:
+        """The time.monotonic() past which the job is dropped."""
+        return self.submitted + self.timeout_s
+
+    def cancel(self) -> None:
+        """Drop the job at the next step boundary (the client went away)."""
+        self.cancel_requested = True
+
+    def progress(self) -> list[tuple[int, int]]:
+        """(steps done, steps in all) per image."""
+        if not self.states:
+            return [(0, r.steps) for r in self.requests]
+        return [(s.index, s.steps) for s in self.states]

@@ -1,0 +1,40 @@
+"""The service's policy limits, applied to requests after the model has resolved them, so a
+limit binds the defaults as much as what a client sent. Each error names the field and the
+setting that bounds it (the model's own invariants are in `server/pipeline/requests.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from server.errors import InvalidRequest
+from server.pipeline import GenerationRequest
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_n: int = 10
+    max_steps: int = 100
+    max_pixels: int = 1024 * 1024
+    max_prompt_chars: int = 2000
+    request_timeout_s: float = 300.0
+
+
+def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
+    """Raise InvalidRequest for the first limit a job of resolved `requests` breaks."""
+    if not 1 <= len(requests) <= limits.max_n:
+        raise InvalidRequest(
+            "n", f"must be between 1 and {limits.max_n}, got {len(requests)}", "DIFFSHARD_MAX_N"
+        )
+    for r in requests:
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(r, name)
+            if text is not None and len(text) > limits.max_prompt_chars:
+                message = f"is {len(text)} characters; the limit is {limits.max_prompt_chars}"
+                raise InvalidRequest(name, message, "DIFFSHARD_MAX_PROMPT_CHARS")
+        if not 1 <= r.steps <= limits.max_steps:
+            message = f"must be between 1 and {limits.max_steps}, got {r.steps}"
+            raise InvalidRequest("steps", message, "DIFFSHARD_MAX_STEPS")
+        if r.width * r.height > limits.max_pixels:
+            message = f"{r.width}x{r.height} is {r.width * r.height} pixels; the limit is {limits.max_pixels}"
+            raise InvalidRequest("size", message, "DIFFSHARD_MAX_PIXELS")

@@ -1,0 +1,157 @@
+"""What the HTTP layer sees of serving: a `Service` (the loaded model, its step loop, its views)
+and the `Runtime` that holds it through its life (loading → ready → draining, or → failed).
+
+Routes call these and nothing below them: they never touch the pipeline, the shard or torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from server.errors import NotReady
+from server.pipeline import Defaults, GenerationRequest, Pipeline
+from server.serving.jobs import Job
+from server.serving.limits import Limits, check_limits
+from server.serving.loop import StepLoop
+from server.serving.stats import DeviceView, LoopStats, Snapshot
+
+STATUS = {
+    "loading": "the model is loading; retry shortly",
+    "ready": "ready",
+    "draining": "the server is shutting down",
+    "failed": "the model failed to load",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as clients may know it."""
+
+    name: str
+    family: str
+    defaults: Defaults
+    schedulers: tuple[str, ...]
+    size_multiple: int
+
+
+class Service:
+    """A loaded pipeline behind a step loop, with the service's limits."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        name: str,
+        limits: Limits | None = None,
+        *,
+        max_queue: int = 64,
+        max_batch: int = 16,
+        inject_faults: bool = False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.limits = limits or Limits()
+        family = pipeline.family
+        self.model = ModelInfo(name, family.name, pipeline.defaults, family.schedulers, family.size_multiple)
+        self.loop = StepLoop(pipeline, max_queue=max_queue, max_batch=max_batch, inject_faults=inject_faults)
+
+    def submit(self, requests: list[GenerationRequest]) -> Job:
+        """Resolve and check the requests (InvalidRequest), then queue them as one job
+        (Overloaded or Draining when the loop cannot take it)."""
+        filled = [self.pipeline.with_defaults(r) for r in requests]
+        check_limits(filled, self.limits)  # policy first: its message names the setting to change
+        resolved = [self.pipeline.resolve(r) for r in filled]
+        rows = sum(self.pipeline.rows(r) for r in resolved)
+        return self.loop.submit(Job(resolved, rows, self.limits.request_timeout_s))
+
+    def cancel(self, job: Job) -> None:
+        self.loop.cancel(job)
+
+    # Views.
+
+    def stats(self) -> LoopStats:
+        return self.loop.stats()
+
+    def pool(self) -> dict[str, dict[str, Any]]:
+        return {
+            device: asdict(s) | {"hit_rate": s.hit_rate} for device, s in self.pipeline.pool.stats().items()
+        }
+
+    def devices(self) -> dict[str, DeviceView]:
+        shard = self.pipeline.shard
+        return {device: DeviceView(shard.blocks_on(device), m) for device, m in shard.memory().items()}
+
+    def shards(self) -> dict[str, Any]:
+        """The plan, each device's blocks and live memory: where every block and byte is."""
+        shard = self.pipeline.shard
+        return {
+            "plan": shard.plan.to_dict(),
+            "devices": {
+                device: {"blocks": list(view.blocks), "memory": asdict(view.memory)}
+                for device, view in self.devices().items()
+            },
+            "pool": self.pool(),
+            "text": str(shard),
+        }
+
+    # Lifecycle.
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.alive
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new jobs; wait up to `timeout_s` for those in flight. True if they all ended."""
+        self.loop.stop_admitting()
+        return self.loop.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+@dataclass
+class Runtime:
+    """The service through its life; what health probes, routes and metrics ask."""
+
+    model_name: str
+    dtype: str
+    queue_capacity: int
+    service: Service | None = None
+    status: str = "loading"  # loading → ready → draining, or loading → failed
+    error: str | None = None
+    load_seconds: float | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def serving(self) -> bool:
+        """Loaded, not draining, and the step loop alive."""
+        if self.status == "ready" and self.service is not None and not self.service.alive:
+            self.status, self.error = "failed", "the step loop stopped; the server log says why"
+        return self.status == "ready"
+
+    def status_message(self) -> str:
+        return STATUS[self.status] + (f": {self.error}" if self.error else "")
+
+    def loaded(self) -> Service:
+        """The service once the model has loaded (draining or not); NotReady before or if it failed."""
+        if self.service is None or self.status == "failed":
+            raise NotReady(self.status, self.status_message())
+        return self.service
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (readyz and new requests say 503); wait for in-flight requests to end."""
+        if self.status == "ready":
+            self.status = "draining"
+        return True if self.service is None else self.service.drain(timeout_s)
+
+    def snapshot(self) -> Snapshot:
+        service = self.service
+        return Snapshot(
+            model=self.model_name,
+            dtype=self.dtype,
+            queue_capacity=self.queue_capacity,
+            loop=service.stats() if service else None,
+            devices=service.devices() if service else {},
+            pool=service.pipeline.pool.stats() if service else {},
+            load_seconds=self.load_seconds,
+        )

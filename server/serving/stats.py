@@ -1,0 +1,112 @@
+"""The serving layer's numbers as plain data: what /v1/stats shows and the metrics collectors read.
+
+Nothing here knows Prometheus: `Distribution` keeps fixed buckets as a histogram would, and a
+`Snapshot` is everything one scrape needs, taken at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine import DeviceMemory
+from server.engine.pool import PoolStats
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Distribution:
+    """Observations counted into fixed buckets (upper bounds), as a Prometheus histogram keeps them."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bound, not cumulative; the last: above all
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Distribution:
+        return Distribution(self.bounds, list(self.counts), self.total, self.count)
+
+
+@dataclass
+class LoopStats:
+    """The step loop's counters."""
+
+    queue_depth: int = 0
+    active_jobs: int = 0
+    active_images: int = 0
+    active_rows: int = 0
+    batch_rows: Counter = field(default_factory=Counter)  # rows per call → calls
+    rows_per_step: Distribution = field(default_factory=lambda: Distribution(ROW_BUCKETS))
+    step_seconds: Distribution = field(default_factory=lambda: Distribution(STEP_BUCKETS))
+    queue_wait_seconds: Distribution = field(default_factory=lambda: Distribution(WAIT_BUCKETS))
+    jobs_completed: int = 0
+    images_completed: int = 0
+    rejected: Counter = field(default_factory=Counter)  # reason → jobs
+    progress: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # active job → per image
+
+    @property
+    def steps(self) -> int:
+        """Batched denoiser calls."""
+        return self.rows_per_step.count
+
+    @property
+    def rows_total(self) -> int:
+        return int(self.rows_per_step.total)
+
+    def copy(self) -> LoopStats:
+        def copied(value: Any) -> Any:
+            if isinstance(value, Counter | dict):
+                return type(value)(value)
+            return value.copy() if isinstance(value, Distribution) else value
+
+        return LoopStats(**{name: copied(value) for name, value in vars(self).items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "queue_depth": self.queue_depth,
+            "active_jobs": self.active_jobs,
+            "active_images": self.active_images,
+            "active_rows": self.active_rows,
+            "steps": self.steps,
+            "step_seconds_total": round(self.step_seconds.total, 6),
+            "queue_wait_seconds_total": round(self.queue_wait_seconds.total, 6),
+            "rows_total": self.rows_total,
+            "batch_rows": {str(rows): calls for rows, calls in sorted(self.batch_rows.items())},
+            "jobs_completed": self.jobs_completed,
+            "images_completed": self.images_completed,
+            "rejected": dict(self.rejected),
+            "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
+        }
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One device as the shard placed it: its blocks and a live memory reading."""
+
+    blocks: tuple[str, ...]
+    memory: DeviceMemory
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the metrics read, at one moment. Model fields are None until it has loaded."""
+
+    model: str
+    dtype: str
+    queue_capacity: int
+    loop: LoopStats | None = None
+    devices: dict[str, DeviceView] = field(default_factory=dict)
+    pool: dict[str, PoolStats] = field(default_factory=dict)
+    load_seconds: float | None = None

@@ -1,0 +1,124 @@
+"""Stable Diffusion 3 (an MMDiT denoiser) as the third model family: images equal diffusers'
+StableDiffusion3Pipeline on 1 and 2 stages, batched requests equal their solo runs, and an SD3
+folder serves through the same HTTP API."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from diffusers import StableDiffusion3Pipeline
+from PIL import Image
+
+from server.pipeline import GenerationRequest, Pipeline
+from server.serving import Service
+from tests.live import live_server
+from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
+from tests.waiting import wait_until
+
+TOLERANCE = 1e-3
+
+
+def reference(folder: Path, request: GenerationRequest) -> np.ndarray:
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        folder, text_encoder_3=None, tokenizer_3=None, local_files_only=True, use_safetensors=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return diffusers_image(pipe, request)
+
+
+CASES = [
+    GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=5, guidance_scale=4.0),
+    GenerationRequest("a green square", seed=5, steps=4, guidance_scale=6.0),  # unset negative: ""
+    GenerationRequest("a white triangle", seed=7, steps=3, guidance_scale=1.0),  # no guidance: one row
+]
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu"])
+def test_images_match_stable_diffusion_3_pipeline(sd3_folder: Path, devices: str) -> None:
+    pipeline = Pipeline.load(sd3_folder, devices=devices, strategy="even")
+    assert len(pipeline.shard.plan.stages) == len(devices.split(","))
+    for request in CASES:
+        resolved = pipeline.resolve(request)
+        ours = pipeline.generate([request])[0]
+        theirs = reference(sd3_folder, resolved)
+        assert ours.shape == theirs.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+        assert np.abs(ours - theirs).max() < TOLERANCE, request
+        assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
+
+
+def test_requests_that_join_at_different_steps_equal_their_solo_runs(sd3_folder: Path) -> None:
+    pipeline = Pipeline.load(sd3_folder, devices="cpu,cpu", strategy="even")
+    jobs = [
+        [GenerationRequest("a red circle", seed=1, steps=6, guidance_scale=4.0)],
+        [GenerationRequest("a blue square", seed=2, steps=4, guidance_scale=1.0)],
+        [GenerationRequest("a green star", "red", seed=3, steps=5, guidance_scale=7.0)] * 2,
+        [GenerationRequest("a white circle", seed=5, steps=3, width=16, height=32)],
+    ]
+    alone = [pipeline.generate(requests) for requests in jobs]
+    service = Service(pipeline, "tiny-sd3", max_batch=16)
+    try:
+        first = service.submit(jobs[0])
+        progress = lambda: service.stats().progress.get(first.id, [(0, 0)])[0][0] >= 2  # noqa: E731
+        wait_until(progress, 60, "the first request's second step")  # the others join two steps late
+        together = [first] + [service.submit(requests) for requests in jobs[1:]]
+        together = [job.future.result(timeout=120) for job in together]
+        stats = service.stats()
+    finally:
+        service.close()
+    for solo, batched in zip(alone, together, strict=True):
+        for a, b in zip(solo, batched, strict=True):
+            assert np.abs(a - b).max() < TOLERANCE
+    assert max(stats.batch_rows) > 2  # requests really shared transformer calls
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
+
+
+def test_sd3_refuses_schedulers_and_sizes_its_family_cannot_run(sd3_folder: Path) -> None:
+    pipeline = Pipeline.load(sd3_folder, devices="cpu")
+    with pytest.raises(ValueError, match="scheduler: must be one of default for this model"):
+        pipeline.resolve(GenerationRequest("a red circle", scheduler="ddim"))
+    with pytest.raises(ValueError, match="multiples of 4"):  # VAE 2x, patch 2
+        pipeline.resolve(GenerationRequest("a red circle", width=30, height=32))
+    with pytest.raises(ValueError, match="at most 64"):  # the position embedding's 16x16 grid of patches
+        pipeline.resolve(GenerationRequest("a red circle", width=96, height=32))
+
+
+def test_plan_prints_the_sd3_medium_transformer_blocks() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "plan", "--config", "sd3", "--devices", "cpu,cpu", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    blocks = [b for stage in plan["stages"] for b in stage["blocks"]]
+    assert blocks == ["embed", *(f"transformer_blocks.{i}" for i in range(24)), "out"]
+    assert [s["device"] for s in plan["stages"]] == ["cpu", "cpu"]
+    assert plan["boundaries"][0]["skips"] == []  # an MMDiT has no skip residuals
+
+
+def test_an_sd3_folder_serves_through_the_images_api(sd3_folder: Path) -> None:
+    with live_server("--model", str(sd3_folder), "--devices", "cpu,cpu") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        result = client.images.generate(
+            prompt="a red circle", size="32x32", n=2, response_format="b64_json", extra_body={"seed": 3}
+        )
+        images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
+        assert [image.size for image in images] == [(32, 32)] * 2
+        with pytest.raises(openai.BadRequestError, match="one of default for this model") as caught:
+            client.images.generate(prompt="a red circle", extra_body={"scheduler": "ddim"})
+        assert caught.value.param == "scheduler"
+        shards = httpx.get(f"{server.url}/v1/shards").json()
+        assert "transformer_blocks.0" in shards["plan"]["stages"][0]["blocks"]
+        assert "ModelShard(SD3Transformer2DModel" in shards["text"]
