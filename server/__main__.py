@@ -117,6 +117,8 @@ def plan_for(
 
 def plan_command(args: argparse.Namespace) -> None:
     explicit = args.strategy == Strategy.EXPLICIT
+    if args.device_map and not explicit:
+        raise PlanError("--device-map is the explicit strategy's map: add --strategy explicit")
     settings = _settings(args, **({"strategy": Strategy.MEMORY} if explicit else {}))
     family = reference_family(args.config) if args.config else read_family(settings.model)
     options: dict = (

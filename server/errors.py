@@ -7,7 +7,7 @@
     │   └── ModelFolderError     a model folder that cannot be served
     ├── InvalidRequest           bad input: names the field and the limit (400)
     └── Rejected                 a request the service did not finish; `reason` is its stats key
-        ├── Unavailable          try again later (503)
+        ├── Unavailable          the service cannot take it now (503)
         │   ├── NotReady         the model is loading, or failed to load
         │   ├── Overloaded       the queue is full; `retry_after` seconds
         │   ├── Draining         the server is shutting down
@@ -50,8 +50,6 @@ class InvalidRequest(DiffshardError, ValueError):
     Model invariants (sizes the VAE can take, the schedulers a family supports) carry no limit;
     policy limits (max steps, max pixels, ...) name their setting, e.g. DIFFSHARD_MAX_STEPS.
     """
-
-    reason = "invalid"
 
     def __init__(self, field: str, message: str, limit: str | None = None) -> None:
         super().__init__(f"{field}: {message}" + (f" ({limit})" if limit else ""))

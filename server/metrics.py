@@ -46,7 +46,7 @@ DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (em
 
 
 @dataclass(frozen=True)
-class Family:
+class MetricSpec:
     name: str
     type: str
     unit: str
@@ -56,7 +56,7 @@ class Family:
 
 
 CATALOG = (
-    Family(
+    MetricSpec(
         "device_allocated_bytes",
         "gauge",
         "bytes",
@@ -64,57 +64,71 @@ CATALOG = (
         "bytes in live tensors (allocator)",
         True,
     ),
-    Family("device_reserved_bytes", "gauge", "bytes", DEVICE_LABELS, "bytes the CUDA allocator holds", True),
-    Family(
+    MetricSpec(
+        "device_reserved_bytes", "gauge", "bytes", DEVICE_LABELS, "bytes the CUDA allocator holds", True
+    ),
+    MetricSpec(
         "device_peak_allocated_bytes", "gauge", "bytes", DEVICE_LABELS, "highest allocated since start", True
     ),
-    Family(
+    MetricSpec(
         "device_free_bytes", "gauge", "bytes", DEVICE_LABELS, "free device memory (on CPU: available RAM)"
     ),
-    Family("device_total_bytes", "gauge", "bytes", DEVICE_LABELS, "device memory (on CPU: the host's RAM)"),
-    Family("shard_parameter_bytes", "gauge", "bytes", DEVICE_LABELS, "weights and buffers the shard placed"),
-    Family("shard_blocks", "gauge", "blocks", DEVICE_LABELS, "UNet blocks the shard placed on the device"),
-    Family("process_resident_bytes", "gauge", "bytes", (), "the server process's resident memory"),
-    Family("process_peak_resident_bytes", "gauge", "bytes", (), "the process's highest resident memory"),
-    Family(
+    MetricSpec(
+        "device_total_bytes", "gauge", "bytes", DEVICE_LABELS, "device memory (on CPU: the host's RAM)"
+    ),
+    MetricSpec(
+        "shard_parameter_bytes", "gauge", "bytes", DEVICE_LABELS, "weights and buffers the shard placed"
+    ),
+    MetricSpec(
+        "shard_blocks", "gauge", "blocks", DEVICE_LABELS, "denoiser blocks the shard placed on the device"
+    ),
+    MetricSpec("process_resident_bytes", "gauge", "bytes", (), "the server process's resident memory"),
+    MetricSpec("process_peak_resident_bytes", "gauge", "bytes", (), "the process's highest resident memory"),
+    MetricSpec(
         "pool_pooled_bytes", "gauge", "bytes", ("device",), "bytes the activation pool holds, idle or rented"
     ),
-    Family("pool_in_use_bytes", "gauge", "bytes", ("device",), "bytes rented out by the activation pool"),
-    Family("pool_rents_total", "counter", "rents", ("device", "result"), "rents by result: hit or miss"),
-    Family(
+    MetricSpec("pool_in_use_bytes", "gauge", "bytes", ("device",), "bytes rented out by the activation pool"),
+    MetricSpec("pool_rents_total", "counter", "rents", ("device", "result"), "rents by result: hit or miss"),
+    MetricSpec(
         "pool_evictions_total", "counter", "buffers", ("device",), "idle buffers evicted for the byte budget"
     ),
-    Family(
+    MetricSpec(
         "http_requests_total", "counter", "requests", ("route", "method", "code"), "HTTP requests answered"
     ),
-    Family("http_request_duration_seconds", "histogram", "seconds", ("route",), "time to answer a request"),
-    Family(
+    MetricSpec(
+        "http_request_duration_seconds", "histogram", "seconds", ("route",), "time to answer a request"
+    ),
+    MetricSpec(
         "queue_wait_seconds",
         "histogram",
         "seconds",
         (),
         "arrival to admission (or to leaving the queue)",
     ),
-    Family(
-        "step_duration_seconds", "histogram", "seconds", (), "one batched denoising step (UNet + schedulers)"
+    MetricSpec(
+        "step_duration_seconds",
+        "histogram",
+        "seconds",
+        (),
+        "one batched denoising step (denoiser + schedulers)",
     ),
-    Family("batch_rows", "histogram", "rows", (), "UNet rows per batched step (2 per guided image)"),
-    Family("queue_depth", "gauge", "requests", (), "requests waiting for a place"),
-    Family("queue_capacity", "gauge", "requests", (), "the queue's bound (DIFFSHARD_MAX_QUEUE)"),
-    Family("running_requests", "gauge", "requests", (), "requests being denoised"),
-    Family("running_rows", "gauge", "rows", (), "UNet rows of the running requests"),
-    Family(
+    MetricSpec("batch_rows", "histogram", "rows", (), "denoiser rows per batched step (2 per guided image)"),
+    MetricSpec("queue_depth", "gauge", "requests", (), "requests waiting for a place"),
+    MetricSpec("queue_capacity", "gauge", "requests", (), "the queue's bound (DIFFSHARD_MAX_QUEUE)"),
+    MetricSpec("running_requests", "gauge", "requests", (), "requests being denoised"),
+    MetricSpec("running_rows", "gauge", "rows", (), "denoiser rows of the running requests"),
+    MetricSpec(
         "rejections_total", "counter", "requests", ("reason",), f"requests refused or ended early: {REASONS}"
     ),
-    Family("images_generated_total", "counter", "images", (), "images returned"),
-    Family("model_load_duration_seconds", "gauge", "seconds", (), "time to load and place the model"),
-    Family(
+    MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
+    MetricSpec("model_load_duration_seconds", "gauge", "seconds", (), "time to load and place the model"),
+    MetricSpec(
         "build", "info", "", ("version", "torch", "diffusers", "model", "dtype"), "versions and the model"
     ),
 )
 
 
-def metric_name(family: Family) -> str:
+def metric_name(family: MetricSpec) -> str:
     return f"{PREFIX}_{family.name}" + ("_info" if family.type == "info" else "")
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from server.demo import MODEL_DIR
 from server.errors import ModelFolderError
-from server.pipeline.loader import load_components
+from server.pipeline.loader import load_components, read_family
 
 
 def test_built_in_model_loads_every_component_in_the_asked_dtype() -> None:
@@ -51,3 +51,14 @@ def test_missing_index_unknown_pipeline_and_missing_part(folder_copy: Path, tmp_
     shutil.rmtree(folder_copy / "vae")
     with pytest.raises(ModelFolderError, match="no vae/ folder"):
         load_components(folder_copy)
+
+
+def test_configs_that_rely_on_class_defaults_get_them(folder_copy: Path) -> None:
+    """Older SD folders leave keys such as the VAE's scaling_factor to AutoencoderKL's defaults."""
+    config = folder_copy / "vae" / "config.json"
+    config.write_text(
+        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "scaling_factor"})
+    )
+    family = read_family(folder_copy)
+    assert family.config.vae["scaling_factor"] == 0.18215  # AutoencoderKL's default
+    assert family.vae_scale_factor == 4 and family.native_size == 64

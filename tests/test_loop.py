@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.errors import Draining, Overloaded
+from server.errors import Draining, NotReady, Overloaded
 from server.pipeline import GenerationRequest, Pipeline
 from server.serving import Limits, Service
 from tests.waiting import wait_until
@@ -104,3 +104,10 @@ def test_closing_ends_running_and_queued_jobs_and_returns_their_buffers(folders:
         assert isinstance(job.future.exception(timeout=60), Draining)
     assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
     assert service.stats().rejected["draining"] == 2
+
+
+def test_a_dead_loop_refuses_new_jobs_instead_of_queueing_them_forever(folders: dict[str, Path]) -> None:
+    service = Service(Pipeline.load(folders["sd15"], devices="cpu"), "tiny", LIMITS)
+    service.loop.close()  # as if the loop thread had died
+    with pytest.raises(NotReady, match="step loop stopped"):
+        service.submit([GenerationRequest("a red circle", steps=2)])

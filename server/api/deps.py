@@ -9,12 +9,12 @@ from fastapi import Depends, Request
 from server.serving import Runtime, Service
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def loaded_service(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Service:
-    """The service once the model has loaded; 503 (NotReady) while it loads or if it failed."""
+async def loaded_service(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Service:
+    """The service once the model has loaded; 503 (NotReady) while it loads or if loading failed."""
     return runtime.loaded()
 
 

@@ -25,6 +25,7 @@ from server.errors import (
     OutOfMemory,
     Overloaded,
     StepFailed,
+    Unavailable,
 )
 
 log = logging.getLogger("diffshard")
@@ -42,6 +43,7 @@ STATUS: dict[type[DiffshardError], tuple[int, str | None]] = {
     DeadlineExceeded: (504, "timeout"),
     Cancelled: (499, "cancelled"),  # nobody listens: uvicorn drops it
     StepFailed: (500, "generation_failed"),
+    Unavailable: (503, "unavailable"),
 }
 
 
@@ -76,7 +78,11 @@ def envelope(
 
 def domain_response(err: DiffshardError) -> JSONResponse:
     """The envelope for an error of diffshard's tree, by the table above."""
-    status, code = next((STATUS[c] for c in type(err).__mro__ if c in STATUS), (500, "internal_error"))
+    mapped = next((STATUS[c] for c in type(err).__mro__ if c in STATUS), None)
+    if mapped is None:  # e.g. a ConfigError raised while serving: a bug, not the client's doing
+        log.error("unmapped %s while serving: %s", type(err).__name__, err)
+        return envelope(500, "internal server error; the server log has the details", code="internal_error")
+    status, code = mapped
     message, param, headers = str(err), None, None
     if isinstance(err, InvalidRequest):
         param = WIRE_NAMES.get(err.field, err.field)

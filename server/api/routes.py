@@ -46,7 +46,7 @@ async def _outcome(job: Job, request: Request, service: Service) -> list:
 async def generate_images(
     body: ImageGenerationRequest, request: Request, service: ServiceDep
 ) -> ImagesResponse:
-    requests = generation_requests(body, service.model, service.limits.max_n)
+    requests = generation_requests(body, service.name, service.limits.max_n)
     job = service.submit(requests)
     images = await _outcome(job, request, service)
     pngs = await asyncio.gather(*(encode_png_async(image) for image in images))

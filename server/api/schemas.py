@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest
 from server.pipeline.requests import SEED_LIMIT
-from server.serving import ModelInfo
 
 MAX_GUIDANCE = 100.0
 
@@ -63,7 +62,7 @@ def parse_size(size: str) -> tuple[int, int]:
 
 
 def generation_requests(
-    body: ImageGenerationRequest, model: ModelInfo, max_n: int
+    body: ImageGenerationRequest, served_name: str, max_n: int
 ) -> list[GenerationRequest]:
     """One pipeline request per image; InvalidRequest names what the wire format does not allow."""
     if not 1 <= body.n <= max_n:  # before building n requests
@@ -72,8 +71,8 @@ def generation_requests(
         raise InvalidRequest("response_format", f"only b64_json is served, got {body.response_format!r}")
     if body.output_format != "png":
         raise InvalidRequest("output_format", f"only png is served, got {body.output_format!r}")
-    if body.model is not None and body.model != model.name:
-        raise InvalidRequest("model", f"this server serves {model.name!r}, not {body.model!r}")
+    if body.model is not None and body.model != served_name:
+        raise InvalidRequest("model", f"this server serves {served_name!r}, not {body.model!r}")
     width, height = parse_size(body.size) if body.size is not None else (None, None)
     guidance = body.guidance_scale
     if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):

@@ -172,7 +172,7 @@ def plan_shards(
     latent_size: int | None = None,
     batch: int = 2,
     block_costs: Mapping[str, float] | None = None,
-    resident: Mapping[str, int] | None = None,
+    resident: int = 0,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
@@ -181,7 +181,7 @@ def plan_shards(
     of its budget. `device_map` is the `explicit` strategy's block → device map (its devices
     replace `devices`). `block_costs` (seconds per block) skips the `cost` strategy's profiling
     pass. Activation bytes are estimated for `batch` latents of `latent_size`². `resident`
-    counts bytes other components (text encoders, VAE) keep on a device against its budget.
+    counts bytes other components (text encoders, VAE) keep on the first stage's device.
     """
     # 1. Check the request before any work.
     if strategy not in STRATEGIES:
@@ -203,7 +203,6 @@ def plan_shards(
     for device in dict.fromkeys(device_list):
         if device not in budgets and (free := default_budget(device)) is not None:
             budgets[device] = free
-    resident = {normalize_device(d): n for d, n in (resident or {}).items()}
 
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout = layout_of(model)
@@ -212,7 +211,7 @@ def plan_shards(
     block_bytes = _block_bytes(model, layout, dtype)
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
-    capacities = _stage_capacities(device_list, budgets, reserve, resident)
+    capacities = _stage_capacities(device_list, budgets, reserve, {device_list[0]: resident})
 
     # 3. Assign blocks to devices.
     names = list(layout.names)
@@ -233,7 +232,7 @@ def plan_shards(
             weights = [[float(s) for s in sizes]] * len(device_list)
         cuts = min_max_partition(weights, sizes, capacities)
         if cuts is None:
-            _raise_no_fit(names, sizes, device_list, capacities, budgets, reserve)
+            _raise_no_fit(names, sizes, device_list, capacities, budgets, reserve, resident)
         stages = stages_from_cuts(names, device_list, cuts)
 
     # 4. Put the numbers on the plan and check it fits.
@@ -253,7 +252,7 @@ def plan_shards(
             sum(s.param_bytes for s in plan_stages if s.device == device),
             reserve,
             budgets.get(device),
-            resident.get(device, 0),
+            resident if device == plan_stages[0].device else 0,
         )
         for device in used
     )
@@ -290,6 +289,8 @@ def _block_costs(
         if kind not in measured:
             measured[kind] = profile_block_costs(model, batch, latent_size, dtype, device=device)
             timed_on.append(device)
+            if kind == "cuda":  # the random-weight twin is gone: give its memory back before loading
+                torch.cuda.empty_cache()
     return {d: measured[torch.device(d).type] for d in devices}, tuple(timed_on)
 
 
@@ -318,6 +319,7 @@ def _raise_no_fit(
     capacities: list[float],
     budgets: dict[str, int],
     reserve: int,
+    resident: int,
 ) -> None:
     """Say which budget is too small and by how much."""
     repeats = Counter(devices)
@@ -325,6 +327,8 @@ def _raise_no_fit(
     def room(device: str) -> str:
         shared = f", shared by {repeats[device]} stages" if repeats[device] > 1 else ""
         kept = f"{format_bytes(reserve)} kept for activations"
+        if device == devices[0] and resident:
+            kept += f" and {format_bytes(resident)} for text encoders and VAE"
         return f"{device} (budget {format_bytes(budgets[device])}, {kept}{shared})"
 
     hint = "Raise --max-memory, add devices or use a smaller dtype."

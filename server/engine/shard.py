@@ -67,7 +67,7 @@ class ModelShard:
     >>> eps = shard(latents, timesteps, text_embeddings)  # on cuda:0
 
     One forward at a time: the transfer cache belongs to the call in flight, so a shard is
-    owned by one thread (the engine loop).
+    owned by one thread (the step loop).
     """
 
     def __init__(self, model: nn.Module, plan: ShardPlan) -> None:

@@ -41,6 +41,10 @@ def read_family(folder: str | Path) -> Family:
     family = family_class(index)(ModelConfig(index, {}))
     for name in family.weighted:
         if not _present(index, name):
+            if name in (family.denoiser, "vae"):
+                raise ModelFolderError(
+                    f"{root}/model_index.json lists no {name}: a {family.name} folder needs one"
+                )
             continue
         part = root / name
         if not part.is_dir():
@@ -56,7 +60,8 @@ def read_family(folder: str | Path) -> Family:
     vae = root / "vae" / "config.json"
     hint = f"the folder's {family.denoiser}/ and vae/ need a config.json"
     config = {**_defaults(family.denoiser_class), **_read_json(denoiser, hint)}
-    return type(family)(ModelConfig(index, config, _read_json(vae, hint)))
+    vae_config = {**_defaults(_class_of(index, "vae")), **_read_json(vae, hint)}
+    return type(family)(ModelConfig(index, config, vae_config))
 
 
 def load_components(folder: str | Path, dtype: torch.dtype = torch.float32) -> Components:
@@ -66,8 +71,7 @@ def load_components(folder: str | Path, dtype: torch.dtype = torch.float32) -> C
     index = family.config.index
 
     def load(name: str) -> Any:
-        library, class_name = index[name]
-        cls = getattr(importlib.import_module(library), class_name)
+        library, cls = index[name][0], _class_of(index, name)
         kwargs: dict[str, Any] = {}
         if name in family.weighted:  # diffusers and transformers name the dtype argument differently
             dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"
@@ -105,6 +109,16 @@ def part_bytes(folder: str | Path, names: tuple[str, ...], dtype: torch.dtype) -
 
 
 _ITEMSIZE = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
+
+
+def _class_of(index: dict[str, Any], name: str) -> type:
+    library, class_name = index[name]
+    try:
+        return getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as err:
+        raise ModelFolderError(
+            f"model_index.json names {library}.{class_name} for {name}, which is unknown"
+        ) from err
 
 
 def _defaults(cls: type) -> dict[str, Any]:

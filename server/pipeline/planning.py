@@ -3,7 +3,7 @@ a user prints is the plan the server runs.
 
 The activation reserve is sized for the largest work the service admits (`batch` rows at the
 largest allowed image side), and the text encoders' and VAE's bytes count against the budget
-of the device they will sit on (the first one).
+of the device they will sit on (the first stage's).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from server.engine import ShardPlan, plan_shards
-from server.engine.devices import resolve_devices
 from server.pipeline.families import Family, meta_denoiser
 from server.pipeline.loader import part_bytes
 
@@ -41,12 +40,12 @@ def plan_model(
 ) -> ShardPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; with `folder`, its encoders and VAE count
-    on the first device."""
-    first = next(iter(device_map.values())) if device_map else resolve_devices(devices)[0]
-    resident = {}
-    if folder is not None:
-        parts = ("vae", *(n for n in family.text_encoders if (folder / n).is_dir()))
-        resident[first] = part_bytes(folder, parts, dtype)
+    on the first stage's device."""
+    resident = 0
+    if folder is not None:  # they sit with the first stage (see Pipeline)
+        index = family.config.index
+        parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
+        resident = part_bytes(folder, parts, dtype)
     return plan_shards(
         meta_denoiser(family),
         devices,

@@ -1,8 +1,9 @@
 """One image to generate, its defaults, and the model invariants every request must meet.
 
 These checks are what the model can run at all (sizes its VAE and denoiser take, schedulers its
-family supports); the service's policy limits (max steps, pixels, ...) are applied on top of the
-resolved request, in `server/serving/limits.py`. Both raise `InvalidRequest(field, message)`.
+family supports); the service's policy limits (max steps, pixels, ...) are applied before them,
+to the request with its defaults filled in (`server/serving/limits.py`). Both raise
+`InvalidRequest(field, message)`.
 """
 
 from __future__ import annotations

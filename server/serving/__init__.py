@@ -3,7 +3,7 @@
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
-from server.serving.service import ModelInfo, Runtime, Service
+from server.serving.service import Runtime, Service
 from server.serving.stats import Distribution, LoopStats, Snapshot
 
 __all__ = [
@@ -11,7 +11,6 @@ __all__ = [
     "Job",
     "Limits",
     "LoopStats",
-    "ModelInfo",
     "Runtime",
     "Service",
     "Snapshot",

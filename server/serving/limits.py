@@ -1,6 +1,7 @@
-"""The service's policy limits, applied to requests after the model has resolved them, so a
-limit binds the defaults as much as what a client sent. Each error names the field and the
-setting that bounds it (the model's own invariants are in `server/pipeline/requests.py`)."""
+"""The service's policy limits, applied to requests once the model's defaults are filled in (so a
+limit binds the defaults as much as what a client sent) and before the model's own invariants
+(`server/pipeline/requests.py`) are checked. Each error names the field and the setting that
+bounds it."""
 
 from __future__ import annotations
 

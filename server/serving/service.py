@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from server.errors import NotReady
-from server.pipeline import Defaults, GenerationRequest, Pipeline
+from server.pipeline import GenerationRequest, Pipeline
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits
 from server.serving.loop import StepLoop
@@ -23,17 +23,6 @@ STATUS = {
     "draining": "the server is shutting down",
     "failed": "the model failed to load",
 }
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model as clients may know it."""
-
-    name: str
-    family: str
-    defaults: Defaults
-    schedulers: tuple[str, ...]
-    size_multiple: int
 
 
 class Service:
@@ -50,14 +39,15 @@ class Service:
         inject_faults: bool = False,
     ) -> None:
         self.pipeline = pipeline
+        self.name = name  # the model's id, as clients know it
         self.limits = limits or Limits()
-        family = pipeline.family
-        self.model = ModelInfo(name, family.name, pipeline.defaults, family.schedulers, family.size_multiple)
         self.loop = StepLoop(pipeline, max_queue=max_queue, max_batch=max_batch, inject_faults=inject_faults)
 
     def submit(self, requests: list[GenerationRequest]) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
         (Overloaded or Draining when the loop cannot take it)."""
+        if not self.loop.alive:  # nothing would ever answer the job
+            raise NotReady("failed", "the step loop stopped; the server log says why")
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
@@ -133,8 +123,9 @@ class Runtime:
         return STATUS[self.status] + (f": {self.error}" if self.error else "")
 
     def loaded(self) -> Service:
-        """The service once the model has loaded (draining or not); NotReady before or if it failed."""
-        if self.service is None or self.status == "failed":
+        """The service once the model has loaded (its views stay readable when draining or when
+        its loop died; `Service.submit` refuses then); NotReady while loading or if loading failed."""
+        if self.service is None:
             raise NotReady(self.status, self.status_message())
         return self.service
 

@@ -13,6 +13,7 @@ from diffusers import SD3Transformer2DModel
 from torch import nn
 
 from server.engine.dit import T5_TOKENS  # diffusers' max_sequence_length default: T5's, or its zeros'
+from server.errors import ModelFolderError
 from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
 
 
@@ -61,7 +62,6 @@ class SD3(Family):
         return TextEmbeddings(torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1))
 
     def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
-        assert pooled is not None, "SD3's CLIP encoders give pooled projections"
         return {"pooled_projections": pooled}
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -89,6 +89,17 @@ class SD3(Family):
             slope = (high - low) / (top - base)
             kwargs["mu"] = tokens * slope + (low - slope * base)
         scheduler.set_timesteps(steps, device=device, **kwargs)
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        index = self.config.index
+        present = [
+            n for n in (*self.text_encoders, *self.tokenizers) if index.get(n) and index[n][0] is not None
+        ]
+        if len(encoders) < 2 or len(present) % 2:
+            raise ModelFolderError(
+                "an SD3 folder needs text_encoder and text_encoder_2 with their tokenizers, and "
+                f"text_encoder_3 (T5) with tokenizer_3 or neither; this one has {', '.join(present)}"
+            )
 
     def init_noise_sigma(self, scheduler: Any) -> float:
         return 1.0  # flow matching starts from pure noise

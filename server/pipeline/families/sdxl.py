@@ -51,7 +51,6 @@ class SDXL(Family):
         return TextEmbeddings(torch.cat(contexts, dim=-1), pooled)
 
     def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
-        assert pooled is not None, "SDXL's second text encoder gives a pooled projection"
         size = (height, width)  # original size, crop top-left (0, 0), target size
         time_ids = torch.tensor([*size, 0, 0, *size], dtype=pooled.dtype, device=pooled.device)
         return {"text_embeds": pooled, "time_ids": time_ids.expand(pooled.shape[0], 6)}
@@ -71,7 +70,11 @@ class SDXL(Family):
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         """The added embedding must take the pooled text plus 6 size ids, as diffusers checks."""
-        pooled = encoders[-1].config.projection_dim
+        pooled = getattr(encoders[-1].config, "projection_dim", None)
+        if len(encoders) != 2 or pooled is None:
+            raise ModelFolderError(
+                "an SDXL folder needs text_encoder and text_encoder_2, the second with a projection"
+            )
         given = self.config.denoiser["addition_time_embed_dim"] * 6 + pooled
         expected = denoiser.add_embedding.linear_1.in_features
         if given != expected:
