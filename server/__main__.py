@@ -16,13 +16,12 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from server.app import create_app
+from server.app import create_app, plan_for
 from server.config import Settings
-from server.engine import ShardPlan, Strategy
+from server.engine import Strategy
 from server.errors import ConfigError, PlanError
-from server.pipeline.families import Family, reference_family, reference_names
+from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
-from server.pipeline.planning import largest_side, plan_model
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -41,7 +40,7 @@ def _add_setting(parser: argparse.ArgumentParser, name: str) -> None:
             flag, dest=name, action="store_const", const=True, help=f"{info.description} ({env})"
         )
         return
-    help_text = f"{info.description} ({env}; default: {default})"
+    help_text = f"{info.description} ({env}; default: {default})".replace("%", "%%")  # argparse formats it
     metavar = name.removesuffix("_s").split("_")[-1].upper()
     parser.add_argument(flag, dest=name, metavar=metavar, help=help_text)
 
@@ -96,23 +95,6 @@ def _settings(args: argparse.Namespace, **overrides: object) -> Settings:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"--{name.replace('_', '-')} (DIFFSHARD_{name.upper()}): {message}")
         raise ConfigError("; ".join(problems)) from None
-
-
-def plan_for(
-    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
-) -> ShardPlan:
-    """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
-    options.setdefault("side", largest_side(family, settings.max_pixels))
-    return plan_model(
-        family,
-        settings.devices,
-        options.pop("strategy", settings.strategy),
-        dtype=settings.torch_dtype,
-        batch=settings.max_batch,
-        max_memory=settings.max_memory,
-        folder=folder,
-        **options,
-    )
 
 
 def plan_command(args: argparse.Namespace) -> None:

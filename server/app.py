@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
@@ -27,22 +28,36 @@ from server.engine import ShardPlan
 from server.engine.memory import retain_freed_host_memory
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
+from server.pipeline.families import Family
+from server.pipeline.loader import read_family
+from server.pipeline.planning import largest_side, plan_model
 from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
 
 
-def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
-    """Load the model placed by `plan` (or by one made from the settings) behind a step loop."""
-    retain_freed_host_memory()
-    pipeline = Pipeline.load(
-        settings.model,
-        plan=plan,
-        devices=settings.devices,
-        strategy=settings.strategy,
+def plan_for(
+    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
+) -> ShardPlan:
+    """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
+    options.setdefault("side", largest_side(family, settings.max_pixels))
+    return plan_model(
+        family,
+        settings.devices,
+        options.pop("strategy", settings.strategy),
         dtype=settings.torch_dtype,
+        batch=settings.max_batch,
         max_memory=settings.max_memory,
+        folder=folder,
+        **options,
     )
+
+
+def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
+    """Load the model placed by `plan` (or by `plan_for` the settings) behind a step loop."""
+    retain_freed_host_memory()
+    plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
+    pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype)
     return Service(
         pipeline,
         settings.served_name,

@@ -80,3 +80,10 @@ def test_plan_and_serve_share_their_defaults() -> None:
     assert gpu or plan["dtype"] == "float32"
     assert plan["latent_size"] == 1024 // 4  # the largest allowed side (1024²) through the 4x VAE
     assert plan["devices"][0]["other_bytes"] > 0  # the text encoder and VAE share the first device
+
+
+def test_every_option_has_help_and_help_prints() -> None:
+    for command in ("serve", "plan"):
+        done = run_cli(command, "-h")
+        assert done.returncode == 0, done.stderr
+        assert "DIFFSHARD_DEVICES" in done.stdout and "default: auto" in done.stdout
