@@ -40,7 +40,7 @@ def plan_for(
     settings: Settings, family: Family, *, folder: Path | None = None, **options: object
 ) -> ShardPlan:
     """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
-    options.setdefault("side", largest_side(family, settings.max_pixels))
+    options.setdefault("side", largest_side(family, settings.pixel_limit(family.native_size)))
     return plan_model(
         family,
         settings.devices,
@@ -61,7 +61,7 @@ def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
     return Service(
         pipeline,
         settings.served_name,
-        settings.limits,
+        settings.limits(pipeline.family.native_size),
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
         inject_faults=settings.inject_faults,

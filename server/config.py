@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.demo import MODEL_DIR
 from server.engine import Strategy
-from server.engine.devices import auto_dtype, parse_memory_map, resolve_devices
+from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.pipeline.families import pipeline_classes
 from server.pipeline.loader import read_family
 from server.serving import Limits
@@ -25,6 +25,16 @@ SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
+ANY_DEVICE = "*"  # a pool budget given as one size applies to every device
+
+
+def _pool_budgets(value: object) -> dict[str, int]:
+    if isinstance(value, str | int) and "=" not in str(value):
+        return {ANY_DEVICE: parse_size(value)}
+    return parse_memory_map(value)
+
+
+PoolBudgets = Annotated[dict[str, int], NoDecode, BeforeValidator(_pool_budgets)]
 
 
 class Settings(BaseSettings):
@@ -60,9 +70,18 @@ class Settings(BaseSettings):
     # Limits on one request.
     max_n: int = Field(10, ge=1, le=100, description="images per request")
     max_steps: int = Field(100, ge=1, le=1000, description="num_inference_steps")
-    max_pixels: int = Field(1024 * 1024, ge=64, description="width x height of one image")
+    max_pixels: int | None = Field(
+        None, ge=64, description="width x height of one image (default: 4x the model's native area)"
+    )
+    max_work: float = Field(
+        1000, gt=0, description="n x steps x pixels / native pixels of one request (native-image steps)"
+    )
     max_prompt_chars: int = Field(2000, ge=1, description="characters of prompt or negative_prompt")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="bytes of a request body")
+
+    # Connections.
+    read_timeout_s: float = Field(30, gt=0, description="time a client may take to send headers and body")
+    max_connections: int = Field(512, ge=1, description="concurrent connections; beyond it: 503")
 
     # The step loop: batching, overload, deadlines, drain.
     max_batch: int = Field(
@@ -71,7 +90,24 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
     drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    inject_faults: bool = Field(False, description="tests only: [[fail]] or [[oom]] in a prompt fails a step")
+    step_timeout_s: float = Field(
+        120, gt=0, description="a step running longer than this fails /livez (the pod is restarted)"
+    )
+    failures_unready: int = Field(
+        3, ge=1, description="consecutive failed steps (not out-of-memory) that fail /readyz"
+    )
+    inject_faults: bool = Field(
+        False, description="tests only: [[fail]], [[oom]], [[hang]] or [[decode]] in a prompt fails there"
+    )
+
+    # Memory and threads.
+    pool_budget: PoolBudgets = Field(
+        None,
+        description="idle bytes the activation pool may keep per device, SIZE or device=SIZE,... "
+        "(default: 5% of the host's RAM for cpu, 10% of a GPU's memory)",
+    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: the CPU quota)")
+    debug: bool = Field(False, description="print tracebacks of startup failures")
 
     @field_validator("model")
     @classmethod
@@ -112,13 +148,18 @@ class Settings(BaseSettings):
             return self.model_name
         return BUILT_IN_NAME if self.model.resolve() == MODEL_DIR.resolve() else self.model.resolve().name
 
-    @property
-    def limits(self) -> Limits:
+    def pixel_limit(self, native_size: int) -> int:
+        """`max_pixels`, or by default 4x the model's native area (SD-1.5: 1024², the built-in: 128²)."""
+        return self.max_pixels or 4 * native_size * native_size
+
+    def limits(self, native_size: int) -> Limits:
         return Limits(
             max_n=self.max_n,
             max_steps=self.max_steps,
-            max_pixels=self.max_pixels,
+            max_pixels=self.pixel_limit(native_size),
             max_prompt_chars=self.max_prompt_chars,
+            max_work=self.max_work,
+            native_pixels=native_size * native_size,
             request_timeout_s=self.request_timeout_s,
         )
 

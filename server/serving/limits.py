@@ -18,6 +18,8 @@ class Limits:
     max_steps: int = 100
     max_pixels: int = 1024 * 1024
     max_prompt_chars: int = 2000
+    max_work: float = 1000.0  # native-image steps: n x steps x pixels / native_pixels
+    native_pixels: int = 512 * 512
     request_timeout_s: float = 300.0
 
 
@@ -39,3 +41,10 @@ def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
         if r.width * r.height > limits.max_pixels:
             message = f"{r.width}x{r.height} is {r.width * r.height} pixels; the limit is {limits.max_pixels}"
             raise InvalidRequest("size", message, "DIFFSHARD_MAX_PIXELS")
+    work = sum(r.steps * r.width * r.height for r in requests) / limits.native_pixels
+    if work > limits.max_work:
+        message = (
+            f"n x steps x pixels is {work:g} native-image steps ({len(requests)} x {requests[0].steps} x "
+            f"{requests[0].width}x{requests[0].height}); the limit is {limits.max_work:g}"
+        )
+        raise InvalidRequest("n", message, "DIFFSHARD_MAX_WORK")
