@@ -64,6 +64,8 @@ def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
         settings.limits(pipeline.family.native_size),
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
+        step_timeout_s=settings.step_timeout_s,
+        failures_unready=settings.failures_unready,
         inject_faults=settings.inject_faults,
     )
 

@@ -106,8 +106,54 @@ def test_closing_ends_running_and_queued_jobs_and_returns_their_buffers(folders:
     assert service.stats().rejected["draining"] == 2
 
 
-def test_a_dead_loop_refuses_new_jobs_instead_of_queueing_them_forever(folders: dict[str, Path]) -> None:
-    service = Service(Pipeline.load(folders["sd15"], devices="cpu"), "tiny", LIMITS)
-    service.loop.close()  # as if the loop thread had died
-    with pytest.raises(NotReady, match="step loop stopped"):
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's death
+def test_a_killed_loop_answers_every_waiting_request_at_once(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    service = Service(pipeline, "tiny", LIMITS, max_batch=2, inject_faults=True)  # one guided image at a time
+    killer = service.submit([GenerationRequest("a red circle [[kill]]", steps=5)])
+    waiting = [service.submit([GenerationRequest("a blue square", steps=5)]) for _ in range(3)]
+    for job in [killer, *waiting]:
+        assert isinstance(job.future.exception(timeout=30), NotReady)
+    assert "stopped" in wait_until(service.problem, 5, "the loop thread's end")
+    with pytest.raises(NotReady, match="step loop stopped"):  # and nothing new is queued to wait forever
         service.submit([GenerationRequest("a red circle", steps=2)])
+
+
+def test_a_wedged_step_is_seen_and_its_waiting_requests_are_answered(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    service = Service(pipeline, "tiny", LIMITS, max_batch=2, step_timeout_s=0.5, inject_faults=True)
+    try:
+        wedged = service.submit([GenerationRequest("a red circle [[hang]]", steps=5)])
+        waiting = service.submit([GenerationRequest("a blue square", steps=5)])
+        for job in (wedged, waiting):  # the watchdog answers both while the step still hangs
+            assert isinstance(job.future.exception(timeout=30), NotReady)
+        assert "stuck" in service.problem()
+        assert service.loop.heartbeat.running_for() > 0.5
+    finally:
+        service.close()  # releases the hang
+
+
+def test_a_poisoned_request_fails_alone_and_the_batch_it_shared_goes_on(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    service = Service(pipeline, "tiny", LIMITS, inject_faults=True)
+    try:
+        jobs = [service.submit([GenerationRequest(p, seed=i, steps=4)]) for i, p in enumerate(PROMPTS)]
+        outcomes = [job.future.exception(timeout=60) for job in jobs]
+    finally:
+        service.close()
+    assert [type(o).__name__ for o in outcomes] == ["NoneType", "StepFailed", "NoneType", "NoneType"]
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
+
+
+PROMPTS = ["a red circle", "a blue square [[fail]]", "a green triangle", "a white circle"]
+
+
+def test_defaults_beyond_the_limits_are_lowered_to_them(folders: dict[str, Path]) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    service = Service(pipeline, "tiny", Limits(max_steps=4, max_pixels=16 * 16))
+    try:
+        job = service.submit([GenerationRequest("a red circle")])  # the folder's default: 50 steps, 32x32
+        image = job.future.result(timeout=60)[0]
+    finally:
+        service.close()
+    assert (job.requests[0].steps, job.requests[0].width, image.shape) == (4, 16, (16, 16, 3))

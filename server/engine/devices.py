@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from server.errors import DeviceError
+
+log = logging.getLogger("diffshard")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -38,6 +41,8 @@ def resolve_devices(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     if [n.strip() for n in names] == ["auto"]:
         count = torch.cuda.device_count()
+        if not count:
+            log.warning("devices=auto found no CUDA device (torch %s): running on the CPU", torch.__version__)
         return [f"cuda:{i}" for i in range(count)] or ["cpu"]
     if not names or any(not n.strip() for n in names):
         raise DeviceError(f"empty device in {spec!r}")

@@ -11,6 +11,7 @@ accelerate, by contrast, hooks every leaf module (hundreds on a UNet).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,12 +25,15 @@ from server.engine.plan import ShardPlan
 from server.engine.specs import layout_of, spec_for
 from server.errors import PlanError
 
+log = logging.getLogger("diffshard")
+
 # Conditioning that forward adds onto tensors of several blocks outside any block: a single
 # device plan passes it through, a multi-device one cannot place the sums.
 _CROSS_BLOCK_RESIDUALS = (
     "down_block_additional_residuals",
     "mid_block_additional_residual",
     "down_intrablock_additional_residuals",
+    "block_controlnet_hidden_states",  # SD3: added to the hidden states outside any block
 )
 
 
@@ -118,13 +122,13 @@ class ModelShard:
             names = ", ".join(_CROSS_BLOCK_RESIDUALS)
             raise ValueError(f"{names} need a plan on one device; this one spans {self.devices}")
         move = self._cache.move
-        inputs = DenoiserInputs(
-            move(sample, self.device),
-            move(timestep, self.device),
-            move(context, self.device),
-            move(conditioning, self.device),
-        )
-        try:
+        try:  # the cache is cleared on every path, a failed input move included
+            inputs = DenoiserInputs(
+                move(sample, self.device),
+                move(timestep, self.device),
+                move(context, self.device),
+                move(conditioning, self.device),
+            )
             with torch.inference_mode():
                 out = self._spec.forward(self.model, inputs)
             return out.to(self.device)
@@ -147,7 +151,16 @@ class ModelShard:
         return held
 
     def memory(self) -> dict[str, DeviceMemory]:
-        return {device: read_memory(device, nbytes) for device, nbytes in self.param_bytes().items()}
+        """A reading per device; a device that cannot be read (a broken GPU) gives only its bytes,
+        so one failing device does not take the others' readings (or a metrics scrape) with it."""
+        readings = {}
+        for device, nbytes in self.param_bytes().items():
+            try:
+                readings[device] = read_memory(device, nbytes)
+            except Exception as err:
+                log.warning("cannot read the memory of %s: %s", device, err)
+                readings[device] = DeviceMemory(device, nbytes)
+        return readings
 
     def remove(self) -> None:
         """Take the hooks off; the blocks stay where they are."""

@@ -33,6 +33,7 @@ from server.pipeline.schedulers import make_scheduler
 from server.pipeline.state import RequestState, check_group, group_states, spans
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
+DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
 
 
 class Pipeline:
@@ -92,6 +93,12 @@ class Pipeline:
             )
         shard = ModelShard(components.denoiser, plan)
         return cls(components, shard, pool, encoder_device=encoder_device)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on every CUDA device the shard uses."""
+        for device in self.shard.devices:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
 
     # One request's life: resolve → start → step … → decode → close.
 
@@ -216,12 +223,20 @@ class Pipeline:
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:
-        """Decode finished states in one VAE call; each image lands in a buffer its scope rents."""
-        if not states:
-            return []
+        """Decode finished states in VAE calls of at most DECODE_PIXELS (the VAE's activations grow
+        with pixels, and a batch of large images must not run out of memory after all the
+        denoising); each image lands in a buffer its scope rents."""
         if any(s.closed for s in states):
             raise ValueError("a closed request cannot be decoded")
         check_group(states)
+        per_call = (
+            max(1, DECODE_PIXELS // (states[0].request.width * states[0].request.height)) if states else 1
+        )
+        for start in range(0, len(states), per_call):
+            self._decode(states[start : start + per_call])
+        return [s.image for s in states]
+
+    def _decode(self, states: Sequence[RequestState]) -> None:
         latents = torch.cat([s.latents for s in states]).to(self.encoder_device, self.vae.dtype)
         latents = self.family.unscale_latents(latents)
         pixels = (self.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
@@ -232,7 +247,6 @@ class Pipeline:
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize(self.encoder_device)
-        return [s.image for s in states]
 
     def generate(
         self,

@@ -81,6 +81,10 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
 
 
 def _check(request: GenerationRequest, family: Family) -> None:
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(request, name)
+        if text is not None and not _is_unicode(text):  # the tokenizer would raise on it mid-batch
+            raise InvalidRequest(name, "must be valid Unicode text (it holds a lone surrogate)")
     if not request.prompt.strip():
         raise InvalidRequest("prompt", "must not be empty")
     if not 1 <= request.steps <= MAX_MODEL_STEPS:
@@ -98,3 +102,11 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("size", f"width and height must be at most {largest} for this model, got {size}")
     if not 0 <= request.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {request.seed}")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

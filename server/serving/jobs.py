@@ -7,8 +7,10 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from server.errors import Cancelled, DeadlineExceeded, OutOfMemory, Rejected, StepFailed
 from server.pipeline.requests import GenerationRequest
 from server.pipeline.state import RequestState
+from server.serving.health import is_out_of_memory
 
 
 @dataclass(eq=False)
@@ -36,3 +38,19 @@ class Job:
         if not self.states:
             return [(0, r.steps) for r in self.requests]
         return [(s.index, s.steps) for s in self.states]
+
+
+def leaving_outcome(job: Job) -> Rejected:
+    """How a job that leaves before its images are done ends: its client went, or its deadline."""
+    if job.cancel_requested:
+        return Cancelled("the client disconnected")
+    return DeadlineExceeded(
+        f"the request ran past its deadline: {job.timeout_s:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)"
+    )
+
+
+def failure_outcome(err: Exception) -> Rejected:
+    """How a job whose call raised ends; no torch text (on CUDA it names capacity and other processes)."""
+    if is_out_of_memory(err):
+        return OutOfMemory("out of device memory during generation")
+    return StepFailed(f"generation failed: {type(err).__name__}")

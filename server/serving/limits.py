@@ -5,11 +5,16 @@ bounds it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from server.errors import InvalidRequest
-from server.pipeline import GenerationRequest
+from server.pipeline import Defaults, GenerationRequest
+from server.pipeline.families import Family
+from server.pipeline.planning import largest_side
+
+log = logging.getLogger("diffshard")
 
 
 @dataclass(frozen=True)
@@ -48,3 +53,20 @@ def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
             f"{requests[0].width}x{requests[0].height}); the limit is {limits.max_work:g}"
         )
         raise InvalidRequest("n", message, "DIFFSHARD_MAX_WORK")
+
+
+def fit_defaults(defaults: Defaults, limits: Limits, family: Family) -> Defaults:
+    """The model's defaults lowered to the limits, with a warning: a request that leaves a field
+    unset must not be refused (or run) beyond what the operator allows."""
+    fitted = defaults
+    if defaults.steps > limits.max_steps:
+        fitted = replace(fitted, steps=limits.max_steps)
+    if defaults.size * defaults.size > limits.max_pixels:
+        fitted = replace(fitted, size=largest_side(family, limits.max_pixels))
+    if fitted != defaults:
+        log.warning(
+            "the model's defaults (%d steps, %dx%d) are beyond the limits: requests that leave them "
+            "unset get %d steps at %dx%d (DIFFSHARD_MAX_STEPS, DIFFSHARD_MAX_PIXELS)",
+            defaults.steps, defaults.size, defaults.size, fitted.steps, fitted.size, fitted.size,
+        )  # fmt: skip
+    return fitted

@@ -5,11 +5,13 @@ Every turn of the loop (`_run`)
    (a job bigger than that runs alone, its rows split across calls), and encodes their prompts;
 2. drops jobs whose client left or whose deadline passed, returning their buffers;
 3. runs one batched denoiser step per group of same-size requests, each row at its own timestep;
-4. decodes the requests whose schedule ended (one VAE call per group) and resolves the jobs
+4. decodes the requests whose schedule ended (in bounded VAE calls) and resolves the jobs
    whose images are all done.
 
-A job ends exactly once (done, failed, cancelled, expired or drained), and its scopes close
-then. The HTTP side only submits jobs and awaits their futures; it never touches torch.
+A batched call that raises is retried job by job, so only the job that caused it fails. A job
+ends exactly once (done, failed, cancelled, expired or drained), and its scopes close then. A
+watchdog answers every waiting job if a call runs past the step timeout, and a loop that dies
+answers them before it goes. The HTTP side only submits jobs and awaits their futures.
 """
 
 from __future__ import annotations
@@ -19,28 +21,25 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from server.errors import (
-    Cancelled,
-    DeadlineExceeded,
     Draining,
-    OutOfMemory,
+    NotReady,
     Overloaded,
     Rejected,
     StepFailed,
 )
 from server.pipeline import Pipeline, RequestState, group_states
-from server.serving.jobs import Job
+from server.serving.faults import inject_fault
+from server.serving.health import Heartbeat, Watchdog, is_out_of_memory
+from server.serving.jobs import Job, failure_outcome, leaving_outcome
 from server.serving.stats import LoopStats
 
 log = logging.getLogger("diffshard")
-
-FAULT_MARKERS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError}
-FAULT_STEP = 2  # the step at which a marked request's batch fails
 
 
 class StepLoop:
@@ -50,30 +49,41 @@ class StepLoop:
         *,
         max_queue: int = 64,
         max_batch: int = 16,
+        step_timeout_s: float = 120.0,
         inject_faults: bool = False,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.step_timeout_s = step_timeout_s
         self.inject_faults = inject_faults
+        self.on_idle = on_idle  # called when the loop has nothing to do (trim the pool, give memory back)
+        self.heartbeat = Heartbeat()
+        self.stuck: str | None = None  # set by the watchdog: the loop is wedged in a call
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
         self._wake = threading.Condition()  # guards queue, active list and stats (re-entrant lock)
         self._admitting = True
         self._stopping = False
+        self._closed = threading.Event()
+        self._clear_caches = False  # after an out-of-memory error, once its frames are gone
         self._job_seconds: float | None = None  # moving average, for Retry-After
         self._stats = LoopStats()
         self._thread = threading.Thread(target=self._run, name="diffshard-loop", daemon=True)
         self._thread.start()
+        Watchdog(self.heartbeat, step_timeout_s, self._on_stuck, self._closed).start()
 
     # The HTTP side: submit, cancel, read stats, drain.
 
     def submit(self, job: Job) -> Job:
-        """Queue a job of resolved requests; raises Overloaded or Draining at once."""
+        """Queue a job of resolved requests; raises Overloaded, Draining or NotReady at once."""
         with self._wake:
             if not self._admitting:
                 self._stats.rejected["draining"] += 1
                 raise Draining("the server is shutting down")
+            if problem := self.problem():
+                raise NotReady("failed", problem)
             if len(self._queue) >= self.max_queue:
                 self._stats.rejected["queue_full"] += 1
                 raise Overloaded(self.retry_after())
@@ -100,6 +110,14 @@ class StepLoop:
             stats.progress = {j.id: j.progress() for j in self._active}
             return stats.copy()
 
+    def problem(self) -> str | None:
+        """Why the loop cannot serve (dead, stuck, or its device broken); None when it can."""
+        if not self._thread.is_alive():
+            return "the step loop stopped; the server log says why"
+        if self.stuck:
+            return self.stuck
+        return self.heartbeat.broken
+
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is queued or running, or `timeout` passes; True if idle."""
         deadline = time.monotonic() + timeout
@@ -121,6 +139,7 @@ class StepLoop:
         with self._wake:
             self._admitting, self._stopping = False, True
             self._wake.notify_all()
+        self._closed.set()  # releases an injected hang
         self._thread.join()
 
     @property
@@ -131,33 +150,56 @@ class StepLoop:
     # The loop.
 
     def _run(self) -> None:
-        while True:
+        try:
+            while self._turn():
+                pass
+        finally:  # closed, or killed by something no handler caught: nobody may be left waiting
             with self._wake:
-                while not (self._queue or self._active or self._stopping):
-                    self._wake.wait()
-                if self._stopping:
-                    self._stop()
-                    return
-                admitted = self._admit()
+                if not self._stopping:
+                    log.critical("the step loop died; answering every waiting request 503")
+                    self._answer_all(NotReady("failed", "the step loop stopped; the server log says why"))
+                self._wake.notify_all()
+
+    def _turn(self) -> bool:
+        """One turn of the loop; False when it should stop."""
+        with self._wake:
+            housekept = self.on_idle is None
+            while not (self._queue or self._active or self._stopping):
+                if not self._wake.wait(timeout=None if housekept else IDLE_S):
+                    self._idle()  # IDLE_S with nothing to do
+                    housekept = True
+            if self._stopping:
+                self._stop()
+                return False
+            admitted = self._admit()
+        if self._clear_caches:
+            self._free_device_memory()
+        try:
+            # 1. Admitted jobs: encode their prompts in one call, open their states.
+            if admitted:
+                self._isolated(admitted, self._start)
+            # 2. Jobs whose client left or whose deadline passed.
+            self._drop_leavers()
+            # 3. One batched step per group of same-size requests.
+            for chunk in self._chunks():
+                self._step(chunk)
+            # 4. Decode what finished; resolve the jobs whose images are all done.
+            self._finish()
+        except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
+            log.exception("step loop error")
             try:
-                # 1. Admitted jobs: encode their prompts in one call, open their states.
-                if admitted:
-                    self._start(admitted)
-                # 2. Jobs whose client left or whose deadline passed.
-                self._drop_leavers()
-                # 3. One batched step per group of same-size requests.
-                for chunk in self._chunks():
-                    self._step(chunk)
-                # 4. Decode what finished; resolve the jobs whose images are all done.
-                self._finish()
-            except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
-                log.exception("step loop error")
-                try:
-                    self._end(list(self._active), StepFailed("internal error in the step loop"))
-                except Exception:
-                    log.exception("step loop error while failing its requests")
-            with self._wake:
-                self._wake.notify_all()  # wait_idle() may be waiting
+                self._end(list(self._active), StepFailed("internal error in the step loop"))
+            except Exception:
+                log.exception("step loop error while failing its requests")
+        with self._wake:
+            self._wake.notify_all()  # wait_idle() may be waiting
+        return True
+
+    def _idle(self) -> None:
+        try:
+            self.on_idle()
+        except Exception:
+            log.exception("idle housekeeping failed")
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""
@@ -184,13 +226,9 @@ class StepLoop:
         self._active.extend(admitted)
         return admitted
 
-    def _start(self, admitted: list[Job]) -> None:
-        try:
-            states = self.pipeline.start([r for job in admitted for r in job.requests])
-        except Exception as err:  # the requests were checked at submit: this is the device's doing
-            self._fail(admitted, err)
-            return
-        for job in admitted:
+    def _start(self, jobs: list[Job]) -> None:
+        states = self._call(self.pipeline.start, [r for job in jobs for r in job.requests])
+        for job in jobs:
             job.states, states = states[: len(job.requests)], states[len(job.requests) :]
 
     def _drop_leavers(self) -> None:
@@ -200,15 +238,8 @@ class StepLoop:
             for job in queued:
                 self._queue.remove(job)
                 self._stats.queue_wait_seconds.observe(now - job.submitted)  # waited, then left
-        leaving = queued + [j for j in self._active if j.cancel_requested or now > j.deadline]
-        for job in leaving:
-            if job.cancel_requested:
-                self._end([job], Cancelled("the client disconnected"))
-            else:
-                message = (
-                    f"the request ran past its deadline: {job.timeout_s:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)"
-                )
-                self._end([job], DeadlineExceeded(message))
+        for job in queued + [j for j in self._active if j.cancel_requested or now > j.deadline]:
+            self._end([job], leaving_outcome(job))
 
     def _chunks(self) -> Iterable[list[RequestState]]:
         """Running states grouped by size, in calls of at most `max_batch` rows (or one state)."""
@@ -223,30 +254,32 @@ class StepLoop:
             yield chunk
 
     def _step(self, chunk: list[RequestState]) -> None:
-        chunk = [s for s in chunk if not s.closed]  # a job of this chunk may have failed this round
-        if not chunk:
-            return
-        started = time.perf_counter()
-        try:
-            if self.inject_faults:
-                _inject_fault(chunk)
-            self.pipeline.step(chunk)
-        except Exception as err:
-            self._fail(chunk, err)
-            return
-        seconds, rows = time.perf_counter() - started, sum(s.rows for s in chunk)
-        with self._wake:
-            self._stats.step_seconds.observe(seconds)
-            self._stats.batch_rows[rows] += 1
-            self._stats.rows_per_step.observe(rows)
+        steps_taken = {id(s): s.index for s in chunk}
+
+        def step(jobs: list[Job]) -> None:
+            # a retry leaves out states a failed batch already advanced (it raised after them)
+            states = [
+                s for j in jobs for s in j.states if id(s) in steps_taken and s.index == steps_taken[id(s)]
+            ]
+            started = time.perf_counter()
+            self._call(self.pipeline.step, states)
+            seconds, rows = time.perf_counter() - started, sum(s.rows for s in states)
+            with self._wake:
+                self._stats.step_seconds.observe(seconds)
+                self._stats.batch_rows[rows] += 1
+                self._stats.rows_per_step.observe(rows)
+
+        self._isolated(self._jobs_of(chunk), step)
 
     def _finish(self) -> None:
+        now = time.monotonic()
+        for job in [
+            j for j in self._active if j.states and all(s.done for s in j.states) and now > j.deadline
+        ]:
+            self._end([job], leaving_outcome(job))  # not worth decoding: nobody will take it
         ready = [s for j in self._active for s in j.states if s.done and s.image is None and not s.closed]
         for states in group_states(ready):
-            try:
-                self.pipeline.decode(states)
-            except Exception as err:
-                self._fail(states, err)
+            self._isolated(self._jobs_of(states), lambda jobs, states=states: self._decode(jobs, states))
         for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
             images = [s.image.numpy().copy() for s in job.states]  # copied out before the scopes close
             seconds = time.monotonic() - job.submitted
@@ -258,14 +291,64 @@ class StepLoop:
                 self._stats.images_completed += len(images)
             self._end([job], images)
 
-    def _fail(self, carrying: list[RequestState] | list[Job], err: Exception) -> None:
-        """A start, step or decode raised: fail the jobs it carried, and only those."""
-        carried = {id(x) for x in carrying}
-        failed = [j for j in self._active if id(j) in carried or any(id(s) in carried for s in j.states)]
-        log.error("a batch of %d requests failed: %s: %s", len(failed), type(err).__name__, err)
-        self._end(failed, _failure(err))
-        if isinstance(err, torch.OutOfMemoryError) and torch.cuda.is_available():
-            self.pipeline.pool.clear()
+    def _decode(self, jobs: list[Job], states: list[RequestState]) -> None:
+        mine = {id(s) for j in jobs for s in j.states}
+        self._call(self.pipeline.decode, [s for s in states if id(s) in mine])
+
+    # Calls into the pipeline: timed by the heartbeat, faults injected, failures kept to their job.
+
+    def _call(self, method: Callable, arg: list) -> list:
+        self.heartbeat.begin()
+        try:
+            if self.inject_faults:
+                inject_fault(method.__name__, arg, self._closed)
+            result = method(arg)
+            self.pipeline.synchronize()  # so step times are device times, not enqueue times
+        finally:
+            self.heartbeat.end()
+        self.heartbeat.succeeded()
+        return result
+
+    def _isolated(self, jobs: list[Job], run: Callable[[list[Job]], None]) -> None:
+        """`run` on all jobs at once; if it raises, on each job alone, so only the culprit fails."""
+        jobs = [j for j in jobs if j in self._active]  # one may have failed earlier this turn
+        if not jobs:
+            return
+        try:
+            run(jobs)
+            return
+        except Exception as err:
+            if len(jobs) == 1:
+                self._fail(jobs, err)
+                return
+            log.warning(
+                "a batched call of %d requests failed (%s); retrying them one by one",
+                len(jobs),
+                type(err).__name__,
+            )
+        for job in jobs:
+            try:
+                run([job])
+            except Exception as err:
+                self._fail([job], err)
+
+    def _jobs_of(self, states: list[RequestState]) -> list[Job]:
+        ids = {id(s) for s in states}
+        return [j for j in self._active if any(id(s) in ids for s in j.states)]
+
+    def _fail(self, jobs: list[Job], err: Exception) -> None:
+        self.heartbeat.failed(err)
+        ids = ", ".join(j.id for j in jobs)
+        trace = None if is_out_of_memory(err) else err  # an OOM's traceback says nothing new
+        log.error("request %s failed: %s: %s", ids, type(err).__name__, err, exc_info=trace)
+        self._end(jobs, failure_outcome(err))
+        if is_out_of_memory(err):
+            self._clear_caches = True  # at the next turn, when this error's frames are gone
+
+    def _free_device_memory(self) -> None:
+        self._clear_caches = False
+        self.pipeline.pool.clear()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def _end(self, jobs: list[Job], outcome: list[np.ndarray] | Rejected) -> None:
@@ -275,26 +358,29 @@ class StepLoop:
             with self._wake:
                 if job in self._active:
                     self._active.remove(job)
-            if job.future.done():  # cancelled by its waiter: nobody to tell
-                continue
+            self._resolve(job, outcome)
+
+    def _resolve(self, job: Job, outcome: list[np.ndarray] | Rejected) -> None:
+        with self._wake:
+            if job.future.done():  # cancelled by its waiter, or answered by the watchdog
+                return
             if isinstance(outcome, Rejected):
-                with self._wake:
-                    self._stats.rejected[outcome.reason] += 1
+                self._stats.rejected[outcome.reason] += 1
                 job.future.set_exception(outcome)
             else:
                 job.future.set_result(outcome)
 
+    def _answer_all(self, error: Rejected) -> None:
+        """Answer every queued and running job now, without touching their buffers (a wedged call
+        may still be using them); called with the lock held."""
+        for job in [*self._queue, *self._active]:
+            self._resolve(job, error)
 
-def _failure(err: Exception) -> Rejected:
-    if isinstance(err, torch.OutOfMemoryError):
-        return OutOfMemory(f"out of device memory during generation: {err}")
-    return StepFailed(f"generation failed: {type(err).__name__}")
+    def _on_stuck(self, running_s: float) -> None:
+        self.stuck = f"the step loop is stuck: a call has run for {running_s:.0f} s"
+        log.critical("%s (DIFFSHARD_STEP_TIMEOUT_S); answering every waiting request 503", self.stuck)
+        with self._wake:
+            self._answer_all(NotReady("failed", self.stuck))
 
 
-def _inject_fault(chunk: list[RequestState]) -> None:
-    """Testing only (setting inject_faults): a marked prompt makes its batch's step raise, as a
-    device fault would; CPU-only machines cannot produce real ones on demand."""
-    for state in chunk:
-        for marker, error in FAULT_MARKERS.items():
-            if marker in state.request.prompt and state.index == FAULT_STEP:
-                raise error(f"injected fault {marker}")
+IDLE_S = 30.0  # the loop does its housekeeping after this long with nothing to do

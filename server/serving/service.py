@@ -7,13 +7,14 @@ Routes call these and nothing below them: they never touch the pipeline, the sha
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from server.errors import NotReady
 from server.pipeline import GenerationRequest, Pipeline
 from server.serving.jobs import Job
-from server.serving.limits import Limits, check_limits
+from server.serving.limits import Limits, check_limits, fit_defaults
 from server.serving.loop import StepLoop
 from server.serving.stats import DeviceView, LoopStats, Snapshot
 
@@ -36,18 +37,28 @@ class Service:
         *,
         max_queue: int = 64,
         max_batch: int = 16,
+        step_timeout_s: float = 120.0,
+        failures_unready: int = 3,
         inject_faults: bool = False,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.name = name  # the model's id, as clients know it
         self.limits = limits or Limits()
-        self.loop = StepLoop(pipeline, max_queue=max_queue, max_batch=max_batch, inject_faults=inject_faults)
+        self.failures_unready = failures_unready
+        pipeline.defaults = fit_defaults(pipeline.defaults, self.limits, pipeline.family)
+        self.loop = StepLoop(
+            pipeline,
+            max_queue=max_queue,
+            max_batch=max_batch,
+            step_timeout_s=step_timeout_s,
+            inject_faults=inject_faults,
+            on_idle=on_idle,
+        )
 
     def submit(self, requests: list[GenerationRequest]) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
         (Overloaded or Draining when the loop cannot take it)."""
-        if not self.loop.alive:  # nothing would ever answer the job
-            raise NotReady("failed", "the step loop stopped; the server log says why")
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
@@ -84,11 +95,15 @@ class Service:
             "text": str(shard),
         }
 
-    # Lifecycle.
+    # Health and lifecycle.
 
-    @property
-    def alive(self) -> bool:
-        return self.loop.alive
+    def problem(self) -> str | None:
+        """Why this service should not get traffic: its loop is dead, stuck or on a broken device,
+        or its last steps all failed."""
+        failures = self.loop.heartbeat.failures_in_a_row
+        if problem := self.loop.problem():
+            return problem
+        return f"the last {failures} steps failed" if failures >= self.failures_unready else None
 
     def drain(self, timeout_s: float) -> bool:
         """Refuse new jobs; wait up to `timeout_s` for those in flight. True if they all ended."""
@@ -113,14 +128,29 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
+    def problem(self) -> str | None:
+        """Why the service cannot take requests now (for /readyz); None when it can."""
+        if self.status != "ready" or self.service is None:
+            return STATUS[self.status]  # the load error itself (paths and all) is in the log only
+        return self.service.problem()
+
+    @property
     def serving(self) -> bool:
-        """Loaded, not draining, and the step loop alive."""
-        if self.status == "ready" and self.service is not None and not self.service.alive:
-            self.status, self.error = "failed", "the step loop stopped; the server log says why"
-        return self.status == "ready"
+        return self.problem is None
+
+    @property
+    def code(self) -> str:
+        """The error code /readyz answers: loading, draining, failed, or unhealthy."""
+        return self.status if self.status != "ready" else "unhealthy"
+
+    @property
+    def live_problem(self) -> str | None:
+        """Why the process should be restarted (for /livez): its step loop is dead, stuck or on a
+        broken device. Loading, draining and a failed load are alive: they end by themselves."""
+        return None if self.service is None else self.service.loop.problem()
 
     def status_message(self) -> str:
-        return STATUS[self.status] + (f": {self.error}" if self.error else "")
+        return self.problem or STATUS["ready"]
 
     def loaded(self) -> Service:
         """The service once the model has loaded (its views stay readable when draining or when

@@ -1,0 +1,37 @@
+"""Fault injection, for tests only (setting inject_faults, refused unless the server listens on
+loopback): a marker in a prompt makes a call fail where a device fault would, since CPU-only
+machines cannot produce real ones on demand. A fake at that boundary, off by default.
+
+    [[fail]]   the step raises (RuntimeError)         [[oom]]    the step runs out of memory
+    [[hang]]   the step never returns (until close)   [[decode]] the VAE decode raises
+    [[kill]]   the step loop thread dies
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+FAULT_STEP = 2  # the step at which a marked request's batch fails
+
+
+class LoopKilled(BaseException):
+    """Escapes every `except Exception`, as a crash of the loop thread would."""
+
+
+STEP_FAULTS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError, "[[kill]]": LoopKilled}
+
+
+def inject_fault(call: str, states: list, closed: threading.Event) -> None:
+    """Raise (or block) if a marked request takes part in `call` ("start", "step" or "decode")."""
+    for state in states:
+        prompt = getattr(getattr(state, "request", state), "prompt", "")
+        if call == "step" and state.index == FAULT_STEP:
+            for marker, error in STEP_FAULTS.items():
+                if marker in prompt:
+                    raise error(f"injected fault {marker}")
+            if "[[hang]]" in prompt:
+                closed.wait()  # wedged until the loop closes
+        if call == "decode" and "[[decode]]" in prompt:
+            raise RuntimeError("injected fault [[decode]]")
