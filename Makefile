@@ -48,6 +48,9 @@ bench: $(VENV)/.test
 	$(PY) -m benchmarks.pipeline
 	$(PY) -m benchmarks.unet_rows
 	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.soak
+	$(PY) -m benchmarks.host_memory
+	$(PY) -m benchmarks.threads
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
 model: $(VENV)/.runtime

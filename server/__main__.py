@@ -6,20 +6,29 @@ defaults, so the plan `plan` prints is the plan `serve` runs."""
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import json
 import logging
+import os
+import socket
 import sys
 import threading
+import traceback
 from pathlib import Path
 from types import FrameType
+from wsgiref.simple_server import WSGIServer
 
 import uvicorn
+from prometheus_client import CollectorRegistry, start_http_server
 from pydantic import ValidationError
 
+from server.api.connections import bounded_protocol
+from server.api.requestid import RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings
 from server.engine import Strategy
-from server.errors import ConfigError, PlanError
+from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
 from server.serving import Runtime
@@ -119,7 +128,8 @@ def plan_command(args: argparse.Namespace) -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a graceful drain on SIGTERM (or Ctrl+C): /readyz and new requests get 503
     while the listening socket stays open, in-flight requests finish (up to the drain timeout),
-    then the server exits 0. A second signal stops it at once."""
+    then the server exits 0. A second signal answers what is still in flight 503 and stops at
+    once, without tracebacks (uvicorn would re-raise it as a KeyboardInterrupt)."""
 
     def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -129,8 +139,12 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.draining:
-            super().handle_exit(sig, frame)
-            self.force_exit = True
+            log.warning("second signal: answering the requests in flight 503 and stopping now")
+            if self.runtime.service is not None:
+                self.runtime.service.loop.abandon(
+                    Draining("the server was stopped before this request finished")
+                )
+            self.should_exit = True
             return
         self.draining = True
         threading.Thread(target=self._drain, name="diffshard-drain", daemon=True).start()
@@ -146,40 +160,140 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    """Validate, take both ports, plan, then serve; the model loads once uvicorn runs. Exit 0 after
+    a drain, 1 if the model failed to load (the cause is the last line)."""
     settings = _settings(args)
-    # Plan once, on the meta device: a split that cannot fit fails here, before any weight loads;
-    # the server then loads the model with this very plan.
-    plan = plan_for(settings, read_family(settings.model), folder=settings.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server: DrainingServer | None = None
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())  # lines about a request end with its id
+    _refuse_remote_fault_injection(settings)
+    # Both ports are taken before anything loads: a busy port fails in a second, with one line,
+    # rather than after the model loaded (or, for the metrics port, with a traceback).
+    api_socket = bind_port(settings.host, settings.port, "port")
+    registry = CollectorRegistry()
+    exporter = serve_metrics(settings, registry) if settings.metrics_port else None
+    try:
+        # Plan once, on the meta device: a split that cannot fit fails here, before any weight
+        # loads; the server then loads the model with this very plan.
+        plan = plan_for(settings, read_family(settings.model), folder=settings.model)
+        server: DrainingServer | None = None
 
-    def stop() -> None:
-        if server is not None:
-            server.should_exit = True
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
 
-    app = create_app(settings, plan, on_fatal=stop)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,  # after the drain: responses already computed go out
+        app = create_app(settings, plan, registry=registry, on_fatal=stop, serve_metrics=False)
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            timeout_graceful_shutdown=5,  # after the drain: responses already computed go out
+            http=bounded_protocol(settings.read_timeout_s, settings.max_connections),
+        )
+        runtime: Runtime = app.state.runtime
+        server = DrainingServer(config, runtime, settings.drain_timeout_s)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        log.info("listening on http://%s:%d; loading %s", host, settings.port, settings.served_name)
+        server.run(sockets=[api_socket])
+    finally:
+        api_socket.close()
+        if exporter is not None:
+            exporter.shutdown()
+    if runtime.status == "failed":  # the cause was logged; it is also the last line
+        print(
+            f"error: cannot serve {settings.model}: {_one_line(runtime.error or 'the load failed')}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0 if server.started else 1
+
+
+def bind_port(host: str, port: int, setting: str) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it); ConfigError naming the setting."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        raise ConfigError(f"--host (DIFFSHARD_HOST): cannot resolve {host!r}: {err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise _port_error(setting, host, port, err) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_metrics(settings: Settings, registry: CollectorRegistry) -> WSGIServer:
+    """Prometheus' exporter on the metrics port, serving `registry` (empty until the app fills it)."""
+    try:
+        exporter, _ = start_http_server(settings.metrics_port, settings.host, registry)
+    except OSError as err:
+        raise _port_error("metrics_port", settings.host, settings.metrics_port, err) from None
+    log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+    return exporter
+
+
+def _port_error(setting: str, host: str, port: int, err: OSError) -> ConfigError:
+    flag, env = f"--{setting.replace('_', '-')}", f"DIFFSHARD_{setting.upper()}"
+    reason = "is in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+    return ConfigError(
+        f"{flag} ({env}): port {port} on {host} {reason}; stop what holds it or choose another port"
     )
-    runtime: Runtime = app.state.runtime
-    server = DrainingServer(config, runtime, settings.drain_timeout_s)
-    server.run()
-    return 1 if runtime.status == "failed" or not server.started else 0
+
+
+def _refuse_remote_fault_injection(settings: Settings) -> None:
+    """Fault injection lets any client fail steps on purpose: only on a loopback address."""
+    if settings.inject_faults and not is_loopback(settings.host):
+        raise ConfigError(
+            f"--inject-faults (DIFFSHARD_INJECT_FAULTS) is for tests: refused with --host {settings.host}; "
+            "listen on a loopback address (127.0.0.1, ::1, localhost) or unset it"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _one_line(text: str) -> str:
+    """An error as one line: the last line of output is the one operators and tests read."""
+    return " ".join(text.split())
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    """--debug or DIFFSHARD_DEBUG, read even when the settings themselves did not validate."""
+    if getattr(args, "debug", None):
+        return True
+    return os.environ.get("DIFFSHARD_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure ends with one line naming its cause (exit 2: a setting, a folder or a port to
+    fix; 1: anything else); the traceback comes before it only with --debug."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
             return serve_command(args)
         plan_command(args)
     except (ValueError, FileNotFoundError) as err:  # ConfigErrors (plan, device, folder) are ValueErrors
-        print(f"error: {err}", file=sys.stderr)
+        if _debug(args):
+            traceback.print_exc()
+        print(f"error: {_one_line(str(err))}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if _debug(args):
+            traceback.print_exc()
+        print(f"error: {type(err).__name__}: {_one_line(str(err))}", file=sys.stderr)
+        return 1
     return 0
 
 

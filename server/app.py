@@ -23,9 +23,13 @@ from server import __version__
 from server.api import health, routes
 from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
+from server.api.openapi import Bounds, install_openapi
+from server.api.requestid import RequestContext
 from server.config import Settings, read_api_keys
 from server.engine import ShardPlan
-from server.engine.memory import retain_freed_host_memory
+from server.engine.memory import release_freed_host_memory, retain_freed_host_memory
+from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
+from server.engine.threads import fit_threads
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.families import Family
@@ -34,6 +38,8 @@ from server.pipeline.planning import largest_side, plan_model
 from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
+
+IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back when the loop has nothing to do
 
 
 def plan_for(
@@ -53,11 +59,29 @@ def plan_for(
     )
 
 
+def pool_budgets(settings: Settings) -> dict[str, int]:
+    """The pool's idle budget per device: the defaults, overridden by --pool-budget (one SIZE for
+    every device, or device=SIZE for some)."""
+    budgets = default_pool_budgets(settings.devices)
+    if ANY_DEVICE in settings.pool_budget:
+        budgets = dict.fromkeys([*budgets, ANY_DEVICE], settings.pool_budget[ANY_DEVICE])
+    return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
+
+
 def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
     """Load the model placed by `plan` (or by `plan_for` the settings) behind a step loop."""
     retain_freed_host_memory()
+    threads = fit_threads(settings.threads)
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
-    pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype)
+    pool = ActivationPool(pool_budgets(settings))
+    pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
+
+    def housekeeping() -> None:  # the loop has been idle a while: give back what bursts left behind
+        freed = pool.trim(idle_for_s=IDLE_TRIM_S)
+        freed_host = release_freed_host_memory()
+        log.info("idle: %d pooled bytes and %d resident bytes given back", freed, freed_host)
+
+    log.info("torch runs %d intra-op threads (--threads; default: the CPU quota)", threads)
     return Service(
         pipeline,
         settings.served_name,
@@ -67,6 +91,8 @@ def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
         step_timeout_s=settings.step_timeout_s,
         failures_unready=settings.failures_unready,
         inject_faults=settings.inject_faults,
+        on_idle=housekeeping,
+        threads=threads,
     )
 
 
@@ -78,7 +104,10 @@ async def _load(app: FastAPI) -> None:
         service = await asyncio.to_thread(load_service, settings, app.state.plan)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
-        log.error("cannot serve %s: %s", settings.model, runtime.error)
+        # the cause is in the log (here, and as serve's last line); its traceback only with --debug
+        log.error(
+            "cannot serve %s: %s", settings.model, runtime.error, exc_info=err if settings.debug else None
+        )
         if app.state.on_fatal is not None:
             app.state.on_fatal()
         return
@@ -94,8 +123,13 @@ async def _load(app: FastAPI) -> None:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     runtime: Runtime = app.state.runtime
     settings: Settings = app.state.settings
+    if settings.inject_faults:
+        log.warning(
+            "fault injection is on (DIFFSHARD_INJECT_FAULTS): prompts holding [[fail]], [[oom]], [[hang]] "
+            "or [[decode]] fail on purpose; this is for tests, never for serving"
+        )
     exporter = None
-    if settings.metrics_port:  # Prometheus scrapes its own port, apart from the API
+    if settings.metrics_port and app.state.serve_metrics:  # Prometheus scrapes its own port
         try:
             exporter, _ = start_http_server(settings.metrics_port, settings.host, app.state.metrics.registry)
         except OSError as err:
@@ -120,19 +154,45 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     on_fatal: Callable[[], None] | None = None,
+    serve_metrics: bool = True,
 ) -> FastAPI:
     """The app; it loads the model with `plan` (made from the settings if None). Its metrics go
-    on `registry` (a fresh one by default), served on the metrics port. `on_fatal` is called if
-    the model cannot load (`serve` stops the server)."""
+    on `registry` (a fresh one by default), served on the metrics port by the lifespan unless
+    `serve_metrics` is False (`serve` binds that port itself, before anything loads). `on_fatal`
+    is called if the model cannot load (`serve` stops the server)."""
     app = FastAPI(title="diffshard", version=__version__, lifespan=lifespan)
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
+    app.state.serve_metrics = serve_metrics
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")
     app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue)
-    app.state.metrics = metrics = Metrics(registry or CollectorRegistry(), runtime.snapshot)
+    app.state.metrics = metrics = Metrics(
+        registry or CollectorRegistry(), runtime.snapshot, inject_faults=settings.inject_faults
+    )
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: it sees the 413s too
+    install_openapi(app, _bounds(settings, app.state.api_keys is not None))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too
+    app.add_middleware(RequestContext)  # outermost: every answer carries the request id
     return app
+
+
+def _bounds(settings: Settings, keyed: bool) -> Bounds:
+    """What the OpenAPI document says of request bodies: these settings on this model."""
+    family = read_family(settings.model)
+    limits = settings.limits(family.native_size)
+    return Bounds(
+        served_name=settings.served_name,
+        max_n=limits.max_n,
+        max_steps=limits.max_steps,
+        max_prompt_chars=limits.max_prompt_chars,
+        max_pixels=limits.max_pixels,
+        max_work=limits.max_work,
+        native_size=family.native_size,
+        size_multiple=family.size_multiple,
+        max_side=family.max_size,
+        schedulers=tuple(family.schedulers),
+        keyed=keyed,
+    )

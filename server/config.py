@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from server.demo import MODEL_DIR
 from server.engine import Strategy
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
+from server.engine.pool import ANY_DEVICE
 from server.pipeline.families import pipeline_classes
 from server.pipeline.loader import read_family
 from server.serving import Limits
@@ -25,7 +26,6 @@ SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
-ANY_DEVICE = "*"  # a pool budget given as one size applies to every device
 
 
 def _pool_budgets(value: object) -> dict[str, int]:

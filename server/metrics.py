@@ -43,6 +43,9 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 REASONS = ("queue_full", "timeout", "cancelled", "oom", "invalid", "unauthorized", "failed", "draining")
 LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
 DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (empty on CPU)
+# The `method` label's values: any other method a client sends counts as "other", so a client
+# cannot mint a series per made-up method name.
+METHODS = frozenset(("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"))
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,15 @@ CATALOG = (
     MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
     MetricSpec("model_load_duration_seconds", "gauge", "seconds", (), "time to load and place the model"),
     MetricSpec(
-        "build", "info", "", ("version", "torch", "diffusers", "model", "dtype"), "versions and the model"
+        "build",
+        "info",
+        "",
+        ("version", "torch", "diffusers", "model", "dtype", "threads", "inject_faults"),
+        "versions, the model, torch's threads, and whether fault injection is on",
+    ),
+    MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
+    MetricSpec(
+        "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"
     ),
 )
 
@@ -135,9 +146,12 @@ def metric_name(family: MetricSpec) -> str:
 class Metrics:
     """Every diffshard family on `registry`, reading `snapshot()` at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, snapshot: Callable[[], Snapshot], *, inject_faults: bool = False
+    ) -> None:
         self.registry = registry
         self.snapshot = snapshot
+        self.inject_faults = inject_faults  # shown in build_info: a server failing on purpose says so
         self.http_requests = PromCounter(
             f"{PREFIX}_http_requests",
             "HTTP requests answered",
@@ -179,7 +193,8 @@ class HttpMetrics:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")  # bounded label values
-            self.metrics.http_requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.http_requests.labels(route, method, str(status)).inc()
             self.metrics.http_duration.labels(route).observe(time.perf_counter() - started)
             if status in (400, 413, 422):
                 self.metrics.http_rejections["invalid"] += 1
@@ -203,7 +218,7 @@ class _Collector:
         yield from self._process()
 
     def _build(self, snapshot: Snapshot) -> Iterator[Metric]:
-        info = InfoMetricFamily(f"{PREFIX}_build", "versions and the model")
+        info = InfoMetricFamily(f"{PREFIX}_build", _help("build"))
         info.add_metric(
             [],
             {
@@ -212,9 +227,18 @@ class _Collector:
                 "diffusers": version("diffusers"),
                 "model": snapshot.model,
                 "dtype": snapshot.dtype,
+                "threads": "" if snapshot.threads is None else str(snapshot.threads),
+                "inject_faults": str(self.metrics.inject_faults).lower(),
             },
         )
         yield info
+        yield GaugeMetricFamily(f"{PREFIX}_ready", _help("ready"), float(snapshot.ready))
+        if snapshot.last_step_at is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_last_step_timestamp_seconds",
+                _help("last_step_timestamp_seconds"),
+                snapshot.last_step_at,
+            )
         if snapshot.load_seconds is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_model_load_duration_seconds",

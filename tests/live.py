@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -63,11 +63,16 @@ def _pump(stream, lines: queue.Queue, log: list[str]) -> None:
 
 
 @contextmanager
-def live_server(*args: str, env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+def live_server(
+    *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+) -> Iterator[LiveServer]:
+    """`python -m server serve *args` on a free loopback port; `prefix` runs it under another
+    command (e.g. `taskset -c 0`)."""
     port = free_port()
     metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]  # off unless asked for
     process = subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "-m",
             "server",

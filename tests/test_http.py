@@ -4,11 +4,15 @@ model) driven by the official openai SDK and by raw HTTP for what the SDK cannot
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import torch
 from PIL import Image
 
 from tests.live import LiveServer, live_server
+from tests.waiting import wait_until
 
 # what `serve` shards over with its default `--devices auto`: every visible CUDA device, else cpu
 VISIBLE = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
@@ -79,6 +84,9 @@ def test_keys_guard_v1_but_not_health(keyed_server: LiveServer) -> None:
     assert [model.id for model in right.models.list()] == ["diffshard-shapes"]
     missing = httpx.get(f"{keyed_server.url}/v1/models")
     assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]["message"]
+    assert missing.headers["www-authenticate"].startswith("Bearer")
+    wrong_key = httpx.get(f"{keyed_server.url}/v1/models", headers={"authorization": "Bearer sk-wrong"})
+    assert wrong_key.status_code == 401 and 'error="invalid_token"' in wrong_key.headers["www-authenticate"]
     assert httpx.get(f"{keyed_server.url}/livez").status_code == 200
     assert httpx.get(f"{keyed_server.url}/readyz").status_code == 200
 
@@ -87,7 +95,15 @@ GOOD = {"prompt": "a blue square", "num_inference_steps": 2, "seed": 1}
 BAD_BODIES = [
     # (body, param, words the message must contain)
     ({**GOOD, "size": "60x64"}, "size", ["multiples of 8"]),
-    ({**GOOD, "size": "2048x2048"}, "size", ["4194304 pixels", "1048576", "DIFFSHARD_MAX_PIXELS"]),
+    # the built-in model's native size is 64x64: max_pixels defaults to 4x its area, 128x128
+    ({**GOOD, "size": "1024x1024"}, "size", ["1048576 pixels", "16384", "DIFFSHARD_MAX_PIXELS"]),
+    # n x steps x pixels / native pixels = 10 x 100 x 4 = 4000 native-image steps > 1000
+    (
+        {**GOOD, "n": 10, "num_inference_steps": 100, "size": "128x128"},
+        "n",
+        ["4000 native-image steps", "1000", "DIFFSHARD_MAX_WORK"],
+    ),
+    ({**GOOD, "size": "0x64"}, "size", ["WIDTHxHEIGHT"]),
     ({**GOOD, "size": "big"}, "size", ["WIDTHxHEIGHT"]),
     ({**GOOD, "num_inference_steps": 0}, "num_inference_steps", ["between 1 and 100", "DIFFSHARD_MAX_STEPS"]),
     ({**GOOD, "num_inference_steps": 10_000}, "num_inference_steps", ["between 1 and 100", "got 10000"]),
@@ -123,31 +139,32 @@ def test_bad_input_gets_the_envelope_and_serving_goes_on(server: LiveServer, bod
 
 
 @pytest.mark.parametrize(
-    ("content", "status", "words"),
+    ("content", "kind", "status", "code", "words"),
     [
-        (b"not json", 400, ["not valid JSON"]),
-        (b"[1, 2]", 400, ["JSON object"]),
+        (b"not json", "application/json", 400, "invalid_json", ["not valid JSON"]),
+        (b"[1, 2]", "application/json", 400, "invalid_body", ["JSON object"]),
+        (b"prompt=a", "application/x-www-form-urlencoded", 400, "invalid_content_type", ["application/json"]),
+        (b'{"prompt": "\xff"}', "application/json", 400, "invalid_body", ["UTF-8 JSON"]),
         (
             json.dumps({**GOOD, "prompt": "a" * 70_000}).encode(),
+            "application/json",
             413,
+            "body_too_large",
             ["65536 bytes", "DIFFSHARD_MAX_BODY_BYTES"],
         ),
     ],
 )
-def test_malformed_and_huge_bodies(server: LiveServer, content: bytes, status: int, words) -> None:
+def test_malformed_and_huge_bodies(
+    server: LiveServer, content: bytes, kind: str, status: int, code, words
+) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        headers = {"content-type": "application/json"}
-        response = client.post("/v1/images/generations", content=content, headers=headers)
+        response = client.post("/v1/images/generations", content=content, headers={"content-type": kind})
         assert response.status_code == status
+        error = response.json()["error"]
+        assert error["code"] == code
         for word in words:
-            assert word in response.json()["error"]["message"]
+            assert word in error["message"]
         assert client.post("/v1/images/generations", json=GOOD).status_code == 200
-
-
-def test_a_body_not_sent_as_json_says_so(server: LiveServer) -> None:
-    response = httpx.post(f"{server.url}/v1/images/generations", data={"prompt": "a red circle"})
-    assert response.status_code == 400
-    assert "Content-Type: application/json" in response.json()["error"]["message"]
 
 
 def test_a_streamed_body_over_the_limit_is_cut_off(server: LiveServer) -> None:
@@ -166,6 +183,27 @@ def test_unknown_route_and_method_get_the_envelope(server: LiveServer) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong = httpx.delete(f"{server.url}/v1/models")
     assert wrong.status_code == 405 and "DELETE" in wrong.json()["error"]["message"]
+    assert wrong.headers["allow"] == "GET"
+    assert httpx.get(f"{server.url}/v1/images/generations").headers["allow"] == "POST"
+
+
+def test_every_answer_carries_the_request_id(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        mine = {"x-request-id": "client-7.a:b"}
+        assert (
+            client.post("/v1/images/generations", json=GOOD, headers=mine).headers["x-request-id"]
+            == mine["x-request-id"]
+        )
+        made = {
+            client.get("/v1/nothing").headers["x-request-id"],
+            client.post("/v1/images/generations", json={}).headers["x-request-id"],
+            client.get("/readyz", headers={"x-request-id": "no spaces allowed"}).headers["x-request-id"],
+        }
+        assert len(made) == 3 and all(re.fullmatch(r"[0-9a-f]{16}", rid) for rid in made)
+    lines = wait_until(
+        lambda: [line for line in server.log if "[request client-7.a:b]" in line], 10, "the access log line"
+    )
+    assert '"POST /v1/images/generations HTTP/1.1" 200' in lines[0]  # uvicorn's, with the id
 
 
 def test_models_and_shards_views(server: LiveServer) -> None:
@@ -215,3 +253,107 @@ def test_bad_settings_fail_fast_saying_what_to_fix(args, env, words, tmp_path: P
     assert line.startswith("error: ")
     for word in words:
         assert word in line
+
+
+# Bounded connections, with raw sockets: what no HTTP client library would send.
+READ_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 6
+ANSWER_WITHIN_S = READ_TIMEOUT_S + 10  # the deadline for the server to act on a timeout
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[LiveServer]:
+    args = ("--read-timeout-s", str(READ_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS))
+    with live_server(*args, "--inject-faults") as running:  # loopback: allowed, and loud
+        yield running
+
+
+def test_fault_injection_is_announced_at_startup(bounded: LiveServer) -> None:
+    assert any("WARNING diffshard: fault injection is on" in line for line in bounded.log)
+
+
+def connect(server: LiveServer) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=ANSWER_WITHIN_S)
+
+
+def until_closed(sock: socket.socket, pace: bytes = b"") -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and the seconds that took;
+    with `pace`, one such byte is sent whenever the server stays silent for 0.1 s (a client
+    trickling its request). AssertionError if the server has not closed it by the deadline."""
+    started, received = time.monotonic(), b""
+    sock.settimeout(0.1 if pace else ANSWER_WITHIN_S)
+    while time.monotonic() - started < ANSWER_WITHIN_S:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            with contextlib.suppress(OSError):  # the server may close between two bytes
+                sock.sendall(pace)
+            continue
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return received, time.monotonic() - started
+        received += chunk
+    raise AssertionError(f"the connection is still open after {ANSWER_WITHIN_S} s; got {received!r}")
+
+
+def open_fds(server: LiveServer) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+REQUEST_HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["stalled", "trickled"])
+def test_slow_headers_get_408_and_the_connection_closes(bounded: LiveServer, trickle: bool) -> None:
+    with connect(bounded) as sock:
+        sock.sendall(REQUEST_HEAD)  # the blank line that ends the headers never comes
+        received, seconds = until_closed(sock, pace=b"x-slow: 1\r\n" if trickle else b"")
+    assert received.startswith(b"HTTP/1.1 408 ") and b"DIFFSHARD_READ_TIMEOUT_S" in received
+    assert b'"code": "request_timeout"' in received
+    assert READ_TIMEOUT_S * 0.9 <= seconds < ANSWER_WITHIN_S
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["stalled", "trickled"])
+def test_a_body_that_never_completes_gets_408_and_the_connection_closes(bounded: LiveServer, trickle) -> None:
+    with connect(bounded) as sock:
+        sock.sendall(REQUEST_HEAD + b"content-length: 4000\r\n\r\n" + b'{"prompt": "a')
+        received, seconds = until_closed(sock, pace=b"a" if trickle else b"")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert READ_TIMEOUT_S * 0.9 <= seconds < ANSWER_WITHIN_S
+
+
+def test_silent_connections_are_closed_and_their_descriptors_freed(bounded: LiveServer) -> None:
+    baseline = open_fds(bounded)
+    socks = [connect(bounded) for _ in range(MAX_CONNECTIONS - 1)]  # under the cap: all held
+    try:
+        wait_until(lambda: open_fds(bounded) >= baseline + len(socks), ANSWER_WITHIN_S, "the server's fds")
+        for sock in socks:
+            received, _ = until_closed(sock)
+            assert received == b""  # nothing was asked: nothing to answer
+        wait_until(lambda: open_fds(bounded) <= baseline, ANSWER_WITHIN_S, "the fds back to the baseline")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_connections_beyond_the_cap_get_503_and_are_closed(bounded: LiveServer) -> None:
+    held = [connect(bounded) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # a whole request on each, so the server counts them all
+            sock.sendall(b"GET /livez HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        with connect(bounded) as extra:
+            received, _ = until_closed(extra)
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections" and "DIFFSHARD_MAX_CONNECTIONS=6" in error["message"]
+    finally:
+        for sock in held:
+            sock.close()
+    with httpx.Client(base_url=bounded.url, timeout=10) as client:
+        wait_until(lambda: client.get("/livez").status_code == 200, ANSWER_WITHIN_S, "a connection again")

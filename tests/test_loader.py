@@ -1,8 +1,10 @@
-"""Loading diffusers folders: the built-in model loads; pickle-only or unknown folders do not."""
+"""Loading diffusers folders: the built-in model loads; pickle-only, damaged or unknown folders,
+and classes from anywhere but diffusers and transformers, do not."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -62,3 +64,50 @@ def test_configs_that_rely_on_class_defaults_get_them(folder_copy: Path) -> None
     family = read_family(folder_copy)
     assert family.config.vae["scaling_factor"] == 0.18215  # AutoencoderKL's default
     assert family.vae_scale_factor == 4 and family.native_size == 64
+
+
+def test_a_truncated_or_corrupt_weights_file_is_named_at_validation(folder_copy: Path) -> None:
+    weights = folder_copy / "vae" / "diffusion_pytorch_model.safetensors"
+    with weights.open("r+b") as file:
+        file.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ModelFolderError, match=rf"{re.escape(str(weights))} is corrupt or truncated"):
+        read_family(folder_copy)
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(ModelFolderError, match="corrupt or truncated"):
+        read_family(folder_copy)
+
+
+@pytest.mark.parametrize(
+    ("part", "entry", "words"),
+    [
+        ("unet", ["diffusers", "NoSuchUNet"], "diffusers.NoSuchUNet for unet, which is not a class"),
+        (
+            "vae",
+            ["os", "system"],
+            "os.system for vae; diffshard loads classes from diffusers and transformers",
+        ),
+        ("tokenizer", ["server", "Settings"], "server.Settings for tokenizer; diffshard loads classes from"),
+        ("unet", ["diffusers", "StableDiffusionPipeline"], "which is not a part diffshard loads"),
+        ("scheduler", ["diffusers", "utils"], "diffusers.utils for scheduler, which is not a class"),
+        ("text_encoder", ["transformers", "__class__"], "which is not a class"),
+        ("vae", "AutoencoderKL", "must be \\[library, class\\]"),
+    ],
+)
+def test_only_parts_of_diffusers_and_transformers_are_loaded(
+    folder_copy: Path, part: str, entry: object, words: str
+) -> None:
+    """A folder is data: the classes it names are checked when it is validated (before the port
+    listens), and only model, tokenizer and scheduler classes of the two libraries pass."""
+    index = json.loads((folder_copy / "model_index.json").read_text())
+    (folder_copy / "model_index.json").write_text(json.dumps(index | {part: entry}))
+    with pytest.raises(ModelFolderError, match=words):
+        read_family(folder_copy)
+
+
+def test_parts_that_are_never_loaded_may_name_other_libraries(folder_copy: Path) -> None:
+    """Real SD-1.5 folders list a safety checker from diffusers' pipeline modules; it is never
+    imported, so it is not refused."""
+    index = json.loads((folder_copy / "model_index.json").read_text())
+    extra = {"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]}
+    (folder_copy / "model_index.json").write_text(json.dumps(index | extra))
+    assert read_family(folder_copy).name == "sd"

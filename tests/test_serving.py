@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.live import LiveServer, live_server
+from tests.waiting import wait_until
 
 LONG = {"prompt": "a red circle", "num_inference_steps": 100, "seed": 1}  # ~2 s on 2 cores
 QUICK = {"prompt": "a blue square", "num_inference_steps": 2, "seed": 2}
@@ -142,3 +143,16 @@ def test_a_drain_that_times_out_answers_the_requests_left_503(background) -> Non
         response = in_flight.result()
         assert response.status_code == 503 and response.json()["error"]["code"] == "draining"
         assert server.process.wait(timeout=60) == 0
+
+
+def test_a_second_signal_answers_what_is_in_flight_503_and_exits_without_tracebacks(background) -> None:
+    with live_server("--drain-timeout-s", "60") as server:
+        in_flight = post_later(background, server, LONG)
+        server.wait_for(lambda s: s["engine"]["active_jobs"] == 1)
+        server.process.send_signal(signal.SIGINT)
+        wait_until(lambda: any("draining" in line for line in server.log), 30, "the drain to begin")
+        server.process.send_signal(signal.SIGINT)
+        response = in_flight.result()
+        assert response.status_code == 503 and response.json()["error"]["code"] == "draining"
+        assert server.process.wait(timeout=60) == 0
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in server.log)

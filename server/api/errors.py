@@ -8,6 +8,8 @@ AuthenticationError, ...) and show `message`, so every message names the field a
 from __future__ import annotations
 
 import logging
+import secrets
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +38,7 @@ WIRE_NAMES = {"steps": "num_inference_steps"}
 # error class → (HTTP status, code); the first class in an error's MRO found here wins.
 STATUS: dict[type[DiffshardError], tuple[int, str | None]] = {
     InvalidRequest: (400, "invalid_value"),
-    NotReady: (503, None),  # the code is the status: loading or failed
+    NotReady: (503, None),  # the code is the status: loading, failed (to load) or unhealthy
     Overloaded: (503, "overloaded"),
     Draining: (503, "draining"),
     OutOfMemory: (503, "out_of_memory"),
@@ -56,7 +58,7 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: str,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -71,17 +73,25 @@ def envelope(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    """OpenAI's error body; every answer has a code (by default the status, e.g. bad_request)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
+    code = code or _status_code_name(status)
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def domain_response(err: DiffshardError) -> JSONResponse:
+def internal_message(what: str, request_id: str) -> str:
+    """Fixed text for a failure whose details may name internals (paths, devices, other
+    processes): those go to the log under the request id, which the client can quote."""
+    return f"{what}; request id {request_id}, the server log has the details"
+
+
+def domain_response(err: DiffshardError, request_id: str) -> JSONResponse:
     """The envelope for an error of diffshard's tree, by the table above."""
     mapped = next((STATUS[c] for c in type(err).__mro__ if c in STATUS), None)
     if mapped is None:  # e.g. a ConfigError raised while serving: a bug, not the client's doing
-        log.error("unmapped %s while serving: %s", type(err).__name__, err)
-        return envelope(500, "internal server error; the server log has the details", code="internal_error")
+        _log_details(request_id, err, logging.ERROR)
+        return envelope(500, internal_message("internal server error", request_id), code="internal_error")
     status, code = mapped
     message, param, headers = str(err), None, None
     if isinstance(err, InvalidRequest):
@@ -89,32 +99,62 @@ def domain_response(err: DiffshardError) -> JSONResponse:
         message = f"{param}:{message.split(':', 1)[1]}" if ":" in message else message
     elif isinstance(err, NotReady):
         code = err.status
+        if err.status == "failed":  # a load error names files and devices: for the log only
+            _log_details(request_id, err, logging.WARNING)
+            message = internal_message("the server cannot serve: the model failed to load", request_id)
     elif isinstance(err, Overloaded):
         headers = {"retry-after": str(err.retry_after)}
-    elif isinstance(err, OutOfMemory):
+    elif isinstance(err, OutOfMemory):  # torch's text names device capacity and other processes
+        _log_details(request_id, err, logging.WARNING)
+        message = internal_message("the device ran out of memory during generation", request_id)
         headers = {"x-should-retry": "false"}  # retrying the same request would fail the same way
     elif isinstance(err, StepFailed):
-        message = f"{err}; the server log has the details"
+        _log_details(request_id, err, logging.ERROR)
+        message = internal_message("the generation failed", request_id)
     return envelope(status, message, param, code, headers)
 
 
-def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None]:
-    """FastAPI's first validation error as (message, param), in the API's words."""
+def _log_details(request_id: str, err: BaseException, level: int) -> None:
+    cause = err.__cause__ or err.__context__
+    log.log(
+        level,
+        "request %s: %s: %s",
+        request_id,
+        type(err).__name__,
+        err,
+        exc_info=cause,
+        extra={"request_id": request_id},
+    )
+
+
+def _status_code_name(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
+
+
+def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None, str]:
+    """FastAPI's first validation error as (message, param, code), in the API's words."""
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     if error.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', 'parse error')}", None
+        reason = error.get("ctx", {}).get("error", "parse error")
+        return f"the request body is not valid JSON: {reason}", None, "invalid_json"
     if not loc:
         if "json" not in content_type:  # FastAPI reads a body as JSON only when it says it is
-            return f"send the body as JSON with Content-Type: application/json, not {content_type!r}", None
-        return "the request body must be a JSON object with at least a prompt", None
+            message = f"send the body as JSON with Content-Type: application/json, not {content_type!r}"
+            return message, None, "invalid_content_type"
+        return "the request body must be a JSON object with at least a prompt", None, "invalid_body"
     param = ".".join(loc)
-    return f"{param}: {error.get('msg', 'invalid value')}", param
+    return f"{param}: {error.get('msg', 'invalid value')}", param, "invalid_value"
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Handlers for the errors routes raise; anything else is `RequestContext`'s (a 500)."""
+
     @app.exception_handler(DiffshardError)
-    async def domain_error(_request: Request, err: DiffshardError) -> JSONResponse:
-        return domain_response(err)
+    async def domain_error(request: Request, err: DiffshardError) -> JSONResponse:
+        return domain_response(err, getattr(request.state, "request_id", None) or secrets.token_hex(8))
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
@@ -122,19 +162,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(err.errors()[0], request.headers.get("content-type", ""))
-        return envelope(400, message, param, "invalid_value")
+        message, param, code = _validation_message(err.errors()[0], request.headers.get("content-type", ""))
+        return envelope(400, message, param, code)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        headers = dict(err.headers or {})  # a 405's Allow among them
         if err.status_code == 404:
-            return envelope(404, f"no route {request.url.path}", code="not_found")
+            return envelope(404, f"no route {request.url.path}", code="not_found", headers=headers)
         if err.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}"
-            return envelope(405, message, code="method_not_allowed")
-        return envelope(err.status_code, str(err.detail))
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, err: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path, exc_info=err)
-        return envelope(500, "internal server error; the server log has the details", code="internal_error")
+            allowed = headers.get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; it takes {allowed}"
+            return envelope(405, message, code="method_not_allowed", headers=headers)
+        if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8)
+            message = f"the request body cannot be parsed ({err.detail}): send it as UTF-8 JSON"
+            return envelope(400, message, code="invalid_body", headers=headers)
+        return envelope(err.status_code, str(err.detail), headers=headers)

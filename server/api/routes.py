@@ -47,7 +47,7 @@ async def generate_images(
     body: ImageGenerationRequest, request: Request, service: ServiceDep
 ) -> ImagesResponse:
     requests = generation_requests(body, service.name, service.limits.max_n)
-    job = service.submit(requests)
+    job = service.submit(requests, request_id=request.state.request_id)  # one id in every log line
     images = await _outcome(job, request, service)
     pngs = await asyncio.gather(*(encode_png_async(image) for image in images))
     first = job.requests[0]
@@ -81,4 +81,4 @@ async def shards(service: ServiceDep) -> dict[str, Any]:
 @router.get("/stats")
 async def stats(service: ServiceDep) -> dict[str, Any]:
     """The step loop's counters and each active request's progress, and the pool's per device."""
-    return {"engine": service.stats().to_dict(), "pool": service.pool()}
+    return {"engine": service.stats().to_dict(), "pool": service.pool(), "threads": service.threads}

@@ -22,6 +22,8 @@ from server.pipeline import GenerationRequest
 from server.pipeline.requests import SEED_LIMIT
 
 MAX_GUIDANCE = 100.0
+# "WIDTHxHEIGHT": ASCII digits, no 0 and no leading zeros; the OpenAPI document states this very pattern
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 
 
 class ImageGenerationRequest(BaseModel):
@@ -55,10 +57,10 @@ class ImagesResponse(BaseModel):
 
 
 def parse_size(size: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size)
-    if not match:
+    if not re.fullmatch(SIZE_PATTERN, size):
         raise InvalidRequest("size", f"must be WIDTHxHEIGHT in pixels, e.g. 512x512, got {size!r}")
-    return int(match[1]), int(match[2])
+    width, height = size.split("x")
+    return int(width), int(height)
 
 
 def generation_requests(

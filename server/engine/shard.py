@@ -33,7 +33,7 @@ _CROSS_BLOCK_RESIDUALS = (
     "down_block_additional_residuals",
     "mid_block_additional_residual",
     "down_intrablock_additional_residuals",
-    "block_controlnet_hidden_states",  # SD3: added to the hidden states outside any block
+    "block_controlnet_hidden_states",  # an MMDiT controlnet's: added outside any block
 )
 
 

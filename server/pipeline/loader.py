@@ -2,25 +2,39 @@
 
 Only safetensors weights are loaded: pickle files (`.bin`, `.ckpt`, ...) can run code when
 unpickled, so a folder that has nothing else is refused with a message saying so. Every
-check runs, and the family is known, before any weight is read.
+check runs, and the family is known, before any weight is read: each safetensors file's
+header is opened (a truncated or corrupt file fails here, naming the file, not midway through
+loading), and every class `model_index.json` names for a part diffshard loads must be a model,
+tokenizer or scheduler class of diffusers or transformers (a folder is data: it must not pick
+what gets imported, nor load a nested pipeline whose own index could).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
+import transformers
 from safetensors import safe_open
 
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
 
 PICKLES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+# The libraries a folder may name, already imported (nothing is imported by a name the folder
+# gives, so neither the folder nor the working directory on sys.path can choose a module), and
+# the classes each may give: loadable parts, never a pipeline (whose own model_index.json could
+# name any library) nor any other attribute of the package.
+LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
+ALLOWED_BASES: dict[str, tuple[type, ...]] = {
+    "diffusers": (diffusers.ModelMixin, diffusers.SchedulerMixin),
+    "transformers": (transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase),
+}
 
 
 @dataclass
@@ -39,6 +53,9 @@ def read_family(folder: str | Path) -> Family:
     root = Path(folder)
     index = _read_json(root / "model_index.json", "point it at a diffusers pipeline folder")
     family = family_class(index)(ModelConfig(index, {}))
+    for name in _loaded_parts(family):
+        if _present(index, name):
+            _class_of(index, name)  # an unknown or disallowed class fails now, naming it
     for name in family.weighted:
         if not _present(index, name):
             if name in (family.denoiser, "vae"):
@@ -56,6 +73,8 @@ def read_family(folder: str | Path) -> Family:
                 f"{part} has {found}; diffshard loads safetensors only. Convert them, e.g. "
                 f"load with diffusers and save_pretrained(..., safe_serialization=True)"
             )
+        for file in sorted(part.glob("*.safetensors")):
+            _check_header(file)
     denoiser = root / family.denoiser / "config.json"
     vae = root / "vae" / "config.json"
     hint = f"the folder's {family.denoiser}/ and vae/ need a config.json"
@@ -111,14 +130,43 @@ def part_bytes(folder: str | Path, names: tuple[str, ...], dtype: torch.dtype) -
 _ITEMSIZE = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
 
 
-def _class_of(index: dict[str, Any], name: str) -> type:
-    library, class_name = index[name]
+def _loaded_parts(family: Family) -> tuple[str, ...]:
+    """The parts `load_components` loads (others, such as a safety checker, are never imported)."""
+    return (*family.weighted, *family.tokenizers, "scheduler")
+
+
+def _check_header(file: Path) -> None:
+    """Open the file's header: safetensors checks that it parses and that the tensors it lists
+    cover the file exactly, so truncation and corruption show here, before any weight loads."""
     try:
-        return getattr(importlib.import_module(library), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ModelFolderError(
-            f"model_index.json names {library}.{class_name} for {name}, which is unknown"
-        ) from err
+        with safe_open(file, framework="pt") as weights:
+            weights.keys()
+    except Exception as err:  # SafetensorError (not exported as a class in every version), OSError
+        raise ModelFolderError(f"{file} is corrupt or truncated: {err}") from err
+
+
+def _class_of(index: dict[str, Any], name: str) -> type:
+    """The class the index names for part `name`: only a model, tokenizer or scheduler class
+    of diffusers or transformers (`ALLOWED_BASES`)."""
+    entry = index[name]
+    if not (isinstance(entry, list | tuple) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+        raise ModelFolderError(f"model_index.json's {name} must be [library, class], got {entry!r}")
+    library, class_name = entry
+    named = f"model_index.json names {library}.{class_name} for {name}"
+    if library not in LIBRARIES:
+        raise ModelFolderError(f"{named}; diffshard loads classes from {' and '.join(LIBRARIES)} only")
+    found = None
+    if class_name.isidentifier() and not class_name.startswith("_"):
+        try:  # the packages are lazy: an attribute may import one of their own submodules
+            found = getattr(LIBRARIES[library], class_name, None)
+        except (ImportError, RuntimeError):  # a class whose optional dependency is missing
+            found = None
+    if not isinstance(found, type):
+        raise ModelFolderError(f"{named}, which is not a class {library} has")
+    if not issubclass(found, ALLOWED_BASES[library]):
+        kinds = ", ".join(base.__name__ for base in ALLOWED_BASES[library])
+        raise ModelFolderError(f"{named}, which is not a part diffshard loads (a subclass of {kinds})")
+    return found
 
 
 def _defaults(cls: type) -> dict[str, Any]:

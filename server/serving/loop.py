@@ -83,7 +83,7 @@ class StepLoop:
                 self._stats.rejected["draining"] += 1
                 raise Draining("the server is shutting down")
             if problem := self.problem():
-                raise NotReady("failed", problem)
+                raise NotReady("unhealthy", problem)
             if len(self._queue) >= self.max_queue:
                 self._stats.rejected["queue_full"] += 1
                 raise Overloaded(self.retry_after())
@@ -142,6 +142,13 @@ class StepLoop:
         self._closed.set()  # releases an injected hang
         self._thread.join()
 
+    def abandon(self, error: Rejected) -> None:
+        """Answer every queued and running job with `error` now and take no more (the process is
+        about to exit; the call in flight, if any, is not waited for)."""
+        with self._wake:
+            self._admitting = False
+            self._answer_all(error)
+
     @property
     def alive(self) -> bool:
         """The loop thread runs (a dead loop would leave every request waiting)."""
@@ -157,7 +164,7 @@ class StepLoop:
             with self._wake:
                 if not self._stopping:
                     log.critical("the step loop died; answering every waiting request 503")
-                    self._answer_all(NotReady("failed", "the step loop stopped; the server log says why"))
+                    self._answer_all(NotReady("unhealthy", "the step loop stopped; the server log says why"))
                 self._wake.notify_all()
 
     def _turn(self) -> bool:
@@ -380,7 +387,7 @@ class StepLoop:
         self.stuck = f"the step loop is stuck: a call has run for {running_s:.0f} s"
         log.critical("%s (DIFFSHARD_STEP_TIMEOUT_S); answering every waiting request 503", self.stuck)
         with self._wake:
-            self._answer_all(NotReady("failed", self.stuck))
+            self._answer_all(NotReady("unhealthy", self.stuck))
 
 
 IDLE_S = 30.0  # the loop does its housekeeping after this long with nothing to do

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from server.errors import NotReady
 from server.pipeline import GenerationRequest, Pipeline
 from server.serving.jobs import Job
@@ -41,8 +43,10 @@ class Service:
         failures_unready: int = 3,
         inject_faults: bool = False,
         on_idle: Callable[[], None] | None = None,
+        threads: int | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self.name = name  # the model's id, as clients know it
         self.limits = limits or Limits()
         self.failures_unready = failures_unready
@@ -56,14 +60,17 @@ class Service:
             on_idle=on_idle,
         )
 
-    def submit(self, requests: list[GenerationRequest]) -> Job:
+    def submit(self, requests: list[GenerationRequest], request_id: str | None = None) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
         (Overloaded or Draining when the loop cannot take it)."""
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
         rows = sum(self.pipeline.rows(r) for r in resolved)
-        return self.loop.submit(Job(resolved, rows, self.limits.request_timeout_s))
+        job = Job(resolved, rows, self.limits.request_timeout_s)
+        if request_id is not None:  # the loop's log lines name the job: the request's own id
+            job.id = request_id
+        return self.loop.submit(job)
 
     def cancel(self, job: Job) -> None:
         self.loop.cancel(job)
@@ -175,4 +182,7 @@ class Runtime:
             devices=service.devices() if service else {},
             pool=service.pipeline.pool.stats() if service else {},
             load_seconds=self.load_seconds,
+            threads=service.threads if service else None,
+            ready=self.serving,
+            last_step_at=service.loop.heartbeat.last_beat if service else None,
         )

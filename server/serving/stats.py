@@ -110,3 +110,6 @@ class Snapshot:
     devices: dict[str, DeviceView] = field(default_factory=dict)
     pool: dict[str, PoolStats] = field(default_factory=dict)
     load_seconds: float | None = None
+    threads: int | None = None  # torch's intra-op threads
+    ready: bool = False  # what /readyz answers
+    last_step_at: float | None = None  # unix time the step loop last finished a call

@@ -1,0 +1,177 @@
+"""The OpenAPI document, told truthfully: built once, at app creation, from the settings.
+
+FastAPI's generated document knows neither the service's limits (they are settings, and
+the model's native size sets the pixel limit) nor its errors: it promises a 422 this service
+never sends (validation errors answer 400) and lists none of the statuses it does send. Here
+each body field carries its real bounds, each operation lists every status it answers (with
+OpenAI's error envelope), and the bearer scheme is declared when the server has keys. Clients
+and contract testers (schemathesis) can then trust it: an example inside the schema gets a
+documented answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from server.api.schemas import MAX_GUIDANCE, SIZE_PATTERN
+from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
+ERRORS = {
+    400: "invalid input: the message names the field (`param`) and the limit or setting",
+    401: "a missing or wrong API key (`WWW-Authenticate: Bearer`)",
+    408: "the body did not arrive within DIFFSHARD_READ_TIMEOUT_S; the connection is closed",
+    413: "the body is over DIFFSHARD_MAX_BODY_BYTES",
+    500: "the generation failed; the message carries the request id the server log names",
+    503: "not ready (code: loading, draining, failed, unhealthy), the queue is full (Retry-After), "
+    "out of device memory (x-should-retry: false), or too many connections",
+    504: "the request ran past DIFFSHARD_REQUEST_TIMEOUT_S",
+}
+# Statuses each operation answers besides 200 (and 401 on /v1/* when the server has keys).
+# 499 (the client left) is never sent: nobody is listening.
+OPERATION_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/images/generations"): (400, 408, 413, 500, 503, 504),
+    ("get", "/v1/models"): (503,),
+    ("get", "/v1/shards"): (503,),
+    ("get", "/v1/stats"): (503,),
+    ("get", "/livez"): (503,),
+    ("get", "/readyz"): (503,),
+}
+DEFAULT_ERRORS = (503,)  # any operation, once the connection cap is reached
+REQUEST_ID = {
+    "x-request-id": {
+        "description": "the request's id: the client's x-request-id if short and plain, else a new one",
+        "schema": {"type": "string"},
+    }
+}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the document states about request bodies: the service's limits and the model's."""
+
+    served_name: str
+    max_n: int
+    max_steps: int
+    max_prompt_chars: int
+    max_pixels: int
+    max_work: float
+    native_size: int
+    size_multiple: int
+    max_side: int | None
+    schedulers: tuple[str, ...]
+    keyed: bool
+
+
+def install_openapi(app: FastAPI, bounds: Bounds) -> None:
+    """Build the document now (after every route is included) and serve it as /openapi.json."""
+    document = openapi_document(app, bounds)
+    app.openapi_schema = document
+    app.openapi = lambda: document  # type: ignore[method-assign]
+
+
+def openapi_document(app: FastAPI, bounds: Bounds) -> dict[str, Any]:
+    document = get_openapi(
+        title=app.title,
+        version=app.version,
+        description="OpenAI's Images API on a diffusion model sharded across devices. Every error is "
+        "OpenAI's envelope; every response carries x-request-id.",
+        routes=app.routes,
+    )
+    components = document.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    schemas["Error"] = ERROR_SCHEMA
+    _bound_body(schemas["ImageGenerationRequest"], bounds)
+    if bounds.keyed:
+        components["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "one of DIFFSHARD_API_KEY_FILE's keys",
+            }
+        }
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            statuses = list(OPERATION_ERRORS.get((method, path), DEFAULT_ERRORS))
+            if bounds.keyed and path.startswith("/v1/"):
+                operation["security"] = [{"bearer": []}]
+                statuses.append(401)
+            operation["responses"] = _responses(operation["responses"], statuses)
+    return document
+
+
+def _responses(generated: dict[str, Any], statuses: Iterable[int]) -> dict[str, Any]:
+    responses = {code: spec for code, spec in generated.items() if code != "422"}
+    for status in sorted(statuses):
+        responses[str(status)] = {
+            "description": ERRORS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    for spec in responses.values():
+        spec.setdefault("headers", {}).update(REQUEST_ID)
+    return responses
+
+
+def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
+    """Each field of the Images API body with the bounds the service enforces."""
+    props = schema["properties"]
+    side = f", each side at most {b.max_side}" if b.max_side else ""
+    props["prompt"].update(minLength=1, maxLength=b.max_prompt_chars, pattern=r"\S")
+    props["prompt"]["description"] = "what to draw: not blank, at most DIFFSHARD_MAX_PROMPT_CHARS characters"
+    props["n"].update(minimum=1, maximum=b.max_n, description="images (DIFFSHARD_MAX_N)")
+    _nullable(
+        props["size"],
+        pattern=SIZE_PATTERN,
+        description=f'"WIDTHxHEIGHT" in pixels, multiples of {b.size_multiple}{side}, '
+        f"width x height at most {b.max_pixels} (DIFFSHARD_MAX_PIXELS); default: the native size, "
+        f"{b.native_size}x{b.native_size}",
+    )
+    props["response_format"].update(enum=["b64_json"])
+    props["output_format"].update(enum=["png"])
+    _nullable(props["model"], enum=[b.served_name], description="the served model's id, if given")
+    _nullable(props["negative_prompt"], maxLength=b.max_prompt_chars)
+    _nullable(
+        props["num_inference_steps"],
+        minimum=1,
+        maximum=min(b.max_steps, MAX_MODEL_STEPS),
+        description="denoising steps (DIFFSHARD_MAX_STEPS); default: the model's",
+    )
+    _nullable(props["guidance_scale"], minimum=0, maximum=MAX_GUIDANCE)
+    _nullable(props["seed"], minimum=0, maximum=SEED_LIMIT - 1)
+    _nullable(props["scheduler"], enum=list(b.schedulers))
+    schema["description"] = (
+        f"OpenAI's image generation body plus diffshard's extensions. One request's work, "
+        f"n x num_inference_steps x width x height / {b.native_size}², is at most {b.max_work:g} "
+        f"(DIFFSHARD_MAX_WORK); beyond it, 400. Fields this server does not know are ignored."
+    )
+
+
+def _nullable(prop: dict[str, Any], *, description: str | None = None, **bounds: Any) -> None:
+    """Bound the non-null branch of an optional field's `anyOf`."""
+    for branch in prop["anyOf"]:
+        if branch.get("type") != "null":
+            branch.update(bounds)
+    if description:
+        prop["description"] = description
