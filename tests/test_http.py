@@ -235,15 +235,13 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 @pytest.mark.parametrize(
     ("args", "env", "words"),
     [
-        (["--model", "/nonexistent"], {}, ["--model (DIFFSHARD_MODEL)", "no model_index.json"]),
+        # bad folders, devices and budgets: tests/reliability/test_bad_startup.py
         (
             [],
             {"DIFFSHARD_MAX_STEPS": "0"},
             ["--max-steps (DIFFSHARD_MAX_STEPS)", "greater than or equal to 1"],
         ),
-        (["--devices", "cuda:7"], {}, ["--devices (DIFFSHARD_DEVICES)", "cuda:7"]),
         (["--api-key-file", "/nonexistent"], {}, ["--api-key-file", "cannot read /nonexistent"]),
-        (["--max-memory", ",".join(f"{device}=1MiB" for device in VISIBLE)], {}, [VISIBLE[0], "short"]),
     ],
 )
 def test_bad_settings_fail_fast_saying_what_to_fix(args, env, words, tmp_path: Path) -> None:
