@@ -30,8 +30,10 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def is_sticky(err: BaseException) -> bool:
     """A device error that leaves the CUDA context broken (the process must restart)."""
-    accelerator = getattr(torch, "AcceleratorError", ())
-    return (accelerator and isinstance(err, accelerator)) or any(text in str(err) for text in _STICKY_TEXT)
+    accelerator = getattr(torch, "AcceleratorError", None)  # torch ≥ 2.8
+    if accelerator is not None and isinstance(err, accelerator):
+        return True
+    return any(text in str(err) for text in _STICKY_TEXT)
 
 
 class Heartbeat:

@@ -18,8 +18,10 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
-# Every family's scheduler names beside "default" (the folder's own); classes in schedulers.py.
-DDPM_SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m")
+from server.pipeline.schedulers import SCHEDULER_NAMES
+
+# SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
+DDPM_SCHEDULERS = SCHEDULER_NAMES
 
 
 @dataclass(frozen=True)
