@@ -125,6 +125,11 @@ def plan_command(args: argparse.Namespace) -> None:
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
 
 
+# uvicorn's graceful shutdown after the drain: the responses already computed go out. A pod's
+# terminationGracePeriodSeconds must cover preStop + drain timeout + this (tests/deploy checks).
+SHUTDOWN_GRACE_S = 5
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a graceful drain on SIGTERM (or Ctrl+C): /readyz and new requests get 503
     while the listening socket stays open, in-flight requests finish (up to the drain timeout),
@@ -188,7 +193,7 @@ def serve_command(args: argparse.Namespace) -> int:
             host=settings.host,
             port=settings.port,
             log_config=None,
-            timeout_graceful_shutdown=5,  # after the drain: responses already computed go out
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             http=bounded_protocol(settings.read_timeout_s, settings.max_connections),
         )
         runtime: Runtime = app.state.runtime
