@@ -1,16 +1,80 @@
-# CPU image. For CUDA hosts, build FROM an NVIDIA CUDA runtime image and install the
-# matching torch build instead of the pinned CPU wheel (see constraints.txt).
-FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    DIFFSHARD_HOST=0.0.0.0
-WORKDIR /app
-COPY pyproject.toml constraints.txt README.md ./
+# syntax=docker/dockerfile:1
+# diffshard, serving the built-in model (or one mounted at DIFFSHARD_MODEL). One Dockerfile, two images:
+#   docker build -t diffshard:cpu .                              python slim + torch's CPU wheel
+#   docker build -t diffshard:cuda --build-arg VARIANT=cuda .    CUDA runtime + torch's CUDA 13.0 build
+# torch is pinned in constraints.txt (2.13.0); TORCH_INDEX_URL picks its build (+cpu, +cu130). torch 2.13
+# is built for CUDA 12.6 and 13.0 (13.2 experimental); to change, override CUDA_IMAGE and TORCH_INDEX_URL
+# together, e.g. nvidia/cuda:12.6.3-runtime-ubuntu24.04 with https://download.pytorch.org/whl/cu126.
+# The CUDA image needs a host driver for CUDA 13.0 (R580 or newer) and the NVIDIA Container Toolkit.
+#
+# Base images are pinned to version tags. For reproducible builds pin their digests too, where you can
+# resolve them: `docker buildx imagetools inspect <image:tag>`, then e.g.
+#   --build-arg CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04@sha256:<digest>
+ARG VARIANT=cpu
+ARG PYTHON_IMAGE=python:3.12-slim-trixie
+ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
+
+# ---- bases: a Python 3.12 virtual environment at /opt/venv, and where torch comes from ----
+FROM ${PYTHON_IMAGE} AS cpu-base
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
+RUN python -m venv /opt/venv
+
+FROM ${CUDA_IMAGE} AS cuda-base
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
+# Ubuntu 24.04's Python 3.12. The archive drops superseded package versions, so pinned versions would
+# break the build at the next security update; the base image tag fixes the release instead.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+
+# ---- dependencies, from pyproject.toml and constraints.txt only: source edits keep this layer ----
+FROM ${VARIANT}-base AS deps
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /build
+COPY pyproject.toml constraints.txt ./
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > requirements.txt \
+    && pip install --no-cache-dir -r requirements.txt -c constraints.txt --extra-index-url "$TORCH_INDEX_URL" \
+    && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+# ---- the package as a wheel (the built-in model is package data, so it is inside) ----
+FROM deps AS wheel
+COPY README.md ./
 COPY server ./server
-RUN pip install --no-cache-dir -c constraints.txt . \
-    --extra-index-url https://download.pytorch.org/whl/cpu
-RUN useradd --create-home diffshard
-USER diffshard
-# 8000: the API (OpenAI Images API, health); 8001: Prometheus /metrics
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- the image ----
+FROM deps
+# Kubernetes runs this with a read-only root filesystem and a writable /tmp: every cache goes there.
+ENV PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    HOME=/tmp \
+    HF_HOME=/tmp/huggingface \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    TRITON_CACHE_DIR=/tmp/triton \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    DIFFSHARD_HOST=0.0.0.0
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && python -c "from server.demo import MODEL_DIR; assert (MODEL_DIR / 'model_index.json').is_file(), MODEL_DIR" \
+    && groupadd --gid 10001 diffshard \
+    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin diffshard \
+    && rm -rf /build
+WORKDIR /app
+# A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it.
+USER 10001:10001
+# 8000: the API (OpenAI Images API, /livez, /readyz); 8001: Prometheus /metrics
 EXPOSE 8000 8001
+# Ready once the model is loaded; 503 (so unhealthy) while loading, draining or broken. No auth on it.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('DIFFSHARD_PORT', '8000'), timeout=4)"]
+# SIGTERM drains in-flight requests for up to DIFFSHARD_DRAIN_TIMEOUT_S (30 s) plus 5 s to finish:
+# give the container longer than that to stop (docker run --stop-timeout 45, compose stop_grace_period).
 ENTRYPOINT ["python", "-m", "server"]
 CMD ["serve"]

@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's `prometheus` package, which `make test` installs) scrapes a live
 `python -m server serve`: every PromQL expression of the Grafana dashboard must return a
-series, so a panel naming a metric we do not export fails. promtool checks the scrape
-config and alert rules and runs the rules' unit tests."""
+series, so a panel naming a metric we do not export fails, and the autoscaling queries of
+deploy/k8s (KEDA's, prometheus-adapter's for an HPA) return data that follows the load.
+promtool checks the scrape config and alert rules and runs the rules' unit tests."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import yaml
 
 from server.metrics import CATALOG, PREFIX
 from tests.live import free_port, live_server
@@ -23,6 +26,7 @@ from tests.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "diffshard.json"
 RULES = ROOT / "deploy" / "prometheus"
+K8S = ROOT / "deploy" / "k8s"
 DEADLINE_S = 60
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$device": ".*"}
 
@@ -76,7 +80,9 @@ def prometheus(prometheus_installed, tmp_path: Path) -> Iterator[tuple[str, str]
         config.write_text(
             "global: {scrape_interval: 1s}\n"
             "scrape_configs:\n"
-            f"  - job_name: diffshard\n    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
+            # the job and namespace labels the ServiceMonitor gives the series in a cluster
+            f"  - job_name: diffshard\n    static_configs: [{{targets: ['127.0.0.1:{metrics_port}'],"
+            " labels: {namespace: diffshard}}]\n"
         )
         process = subprocess.Popen(
             [
@@ -138,3 +144,30 @@ def test_every_dashboard_query_returns_a_series(prometheus) -> None:
         f"{api}/api/v1/label/device/values", params={"match[]": f"{PREFIX}_shard_parameter_bytes"}
     ).json()["data"]
     assert devices == sorted(served)
+
+
+def autoscaling_queries() -> dict[str, str]:
+    """KEDA's trigger query, and the query prometheus-adapter runs for the HPA alternative with
+    its template filled in as the adapter would for the diffshard pods."""
+    scaled = yaml.safe_load((K8S / "components" / "keda" / "scaledobject.yaml").read_text())
+    (trigger,) = scaled["spec"]["triggers"]
+    (rule,) = yaml.safe_load((K8S / "components" / "hpa" / "prometheus-adapter-rules.yaml").read_text())
+    adapter = (
+        rule["metricsQuery"]
+        .replace("<<.GroupBy>>", "instance")
+        .replace("<<.LabelMatchers>>", 'job="diffshard",namespace="diffshard"')
+    )
+    return {"keda": trigger["metadata"]["query"], "hpa": adapter}
+
+
+def test_autoscaling_queries_follow_the_load(prometheus) -> None:
+    url, api = prometheus
+    queries = autoscaling_queries()
+    for expr in queries.values():  # idle: the fixture's requests have all been answered
+        assert float(wait_for_series(api, expr)[0]["value"][1]) == 0
+    body = {"prompt": "a green square", "n": 2, "num_inference_steps": 100}
+    with httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(client.post, "/v1/images/generations", json=body) for _ in range(8)]
+        for expr in queries.values():  # 8 requests waiting or denoising: both queries see them
+            wait_for_series(api, f"({expr}) >= 4")
+        assert [answer.result().status_code for answer in answers] == [200] * 8
