@@ -1,8 +1,11 @@
 # Set-up and everyday commands. Every install goes through constraints.txt, which pins
-# torch==2.13.0 so pip takes the CPU wheel here instead of a multi-GB CUDA build.
+# torch==2.13.0. From PyPI's default index that is the CUDA build (GBs, for GPU hosts); on a
+# CPU-only host pass TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU wheel.
 VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 export HF_HUB_OFFLINE := 1
 
 .PHONY: run test lint bench model samples prometheus
