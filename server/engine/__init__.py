@@ -2,6 +2,14 @@
 
 from server.engine.blocks import Block, DenoiserSpec, Layout, SkipEdge
 from server.engine.memory import DeviceMemory
+from server.engine.parallel import (
+    Parallel,
+    ParallelPlan,
+    build_shards,
+    plan_parallel,
+    run_micro_batches,
+    single,
+)
 from server.engine.plan import ShardPlan, Strategy, plan_shards
 from server.engine.pool import ActivationPool
 from server.engine.shard import ModelShard
@@ -16,12 +24,18 @@ __all__ = [
     "DeviceMemory",
     "Layout",
     "ModelShard",
+    "Parallel",
+    "ParallelPlan",
     "PlanError",
     "ShardPlan",
     "SkipEdge",
     "Strategy",
+    "build_shards",
     "layout_of",
+    "plan_parallel",
     "plan_shards",
     "register_spec",
+    "run_micro_batches",
+    "single",
     "spec_for",
 ]

@@ -7,11 +7,17 @@ is called with to its device. The denoiser's forward passes the same timestep em
 text context and skip residuals to many blocks, so each hook goes through a per-call
 transfer cache: a tensor crosses to a device once per forward, not once per block.
 accelerate, by contrast, hooks every leaf module (hundreds on a UNet).
+
+Several threads may call one shard at once (the lanes of the step loop, micro-batches): stage
+gates (`gates.py`) let each stage run one forward at a time, so the stages work on different
+micro-batches together instead of waiting for each other.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from server.engine.blocks import DenoiserInputs, block_modules, tensor_bytes
 from server.engine.devices import format_bytes
+from server.engine.gates import StageGates, worker_names
 from server.engine.memory import DeviceMemory, read_memory
 from server.engine.plan import ShardPlan
 from server.engine.specs import layout_of, spec_for
@@ -70,11 +77,12 @@ class ModelShard:
     >>> shard = ModelShard(unet, plan_shards(unet, "cuda:0,cuda:1", "cost"))
     >>> eps = shard(latents, timesteps, text_embeddings)  # on cuda:0
 
-    One forward at a time: the transfer cache belongs to the call in flight, so a shard is
-    owned by one thread (the step loop).
+    Threads may call it at once: each has its own transfer cache, and the stage gates let one
+    forward at a time run each stage. `workers` names the stages in the gates' books (default:
+    their devices, indexed where one repeats).
     """
 
-    def __init__(self, model: nn.Module, plan: ShardPlan) -> None:
+    def __init__(self, model: nn.Module, plan: ShardPlan, workers: Sequence[str] | None = None) -> None:
         # 1. The plan must be for this model, and the model must have weights.
         layout = layout_of(model)
         if plan.blocks != layout.names:
@@ -88,27 +96,39 @@ class ModelShard:
         self._spec = spec_for(model)
         self._layout = layout
         self._modules = {block.name: block.modules for block in layout.blocks}
-        self._cache = _TransferCache()
+        self._local = threading.local()  # each calling thread's transfer cache
         self._handles: list[RemovableHandle] = []
+        self.gates = StageGates(workers or worker_names([stage.device for stage in plan.stages]))
 
-        # 2. Place every block; hook the blocks of later stages.
+        # 2. Place every block; with several stages, hook their blocks: a forward reaching a
+        # stage takes its gate, and (after the first) moves its inputs to the stage's device.
         for index, stage in enumerate(plan.stages):
             device = torch.device(stage.device)
             for block in stage.blocks:
                 for path in self._modules[block]:
                     module = model.get_submodule(path).to(device)
-                    if index > 0:
+                    if len(plan.stages) > 1:
                         self._handles.append(
-                            module.register_forward_pre_hook(self._mover(device), with_kwargs=True)
+                            module.register_forward_pre_hook(self._entry(index, device), with_kwargs=True)
                         )
         self.device = torch.device(plan.stages[0].device)
         self.devices = list(dict.fromkeys(stage.device for stage in plan.stages))  # once, not per call
 
-    def _mover(self, device: torch.device):
-        def move_inputs(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    @property
+    def _cache(self) -> _TransferCache:
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = _TransferCache()
+        return cache
+
+    def _entry(self, index: int, device: torch.device):
+        def enter_stage(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            self.gates.enter(index)
+            if index == 0:
+                return None  # the inputs were moved to the first stage's device by __call__
             return self._cache.move(args, device), self._cache.move(kwargs, device)
 
-        return move_inputs
+        return enter_stage
 
     def __call__(
         self,
@@ -122,7 +142,10 @@ class ModelShard:
             names = ", ".join(_CROSS_BLOCK_RESIDUALS)
             raise ValueError(f"{names} need a plan on one device; this one spans {self.devices}")
         move = self._cache.move
-        try:  # the cache is cleared on every path, a failed input move included
+        self.gates.begin()
+        try:  # the cache is cleared and the gate let go on every path, a failed input move included
+            if len(self.plan.stages) == 1:
+                self.gates.enter(0)
             inputs = DenoiserInputs(
                 move(sample, self.device),
                 move(timestep, self.device),
@@ -133,6 +156,7 @@ class ModelShard:
                 out = self._spec.forward(self.model, inputs)
             return out.to(self.device)
         finally:
+            self.gates.end()
             self._cache.clear()
 
     # Introspection: where every block and byte lives.

@@ -1,0 +1,142 @@
+"""Every device busy at once, on CPU workers: pipelined stages (stage gates) and replicas give the
+rows the unsplit model gives (float32, within 1e-5), stages really overlap, and the planner
+proposes, predicts and explains."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from server.engine import ParallelPlan, build_shards, plan_parallel, plan_shards, run_micro_batches, spec_for
+from server.engine.gates import StageGates, worker_names
+from server.engine.parallel import single, split_rows
+from server.errors import PlanError
+from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
+from tests.test_dit import tiny_sd3_transformer
+
+MODELS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet, "sd3": tiny_sd3_transformer}
+
+
+def unsplit(model: nn.Module, rows: int):
+    """Rows with distinct per-row timesteps, and the model's own output for them."""
+    spec = spec_for(model)
+    inputs = spec.example_inputs(model, rows, 16, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        return inputs, spec.forward(model, inputs)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 2), (2, 4), (3, 3), (3, 2)])
+def test_pipelined_stages_equal_the_unsplit_model(name: str, stages: int, micro_batches: int) -> None:
+    model = MODELS[name]()
+    inputs, expected = unsplit(model, rows=4)
+    plan = plan_shards(model, ["cpu"] * stages, "even")
+    (shard,) = build_shards(model, single(plan))
+    with shard:
+        out = run_micro_batches([shard], inputs, micro_batches)
+        assert shard.gates.stats().in_flight == 0  # every micro-batch let go of its stage
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_two_replicas_equal_the_unsplit_model(name: str) -> None:
+    model = MODELS[name]()
+    inputs, expected = unsplit(model, rows=4)
+    plan = plan_parallel(model, "cpu,cpu", "replicas", block_costs=lambda _d, _t: _unit_costs(model))
+    assert (plan.kind, plan.workers) == ("replicas", ("cpu:0", "cpu:1"))
+    shards = build_shards(model, plan)
+    assert shards[0].model is shards[1].model  # CPU replicas share one copy of the weights
+    out = run_micro_batches(shards, inputs, micro_batches=2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    busy = {**shards[0].gates.stats().busy_s, **shards[1].gates.stats().busy_s}
+    assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0
+
+
+def test_split_rows_cuts_every_per_row_tensor() -> None:
+    inputs, _ = unsplit(tiny_sdxl_unet(), rows=5)
+    parts = split_rows(inputs, 2)
+    assert [p.sample.shape[0] for p in parts] == [3, 2]
+    assert [p.conditioning["added_cond_kwargs"]["time_ids"].shape[0] for p in parts] == [3, 2]
+    assert torch.equal(torch.cat([p.timestep for p in parts]), inputs.timestep)
+    assert len(split_rows(inputs, 9)) == 5  # never an empty micro-batch
+
+
+def test_gates_let_two_forwards_hold_different_stages_at_once() -> None:
+    """Stage 0 and stage 1 overlap in time: one thread holds stage 1 while another enters stage 0,
+    and no two threads hold one stage."""
+    gates = StageGates(["cpu:0", "cpu:1"])
+    first_in_stage_1, second_in_stage_0 = threading.Event(), threading.Event()
+
+    def first() -> None:
+        gates.begin()
+        gates.enter(0)
+        gates.enter(1)  # lets go of stage 0
+        first_in_stage_1.set()
+        assert second_in_stage_0.wait(10)  # the other forward got stage 0 while we hold stage 1
+        gates.end()
+
+    def second() -> None:
+        assert first_in_stage_1.wait(10)
+        gates.begin()
+        gates.enter(0)
+        second_in_stage_0.set()
+        gates.enter(1)  # waits for the first to end
+        gates.end()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert second_in_stage_0.is_set() and not any(t.is_alive() for t in threads)
+    stats = gates.stats()
+    assert stats.in_flight == 0 and stats.active_s >= max(stats.busy_s.values()) > 0
+
+
+def test_worker_names_index_a_repeated_device() -> None:
+    assert worker_names(["cpu", "cpu"]) == ["cpu:0", "cpu:1"]
+    assert worker_names(["cuda:0", "cuda:1"]) == ["cuda:0", "cuda:1"]
+    with pytest.raises(ValueError, match="listed twice"):
+        worker_names(["cuda:0", "cuda:0"])
+
+
+def _unit_costs(model: nn.Module) -> dict[str, float]:
+    from server.engine import layout_of
+
+    return dict.fromkeys(layout_of(model).names, 0.01)
+
+
+def test_the_planner_predicts_every_shape_and_picks_the_fastest() -> None:
+    model = tiny_sd15_unet()
+    names = list(_unit_costs(model))
+    # one thread per worker: 10 ms a block, the mid block 40 ms; one worker with both threads: 80%
+    one = dict.fromkeys(names, 0.010) | {"mid_block": 0.040}
+    measured = {1: one, 2: {block: 0.8 * s for block, s in one.items()}}
+    plan = plan_parallel(model, "cpu,cpu", "auto", threads=2, block_costs=lambda _d, t: measured[t])
+    shapes = {(c.replicas, c.stages): c.rows_per_s for c in plan.candidates}
+    total = sum(one.values())
+    assert shapes[(2, 1)] == pytest.approx(2 * 2 / total)  # two replicas: twice one worker
+    assert shapes[(1, 1)] == pytest.approx(2 / (0.8 * total))  # today's one worker
+    assert shapes[(1, 2)] < shapes[(2, 1)]  # no even cut: the slowest stage sets the pace
+    assert (plan.kind, plan.threads, plan.lanes) == ("replicas", 1, 2)
+    assert "2 replicas × 1 stage is predicted fastest" in plan.reason and "× one worker" in plan.reason
+    pipeline = plan_parallel(model, "cpu,cpu", "pipeline", threads=2, block_costs=lambda _d, t: measured[t])
+    assert (pipeline.kind, pipeline.stages, pipeline.lanes) == ("pipeline", 2, 2)
+    assert "--parallel pipeline asked for it" in pipeline.reason
+    assert isinstance(pipeline, ParallelPlan) and "micro-batch lane" in str(pipeline)
+
+
+def test_the_planner_measures_block_costs_when_none_are_given() -> None:
+    plan = plan_parallel(tiny_sd15_unet(), "cpu,cpu", "auto", threads=2, latent_size=8)
+    assert plan.kind in ("replicas", "pipeline") and all(c.rows_per_s for c in plan.candidates)
+
+
+def test_off_and_one_device_run_one_lane() -> None:
+    model = tiny_sd15_unet()
+    assert plan_parallel(model, "cpu,cpu", "off").kind == "layer split"
+    assert plan_parallel(model, "cpu", "auto").lanes == 1
+    with pytest.raises(PlanError, match="unknown parallel mode"):
+        plan_parallel(model, "cpu,cpu", "sideways")
