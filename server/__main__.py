@@ -35,7 +35,16 @@ from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
 
-PLAN_SETTINGS = ("devices", "strategy", "max_memory", "dtype", "max_batch", "max_pixels")
+PLAN_SETTINGS = (
+    "devices",
+    "strategy",
+    "parallel",
+    "max_memory",
+    "dtype",
+    "max_batch",
+    "max_pixels",
+    "threads",
+)
 
 
 def _add_setting(parser: argparse.ArgumentParser, name: str) -> None:
@@ -146,9 +155,7 @@ class DrainingServer(uvicorn.Server):
         if self.draining:
             log.warning("second signal: answering the requests in flight 503 and stopping now")
             if self.runtime.service is not None:
-                self.runtime.service.loop.abandon(
-                    Draining("the server was stopped before this request finished")
-                )
+                self.runtime.service.abandon(Draining("the server was stopped before this request finished"))
             self.should_exit = True
             return
         self.draining = True

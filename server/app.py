@@ -26,10 +26,10 @@ from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
 from server.config import Settings, read_api_keys
-from server.engine import ShardPlan
+from server.engine import ParallelPlan
 from server.engine.memory import release_freed_host_memory, retain_freed_host_memory
 from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
-from server.engine.threads import fit_threads
+from server.engine.threads import cpu_quota, fit_threads
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.families import Family
@@ -44,7 +44,7 @@ IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back when the loop has no
 
 def plan_for(
     settings: Settings, family: Family, *, folder: Path | None = None, **options: object
-) -> ShardPlan:
+) -> ParallelPlan:
     """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
     options.setdefault("side", largest_side(family, settings.pixel_limit(family.native_size)))
     return plan_model(
@@ -55,6 +55,8 @@ def plan_for(
         batch=settings.max_batch,
         max_memory=settings.max_memory,
         folder=folder,
+        parallel=options.pop("parallel", settings.parallel),
+        threads=settings.threads or cpu_quota(),
         **options,
     )
 
@@ -68,7 +70,7 @@ def pool_budgets(settings: Settings) -> dict[str, int]:
     return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
 
 
-def load_service(settings: Settings, plan: ShardPlan | None = None) -> Service:
+def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Service:
     """Load the model placed by `plan` (or by `plan_for` the settings) behind a step loop."""
     retain_freed_host_memory()
     threads = fit_threads(settings.threads)
@@ -115,7 +117,12 @@ async def _load(app: FastAPI) -> None:
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
     log.info(
-        "ready: %s loaded in %.1f s\n%s", runtime.model_name, runtime.load_seconds, service.pipeline.shard
+        "ready: %s loaded in %.1f s (%d step-loop lane%s)\n%s",
+        runtime.model_name,
+        runtime.load_seconds,
+        len(service.loops),
+        "s" if len(service.loops) > 1 else "",
+        service.pipeline.shard,
     )
 
 
@@ -150,7 +157,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(
     settings: Settings,
-    plan: ShardPlan | None = None,
+    plan: ParallelPlan | None = None,
     *,
     registry: CollectorRegistry | None = None,
     on_fatal: Callable[[], None] | None = None,

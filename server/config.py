@@ -13,7 +13,7 @@ from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.demo import MODEL_DIR
-from server.engine import Strategy
+from server.engine import Parallel, Strategy
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.engine.pool import ANY_DEVICE
 from server.pipeline.families import pipeline_classes
@@ -56,6 +56,11 @@ class Settings(BaseSettings):
         "auto", description="auto (every GPU, else cpu) | cpu | cuda:0,cuda:1 ... in order"
     )
     strategy: Strategy = Field(Strategy.MEMORY, description="how to split the denoiser: even, memory or cost")
+    parallel: Parallel = Field(
+        Parallel.AUTO,
+        description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
+        "auto (the fastest predicted) or off (one split, one micro-batch: the least memory)",
+    )
     max_memory: Budgets = Field(
         None,
         description="per-device budgets, e.g. cuda:0=20GiB,cuda:1=20GiB (default on GPUs: free less 10%)",

@@ -132,6 +132,21 @@ CATALOG = (
         ("version", "torch", "diffusers", "model", "dtype", "threads", "inject_faults"),
         "versions, the model, torch's threads, and whether fault injection is on",
     ),
+    MetricSpec(
+        "device_busy_seconds_total",
+        "counter",
+        "seconds",
+        ("device",),
+        "seconds a worker (a stage or replica on its device) ran a forward; rate() is its utilisation",
+    ),
+    MetricSpec(
+        "pipeline_bubble_seconds_total",
+        "counter",
+        "seconds",
+        ("device",),
+        "seconds a worker sat idle while its model had a forward in flight",
+    ),
+    MetricSpec("micro_batches_in_flight", "gauge", "micro-batches", (), "forwards running in the shards now"),
     MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
     MetricSpec(
         "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"
@@ -266,10 +281,28 @@ class _Collector:
         yield CounterMetricFamily(
             f"{PREFIX}_images_generated", _help("images_generated_total"), stats.images_completed
         )
+        yield from self._workers(snapshot)
         if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
             yield _histogram("batch_rows", stats.rows_per_step)
+
+    def _workers(self, snapshot: Snapshot) -> Iterator[Metric]:
+        for name, seconds in (
+            ("device_busy_seconds_total", snapshot.busy_seconds),
+            ("pipeline_bubble_seconds_total", snapshot.bubble_seconds),
+        ):
+            family = CounterMetricFamily(
+                f"{PREFIX}_{name.removesuffix('_total')}", _help(name), labels=["device"]
+            )
+            for worker, value in seconds.items():
+                family.add_metric([worker], value)
+            yield family
+        yield GaugeMetricFamily(
+            f"{PREFIX}_micro_batches_in_flight",
+            _help("micro_batches_in_flight"),
+            snapshot.micro_batches_in_flight,
+        )
 
     def _devices(self, devices: dict[str, DeviceView]) -> Iterator[Metric]:
         if not devices:

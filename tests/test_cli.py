@@ -31,6 +31,8 @@ def test_plan_sd15_memory_json() -> None:
         "sd15",
         "--devices",
         "cpu,cpu,cpu",
+        "--parallel",
+        "off",  # a layer split, as on GPUs that cannot hold the model alone
         "--strategy",
         "memory",
         "--dtype",
@@ -51,7 +53,9 @@ def test_plan_sd15_memory_json() -> None:
 
 
 def test_plan_table_for_sdxl() -> None:
-    done = run_cli("plan", "--config", "sdxl", "--devices", "cpu,cpu", "--resolution", "512")
+    done = run_cli(
+        "plan", "--config", "sdxl", "--devices", "cpu,cpu", "--parallel", "off", "--resolution", "512"
+    )
     assert done.returncode == 0, done.stderr
     assert "latent=64x64" in done.stdout and "add_embedding" not in done.stdout  # blocks, not modules
 

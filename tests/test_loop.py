@@ -128,7 +128,7 @@ def test_a_wedged_step_is_seen_and_its_waiting_requests_are_answered(folders: di
         for job in (wedged, waiting):  # the watchdog answers both while the step still hangs
             assert isinstance(job.future.exception(timeout=30), NotReady)
         assert "stuck" in service.problem()
-        assert service.loop.heartbeat.running_for() > 0.5
+        assert service.loops[0].heartbeat.running_for() > 0.5
     finally:
         service.close()  # releases the hang
 

@@ -94,7 +94,19 @@ def test_sd3_refuses_schedulers_and_sizes_its_family_cannot_run(sd3_folder: Path
 
 def test_plan_prints_the_sd3_medium_transformer_blocks() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "server", "plan", "--config", "sd3", "--devices", "cpu,cpu", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "plan",
+            "--config",
+            "sd3",
+            "--devices",
+            "cpu,cpu",
+            "--parallel",
+            "off",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

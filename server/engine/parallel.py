@@ -93,7 +93,8 @@ class ParallelPlan:
         return "single"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The first replica's plan (every replica's has the same shape), with `parallel` beside it."""
+        parallel = {
             "kind": self.kind,
             "replicas": len(self.replicas),
             "stages": self.stages,
@@ -110,8 +111,9 @@ class ParallelPlan:
                 }
                 for c in self.candidates
             ],
-            "plans": [plan.to_dict() for plan in self.replicas],
+            "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
         }
+        return {**self.replicas[0].to_dict(), "parallel": parallel}
 
     def __str__(self) -> str:
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} per worker" if self.threads else ""
@@ -145,15 +147,17 @@ def plan_parallel(
     *,
     threads: int = 1,
     rows: int = 2,
+    profile_latent_size: int | None = None,
     block_costs: Callable[[str, int], Mapping[str, float]] | None = None,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
 
     `threads` is the CPU's intra-op threads in all (CPU workers share them). Throughput is
-    predicted for `rows` rows per micro-batch, from `block_costs(device, threads)` (seconds per
-    block; default: measured with `profile_block_costs`). `plan_options` go to `plan_shards`
-    (dtype, latent_size, batch, max_memory, resident).
+    predicted for `rows` rows per micro-batch of `profile_latent_size`² latents (default: the
+    plan's), from `block_costs(device, threads)` (seconds per block; default: measured with
+    `profile_block_costs`). `plan_options` go to `plan_shards` (dtype, latent_size, batch,
+    max_memory, resident).
     """
     if parallel not in PARALLEL_MODES:
         raise PlanError(f"unknown parallel mode {parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
@@ -164,7 +168,7 @@ def plan_parallel(
         return single(plan, threads if device_list[0] == "cpu" else None)
     all_cpu = all(d == "cpu" for d in device_list)
     worker_threads = max(1, threads // count) if all_cpu else None
-    measure = block_costs or _profiler(model, rows, plan_options)
+    measure = block_costs or _profiler(model, rows, profile_latent_size, plan_options)
     shapes = {
         Parallel.REPLICAS: [(count, 1)],
         Parallel.PIPELINE: [(1, count)],
@@ -200,13 +204,13 @@ def plan_parallel(
     return ParallelPlan(tuple(split), best.stages, worker_threads, tuple(candidates), reason, workers)
 
 
-def _profiler(model: nn.Module, rows: int, options: Mapping[str, Any]):
+def _profiler(model: nn.Module, rows: int, latent_size: int | None, options: Mapping[str, Any]):
     measured: dict[tuple[str, int], Mapping[str, float]] = {}
 
     def costs(device: str, threads: int) -> Mapping[str, float]:
         if (device, threads) not in measured:
             dtype = options.get("dtype") or next(model.parameters()).dtype
-            latent = options.get("latent_size") or int(model.config.sample_size)
+            latent = latent_size or options.get("latent_size") or int(model.config.sample_size)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:

@@ -14,7 +14,9 @@ guidance scales, share the forward.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from server.demo import MODEL_DIR
-from server.engine import ActivationPool, ModelShard, ShardPlan, plan_shards
+from server.engine import ActivationPool, ModelShard, ParallelPlan, ShardPlan, build_shards, plan_shards
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.pipeline.loader import Components, load_components
@@ -64,13 +66,17 @@ class Pipeline:
         self.vae = vae.to(self.encoder_device)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
+        self.replicas = [shard]  # with a ParallelPlan: a shard per replica (see lanes())
+        self.lanes_per_replica = 1
+        self.lane_threads: int | None = None  # intra-op threads each lane's thread runs
+        self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
 
     @classmethod
     def load(
         cls,
         folder: str | Path = MODEL_DIR,
         *,
-        plan: ShardPlan | None = None,
+        plan: ShardPlan | ParallelPlan | None = None,
         devices: str | Sequence[str] = "auto",
         strategy: str = "memory",
         dtype: torch.dtype = torch.float32,
@@ -80,7 +86,8 @@ class Pipeline:
         pool: ActivationPool | None = None,
     ) -> Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
-        `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`)."""
+        `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
+        A ParallelPlan places every replica; `lanes()` then gives a view per micro-batch lane."""
         components = load_components(folder, dtype)
         if plan is None:
             plan = plan_shards(
@@ -91,12 +98,31 @@ class Pipeline:
                 device_map=device_map,
                 dtype=dtype,
             )
-        shard = ModelShard(components.denoiser, plan)
-        return cls(components, shard, pool, encoder_device=encoder_device)
+        if isinstance(plan, ShardPlan):
+            shard = ModelShard(components.denoiser, plan)
+            return cls(components, shard, pool, encoder_device=encoder_device)
+        shards = build_shards(components.denoiser, plan)
+        pipeline = cls(components, shards[0], pool, encoder_device=encoder_device)
+        pipeline.replicas, pipeline.lanes_per_replica = shards, plan.lanes_per_replica
+        pipeline.lane_threads = plan.threads
+        return pipeline
+
+    def lanes(self) -> list[Pipeline]:
+        """A view of this pipeline per micro-batch lane: the encoders, VAE, pool and defaults are
+        shared; each lane steps its own requests through its replica's shard, where the stage
+        gates interleave the lanes. One lane (this pipeline) without a ParallelPlan."""
+        views = [self._with_shard(shard) for shard in self.replicas for _ in range(self.lanes_per_replica)]
+        views[0] = self
+        return views
+
+    def _with_shard(self, shard: ModelShard) -> Pipeline:
+        view = copy.copy(self)
+        view.shard, view.device = shard, shard.device
+        return view
 
     def synchronize(self) -> None:
         """Wait for the work queued on every CUDA device the shard uses."""
-        for device in self.shard.devices:
+        for device in dict.fromkeys(d for shard in self.replicas for d in shard.devices):
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
 
@@ -125,7 +151,8 @@ class Pipeline:
             if self.rows(r) == 2 and not (zero_unset and r.negative_prompt is None):
                 texts.append(r.negative_prompt or "")
             texts.append(r.prompt)
-        embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
+        with self._encoding:
+            embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
         # 2. Give each request its rows and open its state.
         states: list[RequestState] = []
         try:

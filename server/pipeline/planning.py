@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from server.engine import ShardPlan, plan_shards
+from server.engine import ParallelPlan, plan_parallel
 from server.pipeline.families import Family, meta_denoiser
 from server.pipeline.loader import part_bytes
 
@@ -37,19 +37,25 @@ def plan_model(
     max_memory: Mapping[str, int] | str | None = None,
     device_map: Mapping[str, str] | None = None,
     folder: Path | None = None,
-) -> ShardPlan:
+    parallel: str = "auto",
+    threads: int = 1,
+) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; with `folder`, its encoders and VAE count
-    on the first stage's device."""
+    on the first stage's device. `parallel` chooses replicas, pipelined stages or both
+    (`server.engine.plan_parallel`); `threads` is the CPU's intra-op threads in all."""
     resident = 0
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
         resident = part_bytes(folder, parts, dtype)
-    return plan_shards(
+    return plan_parallel(
         meta_denoiser(family),
         devices,
+        "off" if device_map else parallel,  # an explicit block map is one split
         strategy,
+        threads=threads,
+        profile_latent_size=family.native_size // family.vae_scale_factor,  # the typical request
         max_memory=max_memory,
         device_map=device_map,
         dtype=dtype,

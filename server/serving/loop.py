@@ -52,8 +52,11 @@ class StepLoop:
         step_timeout_s: float = 120.0,
         inject_faults: bool = False,
         on_idle: Callable[[], None] | None = None,
+        threads: int | None = None,
+        name: str = "diffshard-loop",
     ) -> None:
         self.pipeline = pipeline
+        self.threads = threads  # torch intra-op threads of this loop's thread (None: torch's)
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.step_timeout_s = step_timeout_s
@@ -70,7 +73,7 @@ class StepLoop:
         self._clear_caches = False  # after an out-of-memory error, once its frames are gone
         self._job_seconds: float | None = None  # moving average, for Retry-After
         self._stats = LoopStats()
-        self._thread = threading.Thread(target=self._run, name="diffshard-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         Watchdog(self.heartbeat, step_timeout_s, self._on_stuck, self._closed).start()
 
@@ -90,6 +93,11 @@ class StepLoop:
             self._queue.append(job)
             self._wake.notify()
         return job
+
+    def load(self) -> int:
+        """Rows queued or running: where the next job waits least."""
+        with self._wake:
+            return sum(j.rows for j in self._queue) + sum(j.rows for j in self._active)
 
     def retry_after(self) -> int:
         """Seconds until a queued job would likely get a place: one job's recent duration."""
@@ -157,6 +165,8 @@ class StepLoop:
     # The loop.
 
     def _run(self) -> None:
+        if self.threads is not None:  # a CPU worker's share of the cores
+            torch.set_num_threads(self.threads)
         try:
             while self._turn():
                 pass

@@ -6,6 +6,7 @@ Routes call these and nothing below them: they never touch the pipeline, the sha
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,13 @@ STATUS = {
 
 
 class Service:
-    """A loaded pipeline behind a step loop, with the service's limits."""
+    """A loaded pipeline behind its step loops, with the service's limits.
+
+    One step loop per micro-batch lane of the pipeline (`Pipeline.lanes`): one for a model on
+    one device or a plain layer split; with replicas or pipelined stages, several, each on its
+    own thread with its own requests, so every device has work. A job goes to the lane with the
+    fewest rows queued or running; the queue bound is shared out among the lanes.
+    """
 
     def __init__(
         self,
@@ -51,14 +58,22 @@ class Service:
         self.limits = limits or Limits()
         self.failures_unready = failures_unready
         pipeline.defaults = fit_defaults(pipeline.defaults, self.limits, pipeline.family)
-        self.loop = StepLoop(
-            pipeline,
-            max_queue=max_queue,
-            max_batch=max_batch,
-            step_timeout_s=step_timeout_s,
-            inject_faults=inject_faults,
-            on_idle=on_idle,
-        )
+        lanes = pipeline.lanes()
+        # Lanes feeding one replica share its devices' memory, planned for max_batch rows.
+        lane_batch = max(2, max_batch // pipeline.lanes_per_replica) if len(lanes) > 1 else max_batch
+        self.loops = [
+            StepLoop(
+                lane,
+                max_queue=math.ceil(max_queue / len(lanes)),
+                max_batch=lane_batch,
+                step_timeout_s=step_timeout_s,
+                inject_faults=inject_faults,
+                on_idle=on_idle if index == 0 else None,  # the pool and host memory are shared
+                threads=pipeline.lane_threads,
+                name="diffshard-loop" if len(lanes) == 1 else f"diffshard-lane-{index}",
+            )
+            for index, lane in enumerate(lanes)
+        ]
 
     def submit(self, requests: list[GenerationRequest], request_id: str | None = None) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
@@ -70,15 +85,32 @@ class Service:
         job = Job(resolved, rows, self.limits.request_timeout_s)
         if request_id is not None:  # the loop's log lines name the job: the request's own id
             job.id = request_id
-        return self.loop.submit(job)
+        return min(self.loops, key=StepLoop.load).submit(job)
 
     def cancel(self, job: Job) -> None:
-        self.loop.cancel(job)
+        for loop in self.loops:
+            loop.cancel(job)  # a no-op in the lanes that do not hold it
+
+    @property
+    def queue_capacity(self) -> int:
+        return sum(loop.max_queue for loop in self.loops)
 
     # Views.
 
     def stats(self) -> LoopStats:
-        return self.loop.stats()
+        stats = [loop.stats() for loop in self.loops]
+        return sum(stats[1:], start=stats[0])
+
+    def busy(self) -> dict[str, Any]:
+        """Per worker (stage or replica): seconds busy, seconds idle while its shard had a forward
+        in flight (the pipeline's bubble); and the forwards (micro-batches) in flight now."""
+        busy, bubble, in_flight = {}, {}, 0
+        for shard in self.pipeline.replicas:
+            gates = shard.gates.stats()
+            in_flight += gates.in_flight
+            for worker, seconds in gates.busy_s.items():
+                busy[worker], bubble[worker] = seconds, max(0.0, gates.active_s - seconds)
+        return {"busy_seconds": busy, "bubble_seconds": bubble, "micro_batches_in_flight": in_flight}
 
     def pool(self) -> dict[str, dict[str, Any]]:
         return {
@@ -86,14 +118,17 @@ class Service:
         }
 
     def devices(self) -> dict[str, DeviceView]:
-        shard = self.pipeline.shard
-        return {device: DeviceView(shard.blocks_on(device), m) for device, m in shard.memory().items()}
+        views = {}
+        for shard in self.pipeline.replicas:  # CPU replicas share the "cpu" device and its reading
+            views |= {device: DeviceView(shard.blocks_on(device), m) for device, m in shard.memory().items()}
+        return views
 
     def shards(self) -> dict[str, Any]:
         """The plan, each device's blocks and live memory: where every block and byte is."""
         shard = self.pipeline.shard
         return {
             "plan": shard.plan.to_dict(),
+            "parallel": self.parallel,
             "devices": {
                 device: {"blocks": list(view.blocks), "memory": asdict(view.memory)}
                 for device, view in self.devices().items()
@@ -104,21 +139,50 @@ class Service:
 
     # Health and lifecycle.
 
+    @property
+    def parallel(self) -> dict[str, Any]:
+        """How the lanes use the devices (for /v1/shards)."""
+        lanes = len(self.loops)
+        return {
+            "replicas": len(self.pipeline.replicas),
+            "stages": len(self.pipeline.shard.plan.stages),
+            "micro_batches": lanes,
+            "threads_per_lane": self.pipeline.lane_threads,
+            **self.busy(),
+        }
+
     def problem(self) -> str | None:
-        """Why this service should not get traffic: its loop is dead, stuck or on a broken device,
+        """Why this service should not get traffic: a loop is dead, stuck or on a broken device,
         or its last steps all failed."""
-        failures = self.loop.heartbeat.failures_in_a_row
-        if problem := self.loop.problem():
+        if problem := self.live_problem():
             return problem
+        failures = max(loop.heartbeat.failures_in_a_row for loop in self.loops)
         return f"the last {failures} steps failed" if failures >= self.failures_unready else None
+
+    def live_problem(self) -> str | None:
+        """Why the process should be restarted: a step loop is dead, stuck or on a broken device."""
+        return next((p for loop in self.loops if (p := loop.problem())), None)
+
+    @property
+    def last_step_at(self) -> float | None:
+        beats = [b for loop in self.loops if (b := loop.heartbeat.last_beat) is not None]
+        return max(beats, default=None)
 
     def drain(self, timeout_s: float) -> bool:
         """Refuse new jobs; wait up to `timeout_s` for those in flight. True if they all ended."""
-        self.loop.stop_admitting()
-        return self.loop.wait_idle(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for loop in self.loops:
+            loop.stop_admitting()
+        return all(loop.wait_idle(max(0.0, deadline - time.monotonic())) for loop in self.loops)
+
+    def abandon(self, error: Exception) -> None:
+        """Answer every queued and running job with `error` now (the process is about to exit)."""
+        for loop in self.loops:
+            loop.abandon(error)
 
     def close(self) -> None:
-        self.loop.close()
+        for loop in self.loops:
+            loop.close()
 
 
 @dataclass
@@ -154,7 +218,7 @@ class Runtime:
     def live_problem(self) -> str | None:
         """Why the process should be restarted (for /livez): its step loop is dead, stuck or on a
         broken device. Loading, draining and a failed load are alive: they end by themselves."""
-        return None if self.service is None else self.service.loop.problem()
+        return None if self.service is None else self.service.live_problem()
 
     def status_message(self) -> str:
         return self.problem or STATUS["ready"]
@@ -184,5 +248,6 @@ class Runtime:
             load_seconds=self.load_seconds,
             threads=service.threads if service else None,
             ready=self.serving,
-            last_step_at=service.loop.heartbeat.last_beat if service else None,
+            last_step_at=service.last_step_at if service else None,
+            **(service.busy() if service else {}),
         )

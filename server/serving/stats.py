@@ -38,6 +38,10 @@ class Distribution:
     def copy(self) -> Distribution:
         return Distribution(self.bounds, list(self.counts), self.total, self.count)
 
+    def __add__(self, other: Distribution) -> Distribution:
+        counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        return Distribution(self.bounds, counts, self.total + other.total, self.count + other.count)
+
 
 @dataclass
 class LoopStats:
@@ -72,6 +76,14 @@ class LoopStats:
             return value.copy() if isinstance(value, Distribution) else value
 
         return LoopStats(**{name: copied(value) for name, value in vars(self).items()})
+
+    def __add__(self, other: LoopStats) -> LoopStats:
+        """Two lanes' counters as one loop's."""
+
+        def added(value: Any, more: Any) -> Any:
+            return value | more if type(value) is dict else value + more  # progress: per job
+
+        return LoopStats(**{name: added(value, getattr(other, name)) for name, value in vars(self).items()})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,3 +125,6 @@ class Snapshot:
     threads: int | None = None  # torch's intra-op threads
     ready: bool = False  # what /readyz answers
     last_step_at: float | None = None  # unix time the step loop last finished a call
+    busy_seconds: dict[str, float] = field(default_factory=dict)  # per worker: stage/replica held
+    bubble_seconds: dict[str, float] = field(default_factory=dict)  # per worker: idle, forwards in flight
+    micro_batches_in_flight: int = 0
