@@ -1,5 +1,6 @@
 """On a CUDA host: mixed cuda:0 + cpu plans run, match the GPU model or the CPU pipeline, and place
-every weight where the plan says."""
+every weight where the plan says; on two GPUs, pipelined stages and replicas match one GPU with
+both devices busy."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from server.engine import ModelShard, layout_of, plan_shards, spec_for
+from server.engine import (
+    ModelShard,
+    build_shards,
+    layout_of,
+    plan_parallel,
+    plan_shards,
+    run_micro_batches,
+    spec_for,
+)
 from server.pipeline import GenerationRequest, Pipeline
 
 pytestmark = pytest.mark.gpu
@@ -54,3 +63,28 @@ def test_pipeline_on_cuda_and_cpu_matches_the_cpu_pipeline(folders: dict[str, Pa
     stats = mixed.pool.stats()
     assert stats["cuda:0"].bytes_in_use == 0 and stats["cuda:0"].misses > 0
     assert stats["cpu"].bytes_in_use == 0 and stats["cpu"].misses > 0  # pinned noise and images
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+@pytest.mark.parametrize("parallel", ["pipeline", "replicas"])
+def test_two_gpus_pipelined_or_replicated_match_one_gpu_with_both_busy(
+    tiny_unet: nn.Module, parallel
+) -> None:
+    spec = spec_for(tiny_unet)
+    unet = tiny_unet.to("cuda:0")
+    inputs = spec.example_inputs(unet, 4, 16, torch.float32, torch.device("cuda:0"))
+    with torch.inference_mode():
+        expected = spec.forward(unet, inputs)
+    costs = dict.fromkeys(layout_of(unet).names, 0.001)
+    plan = plan_parallel(unet, "cuda:0,cuda:1", parallel, block_costs=lambda _device, _threads: costs)
+    assert plan.workers == ("cuda:0", "cuda:1")
+    shards = build_shards(unet, plan)
+    out = run_micro_batches(shards, inputs, micro_batches=2)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
+    busy = {w: s for shard in shards for w, s in shard.gates.stats().busy_s.items()}
+    assert set(busy) == {"cuda:0", "cuda:1"} and min(busy.values()) > 0

@@ -140,3 +140,23 @@ def test_off_and_one_device_run_one_lane() -> None:
     assert plan_parallel(model, "cpu", "auto").lanes == 1
     with pytest.raises(PlanError, match="unknown parallel mode"):
         plan_parallel(model, "cpu,cpu", "sideways")
+
+
+def test_a_hybrid_of_two_pipelined_replicas_equals_the_unsplit_model() -> None:
+    """2 replicas × 2 stages (as on 4 GPUs): each replica its own weights and gates."""
+    model = tiny_sd15_unet()
+    inputs, expected = unsplit(model, rows=4)
+    split = plan_shards(model, "cpu,cpu", "even")
+    plan = ParallelPlan((split, split), 2, workers=("cpu:0", "cpu:1", "cpu:2", "cpu:3"))
+    assert plan.kind == "hybrid" and plan.lanes == 4
+    shards = build_shards(model, plan)
+    assert shards[0].model is not shards[1].model  # hooked replicas cannot share modules
+    torch.testing.assert_close(run_micro_batches(shards, inputs, 4), expected, rtol=0, atol=1e-5)
+    assert set(shards[1].gates.stats().busy_s) == {"cpu:2", "cpu:3"}
+
+
+def test_auto_weighs_every_shape_on_four_workers() -> None:
+    model = tiny_sd15_unet()
+    costs = dict.fromkeys(_unit_costs(model), 0.01)
+    plan = plan_parallel(model, ["cpu"] * 4, "auto", threads=4, block_costs=lambda _d, _t: costs)
+    assert {(c.replicas, c.stages) for c in plan.candidates} == {(4, 1), (2, 2), (1, 4), (1, 1)}

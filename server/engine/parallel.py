@@ -268,16 +268,21 @@ def _baseline(model, device_list, strategy, measure, threads, rows, options, all
 
 
 def build_shards(model: nn.Module, plan: ParallelPlan) -> list[ModelShard]:
-    """A ModelShard per replica. Replicas on other devices get their own copy of the weights;
-    CPU replicas share the one they have."""
-    shards = []
+    """A ModelShard per replica. Single-stage CPU replicas share the model's weights (they need
+    no hooks); the others get their own copy, made before any shard hooks or moves the model."""
+
+    def shares(replica: ShardPlan) -> bool:
+        return len(replica.stages) == 1 and replica.stages[0].device == "cpu"
+
+    weights = [
+        model if index == 0 or shares(replica) else copy.deepcopy(model)
+        for index, replica in enumerate(plan.replicas)
+    ]
     names = iter(plan.workers)
-    for index, replica in enumerate(plan.replicas):
-        shares = index == 0 or all(s.device == "cpu" for s in replica.stages)
-        weights = model if shares else copy.deepcopy(model)
-        workers = [next(names) for _ in replica.stages]
-        shards.append(ModelShard(weights, replica, workers))
-    return shards
+    return [
+        ModelShard(copy_, replica, [next(names) for _ in replica.stages])
+        for copy_, replica in zip(weights, plan.replicas, strict=True)
+    ]
 
 
 def split_rows(inputs: DenoiserInputs, parts: int) -> list[DenoiserInputs]:
