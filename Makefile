@@ -54,6 +54,7 @@ bench: $(VENV)/.test
 	$(PY) -m benchmarks.soak
 	$(PY) -m benchmarks.host_memory
 	$(PY) -m benchmarks.threads
+	$(PY) -m benchmarks.parallel
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
 model: $(VENV)/.runtime
