@@ -121,8 +121,8 @@ class Pipeline:
         return view
 
     def synchronize(self) -> None:
-        """Wait for the work queued on every CUDA device the shard uses."""
-        for device in dict.fromkeys(d for shard in self.replicas for d in shard.devices):
+        """Wait for the work queued on every CUDA device this pipeline's (lane's) shard uses."""
+        for device in self.shard.devices:  # this lane's: other lanes' devices run on meanwhile
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
 

@@ -299,10 +299,8 @@ class StepLoop:
             self._isolated(self._jobs_of(states), lambda jobs, states=states: self._decode(jobs, states))
         for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
             images = [s.image.numpy().copy() for s in job.states]  # copied out before the scopes close
-            seconds = time.monotonic() - job.submitted
-            self._job_seconds = (
-                seconds if self._job_seconds is None else 0.8 * self._job_seconds + 0.2 * seconds
-            )
+            seconds, average = time.monotonic() - job.submitted, self._job_seconds
+            self._job_seconds = seconds if average is None else 0.8 * average + 0.2 * seconds
             with self._wake:
                 self._stats.jobs_completed += 1
                 self._stats.images_completed += len(images)
@@ -338,11 +336,8 @@ class StepLoop:
             if len(jobs) == 1:
                 self._fail(jobs, err)
                 return
-            log.warning(
-                "a batched call of %d requests failed (%s); retrying them one by one",
-                len(jobs),
-                type(err).__name__,
-            )
+            failed = f"a batched call of {len(jobs)} requests failed ({type(err).__name__})"
+            log.warning("%s; retrying them one by one", failed)
         for job in jobs:
             try:
                 run([job])
