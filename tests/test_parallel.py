@@ -160,3 +160,9 @@ def test_auto_weighs_every_shape_on_four_workers() -> None:
     costs = dict.fromkeys(_unit_costs(model), 0.01)
     plan = plan_parallel(model, ["cpu"] * 4, "auto", threads=4, block_costs=lambda _d, _t: costs)
     assert {(c.replicas, c.stages) for c in plan.candidates} == {(4, 1), (2, 2), (1, 4), (1, 1)}
+
+
+def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> None:
+    model = tiny_sd15_unet()
+    with pytest.raises(PlanError, match="replicas need the whole model on each device"):
+        plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")

@@ -168,12 +168,16 @@ def plan_parallel(
         return single(plan, threads if device_list[0] == "cpu" else None)
     all_cpu = all(d == "cpu" for d in device_list)
     worker_threads = max(1, threads // count) if all_cpu else None
-    measure = block_costs or _profiler(model, rows, profile_latent_size, plan_options)
     shapes = {
         Parallel.REPLICAS: [(count, 1)],
         Parallel.PIPELINE: [(1, count)],
         Parallel.AUTO: [(r, count // r) for r in range(count, 0, -1) if count % r == 0],
     }[Parallel(parallel)]
+    if block_costs is None and not _fits_one(model, device_list[0], plan_options):
+        # Measuring builds the whole model on one device: without room for it, replicas cannot
+        # fit either, and lanes through the split still keep every stage busy.
+        return _unmeasured(model, device_list, parallel, strategy, worker_threads, plan_options)
+    measure = block_costs or _profiler(model, rows, profile_latent_size, plan_options)
     candidates, plans = [], {}
     for replicas, stages in shapes:
         groups = [device_list[i * stages : (i + 1) * stages] for i in range(replicas)]
@@ -202,6 +206,28 @@ def plan_parallel(
     split = plans[(best.replicas, best.stages)]
     workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
     return ParallelPlan(tuple(split), best.stages, worker_threads, tuple(candidates), reason, workers)
+
+
+def _fits_one(model: nn.Module, device: str, options: Mapping[str, Any]) -> bool:
+    try:
+        plan_shards(model, [device], Strategy.MEMORY, **options)
+    except PlanError:
+        return False
+    return True
+
+
+def _unmeasured(model, device_list, parallel, strategy, worker_threads, options) -> ParallelPlan:
+    """The model does not fit one device: a pipeline over all of them, split by `strategy`."""
+    if parallel == Parallel.REPLICAS:
+        raise PlanError(f"replicas need the whole model on each device, and it does not fit {device_list[0]}")
+    plan = plan_shards(model, device_list, strategy, **options)
+    reason = (
+        "the model does not fit one device, so no replicas, and its blocks cannot be timed there: "
+        f"{len(device_list)} pipelined stages split by {strategy}, a lane per stage"
+    )
+    candidate = Candidate(1, len(device_list), None, "not measured")
+    workers = tuple(worker_names(device_list))
+    return ParallelPlan((plan,), len(plan.stages), worker_threads, (candidate,), reason, workers)
 
 
 def _profiler(model: nn.Module, rows: int, latent_size: int | None, options: Mapping[str, Any]):
