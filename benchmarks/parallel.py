@@ -21,9 +21,12 @@ steps)** (a guided image is 2 UNet rows a step); the planner predicts at 2 rows 
 while the server batches more rows under load, so this is a yardstick, not a forecast.
 
 Part 2, engine. An SD-1.5-architecture UNet (random weights, bf16, CPU) split in 2 stages on
-`cpu,cpu` by the `cost` strategy, one `ModelShard`; "8 clients" = 16 rows in flight as two
-micro-batch lanes of 8 rows, each lane a thread with one intra-op thread running K forwards back
-to back through the shared shard (--quick: 4 rows per lane, smaller latents, fewer forwards).
+`cpu,cpu` by the `cost` strategy, its blocks timed as a worker runs them (one thread, a lane's
+rows: the strategy's own profile takes at most 2 rows, where the blocks' shares differ), one
+`ModelShard`; "8 clients" = 16 rows in flight as
+two micro-batch lanes of 8 rows at latent 32, each lane a thread with one intra-op thread running
+6 forwards back to back through the shared shard (--quick: 4 rows per lane at latent 16, 3
+forwards).
 Busy fraction per worker = its stage gate's busy seconds / wall. For comparison (reported, not
 targeted), the same rows unsplit on one worker with 2 threads: per round, 2 sequential forwards
 of one lane's rows.
@@ -64,7 +67,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -75,6 +78,7 @@ from benchmarks.shard import build_unet
 from server.engine.blocks import DenoiserInputs
 from server.engine.parallel import ParallelPlan, build_shards
 from server.engine.plan import plan_shards
+from server.engine.profile import profile_block_costs
 from server.engine.shard import ModelShard
 from server.engine.specs import spec_for
 from server.pipeline.families.sd import SD
@@ -94,6 +98,7 @@ TARGET_SPEEDUP = 1.3
 TARGET_AUTO_SHARE = 0.95
 TARGET_BUSY = 0.80
 DTYPE = torch.bfloat16
+T = TypeVar("T")
 
 
 # Part 1: serving over HTTP.
@@ -304,7 +309,9 @@ def run_lanes(
     return LaneRun(rows / wall, wall, {w: (after[w] - before[w]) / wall for w in after})
 
 
-def lane_inputs(model: nn.Module, shards: Sequence[ModelShard], lanes: int, rows: int, latent: int):
+def lane_inputs(
+    model: nn.Module, shards: Sequence[ModelShard], lanes: int, rows: int, latent: int
+) -> list[DenoiserInputs]:
     """Each lane's inputs, made on the first device of the shard it calls."""
     spec = spec_for(model)
     return [
@@ -328,16 +335,33 @@ def timed(
     return run_lanes(shards, inputs, forwards, threads, sync)
 
 
+def with_threads(threads: int, work: Callable[[], T]) -> T:
+    """`work()` with `threads` intra-op threads on this thread: the cost strategy times each block
+    as a worker runs it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return work()
+    finally:
+        torch.set_num_threads(before)
+
+
 def engine_cpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[str, Any]:
-    """Two pipelined lanes of `rows` rows through a 2-stage cost split on cpu,cpu, one thread each;
-    and the same rows unsplit on one worker with 2 threads (2 sequential forwards a round)."""
+    """Two pipelined lanes of `rows` rows through a 2-stage cost split on cpu,cpu (balanced for a
+    `rows`-row micro-batch on one thread), one thread each; and the same rows unsplit on one
+    worker with 2 threads (2 sequential forwards a round)."""
     single = plan_shards(model, "cpu", "memory", dtype=DTYPE, latent_size=latent, batch=rows)
     with ModelShard(model, single) as shard:
         one = timed(model, [shard], 1, rows, latent, 2 * forwards, threads=2)
-    split = plan_shards(model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=2 * rows)
+    # Balance the stages for the work they will do: block times of a `rows`-row micro-batch on
+    # one thread (the cost strategy alone profiles at most 2 rows, where the blocks' shares differ).
+    costs = with_threads(1, lambda: profile_block_costs(model, rows, latent, DTYPE, "cpu"))
+    split = plan_shards(
+        model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=rows, block_costs=costs
+    )
     with ModelShard(model, split) as shard:
         piped = timed(model, [shard], 2, rows, latent, forwards, threads=1)
-        stages = [list(s.blocks) for s in shard.plan.stages]
+        stages = [{"blocks": list(s.blocks), "predicted_cost_s": _round(s.cost_s, 4)} for s in split.stages]
     return {
         "engine": "cpu",
         "model": "sd15 UNet (random weights, seed 0), bfloat16",
@@ -446,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "engine": {
             "busy_fraction": busy,
+            "pipeline_rows_per_s": engine["pipeline_2_lanes_1_thread_each"]["rows_per_s"],
+            "one_worker_rows_per_s": engine["one_worker_2_threads"]["rows_per_s"],
             "pipeline_over_one_worker_rows_per_s": engine["pipeline_over_one_worker_rows_per_s"],
         },
         "gpu": gpu.get("over_one_gpu_rows_per_s", gpu.get("gpu")),

@@ -240,7 +240,10 @@ def _profiler(model: nn.Module, rows: int, latent_size: int | None, options: Map
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                measured[(device, threads)] = profile_block_costs(model, rows, latent, dtype, device)
+                # five timed runs: a 2-core host's timings of a small model jitter
+                measured[(device, threads)] = profile_block_costs(
+                    model, rows, latent, dtype, device, repeats=5
+                )
             finally:
                 torch.set_num_threads(before)
         return measured[(device, threads)]
