@@ -21,15 +21,15 @@ steps)** (a guided image is 2 UNet rows a step); the planner predicts at 2 rows 
 while the server batches more rows under load, so this is a yardstick, not a forecast.
 
 Part 2, engine. An SD-1.5-architecture UNet (random weights, bf16, CPU) split in 2 stages on
-`cpu,cpu` by the `cost` strategy, its blocks timed as a worker runs them (one thread, a lane's
-rows: the strategy's own profile takes at most 2 rows, where the blocks' shares differ), one
-`ModelShard`; "8 clients" = 16 rows in flight as
-two micro-batch lanes of 8 rows at latent 32, each lane a thread with one intra-op thread running
-6 forwards back to back through the shared shard (--quick: 4 rows per lane at latent 16, 3
-forwards).
-Busy fraction per worker = its stage gate's busy seconds / wall. For comparison (reported, not
-targeted), the same rows unsplit on one worker with 2 threads: per round, 2 sequential forwards
-of one lane's rows.
+`cpu,cpu` by the `cost` strategy, its blocks timed as a worker runs them (one thread, 2 rows, at
+the latent size served), one `ModelShard`; "8 clients" = 16 rows in flight as two micro-batch
+lanes of 8 rows at latent 64 (SD-1.5's own 512x512), each lane a thread with one intra-op
+thread running forwards back to back through the shared shard, measured over 2 forwards per
+lane in the steady state (--quick: 2 rows per lane, 1 forward). At latent 64 whole blocks cut
+into two near-equal stages; at latent 32 the best cut of whole blocks is 3:4, so the faster stage
+would wait a quarter of the time. Busy fraction per worker = its stage gate's busy seconds over
+the window. For comparison (reported, not targeted), the same rows unsplit: one lane of a lane's
+rows on one worker with 2 threads, twice as many forwards.
 
 Part 3, GPU, only with two CUDA devices: the same UNet at latent 64, 8 rows per micro-batch: one
 GPU (2 sequential forwards a round) vs 2 stages on cuda:0,cuda:1 with 2 lanes vs 2 replicas with
@@ -280,32 +280,45 @@ def run_lanes(
     inputs: Sequence[DenoiserInputs],
     forwards: int,
     threads: int | None,
-    sync: Callable[[], None] = lambda: None,
 ) -> LaneRun:
-    """A thread per lane, started together: lane i runs `forwards` forwards of `inputs[i]` back to
-    back through `shards[i % len(shards)]`, with `threads` intra-op threads (None: torch's)."""
-    start = threading.Barrier(len(inputs) + 1, timeout=600)
+    """A thread per lane: lane i runs forwards of `inputs[i]` back to back through
+    `shards[i % len(shards)]` with `threads` intra-op threads (None: torch's), until told to stop.
+    Measured in the steady state, as a server's lanes run: from when every lane has done one
+    forward (the pipeline is full) until every lane has done `forwards` more; the lanes go on
+    meanwhile, so neither the fill nor the drain of the pipeline falls in the window."""
+    done = [0] * len(inputs)
+    progress = threading.Condition()
+    stop = threading.Event()
 
     def lane(index: int) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         shard, x = shards[index % len(shards)], inputs[index]
-        start.wait()
-        for _ in range(forwards):
-            shard(x.sample, x.timestep, x.context, **x.conditioning)
+        while not stop.is_set():
+            out = shard(x.sample, x.timestep, x.context, **x.conditioning)
+            if out.is_cuda:  # the output device waits for every stage before it
+                torch.cuda.synchronize(out.device)
+            with progress:
+                done[index] += 1
+                progress.notify_all()
 
-    before = gate_busy(shards)
-    sync()
+    def snapshot(at_least: int) -> tuple[float, list[int], dict[str, float]]:
+        with progress:
+            if not progress.wait_for(lambda: min(done) >= at_least, timeout=1800):
+                raise TimeoutError(f"lanes did not reach {at_least} forwards in 30 minutes")
+            return time.perf_counter(), list(done), gate_busy(shards)
+
     with ThreadPoolExecutor(len(inputs), thread_name_prefix="bench-lane") as pool:
         futures = [pool.submit(lane, i) for i in range(len(inputs))]
-        start.wait()
-        began = time.perf_counter()
+        try:
+            began, first, before = snapshot(1)
+            ended, last, after = snapshot(1 + forwards)
+        finally:
+            stop.set()
         for future in futures:
             future.result()
-        sync()
-        wall = time.perf_counter() - began
-    after = gate_busy(shards)
-    rows = forwards * sum(x.sample.shape[0] for x in inputs)
+    wall = ended - began
+    rows = sum((b - a) * x.sample.shape[0] for a, b, x in zip(first, last, inputs, strict=True))
     return LaneRun(rows / wall, wall, {w: (after[w] - before[w]) / wall for w in after})
 
 
@@ -327,12 +340,8 @@ def timed(
     latent: int,
     forwards: int,
     threads: int | None,
-    sync: Callable[[], None] = lambda: None,
 ) -> LaneRun:
-    """One warm-up forward per lane, then the timed run."""
-    inputs = lane_inputs(model, shards, lanes, rows, latent)
-    run_lanes(shards, inputs, 1, threads, sync)
-    return run_lanes(shards, inputs, forwards, threads, sync)
+    return run_lanes(shards, lane_inputs(model, shards, lanes, rows, latent), forwards, threads)
 
 
 def with_threads(threads: int, work: Callable[[], T]) -> T:
@@ -347,15 +356,14 @@ def with_threads(threads: int, work: Callable[[], T]) -> T:
 
 
 def engine_cpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[str, Any]:
-    """Two pipelined lanes of `rows` rows through a 2-stage cost split on cpu,cpu (balanced for a
-    `rows`-row micro-batch on one thread), one thread each; and the same rows unsplit on one
-    worker with 2 threads (2 sequential forwards a round)."""
+    """Two pipelined lanes of `rows` rows through a 2-stage cost split on cpu,cpu, one thread
+    each; and the same rows unsplit on one worker with 2 threads."""
     single = plan_shards(model, "cpu", "memory", dtype=DTYPE, latent_size=latent, batch=rows)
     with ModelShard(model, single) as shard:
         one = timed(model, [shard], 1, rows, latent, 2 * forwards, threads=2)
-    # Balance the stages for the work they will do: block times of a `rows`-row micro-batch on
-    # one thread (the cost strategy alone profiles at most 2 rows, where the blocks' shares differ).
-    costs = with_threads(1, lambda: profile_block_costs(model, rows, latent, DTYPE, "cpu"))
+    # Balance the stages for the work they will do: block times on one thread, as a worker runs
+    # them, at the latent size served (2 rows: at 8, one profile would take minutes here).
+    costs = with_threads(1, lambda: profile_block_costs(model, 2, latent, DTYPE, "cpu", repeats=1))
     split = plan_shards(
         model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=rows, block_costs=costs
     )
@@ -381,23 +389,19 @@ def engine_gpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[
     if torch.cuda.device_count() < 2:
         return {"gpu": "skipped", "why": "needs two CUDA devices"}
 
-    def sync() -> None:
-        for index in range(2):
-            torch.cuda.synchronize(index)
-
     options = {"dtype": DTYPE, "latent_size": latent, "batch": rows}
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "latent_size": latent}
     with ModelShard(model, plan_shards(model, "cuda:0", "memory", **options)) as shard:
-        results["one_gpu"] = timed(model, [shard], 1, rows, latent, 2 * forwards, None, sync).to_dict()
+        results["one_gpu"] = timed(model, [shard], 1, rows, latent, 2 * forwards, None).to_dict()
     split = plan_shards(model, "cuda:0,cuda:1", "cost", **{**options, "batch": 2 * rows})
     with ModelShard(model, split) as shard:
         results["pipeline_2_stages_2_lanes"] = timed(
-            model, [shard], 2, rows, latent, forwards, None, sync
+            model, [shard], 2, rows, latent, forwards, None
         ).to_dict()
     plans = tuple(plan_shards(model, device, "memory", **options) for device in ("cuda:0", "cuda:1"))
     shards = build_shards(model, ParallelPlan(plans, 1, workers=("cuda:0", "cuda:1")))
     try:
-        results["replicas_2"] = timed(model, shards, 2, rows, latent, forwards, None, sync).to_dict()
+        results["replicas_2"] = timed(model, shards, 2, rows, latent, forwards, None).to_dict()
     finally:
         for shard in shards:
             shard.remove()
@@ -430,10 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         rounds, per_client = 1, (lambda clients: 1)
-        cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 16, 4, 3, 3
+        cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 64, 2, 1, 3
     else:
         rounds, per_client = 3, (lambda clients: 4 if clients == 1 else 3)
-        cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 32, 8, 6, 20
+        cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 64, 8, 2, 20
 
     # Part 1: the planner first (it profiles; nothing else should be running), then the servers.
     planner = ask_planner()

@@ -48,9 +48,10 @@ class StageGates:
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self._locks = [threading.Lock() for _ in self.names]
-        self._local = threading.local()  # the calling thread's stage and when it entered
+        self._local = threading.local()  # the calling thread's stage
         self._books = threading.Lock()
         self._busy = [0.0] * len(self.names)
+        self._held_since: list[float | None] = [None] * len(self.names)
         self._active_s = 0.0
         self._active_since = 0.0
         self._in_flight = 0
@@ -71,7 +72,9 @@ class StageGates:
         if current is not None:
             self._release(current)
         self._locks[stage].acquire()
-        self._local.stage, self._local.since = stage, time.perf_counter()
+        self._local.stage = stage
+        with self._books:
+            self._held_since[stage] = time.perf_counter()
 
     def end(self) -> None:
         """The forward on this thread is over (or failed): let go of its stage."""
@@ -85,14 +88,18 @@ class StageGates:
                 self._active_s += time.perf_counter() - self._active_since
 
     def stats(self) -> GateStats:
+        """The books now, the stages held at this moment counted up to it."""
         with self._books:
-            active = self._active_s
-            if self._in_flight:
-                active += time.perf_counter() - self._active_since
-            return GateStats(dict(zip(self.names, self._busy, strict=True)), active, self._in_flight)
+            now = time.perf_counter()
+            active = self._active_s + (now - self._active_since if self._in_flight else 0.0)
+            busy = [
+                seconds + (now - since if since is not None else 0.0)
+                for seconds, since in zip(self._busy, self._held_since, strict=True)
+            ]
+            return GateStats(dict(zip(self.names, busy, strict=True)), active, self._in_flight)
 
     def _release(self, stage: int) -> None:
-        held = time.perf_counter() - self._local.since
         with self._books:
-            self._busy[stage] += held
+            since, self._held_since[stage] = self._held_since[stage], None
+            self._busy[stage] += time.perf_counter() - since
         self._locks[stage].release()
