@@ -10,7 +10,8 @@ its default 64x64 and recommended 25 steps and guidance) run side by side:
   worker, two micro-batch lanes in flight.
 
 For 1, 2, 4 and 8 concurrent clients, each sending requests ("a red circle", distinct seeds)
-back to back, all three are measured in the same round, in alternating order. A JSON object per
+back to back (at least 12 images a round, 5 rounds), all three are measured in the same round,
+in alternating order. A JSON object per
 (clients, server, round): images/s over the round's wall time, p50/p95 latency, and each
 worker's busy fraction = (its `/v1/shards` `parallel.busy_seconds` after − before) / wall.
 
@@ -429,14 +430,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="1 round of 1 request per client; engine: latent 16, 4 rows per lane, 3 forwards per lane",
+        help="1 round of 1 request per client; engine: 2 rows per lane, 1 forward per lane",
     )
     args = parser.parse_args(argv)
     if args.quick:
         rounds, per_client = 1, (lambda clients: 1)
         cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 64, 2, 1, 3
     else:
-        rounds, per_client = 3, (lambda clients: 4 if clients == 1 else 3)
+        # rounds of at least 12 images: shorter ones swing ±25% on this shared 2-core machine
+        rounds, per_client = 5, (lambda clients: max(3, 12 // clients))
         cpu_latent, cpu_rows, cpu_forwards, gpu_forwards = 64, 8, 2, 20
 
     # Part 1: the planner first (it profiles; nothing else should be running), then the servers.

@@ -91,10 +91,6 @@ class Service:
         for loop in self.loops:
             loop.cancel(job)  # a no-op in the lanes that do not hold it
 
-    @property
-    def queue_capacity(self) -> int:
-        return sum(loop.max_queue for loop in self.loops)
-
     # Views.
 
     def stats(self) -> LoopStats:
@@ -111,6 +107,17 @@ class Service:
             for worker, seconds in gates.busy_s.items():
                 busy[worker], bubble[worker] = seconds, max(0.0, gates.active_s - seconds)
         return {"busy_seconds": busy, "bubble_seconds": bubble, "micro_batches_in_flight": in_flight}
+
+    @property
+    def parallel(self) -> dict[str, Any]:
+        """How the lanes use the devices (for /v1/shards)."""
+        return {
+            "replicas": len(self.pipeline.replicas),
+            "stages": len(self.pipeline.shard.plan.stages),
+            "micro_batches": len(self.loops),
+            "threads_per_lane": self.pipeline.lane_threads,
+            **self.busy(),
+        }
 
     def pool(self) -> dict[str, dict[str, Any]]:
         return {
@@ -138,18 +145,6 @@ class Service:
         }
 
     # Health and lifecycle.
-
-    @property
-    def parallel(self) -> dict[str, Any]:
-        """How the lanes use the devices (for /v1/shards)."""
-        lanes = len(self.loops)
-        return {
-            "replicas": len(self.pipeline.replicas),
-            "stages": len(self.pipeline.shard.plan.stages),
-            "micro_batches": lanes,
-            "threads_per_lane": self.pipeline.lane_threads,
-            **self.busy(),
-        }
 
     def problem(self) -> str | None:
         """Why this service should not get traffic: a loop is dead, stuck or on a broken device,
