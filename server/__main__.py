@@ -188,6 +188,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
         plan = plan_for(settings, read_family(settings.model), folder=settings.model)
+        log.info("%s", plan.headline)
         server: DrainingServer | None = None
 
         def stop() -> None:

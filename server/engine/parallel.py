@@ -115,7 +115,9 @@ class ParallelPlan:
         }
         return {**self.replicas[0].to_dict(), "parallel": parallel}
 
-    def __str__(self) -> str:
+    @property
+    def headline(self) -> str:
+        """What runs where, why, and the candidates weighed (the plan's first lines)."""
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} per worker" if self.threads else ""
         lines = [
             f"parallel: {self.kind}: {len(self.replicas)} replica(s) × {self.stages} stage(s), "
@@ -126,6 +128,10 @@ class ParallelPlan:
         for c in self.candidates:
             predicted = f"{c.rows_per_s:.1f} rows/s predicted" if c.rows_per_s is not None else "does not fit"
             lines.append(f"  {c.label}: {predicted}{f' ({c.note})' if c.note else ''}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        lines = [self.headline]
         if len(self.replicas) == 1:
             lines.append(str(self.replicas[0]))
         else:
