@@ -16,7 +16,7 @@ from PIL import Image
 from server.demo import MODEL_DIR
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.images import encode_png, encode_png_async, to_uint8
+from server.pipeline.images import encode_async, encode_png, to_uint8
 from server.pipeline.schedulers import SCHEDULER_NAMES, make_scheduler
 from tests.tiny_pipelines import BUILDERS, IMAGE_SIZE, diffusers_image
 
@@ -196,7 +196,7 @@ def test_png_is_deterministic_and_encoded_off_the_event_loop(folders: dict[str, 
 
         ticker = asyncio.create_task(tick())
         big = np.random.default_rng(0).random((512, 512, 3), dtype=np.float32)
-        png = await encode_png_async(big)
+        png = await encode_async(big)
         ticker.cancel()
         return png, ticks
 

@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.api.schemas import MAX_GUIDANCE, SIZE_PATTERN
+from server.api.schemas import HONOURED, MAX_GUIDANCE, SIZE_PATTERN
+from server.pipeline.images import FORMATS
 from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
 
 ERROR_SCHEMA = {
@@ -149,7 +150,11 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
         f"{b.native_size}x{b.native_size}",
     )
     props["response_format"].update(enum=["b64_json"])
-    props["output_format"].update(enum=["png"])
+    props["output_format"].update(enum=list(FORMATS))
+    _nullable(props["output_compression"], minimum=0, maximum=100)
+    for field, allowed in HONOURED.items():
+        _nullable(props[field], enum=list(allowed))
+    props["style"]["description"] = "not supported (400): describe the style in the prompt"
     _nullable(props["model"], enum=[b.served_name], description="the served model's id, if given")
     _nullable(props["negative_prompt"], maxLength=b.max_prompt_chars)
     _nullable(
@@ -164,7 +169,9 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     schema["description"] = (
         f"OpenAI's image generation body plus diffshard's extensions. One request's work, "
         f"n x num_inference_steps x width x height / {b.native_size}², is at most {b.max_work:g} "
-        f"(DIFFSHARD_MAX_WORK); beyond it, 400. Fields this server does not know are ignored."
+        f"(DIFFSHARD_MAX_WORK); beyond it, 400. OpenAI fields that would change the images but "
+        f"cannot be honoured (background transparent, style, other qualities) answer 400; fields "
+        f"nobody defines are ignored."
     )
 
 

@@ -14,7 +14,7 @@ from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
-from server.pipeline.images import encode_png_async
+from server.pipeline.images import encode_async
 from server.serving import Job, Service
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -49,15 +49,18 @@ async def generate_images(
     requests = generation_requests(body, service.name, service.limits.max_n)
     job = service.submit(requests, request_id=request.state.request_id)  # one id in every log line
     images = await _outcome(job, request, service)
-    pngs = await asyncio.gather(*(encode_png_async(image) for image in images))
+    encoded = await asyncio.gather(
+        *(encode_async(image, body.output_format, body.output_compression) for image in images)
+    )
     first = job.requests[0]
     return ImagesResponse(
         created=int(time.time()),
         data=[
-            ImageData(b64_json=base64.b64encode(png).decode(), revised_prompt=body.prompt, seed=r.seed)
-            for r, png in zip(job.requests, pngs, strict=True)
+            ImageData(b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed)
+            for r, data in zip(job.requests, encoded, strict=True)
         ],
         size=f"{first.width}x{first.height}",
+        output_format=body.output_format,
     )
 
 

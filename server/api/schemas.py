@@ -3,9 +3,13 @@
 The body follows OpenAI's `POST /v1/images/generations`; diffshard's extensions
 (negative_prompt, num_inference_steps, guidance_scale, seed, scheduler) sit beside the
 standard fields, where the SDKs put `extra_body`. Types are checked strictly ("2" is not
-an integer); fields this service does not know (quality, style, ...) are ignored. What the
-wire format decides is checked here; the service's limits and the model's invariants are
-checked by the serving layer when the job is submitted.
+an integer). OpenAI's other fields are honoured where this service can (`output_format`
+png, jpeg or webp with `output_compression`; `quality` auto or standard: the model's own
+settings; `background` auto or opaque; `moderation` low: none is done) and refused with a 400
+naming the field where honouring them would change the images (`background: transparent`,
+`style`, other qualities); `user` is accepted and unused. Fields nobody defines are ignored.
+What the wire format decides is checked here; the service's limits and the model's invariants
+are checked by the serving layer when the job is submitted.
 """
 
 from __future__ import annotations
@@ -19,11 +23,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest
+from server.pipeline.images import FORMATS
 from server.pipeline.requests import SEED_LIMIT
 
 MAX_GUIDANCE = 100.0
 # "WIDTHxHEIGHT": ASCII digits, no 0 and no leading zeros; the OpenAPI document states this very pattern
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
+# OpenAI fields and the values honoured: each means what this service does anyway.
+HONOURED = {
+    "quality": ("auto", "standard"),  # the model's own steps and guidance; set num_inference_steps
+    "background": ("auto", "opaque"),  # every image is opaque
+    "moderation": ("low",),  # no moderation is done
+}
+WHY_NOT = {
+    "quality": "set num_inference_steps for more or fewer steps",
+    "background": "images have no alpha channel",
+    "moderation": "diffshard does no content moderation",
+}
 
 
 class ImageGenerationRequest(BaseModel):
@@ -34,6 +50,11 @@ class ImageGenerationRequest(BaseModel):
     size: str | None = Field(None, description='"WIDTHxHEIGHT"; default: the native size')
     response_format: str = "b64_json"
     output_format: str = "png"
+    output_compression: int | None = Field(None, description="jpeg and webp: encoder quality 0-100")
+    quality: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    style: str | None = None
     model: str | None = None
     user: str | None = None
     negative_prompt: str | None = None
@@ -53,7 +74,9 @@ class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
     size: str
-    output_format: Literal["png"] = "png"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    quality: Literal["auto"] = "auto"
+    background: Literal["opaque"] = "opaque"
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -61,6 +84,26 @@ def parse_size(size: str) -> tuple[int, int]:
         raise InvalidRequest("size", f"must be WIDTHxHEIGHT in pixels, e.g. 512x512, got {size!r}")
     width, height = size.split("x")
     return int(width), int(height)
+
+
+def check_output(body: ImageGenerationRequest) -> None:
+    """The OpenAI fields about the output: honoured, or refused naming the field."""
+    if body.output_format not in FORMATS:
+        raise InvalidRequest(
+            "output_format", f"must be one of {', '.join(FORMATS)}, got {body.output_format!r}"
+        )
+    compression = body.output_compression
+    if compression is not None:
+        if body.output_format == "png":
+            raise InvalidRequest("output_compression", "applies to jpeg and webp only; png is lossless")
+        if not 0 <= compression <= 100:
+            raise InvalidRequest("output_compression", f"must be between 0 and 100, got {compression}")
+    if body.style is not None:
+        raise InvalidRequest("style", "is not supported: describe the style in the prompt")
+    for field, allowed in HONOURED.items():
+        value = getattr(body, field)
+        if value is not None and value not in allowed:
+            raise InvalidRequest(field, f"must be {' or '.join(allowed)}, got {value!r}: {WHY_NOT[field]}")
 
 
 def generation_requests(
@@ -71,8 +114,7 @@ def generation_requests(
         raise InvalidRequest("n", f"must be between 1 and {max_n}, got {body.n}", "DIFFSHARD_MAX_N")
     if body.response_format != "b64_json":
         raise InvalidRequest("response_format", f"only b64_json is served, got {body.response_format!r}")
-    if body.output_format != "png":
-        raise InvalidRequest("output_format", f"only png is served, got {body.output_format!r}")
+    check_output(body)
     if body.model is not None and body.model != served_name:
         raise InvalidRequest("model", f"this server serves {served_name!r}, not {body.model!r}")
     width, height = parse_size(body.size) if body.size is not None else (None, None)

@@ -1,5 +1,5 @@
-"""Decoded images → PNG bytes. Encoding takes milliseconds of pure CPU per image, so the
-service runs it in a worker thread (`encode_png_async`), never on the event loop."""
+"""Decoded images → PNG, JPEG or WebP bytes. Encoding takes milliseconds of pure CPU per image,
+so the service runs it in a worker thread (`encode_async`), never on the event loop."""
 
 from __future__ import annotations
 
@@ -24,5 +24,24 @@ def encode_png(image: torch.Tensor | np.ndarray) -> bytes:
     return out.getvalue()
 
 
-async def encode_png_async(image: torch.Tensor | np.ndarray) -> bytes:
-    return await asyncio.to_thread(encode_png, image)
+FORMATS = ("png", "jpeg", "webp")
+DEFAULT_COMPRESSION = 100  # OpenAI's default for jpeg and webp: the best quality
+
+
+def encode(
+    image: torch.Tensor | np.ndarray, output_format: str = "png", compression: int | None = None
+) -> bytes:
+    """`image` as `output_format`; for jpeg and webp, `compression` 0-100 is the encoder's quality
+    (lower: smaller files), as OpenAI's `output_compression`."""
+    if output_format == "png":
+        return encode_png(image)
+    quality = DEFAULT_COMPRESSION if compression is None else compression
+    out = io.BytesIO()
+    Image.fromarray(to_uint8(image)).save(out, format=output_format.upper(), quality=quality)
+    return out.getvalue()
+
+
+async def encode_async(
+    image: torch.Tensor | np.ndarray, output_format: str = "png", compression: int | None = None
+) -> bytes:
+    return await asyncio.to_thread(encode, image, output_format, compression)
