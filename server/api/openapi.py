@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.api.schemas import HONOURED, MAX_GUIDANCE, SIZE_PATTERN
+from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN
 from server.pipeline.images import FORMATS
 from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
 
@@ -154,6 +154,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     _nullable(props["output_compression"], minimum=0, maximum=100)
     for field, allowed in HONOURED.items():
         _nullable(props[field], enum=list(allowed))
+    _nullable(props["partial_images"], minimum=0, maximum=MAX_PARTIAL_IMAGES, description="with stream: true")
     props["style"]["description"] = "not supported (400): describe the style in the prompt"
     _nullable(props["model"], enum=[b.served_name], description="the served model's id, if given")
     _nullable(props["negative_prompt"], maxLength=b.max_prompt_chars)

@@ -9,11 +9,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
 
 from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
+from server.api.streaming import EVENTS, image_events, partial_receiver
 from server.pipeline.images import encode_async
 from server.serving import Job, Service
 
@@ -42,12 +44,31 @@ async def _outcome(job: Job, request: Request, service: Service) -> list:
     return result.result()
 
 
-@router.post("/images/generations", response_model=ImagesResponse)
+STREAMED = {
+    200: {
+        "description": "the images; with `stream: true`, server-sent events: partial images, then each image",
+        "content": {
+            "text/event-stream": {
+                "schema": {  # one event: its kind, and a JSON object as its data
+                    "type": "object",
+                    "required": ["event", "data"],
+                    "properties": {"event": {"enum": list(EVENTS)}, "data": {"type": "string"}},
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("/images/generations", response_model=ImagesResponse, responses=STREAMED)
 async def generate_images(
     body: ImageGenerationRequest, request: Request, service: ServiceDep
-) -> ImagesResponse:
+) -> ImagesResponse | StreamingResponse:
     requests = generation_requests(body, service.name, service.limits.max_n)
-    job = service.submit(requests, request_id=request.state.request_id)  # one id in every log line
+    request_id = request.state.request_id  # one id in every log line
+    if body.stream:
+        return _stream(body, requests, request_id, service)
+    job = service.submit(requests, request_id=request_id)
     images = await _outcome(job, request, service)
     encoded = await asyncio.gather(
         *(encode_async(image, body.output_format, body.output_compression) for image in images)
@@ -62,6 +83,32 @@ async def generate_images(
         size=f"{first.width}x{first.height}",
         output_format=body.output_format,
     )
+
+
+def _stream(
+    body: ImageGenerationRequest, requests: list, request_id: str, service: Service
+) -> StreamingResponse:
+    """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
+    partials, on_partial = partial_receiver()
+    job = service.submit(requests, request_id=request_id, on_partial=on_partial)
+    first = job.requests[0]
+    fields = {
+        "size": f"{first.width}x{first.height}",
+        "quality": "auto",
+        "background": "opaque",
+        "output_format": body.output_format,
+    }
+
+    async def events():
+        try:
+            async for event in image_events(job, partials, fields, body.output_compression, request_id):
+                yield event
+        finally:  # the client went away (or the stream ended): a job still running is dropped
+            if not job.future.done():
+                service.cancel(job)
+
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may hold events back
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 @router.get("/models")

@@ -27,6 +27,7 @@ from server.pipeline.images import FORMATS
 from server.pipeline.requests import SEED_LIMIT
 
 MAX_GUIDANCE = 100.0
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
 # "WIDTHxHEIGHT": ASCII digits, no 0 and no leading zeros; the OpenAPI document states this very pattern
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 # OpenAI fields and the values honoured: each means what this service does anyway.
@@ -51,6 +52,8 @@ class ImageGenerationRequest(BaseModel):
     response_format: str = "b64_json"
     output_format: str = "png"
     output_compression: int | None = Field(None, description="jpeg and webp: encoder quality 0-100")
+    stream: bool = False
+    partial_images: int | None = Field(None, description="with stream: previews of each image, 0-3")
     quality: str | None = None
     background: str | None = None
     moderation: str | None = None
@@ -123,6 +126,11 @@ def generation_requests(
         raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
     if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {body.seed}")
+    partials = body.partial_images
+    if partials is not None and not body.stream:
+        raise InvalidRequest("partial_images", "needs stream: true")
+    if partials is not None and not 0 <= partials <= MAX_PARTIAL_IMAGES:
+        raise InvalidRequest("partial_images", f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {partials}")
     seed = secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed
     return [
         GenerationRequest(
@@ -134,6 +142,7 @@ def generation_requests(
             scheduler=body.scheduler,
             width=width,
             height=height,
+            partial_images=partials or 0,
         )
         for i in range(body.n)
     ]

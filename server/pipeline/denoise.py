@@ -236,17 +236,33 @@ class Pipeline:
                     value[span] = state.extras[name]
             # 2. One forward through the shard.
             out = self.shard(sample, timesteps, context, **self.family.model_kwargs(extras))
-            # 3. Per state: guidance, then its own scheduler's step.
+            # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
+            # due, the predicted clean latents).
+            previews: list[tuple[RequestState, int, torch.Tensor]] = []
             for state, span in zip(states, spans(states), strict=True):
                 prediction = out[span].to(LATENT_DTYPE)
                 if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
                     negative, positive = prediction.chunk(2)
                     prediction = negative + state.request.guidance_scale * (positive - negative)
-                latents = state.scheduler.step(
-                    prediction, state.timestep, state.latents, return_dict=False, **state.step_kwargs
-                )[0]
-                state.latents.copy_(latents)
+                partial, early, state.preview = state.previews.get(state.index + 1), None, None
+                if partial is not None and hasattr(state.scheduler, "convert_model_output"):  # DPM-Solver
+                    if state.scheduler.step_index is None:  # its first step: nothing to convert with yet
+                        partial = None
+                    else:
+                        early = state.scheduler.convert_model_output(prediction, sample=state.latents)
+                output = state.scheduler.step(
+                    prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs
+                )
+                if partial is not None:
+                    previews.append((state, partial, _clean(state, prediction, output, early)))
+                state.latents.copy_(output.prev_sample)
                 state.index += 1
+            # 4. The partial images due at this step, in one VAE call per size.
+            for group in group_states([s for s, _, _ in previews]):
+                due = [(s, k, x0) for s, k, x0 in previews if any(s is g for g in group)]
+                pixels = self._pixels(torch.cat([x0 for _, _, x0 in due]))
+                for (state, index, _), image in zip(due, pixels, strict=True):
+                    state.preview = (index, image.permute(1, 2, 0).float().cpu())
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:
@@ -263,10 +279,13 @@ class Pipeline:
             self._decode(states[start : start + per_call])
         return [s.image for s in states]
 
+    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] images in [0, 1] from the denoiser's latents, in one VAE call."""
+        latents = self.family.unscale_latents(latents.to(self.encoder_device, self.vae.dtype))
+        return (self.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
     def _decode(self, states: Sequence[RequestState]) -> None:
-        latents = torch.cat([s.latents for s in states]).to(self.encoder_device, self.vae.dtype)
-        latents = self.family.unscale_latents(latents)
-        pixels = (self.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+        pixels = self._pixels(torch.cat([s.latents for s in states]))
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
             image = image.permute(1, 2, 0)  # [H, W, 3], as diffusers' output_type="np"
@@ -299,6 +318,20 @@ class Pipeline:
         finally:
             for state in states:
                 state.close()
+
+
+def _clean(
+    state: RequestState, prediction: torch.Tensor, output: Any, early: torch.Tensor | None
+) -> torch.Tensor:
+    """The model's estimate of the finished latents at this step: what a partial image shows.
+    DDIM and the Euler schedulers return it; DPM-Solver converts its prediction to it (`early`,
+    before its step); flow matching (SD3) predicts a velocity: x0 = x_t - sigma * v."""
+    if early is not None:
+        return early
+    if getattr(output, "pred_original_sample", None) is not None:
+        return output.pred_original_sample
+    sigma = state.scheduler.sigmas[state.scheduler.step_index - 1]  # the step just taken
+    return state.latents - sigma * prediction
 
 
 @cache

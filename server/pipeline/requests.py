@@ -32,6 +32,7 @@ class GenerationRequest:
     scheduler: str | None = None
     width: int | None = None
     height: int | None = None
+    partial_images: int = 0  # previews of the predicted clean image, at evenly spaced steps
 
     @property
     def resolved(self) -> bool:

@@ -27,6 +27,15 @@ class RequestState:
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
+    preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
+
+    @property
+    def previews(self) -> dict[int, int]:
+        """Steps taken → partial image index: `partial_images` previews at evenly spaced steps
+        before the last (fewer when there are too few steps)."""
+        k, steps = self.request.partial_images, self.steps
+        at = {round((i + 1) * steps / (k + 1)) for i in range(k)}
+        return {step: index for index, step in enumerate(sorted(s for s in at if 0 < s < steps))}
 
     @property
     def rows(self) -> int:

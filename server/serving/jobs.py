@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from server.errors import Cancelled, DeadlineExceeded, OutOfMemory, Rejected, StepFailed
 from server.pipeline.requests import GenerationRequest
@@ -23,6 +26,8 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     states: list[RequestState] = field(default_factory=list)
     cancel_requested: bool = False
+    # (image index, partial index, [H, W, 3] image): called on the step loop's thread; must not block
+    on_partial: Callable[[int, int, torch.Tensor], None] | None = None
 
     @property
     def deadline(self) -> float:

@@ -4,14 +4,14 @@ Every turn of the loop (`_run`)
 1. admits waiting jobs, first come first served, while the active rows fit `max_batch`
    (a job bigger than that runs alone, its rows split across calls), and encodes their prompts;
 2. drops jobs whose client left or whose deadline passed, returning their buffers;
-3. runs one batched denoiser step per group of same-size requests, each row at its own timestep;
-4. decodes the requests whose schedule ended (in bounded VAE calls) and resolves the jobs
-   whose images are all done.
+3. runs one batched denoiser step per group of same-size requests, each row at its own timestep
+   (and hands out the partial images due);
+4. decodes finished requests (in bounded VAE calls) and resolves jobs whose images are done.
 
 A batched call that raises is retried job by job, so only the job that caused it fails. A job
-ends exactly once (done, failed, cancelled, expired or drained), and its scopes close then. A
-watchdog answers every waiting job if a call runs past the step timeout, and a loop that dies
-answers them before it goes. The HTTP side only submits jobs and awaits their futures.
+ends once (done, failed, cancelled, expired or drained), and its scopes close then. A watchdog
+answers every waiting job if a call runs past the step timeout, and a dying loop answers them
+too. The HTTP side only submits jobs and awaits their futures (and their partial images).
 """
 
 from __future__ import annotations
@@ -157,11 +157,6 @@ class StepLoop:
             self._admitting = False
             self._answer_all(error)
 
-    @property
-    def alive(self) -> bool:
-        """The loop thread runs (a dead loop would leave every request waiting)."""
-        return self._thread.is_alive()
-
     # The loop.
 
     def _run(self) -> None:
@@ -200,6 +195,7 @@ class StepLoop:
             # 3. One batched step per group of same-size requests.
             for chunk in self._chunks():
                 self._step(chunk)
+            self._hand_out_previews()
             # 4. Decode what finished; resolve the jobs whose images are all done.
             self._finish()
         except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
@@ -287,6 +283,12 @@ class StepLoop:
                 self._stats.rows_per_step.observe(rows)
 
         self._isolated(self._jobs_of(chunk), step)
+
+    def _hand_out_previews(self) -> None:
+        for job, (index, state) in ((j, pair) for j in self._active for pair in enumerate(j.states)):
+            if state.preview is not None and job.on_partial is not None:
+                job.on_partial(index, *state.preview)  # the partial images due at this step
+            state.preview = None
 
     def _finish(self) -> None:
         now = time.monotonic()

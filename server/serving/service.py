@@ -75,9 +75,15 @@ class Service:
             for index, lane in enumerate(lanes)
         ]
 
-    def submit(self, requests: list[GenerationRequest], request_id: str | None = None) -> Job:
+    def submit(
+        self,
+        requests: list[GenerationRequest],
+        request_id: str | None = None,
+        on_partial: Callable[[int, int, Any], None] | None = None,
+    ) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
-        (Overloaded or Draining when the loop cannot take it)."""
+        (Overloaded or Draining when the loop cannot take it). `on_partial` receives the partial
+        images the requests ask for, on the step loop's thread."""
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
@@ -85,6 +91,7 @@ class Service:
         job = Job(resolved, rows, self.limits.request_timeout_s)
         if request_id is not None:  # the loop's log lines name the job: the request's own id
             job.id = request_id
+        job.on_partial = on_partial
         return min(self.loops, key=StepLoop.load).submit(job)
 
     def cancel(self, job: Job) -> None:

@@ -1,0 +1,155 @@
+"""Streaming partial images (`stream: true`), driven by the official openai SDK against the real
+server: partial images are the model's predictions of the finished image, getting closer; the
+completed image is the non-streamed one byte for byte; a client that leaves is cancelled and its
+buffers return; streams and plain requests share the loop."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from server.pipeline import GenerationRequest, Pipeline
+from tests.live import LiveServer, live_server
+from tests.waiting import wait_until
+
+EXTRA = {"seed": 3, "num_inference_steps": 12}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
+
+
+def test_two_partial_images_then_the_completed_one(client: openai.OpenAI) -> None:
+    events = list(
+        client.images.generate(
+            prompt="a red circle", size="64x64", stream=True, partial_images=2, extra_body=EXTRA
+        )
+    )
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    images = [pixels(e.b64_json) for e in events]
+    assert all(i.shape == (64, 64, 3) for i in images)
+    assert all((e.size, e.output_format) == ("64x64", "png") for e in events)
+    final = images[-1]
+    earlier, later = (float(np.abs(i - final).mean()) for i in images[:2])
+    assert later < earlier, (earlier, later)  # the predictions converge on the image
+    plain = client.images.generate(prompt="a red circle", size="64x64", extra_body=EXTRA)
+    assert base64.b64decode(plain.data[0].b64_json) == base64.b64decode(events[-1].b64_json)
+
+
+def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client: openai.OpenAI) -> None:
+    events = list(
+        client.images.generate(
+            prompt="a blue square", size="64x64", n=2, stream=True, partial_images=1, extra_body=EXTRA
+        )
+    )
+    kinds = [(e.type, e.model_extra["image_index"]) for e in events]
+    assert sorted(kinds) == sorted(
+        [("image_generation.partial_image", i) for i in (0, 1)]
+        + [("image_generation.completed", i) for i in (0, 1)]
+    )
+    only = list(client.images.generate(prompt="a blue square", size="64x64", stream=True, extra_body=EXTRA))
+    assert [e.type for e in only] == ["image_generation.completed"]
+    jpeg = list(
+        client.images.generate(
+            prompt="a blue square",
+            size="64x48",
+            stream=True,
+            partial_images=1,
+            output_format="jpeg",
+            extra_body=EXTRA,
+        )
+    )
+    assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).size == (64, 48) for e in jpeg)
+    assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "JPEG" for e in jpeg)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"partial_images": 2}, "partial_images"), ({"stream": True, "partial_images": 4}, "partial_images")],
+)
+def test_bad_stream_fields_are_refused_by_name(server: LiveServer, fields, param) -> None:
+    response = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "a red circle", **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled_and_its_buffers_return(server: LiveServer) -> None:
+    before = server.stats()["engine"]["rejected"].get("cancelled", 0)
+    body = {"prompt": "a red circle", "stream": True, "partial_images": 3, "num_inference_steps": 100, "n": 4}
+    with httpx.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: image_generation.partial_image"):
+                break  # one partial image seen: leave
+    server.wait_for(lambda s: s["engine"]["rejected"].get("cancelled", 0) == before + 1)
+
+    def pool_when_all_returned() -> dict | None:
+        pool = httpx.get(f"{server.url}/v1/shards").json()["pool"]
+        return pool if all(p["bytes_in_use"] == 0 for p in pool.values()) else None
+
+    assert wait_until(pool_when_all_returned, 30, "every pooled buffer returned")
+
+
+def test_eight_streams_and_eight_plain_requests_all_complete(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def streamed(seed: int) -> str:
+        events = list(
+            client.images.generate(
+                prompt="a green square",
+                size="64x64",
+                stream=True,
+                partial_images=2,
+                extra_body={**EXTRA, "seed": seed},
+            )
+        )
+        return events[-1].type
+
+    def plain(seed: int) -> int:
+        result = client.images.generate(
+            prompt="a green square", size="64x64", extra_body={**EXTRA, "seed": seed}
+        )
+        return len(result.data)
+
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(streamed, seed) for seed in range(8)]
+        plains = [pool.submit(plain, seed) for seed in range(8)]
+        assert [f.result() for f in streams] == ["image_generation.completed"] * 8
+        assert [f.result() for f in plains] == [1] * 8
+
+
+@pytest.mark.parametrize(("kind", "scheduler"), [("sd15", "dpmpp_2m"), ("sd15", "euler"), ("sd3", "default")])
+def test_every_scheduler_gives_partial_images_without_changing_the_result(
+    folders, sd3_folder, kind: str, scheduler: str
+) -> None:
+    """DPM-Solver converts its prediction, Euler returns it, flow matching derives it: each
+    gives a preview, and asking for previews leaves the final image as it was."""
+    pipeline = Pipeline.load(sd3_folder if kind == "sd3" else folders[kind], devices="cpu")
+    request = GenerationRequest("a red circle", seed=1, steps=6, scheduler=scheduler, width=32, height=32)
+    previews: list[int] = []
+    plain = pipeline.generate([request])[0]
+    streamed = pipeline.generate(
+        [GenerationRequest(**{**vars(request), "partial_images": 2})],
+        on_step=lambda states: previews.extend(s.preview[0] for s in states if s.preview is not None),
+    )[0]
+    assert previews == [0, 1]
+    np.testing.assert_array_equal(plain, streamed)
