@@ -1,14 +1,19 @@
-"""Serving throughput and latency over real HTTP: step-level batching vs one request at a time.
+"""Serving throughput and latency over real HTTP: step-level batching vs one request at a time,
+and streaming partial images vs plain requests.
 
 Two real servers (`python -m server serve`, the built-in model, its recommended 25 steps and
 guidance) run side by side: `batched` with the default settings, and `one_at_a_time` with
 `--max-batch 2`, so a single guided request (2 UNet rows) fills every step, as a server
-that runs requests one after another does. For 1, 4, 8 and 16 concurrent clients, each
-sending requests back to back, both servers are measured in the same round (in alternating
-order): images/s over the round's wall time, and per-request latency percentiles.
+that runs requests one after another does. A third column, `streaming`, is the batched server
+with every request `stream: true, partial_images: 2` (each event read as it comes). For 1, 4,
+8 and 16 concurrent clients, each sending requests back to back, all three are measured in the
+same round (in alternating order): images/s over the round's wall time, and per-request
+latency percentiles.
 
 One JSON object per (clients, server, round), then a summary: medians over rounds, the
-throughput ratio batched / one_at_a_time, and p95 latency at 8 clients over a lone request.
+throughput ratio batched / one_at_a_time, streaming / batched, and p95 latency at 8 clients
+over a lone request. Targets: batching 3x at 8 clients with p95 at most 4x a lone request;
+streaming at least 0.9x plain throughput at 8 clients.
 
     python -m benchmarks.serving [--quick]
 """
@@ -29,7 +34,10 @@ from tests.live import LiveServer, live_server
 
 CLIENTS = (1, 4, 8, 16)
 SERVERS = {"batched": (), "one_at_a_time": ("--max-batch", "2")}
+COLUMNS = {"batched": "batched", "one_at_a_time": "one_at_a_time", "streaming": "batched"}  # → server
+STREAM = {"stream": True, "partial_images": 2}
 TARGET_SPEEDUP_AT_8 = 3.0
+TARGET_STREAMING_AT_8 = 0.9
 TARGET_P95_OVER_LONE_AT_8 = 4.0
 
 
@@ -38,23 +46,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def client_loop(server: LiveServer, requests: int, seed: int) -> list[float]:
-    """Send `requests` one after another; the latency of each."""
+def client_loop(server: LiveServer, requests: int, seed: int, stream: bool = False) -> list[float]:
+    """Send `requests` one after another; the latency of each (to the last event, streamed)."""
     latencies = []
     with httpx.Client(base_url=server.url, timeout=300) as client:
         for i in range(requests):
-            body = {"prompt": "a red circle", "seed": seed * 1000 + i}
+            body = {"prompt": "a red circle", "seed": seed * 1000 + i, **(STREAM if stream else {})}
             started = time.perf_counter()
-            response = client.post("/v1/images/generations", json=body)
+            with client.stream("POST", "/v1/images/generations", json=body) as response:
+                response.raise_for_status()
+                events = sum(line.startswith("event: ") for line in response.iter_lines())
             latencies.append(time.perf_counter() - started)
-            response.raise_for_status()
+            if stream and events != 3:  # two partial images and the completed one
+                raise RuntimeError(f"{events} events, not 3")
     return latencies
 
 
-def measure(server: LiveServer, clients: int, per_client: int) -> dict[str, Any]:
+def measure(server: LiveServer, clients: int, per_client: int, stream: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda c: client_loop(server, per_client, c), range(clients)))
+        runs = list(pool.map(lambda c: client_loop(server, per_client, c, stream), range(clients)))
     wall = time.perf_counter() - started
     latencies = [seconds for run in runs for seconds in run]
     return {
@@ -81,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             measure(server, 2, 1)  # warm-up
         for clients in CLIENTS:
             for round_ in range(rounds):
-                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                order = list(COLUMNS) if round_ % 2 == 0 else list(reversed(COLUMNS))
                 for name in order:
+                    server = servers[COLUMNS[name]]
                     row = {"clients": clients, "server": name, "round": round_}
-                    before = servers[name].stats()["engine"]["batch_rows"]
-                    row |= measure(servers[name], clients, per_client)
-                    after = servers[name].stats()["engine"]["batch_rows"]
+                    before = server.stats()["engine"]["batch_rows"]
+                    row |= measure(server, clients, per_client, stream=name == "streaming")
+                    after = server.stats()["engine"]["batch_rows"]
                     row["largest_batch_rows"] = max(
                         int(n) for n, calls in after.items() if calls > before.get(n, 0)
                     )
@@ -101,11 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             key: median(clients, server, key) for key in ("images_per_s", "p50_s", "p95_s")
         }
         for clients in CLIENTS
-        for server in SERVERS
+        for server in COLUMNS
     }
     speedups = {
         clients: round(
             median(clients, "batched", "images_per_s") / median(clients, "one_at_a_time", "images_per_s"), 3
+        )
+        for clients in CLIENTS
+    }
+    streaming = {
+        clients: round(
+            median(clients, "streaming", "images_per_s") / median(clients, "batched", "images_per_s"), 3
         )
         for clients in CLIENTS
     }
@@ -117,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_client": per_client,
         "table": table,
         "throughput_speedup": {str(c): s for c, s in speedups.items()},
+        "streaming_over_plain": {str(c): s for c, s in streaming.items()},
         "lone_request_p50_s": lone,
         "p95_at_8_over_lone": p95_ratio,
-        "targets": {"speedup_at_8": TARGET_SPEEDUP_AT_8, "p95_at_8_over_lone": TARGET_P95_OVER_LONE_AT_8},
-        "meets_target": speedups[8] >= TARGET_SPEEDUP_AT_8 and p95_ratio <= TARGET_P95_OVER_LONE_AT_8,
+        "targets": {
+            "speedup_at_8": TARGET_SPEEDUP_AT_8,
+            "p95_at_8_over_lone": TARGET_P95_OVER_LONE_AT_8,
+            "streaming_over_plain_at_8": TARGET_STREAMING_AT_8,
+        },
+        "meets_target": speedups[8] >= TARGET_SPEEDUP_AT_8
+        and p95_ratio <= TARGET_P95_OVER_LONE_AT_8
+        and streaming[8] >= TARGET_STREAMING_AT_8,
     }
     print(json.dumps(summary), flush=True)
     return 0
