@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +48,11 @@ def partial_receiver() -> tuple[asyncio.Queue[Partial], Callable[[int, int, Any]
         if not queue.full():  # a slow reader loses partial images, never the final ones
             queue.put_nowait(item)
 
-    return queue, lambda image, partial, pixels: loop.call_soon_threadsafe(offer, (image, partial, pixels))
+    def receive(image: int, partial: int, pixels: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop closed (the server stops): nobody listens
+            loop.call_soon_threadsafe(offer, (image, partial, pixels))
+
+    return queue, receive
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
