@@ -74,7 +74,7 @@ import httpx
 import torch
 from torch import nn
 
-from benchmarks.serving import percentile
+from benchmarks.serving import client_loop, summary
 from benchmarks.shard import build_unet
 from server.engine.blocks import DenoiserInputs
 from server.engine.parallel import ParallelPlan, build_shards
@@ -92,7 +92,6 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "replicas": ("--devices", "cpu,cpu", "--parallel", "replicas"),
     "pipeline": ("--devices", "cpu,cpu", "--parallel", "pipeline"),
 }
-PROMPT = "a red circle"
 ROWS_PER_IMAGE = 2  # a guided image: conditional + unconditional row
 STEPS_PER_IMAGE = 25  # the built-in model's recommended steps
 TARGET_SPEEDUP = 1.3
@@ -145,35 +144,17 @@ def busy_seconds(server: LiveServer) -> dict[str, float]:
     return httpx.get(f"{server.url}/v1/shards", timeout=30).json()["parallel"]["busy_seconds"]
 
 
-def client_loop(server: LiveServer, requests: int, seed: int) -> list[float]:
-    """Send `requests` one after another (seeds seed, seed + 1, ...); the latency of each."""
-    latencies = []
-    with httpx.Client(base_url=server.url, timeout=300) as client:
-        for i in range(requests):
-            started = time.perf_counter()
-            response = client.post("/v1/images/generations", json={"prompt": PROMPT, "seed": seed + i})
-            latencies.append(time.perf_counter() - started)
-            response.raise_for_status()
-    return latencies
-
-
 def measure(server: LiveServer, clients: int, per_client: int, seed: int) -> dict[str, Any]:
     """`clients` clients at once, `per_client` requests each: throughput, latency, busy fractions."""
     before = busy_seconds(server)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda c: client_loop(server, per_client, seed + 100 * c), range(clients)))
+        # client c's requests take seeds (seed + c) * 1000, +1, ...: distinct across clients and rounds
+        runs = list(pool.map(lambda c: client_loop(server, per_client, seed + c), range(clients)))
     wall = time.perf_counter() - started
     after = busy_seconds(server)
-    latencies = [seconds for run in runs for seconds in run]
-    return {
-        "images": len(latencies),
-        "wall_s": round(wall, 3),
-        "images_per_s": round(len(latencies) / wall, 3),
-        "p50_s": round(percentile(latencies, 0.5), 3),
-        "p95_s": round(percentile(latencies, 0.95), 3),
-        "busy_fraction": {w: round((after[w] - before.get(w, 0.0)) / wall, 3) for w in after},
-    }
+    busy = {w: round((after[w] - before.get(w, 0.0)) / wall, 3) for w in after}
+    return summary(runs, wall) | {"busy_fraction": busy}
 
 
 def serve_rounds(rounds: int, per_client: Callable[[int], int]) -> list[dict[str, Any]]:
@@ -182,12 +163,12 @@ def serve_rounds(rounds: int, per_client: Callable[[int], int]) -> list[dict[str
     with ExitStack() as stack:
         servers = {name: stack.enter_context(live_server(*flags)) for name, flags in SERVERS.items()}
         for server in servers.values():
-            measure(server, 2, 1, seed=10**8)  # warm-up: both lanes of a two-worker server
+            measure(server, 2, 1, seed=10**6)  # warm-up: both lanes of a two-worker server
         for clients in CLIENTS:
             for round_ in range(rounds):
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    seed = (round_ * 100 + clients) * 10_000  # the same requests for every server
+                    seed = (round_ * 100 + clients) * 100  # the same requests for every server
                     row = {"clients": clients, "server": name, "round": round_}
                     row |= measure(servers[name], clients, per_client(clients), seed)
                     rows.append(row)

@@ -66,7 +66,11 @@ def measure(server: LiveServer, clients: int, per_client: int, stream: bool = Fa
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         runs = list(pool.map(lambda c: client_loop(server, per_client, c, stream), range(clients)))
-    wall = time.perf_counter() - started
+    return summary(runs, time.perf_counter() - started)
+
+
+def summary(runs: list[list[float]], wall: float) -> dict[str, Any]:
+    """Images, wall time, images/s and latency percentiles of the clients' `runs` (latencies)."""
     latencies = [seconds for run in runs for seconds in run]
     return {
         "images": len(latencies),
