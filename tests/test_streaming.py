@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,11 +86,72 @@ def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"partial_images": 2}, "partial_images"), ({"stream": True, "partial_images": 4}, "partial_images")],
+    [
+        ({"partial_images": 2}, "partial_images"),
+        ({"stream": True, "partial_images": 4}, "partial_images"),
+        ({"stream_progress": True}, "stream_progress"),
+    ],
 )
 def test_bad_stream_fields_are_refused_by_name(server: LiveServer, fields, param) -> None:
     response = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "a red circle", **fields})
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def sse(response: httpx.Response) -> Iterator[tuple[str, dict]]:
+    """(event, data) of a server-sent event stream, as they arrive."""
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield event, json.loads(line.removeprefix("data: "))
+
+
+def test_stream_progress_counts_the_steps_and_leaves_the_images_alone(server: LiveServer) -> None:
+    body = {"prompt": "a red circle", "size": "64x64", "stream": True, "stream_progress": True, **EXTRA}
+    with httpx.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+        events = list(sse(response))
+    progress = [data for event, data in events if event == "diffshard.progress"]
+    assert all(p["type"] == "diffshard.progress" and p["steps"] == 12 for p in progress)
+    steps = [p["step"] for p in progress if p["status"] == "running"]
+    assert steps == sorted(steps) and steps[-1] == 12 and len(set(steps)) > 1, steps
+    assert events[-1][0] == "image_generation.completed"
+    body.pop("stream_progress")
+    with httpx.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+        without = list(sse(response))
+    assert [event for event, _ in without] == ["image_generation.completed"]
+    assert without[-1][1]["b64_json"] == events[-1][1]["b64_json"]
+
+
+def test_a_queued_stream_hears_its_place_in_line_then_its_steps() -> None:
+    """One request at a time (--max-batch 2: a guided image takes 2 rows): the third request to
+    arrive waits second in line, then first, then runs."""
+    with live_server("--max-batch", "2") as small:
+        url = f"{small.url}/v1/images/generations"
+        body = {"prompt": "a red circle", "stream": True, "stream_progress": True, "seed": 1}
+        with (
+            ThreadPoolExecutor(2) as pool,
+            httpx.stream("POST", url, json={**body, "num_inference_steps": 100}, timeout=60) as first,
+        ):
+            events = sse(first)
+            assert next(e for e in events if e[1].get("status") == "running")  # the first one runs
+
+            def statuses(steps: int) -> list[tuple]:
+                with httpx.stream("POST", url, json={**body, "num_inference_steps": steps}, timeout=60) as r:
+                    return [
+                        (d["status"], d["queue_position"]) for e, d in sse(r) if e == "diffshard.progress"
+                    ]
+
+            second = pool.submit(statuses, 30)
+            small.wait_for(lambda s: s["engine"]["queue_depth"] == 1)
+            third = pool.submit(statuses, 5)
+            small.wait_for(lambda s: s["engine"]["queue_depth"] == 2)
+            list(events)  # let the first finish
+            assert second.result()[0] == ("queued", 1)
+            seen = third.result()
+        places = [place for status, place in seen if status == "queued"]
+        assert places == [2, 1], seen
+        assert {status for status, _ in seen[len(places) :]} == {"running"}
 
 
 def test_a_client_that_leaves_mid_stream_is_cancelled_and_its_buffers_return(server: LiveServer) -> None:

@@ -155,6 +155,9 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     for field, allowed in HONOURED.items():
         _nullable(props[field], enum=list(allowed))
     _nullable(props["partial_images"], minimum=0, maximum=MAX_PARTIAL_IMAGES, description="with stream: true")
+    props["stream_progress"]["description"] = (
+        "with stream: true, diffshard.progress events (status, queue_position, step of steps)"
+    )
     props["style"]["description"] = "not supported (400): describe the style in the prompt"
     _nullable(props["model"], enum=[b.served_name], description="the served model's id, if given")
     _nullable(props["negative_prompt"], maxLength=b.max_prompt_chars)

@@ -15,7 +15,7 @@ from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
-from server.api.streaming import EVENTS, image_events, partial_receiver
+from server.api.streaming import EVENTS, Feed, image_events
 from server.pipeline.images import encode_async
 from server.serving import Job, Service
 
@@ -46,7 +46,8 @@ async def _outcome(job: Job, request: Request, service: Service) -> list:
 
 STREAMED = {
     200: {
-        "description": "the images; with `stream: true`, server-sent events: partial images, then each image",
+        "description": "the images; with `stream: true`, server-sent events: partial images (and, with "
+        "`stream_progress`, diffshard.progress), then each image",
         "content": {
             "text/event-stream": {
                 "schema": {  # one event: its kind, and a JSON object as its data
@@ -89,8 +90,9 @@ def _stream(
     body: ImageGenerationRequest, requests: list, request_id: str, service: Service
 ) -> StreamingResponse:
     """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
-    partials, on_partial = partial_receiver()
-    job = service.submit(requests, request_id=request_id, on_partial=on_partial)
+    feed = Feed()
+    on_progress = feed.on_progress if body.stream_progress else None
+    job = service.submit(requests, request_id=request_id, on_partial=feed.on_partial, on_progress=on_progress)
     first = job.requests[0]
     fields = {
         "size": f"{first.width}x{first.height}",
@@ -101,7 +103,10 @@ def _stream(
 
     async def events():
         try:
-            async for event in image_events(job, partials, fields, body.output_compression, request_id):
+            source = image_events(
+                job, feed, fields, body.output_compression, request_id, with_progress=body.stream_progress
+            )
+            async for event in source:
                 yield event
         finally:  # the client went away (or the stream ended): a job still running is dropped
             if not job.future.done():

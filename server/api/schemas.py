@@ -1,7 +1,7 @@
 """Request and response bodies of the Images API, and their translation into pipeline requests.
 
 The body follows OpenAI's `POST /v1/images/generations`; diffshard's extensions
-(negative_prompt, num_inference_steps, guidance_scale, seed, scheduler) sit beside the
+(negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress) sit beside the
 standard fields, where the SDKs put `extra_body`. Types are checked strictly ("2" is not
 an integer). OpenAI's other fields are honoured where this service can (`output_format`
 png, jpeg or webp with `output_compression`; `quality` auto or standard: the model's own
@@ -54,6 +54,7 @@ class ImageGenerationRequest(BaseModel):
     output_compression: int | None = Field(None, description="jpeg and webp: encoder quality 0-100")
     stream: bool = False
     partial_images: int | None = Field(None, description="with stream: previews of each image, 0-3")
+    stream_progress: bool = Field(False, description="with stream: diffshard.progress events")
     quality: str | None = None
     background: str | None = None
     moderation: str | None = None
@@ -129,6 +130,8 @@ def generation_requests(
     partials = body.partial_images
     if partials is not None and not body.stream:
         raise InvalidRequest("partial_images", "needs stream: true")
+    if body.stream_progress and not body.stream:
+        raise InvalidRequest("stream_progress", "needs stream: true")
     if partials is not None and not 0 <= partials <= MAX_PARTIAL_IMAGES:
         raise InvalidRequest("partial_images", f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {partials}")
     seed = secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed

@@ -26,8 +26,11 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     states: list[RequestState] = field(default_factory=list)
     cancel_requested: bool = False
-    # (image index, partial index, [H, W, 3] image): called on the step loop's thread; must not block
+    queue_position: int | None = None  # 1 = the next job of its lane to start; None once running
+    # Called on the step loop's thread and must not block: (image index, partial index, [H, W, 3]
+    # image) for each partial image due; and, once a turn, that the job moved (queue, steps).
     on_partial: Callable[[int, int, torch.Tensor], None] | None = None
+    on_progress: Callable[[], None] | None = None
 
     @property
     def deadline(self) -> float:
@@ -37,6 +40,15 @@ class Job:
     def cancel(self) -> None:
         """Drop the job at the next step boundary (the client went away)."""
         self.cancel_requested = True
+
+    def report(self) -> None:
+        """Hand over the partial images due at this step, and say the job moved."""
+        for index, state in enumerate(self.states):
+            if state.preview is not None and self.on_partial is not None:
+                self.on_partial(index, *state.preview)
+            state.preview = None
+        if self.on_progress is not None:
+            self.on_progress()
 
     def progress(self) -> list[tuple[int, int]]:
         """(steps done, steps in all) per image."""

@@ -91,6 +91,7 @@ class StepLoop:
                 self._stats.rejected["queue_full"] += 1
                 raise Overloaded(self.retry_after())
             self._queue.append(job)
+            job.queue_position = len(self._queue)
             self._wake.notify()
         return job
 
@@ -184,6 +185,7 @@ class StepLoop:
                 self._stop()
                 return False
             admitted = self._admit()
+            queued = list(self._queue)
         if self._clear_caches:
             self._free_device_memory()
         try:
@@ -195,7 +197,8 @@ class StepLoop:
             # 3. One batched step per group of same-size requests.
             for chunk in self._chunks():
                 self._step(chunk)
-            self._hand_out_previews()
+            for job in [*queued, *self._active]:
+                job.report()  # the partial images due at this step; where the job is now
             # 4. Decode what finished; resolve the jobs whose images are all done.
             self._finish()
         except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
@@ -236,6 +239,9 @@ class StepLoop:
         now = time.monotonic()
         for job in admitted:
             self._stats.queue_wait_seconds.observe(now - job.submitted)
+            job.queue_position = None
+        for position, job in enumerate(self._queue, start=1):
+            job.queue_position = position
         self._active.extend(admitted)
         return admitted
 
@@ -283,12 +289,6 @@ class StepLoop:
                 self._stats.rows_per_step.observe(rows)
 
         self._isolated(self._jobs_of(chunk), step)
-
-    def _hand_out_previews(self) -> None:
-        for job, (index, state) in ((j, pair) for j in self._active for pair in enumerate(j.states)):
-            if state.preview is not None and job.on_partial is not None:
-                job.on_partial(index, *state.preview)  # the partial images due at this step
-            state.preview = None
 
     def _finish(self) -> None:
         now = time.monotonic()

@@ -80,10 +80,12 @@ class Service:
         requests: list[GenerationRequest],
         request_id: str | None = None,
         on_partial: Callable[[int, int, Any], None] | None = None,
+        on_progress: Callable[[], None] | None = None,
     ) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job
-        (Overloaded or Draining when the loop cannot take it). `on_partial` receives the partial
-        images the requests ask for, on the step loop's thread."""
+        (Overloaded or Draining when the loop cannot take it). On the step loop's thread,
+        `on_partial` receives the partial images the requests ask for, and `on_progress` hears
+        each turn that the job moved (`Job.queue_position`, `Job.progress`)."""
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
@@ -91,7 +93,7 @@ class Service:
         job = Job(resolved, rows, self.limits.request_timeout_s)
         if request_id is not None:  # the loop's log lines name the job: the request's own id
             job.id = request_id
-        job.on_partial = on_partial
+        job.on_partial, job.on_progress = on_partial, on_progress
         return min(self.loops, key=StepLoop.load).submit(job)
 
     def cancel(self, job: Job) -> None:
