@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test lint bench model samples prometheus
+.PHONY: run test lint bench model samples test-tools screenshot
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -19,26 +19,30 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) -e ".[test]"
 	touch $@
 
-# tests/test_prometheus.py runs Debian's prometheus and promtool; install them when either is missing
-# (apt-get update only if the install fails; sudo only when not root).
+# Debian packages the tests run for real: prometheus and promtool (tests/test_prometheus.py),
+# chromium and chromedriver (tests/test_playground.py). Install those missing (apt-get update
+# only if the install fails; sudo only when not root).
+TEST_PACKAGES := prometheus:prometheus promtool:prometheus chromium:chromium chromedriver:chromium-driver
 APT := env DEBIAN_FRONTEND=noninteractive apt-get
-APT_INSTALL := $(APT) install -y --no-install-recommends prometheus
-prometheus:
-	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+test-tools:
+	@missing=$$(for pair in $(TEST_PACKAGES); do \
+	  command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u | tr '\n' ' '); \
+	if [ -n "$$missing" ]; then \
 	  if ! command -v apt-get >/dev/null; then \
-	    echo "tests/test_prometheus.py needs prometheus and promtool on PATH: install them" >&2; exit 1; \
+	    echo "the tests need Debian's $$missing(or the same programs on PATH): install them" >&2; exit 1; \
 	  elif [ "$$(id -u)" -eq 0 ]; then sudo=; \
 	  elif command -v sudo >/dev/null; then sudo=sudo; \
-	  else echo "installing prometheus for tests/test_prometheus.py needs root or sudo" >&2; exit 1; fi; \
-	  echo "installing Debian's prometheus for tests/test_prometheus.py"; \
-	  $$sudo $(APT_INSTALL) || { $$sudo $(APT) update && $$sudo $(APT_INSTALL); }; \
+	  else echo "installing $$missing for the tests needs root or sudo" >&2; exit 1; fi; \
+	  echo "installing Debian's $$missing for the tests"; \
+	  $$sudo $(APT) install -y --no-install-recommends $$missing || \
+	    { $$sudo $(APT) update && $$sudo $(APT) install -y --no-install-recommends $$missing; }; \
 	fi
 
 # The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`).
 run: $(VENV)/.runtime
 	$(PY) -m server serve
 
-test: $(VENV)/.test prometheus lint
+test: $(VENV)/.test test-tools lint
 	$(PY) -m pytest
 
 lint: $(VENV)/.test
@@ -63,3 +67,7 @@ model: $(VENV)/.runtime
 
 samples: $(VENV)/.runtime
 	$(PY) -m server.demo.sampling --seeds 4 --grid docs/samples.png
+
+# Redraw the README's picture of the playground (a real Chromium drives it: tests/test_playground.py).
+screenshot: $(VENV)/.test test-tools
+	DIFFSHARD_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k red_circle -q

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
 from server import __version__
-from server.api import health, routes
+from server.api import health, playground, routes
 from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
@@ -179,6 +179,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)
+    app.include_router(playground.router)
     install_openapi(app, _bounds(settings, app.state.api_keys is not None))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
     app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too

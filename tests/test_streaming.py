@@ -55,6 +55,7 @@ def test_two_partial_images_then_the_completed_one(client: openai.OpenAI) -> Non
     assert later < earlier, (earlier, later)  # the predictions converge on the image
     plain = client.images.generate(prompt="a red circle", size="64x64", extra_body=EXTRA)
     assert base64.b64decode(plain.data[0].b64_json) == base64.b64decode(events[-1].b64_json)
+    assert events[-1].model_extra["seed"] == plain.data[0].model_extra["seed"] == EXTRA["seed"]
 
 
 def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client: openai.OpenAI) -> None:
@@ -64,6 +65,8 @@ def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client
         )
     )
     kinds = [(e.type, e.model_extra["image_index"]) for e in events]
+    seeds = {e.model_extra["image_index"]: e.model_extra["seed"] for e in events if "seed" in e.model_extra}
+    assert seeds == {0: EXTRA["seed"], 1: EXTRA["seed"] + 1}
     assert sorted(kinds) == sorted(
         [("image_generation.partial_image", i) for i in (0, 1)]
         + [("image_generation.completed", i) for i in (0, 1)]

@@ -145,6 +145,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     _nullable(
         props["size"],
         pattern=SIZE_PATTERN,
+        examples=[f"{b.native_size}x{b.native_size}"],
         description=f'"WIDTHxHEIGHT" in pixels, multiples of {b.size_multiple}{side}, '
         f"width x height at most {b.max_pixels} (DIFFSHARD_MAX_PIXELS); default: the native size, "
         f"{b.native_size}x{b.native_size}",

@@ -5,10 +5,11 @@
            "image_index": 0, "created_at": ..., "size": "64x64", "quality": "auto",
            "background": "opaque", "output_format": "png"}
 
-then one `image_generation.completed` per image (the same fields, `usage`, no partial index).
+then one `image_generation.completed` per image (the same fields, `usage` and its `seed`, no
+partial index).
 A partial image is the model's own prediction of the finished image at evenly spaced steps.
-With n > 1, `image_index` (diffshard's extension; the SDK keeps unknown fields) says which
-image an event is about. An error after the stream began is an `error` event with OpenAI's
+With n > 1, `image_index` (diffshard's extension, like `seed`; the SDK keeps unknown fields)
+says which image an event is about. An error after the stream began is an `error` event with OpenAI's
 envelope, which the SDK raises.
 
 With `stream_progress: true` (an extension) the stream also says where the request is, each
@@ -142,5 +143,6 @@ async def image_events(
     if with_progress and (now := progress(job)) != said:
         yield _stamped("diffshard.progress", now)  # every step done
     for image, pixels in enumerate(images):
-        data = {"b64_json": await encoded(pixels), "image_index": image, "usage": USAGE}
+        seed = job.requests[image].seed
+        data = {"b64_json": await encoded(pixels), "image_index": image, "seed": seed, "usage": USAGE}
         yield _stamped("image_generation.completed", {**data, **fields})

@@ -1,0 +1,413 @@
+// The diffshard playground: a form that streams OpenAI image events from this server
+// (POST /v1/images/generations with stream: true), and a panel of the devices' memory.
+// Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
+
+const $ = (id) => document.getElementById(id);
+const KEY = "diffshard.apiKey"; // session storage only: gone when the tab closes
+const REFRESH_MS = 5000;
+const OPTIONAL = ["negative_prompt", "size", "scheduler"]; // sent only when filled in
+const NUMBERS = ["num_inference_steps", "guidance_scale", "seed"]; // likewise
+
+let running = null; // the AbortController of the generation in flight
+let urls = []; // object URLs of the shown images, revoked when the next generation starts
+
+// Talking to the server.
+
+function authorization() {
+  const key = sessionStorage.getItem(KEY);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+async function api(path, init = {}) {
+  const response = await fetch(path, { ...init, headers: { ...authorization(), ...init.headers } });
+  if (response.status === 401) $("key-field").hidden = false;
+  return response;
+}
+
+const HINTS = {
+  401: "Enter a valid API key above.",
+  413: "The request is too large.",
+  429: "Too many requests: wait a moment.",
+  500: "The server log has the details.",
+  504: "It ran too long: try fewer steps, images or pixels.",
+};
+
+// An error answer in plain words: the envelope's message (it names the field and the limit)
+// and what to do about it.
+function explain(status, error = {}, retryAfter = null) {
+  let text = error.message || `The server answered ${status}.`;
+  text = text.charAt(0).toUpperCase() + text.slice(1) + (/[.!?]$/.test(text) ? "" : ".");
+  let hint = HINTS[status];
+  if (status === 503) {
+    hint = retryAfter ? `The server is busy: try again in ${retryAfter} s.` : "Try again shortly.";
+  }
+  return { text: hint ? `${text} ${hint}` : text, param: error.param };
+}
+
+async function problem(response) {
+  let error = {};
+  try {
+    error = (await response.json()).error || {};
+  } catch {
+    // not an envelope (a proxy's page): the status says enough
+  }
+  return explain(response.status, error, response.headers.get("retry-after"));
+}
+
+// Seeds go up to 2^63 - 1, past what a JavaScript number holds exactly: keep the digits sent.
+function exactSeed(key, value, context) {
+  return key === "seed" && context?.source ? context.source : value;
+}
+
+// Server-sent events of a fetch response: {event, data} as they arrive.
+async function* serverEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replaceAll("\r\n", "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let event = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) event = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).trimStart());
+      }
+      if (data.length) yield { event, data: JSON.parse(data.join("\n"), exactSeed) };
+    }
+  }
+}
+
+// The form.
+
+function showError(problem) {
+  const box = $("error");
+  box.textContent = problem.text;
+  box.hidden = false;
+  const field = problem.param && document.querySelector(`#generate [name="${problem.param}"]`);
+  if (field) {
+    field.setAttribute("aria-invalid", "true");
+    field.focus();
+  }
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").textContent = "";
+  for (const field of document.querySelectorAll("#generate [aria-invalid]")) {
+    field.removeAttribute("aria-invalid");
+  }
+}
+
+// The first field the browser finds wrong (a number out of range, a size not WxH), in words.
+function invalidField() {
+  for (const field of $("generate").elements) {
+    if (field.willValidate && !field.checkValidity()) {
+      const label = document.querySelector(`label[for="${field.id}"]`).textContent;
+      return { text: `${label}: ${field.validationMessage}`, param: field.name };
+    }
+  }
+  if (!$("prompt").value.trim()) return { text: "Write a prompt first.", param: "prompt" };
+  return null;
+}
+
+function requestBody() {
+  const form = $("generate").elements;
+  const body = {
+    prompt: form.prompt.value,
+    n: form.n.valueAsNumber,
+    stream: true,
+    stream_progress: true,
+    partial_images: Number(form.partial_images.value),
+    output_format: form.output_format.value,
+  };
+  for (const name of OPTIONAL) if (form[name].value.trim()) body[name] = form[name].value.trim();
+  for (const name of NUMBERS) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
+  body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
+  return body;
+}
+
+function randomSeed() {
+  const [draw] = crypto.getRandomValues(new Uint32Array(1));
+  return draw * 2 ** 21 + Math.floor(Math.random() * 2 ** 21); // below 2^53
+}
+
+function setProgress(text, fraction = null) {
+  const bar = $("progress");
+  if (fraction === null) bar.removeAttribute("value"); // indeterminate: waiting in line
+  else bar.value = fraction;
+  $("progress-text").textContent = text;
+}
+
+// The images: one card per image, showing its latest preview and then the image itself,
+// with the previews kept in a strip beneath.
+
+function card(index, body) {
+  const item = document.createElement("li");
+  item.className = "card";
+  item.dataset.image = index;
+  item.innerHTML = `
+    <figure>
+      <div class="frame"><img alt="" hidden><span class="badge" hidden></span></div>
+      <figcaption>
+        <span class="title"></span> <span class="seed"></span>
+        <button class="reuse" type="button" hidden>Use seed</button> <a class="download" hidden>Download</a>
+      </figcaption>
+    </figure>
+    <ol class="strip" aria-label="Previews"></ol>`;
+  item.querySelector(".title").textContent = `Image ${index + 1}`;
+  item.querySelector("img").dataset.prompt = body.prompt;
+  return item;
+}
+
+function imageURL(b64, format) {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const url = URL.createObjectURL(new Blob([bytes], { type: `image/${format}` }));
+  urls.push(url);
+  return url;
+}
+
+function show(img, url, alt) {
+  img.onload = () => img.classList.toggle("pixelated", img.naturalWidth < 256);
+  img.src = url;
+  img.alt = alt;
+  img.hidden = false;
+}
+
+function onPartial(data) {
+  const item = document.querySelector(`.card[data-image="${data.image_index ?? 0}"]`);
+  const number = data.partial_image_index + 1;
+  const url = imageURL(data.b64_json, data.output_format);
+  const img = item.querySelector(".frame img");
+  if (img.dataset.kind !== "final") {
+    show(img, url, `Preview ${number} of image ${Number(item.dataset.image) + 1}`);
+    img.dataset.kind = "partial";
+    const badge = item.querySelector(".badge");
+    badge.textContent = `preview ${number}`;
+    badge.hidden = false;
+  }
+  const thumb = document.createElement("li");
+  const small = document.createElement("img");
+  show(small, url, `Preview ${number}`);
+  small.dataset.kind = "partial";
+  thumb.append(small);
+  item.querySelector(".strip").append(thumb);
+}
+
+function onCompleted(data) {
+  const item = document.querySelector(`.card[data-image="${data.image_index ?? 0}"]`);
+  const img = item.querySelector(".frame img");
+  const url = imageURL(data.b64_json, data.output_format);
+  show(img, url, `${img.dataset.prompt}, image ${Number(item.dataset.image) + 1}, seed ${data.seed}`);
+  img.dataset.kind = "final";
+  item.querySelector(".badge").hidden = true;
+  item.querySelector(".seed").textContent = `seed ${data.seed}`;
+  const link = item.querySelector(".download");
+  link.href = url;
+  link.download = `diffshard-${data.seed}.${data.output_format === "jpeg" ? "jpg" : data.output_format}`;
+  link.hidden = false;
+  const reuse = item.querySelector(".reuse");
+  reuse.setAttribute("aria-label", `Use seed ${data.seed} in the form`);
+  reuse.onclick = () => {
+    $("seed").value = data.seed;
+    $("n").value = 1;
+    $("seed").focus();
+  };
+  reuse.hidden = false;
+}
+
+function onProgress(data) {
+  if (data.status === "queued") {
+    setProgress(`Waiting: ${data.queue_position} in line.`);
+  } else {
+    setProgress(`Step ${data.step} of ${data.steps}.`, data.steps ? data.step / data.steps : 0);
+  }
+}
+
+async function generate() {
+  clearError();
+  const invalid = invalidField();
+  if (invalid) return showError(invalid);
+  const body = requestBody();
+  for (const url of urls) URL.revokeObjectURL(url);
+  urls = [];
+  $("images").replaceChildren(...Array.from({ length: body.n }, (_, i) => card(i, body)));
+  $("results-empty").hidden = true;
+  running = new AbortController();
+  $("go").disabled = true;
+  $("stop").disabled = false;
+  setProgress("Sending…", 0);
+  const started = performance.now();
+  let completed = 0;
+  try {
+    const response = await api("/v1/images/generations", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: running.signal,
+    });
+    if (!response.ok) {
+      showError(await problem(response));
+      setProgress("Not started.", 0);
+      return;
+    }
+    for await (const { event, data } of serverEvents(response)) {
+      if (event === "diffshard.progress") onProgress(data);
+      else if (event === "image_generation.partial_image") onPartial(data);
+      else if (event === "image_generation.completed") {
+        onCompleted(data);
+        completed += 1;
+      } else if (event === "error") showError(explain(500, data.error));
+    }
+    const seconds = ((performance.now() - started) / 1000).toFixed(1);
+    const images = completed === 1 ? "image" : "images";
+    setProgress(completed ? `Done: ${completed} ${images} in ${seconds} s.` : "Stopped.", completed ? 1 : 0);
+  } catch (err) {
+    if (err.name === "AbortError") setProgress("Stopped: the server drops the request.", 0);
+    else {
+      showError({ text: "Cannot reach the server: is it running? Check the address and try again." });
+      setProgress("Not finished.", 0);
+    }
+  } finally {
+    running = null;
+    $("go").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+// The devices panel: the shard plan and each device's memory, from /v1/shards.
+
+function bytes(count) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let unit = 0;
+  while (count >= 1024 && unit < units.length - 1) {
+    count /= 1024;
+    unit += 1;
+  }
+  return `${count.toFixed(unit ? 1 : 0)} ${units[unit]}`;
+}
+
+function deviceItem(name, { blocks, memory }, pool) {
+  const item = document.createElement("li");
+  item.dataset.device = name;
+  const onGPU = memory.allocated !== null;
+  const used = onGPU ? memory.allocated : memory.total - memory.free;
+  const what = onGPU ? "allocated" : "host RAM in use";
+  const rows = [
+    ["weights", bytes(memory.shard_bytes)],
+    [what, memory.total ? `${bytes(used)} of ${bytes(memory.total)}` : "unknown"],
+  ];
+  if (!onGPU && memory.resident !== null) rows.push(["this process", bytes(memory.resident)]);
+  if (pool) rows.push(["pool in use", bytes(pool.bytes_in_use)]);
+  item.innerHTML = `<h3></h3><meter min="0" max="1"></meter><dl></dl>
+    <details><summary></summary><p class="blocks"></p></details>`;
+  item.querySelector("h3").textContent = name;
+  const meter = item.querySelector("meter");
+  meter.value = memory.total ? used / memory.total : 0;
+  meter.setAttribute("aria-label", `${name}: ${what}`);
+  meter.textContent = `${Math.round(meter.value * 100)}%`;
+  for (const [term, value] of rows) {
+    const dt = document.createElement("dt");
+    const dd = document.createElement("dd");
+    dt.textContent = term;
+    dd.textContent = value;
+    item.querySelector("dl").append(dt, dd);
+  }
+  item.querySelector("summary").textContent = `${blocks.length} blocks`;
+  item.querySelector(".blocks").textContent = blocks.join(", ");
+  return item;
+}
+
+async function refreshDevices() {
+  if (document.hidden) return;
+  let response;
+  try {
+    response = await api("/v1/shards");
+  } catch {
+    $("plan").textContent = "Cannot reach the server.";
+    return;
+  }
+  if (!response.ok) {
+    $("plan").textContent = (await problem(response)).text;
+    return;
+  }
+  const shards = await response.json();
+  const { replicas, stages, micro_batches } = shards.parallel;
+  const plural = (count, word) => `${count} ${word}${count === 1 ? "" : "s"}`;
+  $("plan").textContent =
+    `${plural(replicas, "replica")} × ${plural(stages, "stage")}, ` +
+    `${plural(micro_batches, "lane")}, ${shards.plan.dtype}.`;
+  const open = new Set([...document.querySelectorAll("#device-list details[open]")].map(
+    (d) => d.closest("li").dataset.device));
+  $("device-list").replaceChildren(
+    ...Object.entries(shards.devices).map(([name, device]) => {
+      const item = deviceItem(name, device, shards.pool[name]);
+      item.querySelector("details").open = open.has(name);
+      return item;
+    }),
+  );
+}
+
+// Start: the limits from the OpenAPI document, the server's state, the devices.
+
+async function readLimits() {
+  const response = await fetch("/openapi.json");
+  if (!response.ok) return;
+  const fields = (await response.json()).components.schemas.ImageGenerationRequest.properties;
+  const branch = (field) => (field.anyOf || [field]).find((b) => b.type !== "null");
+  const form = $("generate").elements;
+  form.n.max = fields.n.maximum;
+  form.prompt.maxLength = fields.prompt.maxLength;
+  form.num_inference_steps.max = branch(fields.num_inference_steps).maximum;
+  form.seed.max = Math.min(branch(fields.seed).maximum, Number.MAX_SAFE_INTEGER); // typed: a number
+  const size = branch(fields.size).examples?.[0];
+  if (size) {
+    form.size.placeholder = size;
+    $("size-help").textContent = `width×height; default ${size}`;
+  }
+  for (const name of branch(fields.scheduler).enum || []) {
+    if (name !== "default") form.scheduler.add(new Option(name, name));
+  }
+}
+
+async function readStatus() {
+  let text;
+  try {
+    const response = await fetch("/readyz");
+    const answer = await response.json();
+    text = response.ok ? `Serving ${answer.model}.` : explain(response.status, answer.error).text;
+    if (!response.ok) setTimeout(readStatus, 2000); // loading: look again
+  } catch {
+    text = "Cannot reach the server.";
+  }
+  $("server-status").textContent = text;
+}
+
+function start() {
+  const key = $("api-key");
+  key.value = sessionStorage.getItem(KEY) || "";
+  if (key.value) $("key-field").hidden = false;
+  key.addEventListener("input", () => {
+    if (key.value) sessionStorage.setItem(KEY, key.value);
+    else sessionStorage.removeItem(KEY);
+  });
+  $("generate").addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (!running) generate();
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("generate").requestSubmit();
+  });
+  $("stop").addEventListener("click", () => running?.abort());
+  document.addEventListener("visibilitychange", refreshDevices);
+  readLimits();
+  readStatus();
+  refreshDevices();
+  setInterval(refreshDevices, REFRESH_MS);
+}
+
+start();

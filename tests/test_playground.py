@@ -1,0 +1,223 @@
+"""The playground at `/`, in a real browser: Debian's Chromium, headless, driven by selenium
+through Debian's chromedriver (`make test` installs both; nothing is downloaded at test time).
+
+Type "a red circle", press Generate: a partial preview appears, then the image, which the
+built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
+image the API returns for that seed; the devices panel lists /v1/shards' devices. Also: the key
+field and errors in plain words on a server with keys, and Stop cancelling the request.
+
+`DIFFSHARD_SCREENSHOT=docs/playground.png` saves the README's screenshot (`make screenshot`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from server.api.playground import FILES
+from server.demo.evaluate import Verdict, classify
+from tests.live import LiveServer, live_server
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+DEADLINE_S = 60
+# Quiet and offline: no background fetches, updates, sync or first-run pages.
+FLAGS = (
+    "--headless=new",
+    "--no-sandbox",  # the tests may run as root
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--window-size=1400,1000",
+)
+# Records, in the page, each kind ("partial", "final") the main image of each card takes, in order.
+RECORD_KINDS = """
+window.kinds = [];
+new MutationObserver((changes) => {
+  for (const change of changes) {
+    if (change.target.matches(".frame img")) {
+      window.kinds.push([change.target.closest(".card").dataset.image, change.target.dataset.kind]);
+    }
+  }
+}).observe(document.getElementById("images"), {subtree: true, attributeFilter: ["data-kind"]});
+"""
+# The pixels an <img> shows, as RGBA bytes row by row (the page's CSP keeps scripts from fetching
+# its blob: URLs, so they are read off a canvas).
+IMAGE_PIXELS = """
+const image = arguments[0];
+const canvas = document.createElement("canvas");
+[canvas.width, canvas.height] = [image.naturalWidth, image.naturalHeight];
+const context = canvas.getContext("2d");
+context.drawImage(image, 0, 0);
+const pixels = context.getImageData(0, 0, canvas.width, canvas.height).data;
+return [canvas.width, canvas.height, Array.from(pixels)];
+"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
+    if missing:
+        pytest.fail(f"Chromium is not installed: run `make test`, which installs it ({missing} missing)")
+    os.environ["SE_OFFLINE"] = "true"  # selenium must not look for a driver or browser online
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+def test_the_page_and_its_files_come_from_this_server_alone(server: LiveServer) -> None:
+    page = httpx.get(f"{server.url}/")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    policy = page.headers["content-security-policy"]
+    assert {"default-src 'none'", "script-src 'self'", "connect-src 'self'"} <= set(policy.split("; "))
+    texts = [page.text]
+    for name, kind in FILES.items():
+        asset = httpx.get(f"{server.url}/playground/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+        texts.append(asset.text)
+    assert not [t for t in texts if "http://" in t or "https://" in t]  # no CDN: it works offline
+    for other in ("index.html", "..%2Fplayground.py", "%2e%2e/app.py"):
+        missing = httpx.get(f"{server.url}/playground/{other}")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def until(browser: WebDriver, condition, what: str):
+    """Wait for `condition(browser)`, polled every 100 ms, up to the deadline."""
+    return WebDriverWait(browser, DEADLINE_S, poll_frequency=0.1).until(condition, f"waiting for {what}")
+
+
+def open_page(browser: WebDriver, url: str) -> None:
+    browser.get(f"{url}/")
+    until(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#device-list li"), "the devices panel")
+
+
+def fill(browser: WebDriver, **fields: str) -> None:
+    for name, value in fields.items():
+        field = browser.find_element(By.ID, name)
+        field.clear()
+        field.send_keys(value)
+
+
+def final_images(browser: WebDriver, count: int) -> list:
+    return until(
+        browser,
+        lambda b: (
+            len(found := b.find_elements(By.CSS_SELECTOR, '.frame img[data-kind="final"]')) == count and found
+        ),
+        f"{count} final images",
+    )
+
+
+def test_a_red_circle_streams_its_previews_then_the_image(
+    browser: WebDriver, server: LiveServer, tmp_path: Path
+) -> None:
+    open_page(browser, server.url)
+    browser.execute_script(RECORD_KINDS)
+    fill(browser, prompt="a red circle", seed="7")
+    browser.find_element(By.ID, "go").click()
+    [image] = final_images(browser, 1)
+
+    kinds = browser.execute_script("return window.kinds")
+    assert kinds[0] == ["0", "partial"] and kinds[-1] == ["0", "final"], kinds  # a preview came first
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".strip img")) == 3  # the default: 3 previews
+    assert browser.find_element(By.ID, "progress-text").text.startswith("Done: 1 image in")
+    assert browser.find_element(By.CSS_SELECTOR, ".card .seed").text == "seed 7"
+    assert browser.find_element(By.CSS_SELECTOR, ".card .download").get_attribute("download") == (
+        "diffshard-7.png"
+    )
+
+    width, height, rgba = browser.execute_script(IMAGE_PIXELS, image)
+    shown = np.array(rgba, dtype=np.uint8).reshape(height, width, 4)[..., :3]
+    assert classify(shown) == Verdict("red", "circle")
+    plain = httpx.post(
+        f"{server.url}/v1/images/generations", json={"prompt": "a red circle", "seed": 7}, timeout=60
+    )
+    api_image = Image.open(io.BytesIO(base64.b64decode(plain.json()["data"][0]["b64_json"])))
+    np.testing.assert_array_equal(shown, np.asarray(api_image.convert("RGB")))  # the API's image, as is
+
+    devices = httpx.get(f"{server.url}/v1/shards").json()["devices"]
+    listed = browser.find_elements(By.CSS_SELECTOR, "#device-list li")
+    assert [item.get_attribute("data-device") for item in listed] == list(devices)
+    assert all("weights" in item.text for item in listed)
+
+    wanted = os.environ.get("DIFFSHARD_SCREENSHOT")  # make screenshot: for the README
+    browser.save_screenshot(Path(wanted).resolve() if wanted else tmp_path / "playground.png")
+
+
+def test_stop_cancels_the_request_on_the_server(browser: WebDriver, server: LiveServer) -> None:
+    open_page(browser, server.url)
+    before = server.stats()["engine"]["rejected"].get("cancelled", 0)
+    fill(browser, prompt="a blue square", num_inference_steps="100", n="4")
+    browser.find_element(By.ID, "go").click()
+    until(browser, lambda b: b.find_elements(By.CSS_SELECTOR, ".strip img"), "a first preview")
+    browser.find_element(By.ID, "stop").click()
+    until(browser, lambda b: b.find_element(By.ID, "progress-text").text.startswith("Stopped"), "stopped")
+    server.wait_for(lambda s: s["engine"]["rejected"].get("cancelled", 0) == before + 1)
+    assert browser.find_element(By.ID, "go").is_enabled()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("sk-playground\n")
+    with live_server("--api-key-file", str(keys)) as running:
+        yield running
+
+
+def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveServer) -> None:
+    assert httpx.get(f"{keyed_server.url}/").status_code == 200  # the page holds nothing to guard
+    assert httpx.get(f"{keyed_server.url}/v1/shards").status_code == 401
+    browser.get(f"{keyed_server.url}/")  # the page is public; /v1 asks for the key
+    key = browser.find_element(By.ID, "api-key")
+    until(browser, lambda b: key.is_displayed(), "the key field")
+    fill(browser, prompt="a red circle", seed="1")
+    browser.find_element(By.ID, "go").click()
+    error = until(browser, lambda b: (box := b.find_element(By.ID, "error")).is_displayed() and box, "error")
+    assert error.text == (
+        "Missing API key: send the header Authorization: Bearer <key>. Enter a valid API key above."
+    )
+
+    key.send_keys("sk-playground")
+    fill(browser, size="4096x4096")  # the form's pattern allows it; the server's pixel limit does not
+    browser.find_element(By.ID, "go").click()
+    until(browser, lambda b: error.text.startswith("Size: 4096x4096 is"), "the size refused")
+    assert error.text.endswith("the limit is 16384 (DIFFSHARD_MAX_PIXELS).")
+    assert browser.find_element(By.ID, "size").get_attribute("aria-invalid") == "true"
+    assert browser.switch_to.active_element == browser.find_element(By.ID, "size")
+
+    fill(browser, size="64x64", num_inference_steps="1000")  # over the maximum the OpenAPI document states
+    browser.find_element(By.ID, "go").click()
+    until(browser, lambda b: error.text.startswith("Steps: "), "the steps refused")
+
+    fill(browser, num_inference_steps="10")
+    browser.find_element(By.ID, "go").click()
+    final_images(browser, 1)
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    assert browser.execute_script("return sessionStorage.getItem('diffshard.apiKey')") == "sk-playground"
+    assert browser.execute_script("return localStorage.length") == 0  # the key stays in this tab
