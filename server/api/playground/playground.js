@@ -136,11 +136,14 @@ function randomSeed() {
   return draw * 2 ** 21 + Math.floor(Math.random() * 2 ** 21); // below 2^53
 }
 
-function setProgress(text, fraction = null) {
+// The bar and its words change every step; screen readers hear only changes of state
+// (waiting, generating, done), not every step.
+function setProgress(text, fraction = null, { announce = true } = {}) {
   const bar = $("progress");
   if (fraction === null) bar.removeAttribute("value"); // indeterminate: waiting in line
   else bar.value = fraction;
   $("progress-text").textContent = text;
+  if (announce) $("announce").textContent = text;
 }
 
 // The images: one card per image, showing its latest preview and then the image itself,
@@ -224,7 +227,11 @@ function onProgress(data) {
   if (data.status === "queued") {
     setProgress(`Waiting: ${data.queue_position} in line.`);
   } else {
-    setProgress(`Step ${data.step} of ${data.steps}.`, data.steps ? data.step / data.steps : 0);
+    const first = !$("announce").textContent.startsWith("Generating");
+    if (first) $("announce").textContent = `Generating: ${data.steps} steps.`;
+    setProgress(`Step ${data.step} of ${data.steps}.`, data.steps ? data.step / data.steps : 0, {
+      announce: false,
+    });
   }
 }
 
@@ -240,7 +247,7 @@ async function generate() {
   running = new AbortController();
   $("go").disabled = true;
   $("stop").disabled = false;
-  setProgress("Sending…", 0);
+  setProgress("Sending…", 0, { announce: false });
   const started = performance.now();
   let completed = 0;
   try {
