@@ -26,10 +26,10 @@ TEST_PACKAGES := prometheus:prometheus promtool:prometheus chromium:chromium chr
 APT := env DEBIAN_FRONTEND=noninteractive apt-get
 test-tools:
 	@missing=$$(for pair in $(TEST_PACKAGES); do \
-	  command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u | tr '\n' ' '); \
+	  command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u | xargs); \
 	if [ -n "$$missing" ]; then \
 	  if ! command -v apt-get >/dev/null; then \
-	    echo "the tests need Debian's $$missing(or the same programs on PATH): install them" >&2; exit 1; \
+	    echo "the tests need Debian's $$missing (or the same programs on PATH): install them" >&2; exit 1; \
 	  elif [ "$$(id -u)" -eq 0 ]; then sudo=; \
 	  elif command -v sudo >/dev/null; then sudo=sudo; \
 	  else echo "installing $$missing for the tests needs root or sudo" >&2; exit 1; fi; \

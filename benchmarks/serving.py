@@ -5,7 +5,8 @@ Two real servers (`python -m server serve`, the built-in model, its recommended 
 guidance) run side by side: `batched` with the default settings, and `one_at_a_time` with
 `--max-batch 2`, so a single guided request (2 UNet rows) fills every step, as a server
 that runs requests one after another does. A third column, `streaming`, is the batched server
-with every request `stream: true, partial_images: 2` (each event read as it comes). For 1, 4,
+with every request as the playground sends it, `stream: true, partial_images: 2,
+stream_progress: true` (each event read as it comes). For 1, 4,
 8 and 16 concurrent clients, each sending requests back to back, all three are measured in the
 same round (in alternating order): images/s over the round's wall time, and per-request
 latency percentiles.
@@ -35,7 +36,7 @@ from tests.live import LiveServer, live_server
 CLIENTS = (1, 4, 8, 16)
 SERVERS = {"batched": (), "one_at_a_time": ("--max-batch", "2")}
 COLUMNS = {"batched": "batched", "one_at_a_time": "one_at_a_time", "streaming": "batched"}  # → server
-STREAM = {"stream": True, "partial_images": 2}
+STREAM = {"stream": True, "partial_images": 2, "stream_progress": True}
 TARGET_SPEEDUP_AT_8 = 3.0
 TARGET_STREAMING_AT_8 = 0.9
 TARGET_P95_OVER_LONE_AT_8 = 4.0
@@ -55,10 +56,10 @@ def client_loop(server: LiveServer, requests: int, seed: int, stream: bool = Fal
             started = time.perf_counter()
             with client.stream("POST", "/v1/images/generations", json=body) as response:
                 response.raise_for_status()
-                events = sum(line.startswith("event: ") for line in response.iter_lines())
+                events = sum(line.startswith("event: image_") for line in response.iter_lines())
             latencies.append(time.perf_counter() - started)
-            if stream and events != 3:  # two partial images and the completed one
-                raise RuntimeError(f"{events} events, not 3")
+            if stream and events != 3:  # two partial images and the completed one (and progress)
+                raise RuntimeError(f"{events} image events, not 3")
     return latencies
 
 
