@@ -1,13 +1,16 @@
-"""Tiny real diffusers UNets built from config under fixed seeds; `gpu` tests skip without CUDA."""
+"""Tiny real diffusers UNets built from config under fixed seeds; a live server with API keys;
+`gpu` tests skip without CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
+from tests.live import LiveServer, live_server
 from tests.tiny_pipelines import BUILDERS, build_sd3_folder
 
 
@@ -72,3 +75,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):  # the marker, not a keyword: a test id may say gpu
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """`python -m server serve --api-key-file` with the keys sk-first and sk-second."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("# one key a line\nsk-first\nsk-second\n")
+    with live_server("--api-key-file", str(keys)) as running:
+        yield running

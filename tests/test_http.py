@@ -35,14 +35,6 @@ def server() -> Iterator[LiveServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("# one key a line\nsk-first\nsk-second\n")
-    with live_server("--api-key-file", str(keys)) as running:
-        yield running
-
-
 def pngs(result) -> list[bytes]:
     return [base64.b64decode(item.b64_json) for item in result.data]
 

@@ -182,14 +182,6 @@ def test_stop_cancels_the_request_on_the_server(browser: WebDriver, server: Live
     assert browser.find_element(By.ID, "go").is_enabled()
 
 
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("sk-playground\n")
-    with live_server("--api-key-file", str(keys)) as running:
-        yield running
-
-
 def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveServer) -> None:
     assert httpx.get(f"{keyed_server.url}/").status_code == 200  # the page holds nothing to guard
     assert httpx.get(f"{keyed_server.url}/v1/shards").status_code == 401
@@ -203,7 +195,7 @@ def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveSe
         "Missing API key: send the header Authorization: Bearer <key>. Enter a valid API key above."
     )
 
-    key.send_keys("sk-playground")
+    key.send_keys("sk-first")
     fill(browser, size="4096x4096")  # the form's pattern allows it; the server's pixel limit does not
     browser.find_element(By.ID, "go").click()
     until(browser, lambda b: error.text.startswith("Size: 4096x4096 is"), "the size refused")
@@ -219,5 +211,5 @@ def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveSe
     browser.find_element(By.ID, "go").click()
     final_images(browser, 1)
     assert not browser.find_element(By.ID, "error").is_displayed()
-    assert browser.execute_script("return sessionStorage.getItem('diffshard.apiKey')") == "sk-playground"
+    assert browser.execute_script("return sessionStorage.getItem('diffshard.apiKey')") == "sk-first"
     assert browser.execute_script("return localStorage.length") == 0  # the key stays in this tab

@@ -24,23 +24,18 @@ async function api(path, init = {}) {
   return response;
 }
 
+// What to do, where the server's message (which names the field, the limit or the setting,
+// and says when to retry) leaves it unsaid.
 const HINTS = {
   401: "Enter a valid API key above.",
-  413: "The request is too large.",
-  429: "Too many requests: wait a moment.",
-  500: "The server log has the details.",
-  504: "It ran too long: try fewer steps, images or pixels.",
+  504: "Try fewer steps, images or pixels.",
 };
 
-// An error answer in plain words: the envelope's message (it names the field and the limit)
-// and what to do about it.
-function explain(status, error = {}, retryAfter = null) {
-  let text = error.message || `The server answered ${status}.`;
+// An error answer in plain words: the envelope's message, a full sentence, and the hint.
+function explain(status, error = {}) {
+  let text = error.message || (status ? `The server answered ${status}.` : "The generation failed.");
   text = text.charAt(0).toUpperCase() + text.slice(1) + (/[.!?]$/.test(text) ? "" : ".");
-  let hint = HINTS[status];
-  if (status === 503) {
-    hint = retryAfter ? `The server is busy: try again in ${retryAfter} s.` : "Try again shortly.";
-  }
+  const hint = HINTS[status];
   return { text: hint ? `${text} ${hint}` : text, param: error.param };
 }
 
@@ -51,7 +46,7 @@ async function problem(response) {
   } catch {
     // not an envelope (a proxy's page): the status says enough
   }
-  return explain(response.status, error, response.headers.get("retry-after"));
+  return explain(response.status, error);
 }
 
 // Seeds go up to 2^63 - 1, past what a JavaScript number holds exactly: keep the digits sent.
@@ -163,7 +158,8 @@ function card(index, body) {
     </figure>
     <ol class="strip" aria-label="Previews"></ol>`;
   item.querySelector(".title").textContent = `Image ${index + 1}`;
-  item.querySelector("img").dataset.prompt = body.prompt;
+  const prompt = body.prompt.trim();
+  item.querySelector("img").dataset.prompt = prompt.length > 100 ? `${prompt.slice(0, 99)}…` : prompt;
   return item;
 }
 
@@ -268,7 +264,10 @@ async function generate() {
       else if (event === "image_generation.completed") {
         onCompleted(data);
         completed += 1;
-      } else if (event === "error") showError(explain(500, data.error));
+      } else if (event === "error") showError(explain(null, data.error)); // its message says why
+    }
+    if (completed < body.n && $("error").hidden) {
+      showError({ text: "The server closed the stream before the images were done. Try again." });
     }
     const seconds = ((performance.now() - started) / 1000).toFixed(1);
     const images = completed === 1 ? "image" : "images";
@@ -386,8 +385,7 @@ async function readStatus() {
   try {
     const response = await fetch("/readyz");
     const answer = await response.json();
-    text = response.ok ? `Serving ${answer.model}.` : explain(response.status, answer.error).text;
-    if (!response.ok) setTimeout(readStatus, 2000); // loading: look again
+    text = response.ok ? `Serving ${answer.model}.` : explain(null, answer.error).text;
   } catch {
     text = "Cannot reach the server.";
   }
@@ -414,7 +412,7 @@ function start() {
   readLimits();
   readStatus();
   refreshDevices();
-  setInterval(refreshDevices, REFRESH_MS);
+  setInterval(() => document.hidden || (readStatus(), refreshDevices()), REFRESH_MS);
 }
 
 start();
