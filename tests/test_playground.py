@@ -3,7 +3,7 @@ through Debian's chromedriver (`make test` installs both; nothing is downloaded 
 
 Type "a red circle", press Generate: a partial preview appears, then the image, which the
 built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
-image the API returns for that seed; the devices panel lists /v1/shards' devices. Also: the key
+image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. Also: the key
 field and errors in plain words on a server with keys, and Stop cancelling the request.
 
 `DIFFSHARD_SCREENSHOT=docs/playground.png` saves the README's screenshot (`make screenshot`).
@@ -161,10 +161,12 @@ def test_a_red_circle_streams_its_previews_then_the_image(
     api_image = Image.open(io.BytesIO(base64.b64decode(plain.json()["data"][0]["b64_json"])))
     np.testing.assert_array_equal(shown, np.asarray(api_image.convert("RGB")))  # the API's image, as is
 
-    devices = httpx.get(f"{server.url}/v1/shards").json()["devices"]
+    shards = httpx.get(f"{server.url}/v1/shards").json()
     listed = browser.find_elements(By.CSS_SELECTOR, "#device-list li")
-    assert [item.get_attribute("data-device") for item in listed] == list(devices)
+    assert [item.get_attribute("data-device") for item in listed] == list(shards["devices"])
     assert all("weights" in item.text for item in listed)
+    workers = browser.find_elements(By.CSS_SELECTOR, "#worker-list li span:first-child")
+    assert [worker.text for worker in workers] == list(shards["parallel"]["busy_seconds"])
 
     wanted = os.environ.get("DIFFSHARD_SCREENSHOT")  # make screenshot: for the README
     browser.save_screenshot(Path(wanted).resolve() if wanted else tmp_path / "playground.png")

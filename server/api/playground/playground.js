@@ -328,6 +328,31 @@ function deviceItem(name, { blocks, memory }, pool) {
   return item;
 }
 
+let lastBusy = null; // {at, seconds: {worker: busy seconds}} at the previous refresh
+
+// Each worker (a stage or replica) and how busy it was since the previous refresh.
+function workerItems(busySeconds) {
+  const at = performance.now();
+  const previous = lastBusy;
+  lastBusy = { at, seconds: busySeconds };
+  return Object.entries(busySeconds).map(([worker, seconds]) => {
+    const item = document.createElement("li");
+    const name = document.createElement("span");
+    const meter = document.createElement("meter");
+    const words = document.createElement("span");
+    name.textContent = worker;
+    const since = previous && worker in previous.seconds ? seconds - previous.seconds[worker] : null;
+    const share = since === null ? null : Math.min(1, since / ((at - previous.at) / 1000));
+    meter.min = 0;
+    meter.max = 1;
+    meter.value = share ?? 0;
+    meter.setAttribute("aria-label", `${worker} busy`);
+    words.textContent = share === null ? "busy —" : `busy ${Math.round(share * 100)}%`;
+    item.append(name, meter, words);
+    return item;
+  });
+}
+
 async function refreshDevices() {
   if (document.hidden) return;
   let response;
@@ -347,6 +372,7 @@ async function refreshDevices() {
   $("plan").textContent =
     `${plural(replicas, "replica")} × ${plural(stages, "stage")}, ` +
     `${plural(micro_batches, "lane")}, ${shards.plan.dtype}.`;
+  $("worker-list").replaceChildren(...workerItems(shards.parallel.busy_seconds));
   const open = new Set([...document.querySelectorAll("#device-list details[open]")].map(
     (d) => d.closest("li").dataset.device));
   $("device-list").replaceChildren(
