@@ -87,6 +87,21 @@ def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client
     assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "JPEG" for e in jpeg)
 
 
+def test_every_image_of_a_large_n_gets_its_partial_images(client: openai.OpenAI) -> None:
+    """A step hands over one partial image per image at once: the buffer holds a whole round."""
+    events = list(
+        client.images.generate(
+            prompt="a red circle", size="64x64", n=10, stream=True, partial_images=2, extra_body=EXTRA
+        )
+    )
+    partials = sorted(
+        (e.model_extra["image_index"], e.partial_image_index)
+        for e in events
+        if e.type == "image_generation.partial_image"
+    )
+    assert partials == [(image, k) for image in range(10) for k in (0, 1)]
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -128,33 +143,29 @@ def test_stream_progress_counts_the_steps_and_leaves_the_images_alone(server: Li
 
 def test_a_queued_stream_hears_its_place_in_line_then_its_steps() -> None:
     """One request at a time (--max-batch 2: a guided image takes 2 rows): the third request to
-    arrive waits second in line, then first, then runs."""
-    with live_server("--max-batch", "2") as small:
+    arrive waits second in line, then first once the running one is cancelled, then runs."""
+    with live_server("--max-batch", "2") as small, ThreadPoolExecutor(2) as pool:
         url = f"{small.url}/v1/images/generations"
         body = {"prompt": "a red circle", "stream": True, "stream_progress": True, "seed": 1}
-        with (
-            ThreadPoolExecutor(2) as pool,
-            httpx.stream("POST", url, json={**body, "num_inference_steps": 100}, timeout=60) as first,
-        ):
-            events = sse(first)
-            assert next(e for e in events if e[1].get("status") == "running")  # the first one runs
 
-            def statuses(steps: int) -> list[tuple]:
-                with httpx.stream("POST", url, json={**body, "num_inference_steps": steps}, timeout=60) as r:
-                    return [
-                        (d["status"], d["queue_position"]) for e, d in sse(r) if e == "diffshard.progress"
-                    ]
+        def places(steps: int) -> list[tuple]:
+            with httpx.stream("POST", url, json={**body, "num_inference_steps": steps}, timeout=60) as r:
+                return [(d["status"], d["queue_position"]) for e, d in sse(r) if e == "diffshard.progress"]
 
-            second = pool.submit(statuses, 30)
+        long = {**body, "num_inference_steps": 100, "n": 4}
+        with httpx.stream("POST", url, json=long, timeout=60) as first:
+            events = sse(first)  # held: a generator collected now would close the response
+            assert next(d for _, d in events if d.get("status") == "running")
+            second = pool.submit(places, 30)
             small.wait_for(lambda s: s["engine"]["queue_depth"] == 1)
-            third = pool.submit(statuses, 5)
+            third = pool.submit(places, 5)
             small.wait_for(lambda s: s["engine"]["queue_depth"] == 2)
-            list(events)  # let the first finish
-            assert second.result()[0] == ("queued", 1)
-            seen = third.result()
-        places = [place for status, place in seen if status == "queued"]
-        assert places == [2, 1], seen
-        assert {status for status, _ in seen[len(places) :]} == {"running"}
+        # the first request's client left: it is cancelled at the next step, and the line moves
+        assert second.result()[0] == ("queued", 1)
+        seen = third.result()
+    in_line = [place for status, place in seen if status == "queued"]
+    assert in_line == [2, 1], seen
+    assert {status for status, _ in seen[len(in_line) :]} == {"running"}
 
 
 def test_a_client_that_leaves_mid_stream_is_cancelled_and_its_buffers_return(server: LiveServer) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 from typing import Any
 
@@ -90,7 +91,7 @@ def _stream(
     body: ImageGenerationRequest, requests: list, request_id: str, service: Service
 ) -> StreamingResponse:
     """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
-    feed = Feed()
+    feed = Feed(len(requests))
     on_progress = feed.on_progress if body.stream_progress else None
     job = service.submit(requests, request_id=request_id, on_partial=feed.on_partial, on_progress=on_progress)
     first = job.requests[0]
@@ -106,8 +107,9 @@ def _stream(
             source = image_events(
                 job, feed, fields, body.output_compression, request_id, with_progress=body.stream_progress
             )
-            async for event in source:
-                yield event
+            async with contextlib.aclosing(source):  # its tasks end with the stream, not at collection
+                async for event in source:
+                    yield event
         finally:  # the client went away (or the stream ended): a job still running is dropped
             if not job.future.done():
                 service.cancel(job)

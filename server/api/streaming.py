@@ -22,10 +22,10 @@ time that changes:
 `queue_position` is 1 for the next request to start (null once running); `step` of `steps` is
 the denoising steps done (the least of the n images).
 
-The step loop hands partial images over without waiting: each stream buffers at most
-`PARTIAL_BUFFER` of them and drops the newest beyond that, so a slow reader never stalls other
-requests; progress is a flag, read when the stream is ready to write. A client that goes away
-cancels its request at the next step.
+The step loop hands partial images over without waiting: each stream buffers at most one
+round of them (one per image) plus `PARTIAL_BUFFER` and drops the newest beyond that, so a slow
+reader never stalls other requests; progress is a flag, read when the stream is ready to write.
+A client that goes away cancels its request at the next step.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class Feed:
     """What the step loop's thread tells one stream, handed to the stream's event loop without
     blocking: partial images in a bounded queue, and a flag that the job moved."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: int) -> None:
         self._loop = asyncio.get_running_loop()
-        self.partials: asyncio.Queue[Partial] = asyncio.Queue(PARTIAL_BUFFER)
+        self.partials: asyncio.Queue[Partial] = asyncio.Queue(images + PARTIAL_BUFFER)
         self.moved = asyncio.Event()
 
     def on_partial(self, image: int, partial: int, pixels: Any) -> None:

@@ -257,12 +257,14 @@ class Pipeline:
                     previews.append((state, partial, _clean(state, prediction, output, early)))
                 state.latents.copy_(output.prev_sample)
                 state.index += 1
-            # 4. The partial images due at this step, in one VAE call per size.
+            # 4. The partial images due at this step, batched per size as `decode` batches.
             for group in group_states([s for s, _, _ in previews]):
                 due = [(s, k, x0) for s, k, x0 in previews if any(s is g for g in group)]
-                pixels = self._pixels(torch.cat([x0 for _, _, x0 in due]))
-                for (state, index, _), image in zip(due, pixels, strict=True):
-                    state.preview = (index, image.permute(1, 2, 0).float().cpu())
+                for start in range(0, len(due), per_call := _images_per_call(group)):
+                    chunk = due[start : start + per_call]
+                    pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]))
+                    for (state, index, _), image in zip(chunk, pixels, strict=True):
+                        state.preview = (index, image.permute(1, 2, 0).float().cpu())
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:
@@ -272,10 +274,7 @@ class Pipeline:
         if any(s.closed for s in states):
             raise ValueError("a closed request cannot be decoded")
         check_group(states)
-        per_call = (
-            max(1, DECODE_PIXELS // (states[0].request.width * states[0].request.height)) if states else 1
-        )
-        for start in range(0, len(states), per_call):
+        for start in range(0, len(states), per_call := _images_per_call(states)):
             self._decode(states[start : start + per_call])
         return [s.image for s in states]
 
@@ -332,6 +331,11 @@ def _clean(
         return output.pred_original_sample
     sigma = state.scheduler.sigmas[state.scheduler.step_index - 1]  # the step just taken
     return state.latents - sigma * prediction
+
+
+def _images_per_call(states: Sequence[RequestState]) -> int:
+    """How many images of this (one) size one VAE call decodes: DECODE_PIXELS' worth, at least one."""
+    return max(1, DECODE_PIXELS // (states[0].request.width * states[0].request.height)) if states else 1
 
 
 @cache

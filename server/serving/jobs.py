@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -55,6 +55,15 @@ class Job:
         if not self.states:
             return [(0, r.steps) for r in self.requests]
         return [(s.index, s.steps) for s in self.states]
+
+
+def place_in_line(queue: Iterable[Job]) -> None:
+    """Number the waiting jobs from 1, and tell those whose place changed."""
+    for position, job in enumerate(queue, start=1):
+        if job.queue_position != position:
+            job.queue_position = position
+            if job.on_progress is not None:
+                job.on_progress()
 
 
 def leaving_outcome(job: Job) -> Rejected:

@@ -36,7 +36,7 @@ from server.errors import (
 from server.pipeline import Pipeline, RequestState, group_states
 from server.serving.faults import inject_fault
 from server.serving.health import Heartbeat, Watchdog, is_out_of_memory
-from server.serving.jobs import Job, failure_outcome, leaving_outcome
+from server.serving.jobs import Job, failure_outcome, leaving_outcome, place_in_line
 from server.serving.stats import LoopStats
 
 log = logging.getLogger("diffshard")
@@ -185,7 +185,6 @@ class StepLoop:
                 self._stop()
                 return False
             admitted = self._admit()
-            queued = list(self._queue)
         if self._clear_caches:
             self._free_device_memory()
         try:
@@ -197,8 +196,8 @@ class StepLoop:
             # 3. One batched step per group of same-size requests.
             for chunk in self._chunks():
                 self._step(chunk)
-            for job in [*queued, *self._active]:
-                job.report()  # the partial images due at this step; where the job is now
+            for job in self._active:
+                job.report()  # the partial images due at this step; its steps done
             # 4. Decode what finished; resolve the jobs whose images are all done.
             self._finish()
         except Exception:  # a bug in the loop itself: fail what is in flight, keep serving
@@ -240,8 +239,7 @@ class StepLoop:
         for job in admitted:
             self._stats.queue_wait_seconds.observe(now - job.submitted)
             job.queue_position = None
-        for position, job in enumerate(self._queue, start=1):
-            job.queue_position = position
+        place_in_line(self._queue)
         self._active.extend(admitted)
         return admitted
 
@@ -257,6 +255,8 @@ class StepLoop:
             for job in queued:
                 self._queue.remove(job)
                 self._stats.queue_wait_seconds.observe(now - job.submitted)  # waited, then left
+            if queued:
+                place_in_line(self._queue)
         for job in queued + [j for j in self._active if j.cancel_requested or now > j.deadline]:
             self._end([job], leaving_outcome(job))
 
