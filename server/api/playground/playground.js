@@ -58,14 +58,16 @@ function exactSeed(key, value, context) {
 async function* serverEvents(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
+  let scanned = 0; // where the search for an event's end goes on (an image event is large)
   for (;;) {
     const { value, done } = await reader.read();
     if (done) return;
     buffer += value.replaceAll("\r\n", "\n");
     let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
+    while ((end = buffer.indexOf("\n\n", scanned)) >= 0) {
       const block = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
+      scanned = 0;
       let event = "message";
       const data = [];
       for (const line of block.split("\n")) {
@@ -74,6 +76,7 @@ async function* serverEvents(response) {
       }
       if (data.length) yield { event, data: JSON.parse(data.join("\n"), exactSeed) };
     }
+    scanned = Math.max(0, buffer.length - 1); // a "\n" may end this chunk, its pair start the next
   }
 }
 
@@ -83,7 +86,7 @@ function showError(problem) {
   const box = $("error");
   box.textContent = problem.text;
   box.hidden = false;
-  const field = problem.param && document.querySelector(`#generate [name="${problem.param}"]`);
+  const field = problem.param && document.querySelector(`#generate [name="${CSS.escape(problem.param)}"]`);
   if (field) {
     field.setAttribute("aria-invalid", "true");
     field.focus();
@@ -177,8 +180,13 @@ function show(img, url, alt) {
   img.hidden = false;
 }
 
+function cardOf(data) {
+  return document.querySelector(`.card[data-image="${Number(data.image_index ?? 0)}"]`);
+}
+
 function onPartial(data) {
-  const item = document.querySelector(`.card[data-image="${data.image_index ?? 0}"]`);
+  const item = cardOf(data);
+  if (!item) return;
   const number = data.partial_image_index + 1;
   const url = imageURL(data.b64_json, data.output_format);
   const img = item.querySelector(".frame img");
@@ -197,8 +205,10 @@ function onPartial(data) {
   item.querySelector(".strip").append(thumb);
 }
 
+// Shows a finished image; 1 if it had a card, else 0.
 function onCompleted(data) {
-  const item = document.querySelector(`.card[data-image="${data.image_index ?? 0}"]`);
+  const item = cardOf(data);
+  if (!item) return 0;
   const img = item.querySelector(".frame img");
   const url = imageURL(data.b64_json, data.output_format);
   show(img, url, `${img.dataset.prompt}, image ${Number(item.dataset.image) + 1}, seed ${data.seed}`);
@@ -217,6 +227,7 @@ function onCompleted(data) {
     $("seed").focus();
   };
   reuse.hidden = false;
+  return 1;
 }
 
 function onProgress(data) {
@@ -231,21 +242,27 @@ function onProgress(data) {
   }
 }
 
+// While a generation runs, Generate is off and Stop on; focus follows, so a keyboard user who
+// pressed one is not dropped to the top of the page.
+function setRunning(on) {
+  const [from, to] = on ? [$("go"), $("stop")] : [$("stop"), $("go")];
+  const focused = document.activeElement === from;
+  to.disabled = false;
+  from.disabled = true;
+  if (focused) to.focus();
+}
+
 async function generate() {
   clearError();
   const invalid = invalidField();
   if (invalid) return showError(invalid);
   const body = requestBody();
-  for (const url of urls) URL.revokeObjectURL(url);
-  urls = [];
-  $("images").replaceChildren(...Array.from({ length: body.n }, (_, i) => card(i, body)));
-  $("results-empty").hidden = true;
   running = new AbortController();
-  $("go").disabled = true;
-  $("stop").disabled = false;
+  setRunning(true);
   setProgress("Sending…", 0, { announce: false });
   const started = performance.now();
   let completed = 0;
+  let reached = false; // whether the server answered at all
   try {
     const response = await api("/v1/images/generations", {
       method: "POST",
@@ -253,35 +270,43 @@ async function generate() {
       body: JSON.stringify(body),
       signal: running.signal,
     });
+    reached = true;
     if (!response.ok) {
       showError(await problem(response));
+      if (response.status === 401) $("api-key").focus();
       setProgress("Not started.", 0);
       return;
     }
+    for (const url of urls) URL.revokeObjectURL(url); // the last images go once new ones come
+    urls = [];
+    $("images").replaceChildren(...Array.from({ length: body.n }, (_, i) => card(i, body)));
+    $("results-empty").hidden = true;
     for await (const { event, data } of serverEvents(response)) {
       if (event === "diffshard.progress") onProgress(data);
       else if (event === "image_generation.partial_image") onPartial(data);
-      else if (event === "image_generation.completed") {
-        onCompleted(data);
-        completed += 1;
-      } else if (event === "error") showError(explain(null, data.error)); // its message says why
-    }
-    if (completed < body.n && $("error").hidden) {
-      showError({ text: "The server closed the stream before the images were done. Try again." });
+      else if (event === "image_generation.completed") completed += onCompleted(data);
+      else if (event === "error") showError(explain(null, data.error)); // its message says why
     }
     const seconds = ((performance.now() - started) / 1000).toFixed(1);
-    const images = completed === 1 ? "image" : "images";
-    setProgress(completed ? `Done: ${completed} ${images} in ${seconds} s.` : "Stopped.", completed ? 1 : 0);
+    if (completed === body.n) {
+      setProgress(`Done: ${completed} image${completed === 1 ? "" : "s"} in ${seconds} s.`, 1);
+    } else {
+      if ($("error").hidden) showError({ text: "The server ended the stream early. Try again." });
+      setProgress(`Failed after ${seconds} s: ${completed} of ${body.n} images done.`, 0);
+    }
   } catch (err) {
     if (err.name === "AbortError") setProgress("Stopped: the server drops the request.", 0);
     else {
-      showError({ text: "Cannot reach the server: is it running? Check the address and try again." });
+      const text = reached
+        ? "The connection to the server broke off. Try again."
+        : "Cannot reach the server: is it running? Check the address and try again.";
+      showError({ text });
       setProgress("Not finished.", 0);
+      if (!(err instanceof TypeError)) console.error(err); // a bug in this page, not the network
     }
   } finally {
     running = null;
-    $("go").disabled = false;
-    $("stop").disabled = true;
+    setRunning(false);
   }
 }
 
@@ -415,7 +440,7 @@ async function readStatus() {
   } catch {
     text = "Cannot reach the server.";
   }
-  $("server-status").textContent = text;
+  if ($("server-status").textContent !== text) $("server-status").textContent = text; // no re-announcing
 }
 
 function start() {
