@@ -39,12 +39,15 @@ def pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
 
 
+def streamed(client: openai.OpenAI, prompt: str, **fields) -> list:
+    """Every event of a streamed generation at 64x64 (unless `size` says otherwise), EXTRA's seed
+    and steps unless `extra_body` says otherwise."""
+    fields = {"size": "64x64", **fields, "extra_body": {**EXTRA, **fields.get("extra_body", {})}}
+    return list(client.images.generate(prompt=prompt, stream=True, **fields))
+
+
 def test_two_partial_images_then_the_completed_one(client: openai.OpenAI) -> None:
-    events = list(
-        client.images.generate(
-            prompt="a red circle", size="64x64", stream=True, partial_images=2, extra_body=EXTRA
-        )
-    )
+    events = streamed(client, "a red circle", partial_images=2)
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     images = [pixels(e.b64_json) for e in events]
@@ -59,11 +62,7 @@ def test_two_partial_images_then_the_completed_one(client: openai.OpenAI) -> Non
 
 
 def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client: openai.OpenAI) -> None:
-    events = list(
-        client.images.generate(
-            prompt="a blue square", size="64x64", n=2, stream=True, partial_images=1, extra_body=EXTRA
-        )
-    )
+    events = streamed(client, "a blue square", n=2, partial_images=1)
     kinds = [(e.type, e.model_extra["image_index"]) for e in events]
     seeds = {e.model_extra["image_index"]: e.model_extra["seed"] for e in events if "seed" in e.model_extra}
     assert seeds == {0: EXTRA["seed"], 1: EXTRA["seed"] + 1}
@@ -71,29 +70,16 @@ def test_n_images_are_told_apart_and_zero_partials_streams_only_the_final(client
         [("image_generation.partial_image", i) for i in (0, 1)]
         + [("image_generation.completed", i) for i in (0, 1)]
     )
-    only = list(client.images.generate(prompt="a blue square", size="64x64", stream=True, extra_body=EXTRA))
+    only = streamed(client, "a blue square")
     assert [e.type for e in only] == ["image_generation.completed"]
-    jpeg = list(
-        client.images.generate(
-            prompt="a blue square",
-            size="64x48",
-            stream=True,
-            partial_images=1,
-            output_format="jpeg",
-            extra_body=EXTRA,
-        )
-    )
+    jpeg = streamed(client, "a blue square", size="64x48", partial_images=1, output_format="jpeg")
     assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).size == (64, 48) for e in jpeg)
     assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "JPEG" for e in jpeg)
 
 
 def test_every_image_of_a_large_n_gets_its_partial_images(client: openai.OpenAI) -> None:
     """A step hands over one partial image per image at once: the buffer holds a whole round."""
-    events = list(
-        client.images.generate(
-            prompt="a red circle", size="64x64", n=10, stream=True, partial_images=2, extra_body=EXTRA
-        )
-    )
+    events = streamed(client, "a red circle", n=10, partial_images=2)
     partials = sorted(
         (e.model_extra["image_index"], e.partial_image_index)
         for e in events
@@ -188,17 +174,8 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_its_buffers_return(ser
 def test_eight_streams_and_eight_plain_requests_all_complete(server: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def streamed(seed: int) -> str:
-        events = list(
-            client.images.generate(
-                prompt="a green square",
-                size="64x64",
-                stream=True,
-                partial_images=2,
-                extra_body={**EXTRA, "seed": seed},
-            )
-        )
-        return events[-1].type
+    def last_event(seed: int) -> str:
+        return streamed(client, "a green square", partial_images=2, extra_body={"seed": seed})[-1].type
 
     def plain(seed: int) -> int:
         result = client.images.generate(
@@ -207,7 +184,7 @@ def test_eight_streams_and_eight_plain_requests_all_complete(server: LiveServer)
         return len(result.data)
 
     with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(streamed, seed) for seed in range(8)]
+        streams = [pool.submit(last_event, seed) for seed in range(8)]
         plains = [pool.submit(plain, seed) for seed in range(8)]
         assert [f.result() for f in streams] == ["image_generation.completed"] * 8
         assert [f.result() for f in plains] == [1] * 8
