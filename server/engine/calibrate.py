@@ -1,0 +1,209 @@
+"""How fast a device runs each kind of work: a few short timings, cached on disk.
+
+The cost model (`costs.py`) turns counted work (`work.py`) into seconds with five numbers per
+(device kind, dtype, threads): FLOP/s of matrix products, of convolutions and of attention,
+bytes/s of memory-bound ops, and seconds of overhead per op. Each is timed on an op shaped like
+an SD-sized block's (3×3 convolutions of 320 channels at 32² and 1280 at 8² and 4², linears of 2048 and 32 rows,
+8-head attention over 1024 tokens), scaled down until one run fits 0.1 s,
+so a slow dtype (bfloat16 emulated on an AVX2 CPU is ~180× slower than float32) still
+calibrates in about a second. All of it takes at most ~3 s, once per host: the result is kept
+in the cache directory, keyed by the host's processor, the torch version and the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.engine.cache import lookup, store
+from server.engine.work import count_ops
+
+RUN_S = 0.1  # one timed run of a calibration op at most this long (smaller shapes when slower)
+REPEATS = 3  # timed runs per op after a warm-up; the fastest counts
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What one worker (`threads` intra-op threads on a `device` of this kind) does per second."""
+
+    device: str  # "cpu", or a CUDA device's name
+    dtype: str
+    threads: int
+    matmul: tuple[tuple[int, float], ...]  # (GEMM rows, FLOP/s) timed: small GEMMs run below peak
+    conv: tuple[tuple[int, float], ...]
+    attention_flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float  # per op, a module's Python and dispatch included
+
+    def __post_init__(self) -> None:  # read back from JSON, pairs are lists
+        object.__setattr__(self, "matmul", tuple(tuple(p) for p in self.matmul))
+        object.__setattr__(self, "conv", tuple(tuple(p) for p in self.conv))
+
+    def rate(self, kind: str, rows: int) -> float:
+        """FLOP/s of a `kind` op whose GEMM has `rows` rows: log-linear between the sizes timed."""
+        if kind == "attention":
+            return self.attention_flops_per_s
+        points = self.matmul if kind == "matmul" else self.conv
+        x = math.log2(max(rows, 1))
+        for (r0, v0), (r1, v1) in zip(points, points[1:], strict=False):
+            if x <= math.log2(r1):
+                share = min(1.0, max(0.0, (x - math.log2(r0)) / (math.log2(r1) - math.log2(r0))))
+                return v0 ** (1 - share) * v1**share
+        return points[-1][1]
+
+
+def calibrate(device: str, dtype: torch.dtype, threads: int = 1) -> DeviceSpeed:
+    """Time the five numbers on `device` with `threads` intra-op threads (on CUDA, threads are 1)."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            speed = DeviceSpeed(
+                device=device_kind(device),
+                dtype=str(dtype).removeprefix("torch."),
+                threads=threads,
+                matmul=tuple(
+                    (rows, _rate(lambda s, r=rows: _matmul(r, s, dtype, dev), sync)) for rows in (32, 2048)
+                ),
+                conv=tuple(
+                    (rows, _rate(lambda s, r=rows: _conv(r, s, dtype, dev), sync)) for rows in (32, 128, 2048)
+                ),
+                attention_flops_per_s=_rate(lambda s: _attention(s, dtype, dev), sync),
+                bytes_per_s=_rate(lambda s: _memory(s, dtype, dev), sync),
+                op_overhead_s=_op_overhead(dtype, dev, sync),
+            )
+    finally:
+        torch.set_num_threads(before)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # later memory readings must not see the calibration's
+    return speed
+
+
+def device_kind(device: str) -> str:
+    """What a calibration describes: the processor (CPU workers) or the GPU model."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return _cpu_name()
+
+
+def cached_calibration(
+    device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None
+) -> DeviceSpeed:
+    """`calibrate`, read from `cache_dir` when this host calibrated this case before."""
+    threads = threads if torch.device(device).type == "cpu" else 1
+    key = {"device": device_kind(device), "dtype": str(dtype), "threads": threads, "torch": torch.__version__}
+    path = cache_dir / "calibration.json" if cache_dir is not None else None
+    stored = lookup(path, key)
+    if stored is not None:
+        try:
+            return DeviceSpeed(**stored)
+        except TypeError:  # written by another version of diffshard: calibrate again
+            pass
+    speed = calibrate(device, dtype, threads)
+    store(path, key, asdict(speed))
+    return speed
+
+
+def _rate(make: Callable[[int], tuple[Callable[[], object], float]], sync: Callable[[], None]) -> float:
+    """Units per second of the op `make(scale)` prepares (with its units: FLOPs or bytes), at the
+    largest scale (1, 1/2, 1/4, …) whose warm-up run takes at most RUN_S."""
+    scale = 1
+    while True:
+        run, units = make(scale)
+        started = time.perf_counter()
+        run()
+        sync()
+        if time.perf_counter() - started <= RUN_S or scale >= 64:
+            break
+        scale *= 2
+    best = float("inf")
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return units / max(best, 1e-9)
+
+
+Op = tuple[Callable[[], object], float]
+
+
+def _matmul(rows: int, scale: int, dtype: torch.dtype, device: torch.device) -> Op:
+    """`rows` tokens through a projection as wide as that level's: 320 → 1280 at the widest
+    (2 rows × 32² tokens), 1280 → 1280 at the deepest (2 × 4²)."""
+    width, out = (320, 1280) if rows >= 1024 else (1280, 1280)
+    width, out = max(64, width // scale), max(64, out // scale)
+    x = torch.randn(rows, width, dtype=dtype, device=device)
+    w = torch.randn(out, width, dtype=dtype, device=device)
+    return (lambda: F.linear(x, w)), 2.0 * rows * width * out
+
+
+def _conv(rows: int, scale: int, dtype: torch.dtype, device: torch.device) -> Op:
+    """A 3×3 convolution with `rows` output pixels (2 images), as many channels as SD's level of
+    that size has: 320 at 32², 1280 at 8² and 4²."""
+    side = math.isqrt(rows // 2)
+    channels = max(32, (320 if side >= 32 else 1280) // scale)
+    x = torch.randn(2, channels, side, side, dtype=dtype, device=device)
+    w = torch.randn(channels, channels, 3, 3, dtype=dtype, device=device)
+    b = torch.randn(channels, dtype=dtype, device=device)
+    return (lambda: F.conv2d(x, w, b, padding=1)), 2.0 * rows * channels * channels * 9
+
+
+def _attention(scale: int, dtype: torch.dtype, device: torch.device) -> Op:
+    tokens = max(64, 1024 // scale)
+    q, k, v = (torch.randn(2, 8, tokens, 40, dtype=dtype, device=device) for _ in range(3))
+    return (lambda: F.scaled_dot_product_attention(q, k, v)), 4.0 * 2 * 8 * tokens * tokens * 40
+
+
+def _memory(scale: int, dtype: torch.dtype, device: torch.device) -> Op:
+    numel = max(1 << 16, (8 << 20) // scale)  # 32 MiB of float32: past the caches
+    a, b = torch.randn(numel, dtype=dtype, device=device), torch.randn(numel, dtype=dtype, device=device)
+    out = torch.empty_like(a)
+    return (lambda: torch.add(a, b, out=out)), 3.0 * numel * a.element_size()  # two read, one written
+
+
+def _op_overhead(dtype: torch.dtype, device: torch.device, sync: Callable[[], None]) -> float:
+    """Seconds per op of a stack of tiny modules (norm, activation, convolution, linear, residual
+    add): dispatch, launch and the modules' own Python, not arithmetic."""
+    layer = _TinyLayer().to(device, dtype).eval()
+    stack = nn.Sequential(*(layer for _ in range(8)))
+    x = torch.randn(1, 8, 4, 4, dtype=dtype, device=device)
+    ops = len(count_ops(lambda: stack(x)).ops)
+    best = float("inf")
+    for _ in range(REPEATS + 2):
+        started = time.perf_counter()
+        for _ in range(5):
+            stack(x)
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return best / (5 * ops)
+
+
+class _TinyLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.conv, self.proj = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.conv(F.silu(self.norm(x))))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()} ({torch.backends.cpu.get_cpu_capability()})"
+    except OSError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"

@@ -1,0 +1,120 @@
+"""Seconds per block, the numbers a plan is balanced and ranked by: counted (the default) or measured.
+
+**Counted** (`--costs counted`): each block's ops, counted on the meta device (`work.py`), run
+through a roofline with per-op overhead, with the speeds of the worker's device, dtype and
+thread count (`calibrate.py`, timed once per host and cached):
+
+    seconds(op) = max(FLOPs / FLOP/s of its kind at its GEMM's size, bytes / bandwidth) + overhead
+
+A roofline because a block's convolutions and projections are compute-bound while its norms
+and activations are memory-bound; the FLOP/s depend on the GEMM's rows because the deep,
+small-latent levels of a UNet run several times below the wide levels' rate; the overhead
+because a small model is bound by dispatch, which FLOPs do not show. It takes about a second
+for an SD-sized model at any latent size, with no weights.
+
+**Measured** (`--costs measured`): every block timed on a random-weight twin (`profile.py`):
+the truth for this host, at the price of building and running the model (minutes for an
+SD-sized one on a CPU). The results are cached on disk, keyed by the model's config, dtype, rows,
+latent size, device and threads, so a second `plan` or `serve` reuses them.
+
+Workers that share a CPU share its cores and its memory bandwidth: `CpuShare` slows each of
+`workers` busy workers of `threads` threads when together they ask more than `cores`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from server.engine.cache import lookup, store
+from server.engine.calibrate import DeviceSpeed, cached_calibration, device_kind
+from server.engine.profile import profile_block_costs
+from server.engine.work import BlockWork, ModelWork, count_work
+
+
+class Costs(StrEnum):
+    COUNTED = "counted"  # FLOPs, bytes and ops on the meta device, with a cached calibration
+    MEASURED = "measured"  # every block timed on a random-weight twin, cached
+
+
+COST_MODES = tuple(c.value for c in Costs)
+
+
+def block_seconds(work: BlockWork, speed: DeviceSpeed) -> float:
+    """The roofline with overhead (see the module's docstring) for one block."""
+    seconds = 0.0
+    for op in work.ops:
+        memory = op.bytes / speed.bytes_per_s
+        compute = op.flops / speed.rate(op.kind, op.rows) if op.kind != "memory" else 0.0
+        seconds += max(compute, memory) + speed.op_overhead_s
+    return seconds
+
+
+@dataclass
+class CostModel:
+    """Seconds per block of `model` for `rows` rows of `latent_size`² latents in `dtype`, on a
+    worker of a given device and thread count: `costs(device, threads)`."""
+
+    model: nn.Module
+    rows: int
+    latent_size: int
+    dtype: torch.dtype
+    mode: Costs = Costs.COUNTED
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._work: ModelWork | None = None
+        self._costs: dict[tuple[str, int], dict[str, float]] = {}
+
+    @property
+    def work(self) -> ModelWork:
+        if self._work is None:
+            self._work = count_work(self.model, self.rows, self.latent_size, self.dtype)
+        return self._work
+
+    def costs(self, device: str, threads: int = 1) -> dict[str, float]:
+        key = (device_kind(device), threads if torch.device(device).type == "cpu" else 1)
+        if key not in self._costs:
+            self._costs[key] = (
+                self.predicted(device, threads) if self.mode == Costs.COUNTED else self.measured(device, threads)
+            )
+        return self._costs[key]
+
+    def predicted(self, device: str, threads: int = 1) -> dict[str, float]:
+        speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
+        return {name: block_seconds(work, speed) for name, work in self.work.blocks.items()}
+
+    def measured(self, device: str, threads: int = 1) -> dict[str, float]:
+        """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""
+        threads = threads if torch.device(device).type == "cpu" else 1
+        key = self._measured_key(device, threads)
+        path = self.cache_dir / "measured.json" if self.cache_dir is not None else None
+        if (stored := lookup(path, key)) is not None:
+            return dict(stored)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            seconds = profile_block_costs(self.model, self.rows, self.latent_size, self.dtype, device, repeats=5)
+        finally:
+            torch.set_num_threads(before)
+        store(path, key, seconds)
+        return seconds
+
+    def _measured_key(self, device: str, threads: int) -> dict[str, object]:
+        config = json.dumps(dict(self.model.config), sort_keys=True, default=str)
+        return {
+            "model": f"{type(self.model).__name__}:{hashlib.sha256(config.encode()).hexdigest()[:16]}",
+            "dtype": str(self.dtype),
+            "rows": self.rows,
+            "latent_size": self.latent_size,
+            "device": device_kind(device),
+            "threads": threads,
+            "torch": torch.__version__,
+        }
