@@ -44,6 +44,8 @@ PLAN_SETTINGS = (
     "max_batch",
     "max_pixels",
     "threads",
+    "costs",
+    "cache_dir",
 )
 
 

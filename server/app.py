@@ -57,6 +57,8 @@ def plan_for(
         folder=folder,
         parallel=options.pop("parallel", settings.parallel),
         threads=settings.threads or cpu_quota(),
+        costs=settings.costs,
+        cache_dir=settings.cache_dir,
         **options,
     )
 
@@ -83,7 +85,12 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
         freed_host = release_freed_host_memory()
         log.info("idle: %d pooled bytes and %d resident bytes given back", freed, freed_host)
 
-    log.info("torch runs %d intra-op threads (--threads; default: the CPU quota)", threads)
+    lanes = pipeline.lane_threads
+    log.info(
+        "torch may run %d intra-op threads in all (--threads; default: the CPU quota)%s",
+        threads,
+        f"; each lane runs {lanes}" if lanes is not None else "",
+    )
     return Service(
         pipeline,
         settings.served_name,

@@ -13,7 +13,8 @@ from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.demo import MODEL_DIR
-from server.engine import Parallel, Strategy
+from server.engine import Costs, Parallel, Strategy
+from server.engine.cache import default_cache_dir
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.engine.pool import ANY_DEVICE
 from server.pipeline.families import pipeline_classes
@@ -60,6 +61,16 @@ class Settings(BaseSettings):
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
         "auto (the fastest predicted) or off (one split, one micro-batch: the least memory)",
+    )
+    costs: Costs = Field(
+        Costs.COUNTED,
+        description="what plans are predicted from: counted (FLOPs, bytes and ops on the meta device, "
+        "seconds) or measured (every block timed on random weights: minutes on a CPU; cached)",
+    )
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="where calibrations and measured costs are kept ($XDG_CACHE_HOME/diffshard); "
+        "unwritable: a warning, and they are timed again",
     )
     max_memory: Budgets = Field(
         None,
@@ -111,7 +122,12 @@ class Settings(BaseSettings):
         description="idle bytes the activation pool may keep per device, SIZE or device=SIZE,... "
         "(default: 5% of the host's RAM for cpu, 10% of a GPU's memory)",
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: the CPU quota)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU intra-op threads in all, shared by the CPU workers (default: the CPU quota; "
+        "a lone CPU worker runs the count predicted fastest up to it)",
+    )
     debug: bool = Field(False, description="print tracebacks of startup failures")
 
     @field_validator("model")

@@ -1,24 +1,23 @@
 """The ModelShard engine: plan a denoiser's split across devices, then run it split."""
 
 from server.engine.blocks import Block, DenoiserSpec, Layout, SkipEdge
+from server.engine.costs import COST_MODES, CostModel, Costs
 from server.engine.memory import DeviceMemory
-from server.engine.parallel import (
-    Parallel,
-    ParallelPlan,
-    build_shards,
-    plan_parallel,
-    run_micro_batches,
-    single,
-)
+from server.engine.parallel import Parallel, ParallelPlan, single
 from server.engine.plan import ShardPlan, Strategy, plan_shards
+from server.engine.planner import plan_parallel
 from server.engine.pool import ActivationPool
+from server.engine.replicas import build_shards, run_micro_batches, split_rows
 from server.engine.shard import ModelShard
 from server.engine.specs import layout_of, register_spec, spec_for
 from server.errors import DeviceError, PlanError
 
 __all__ = [
+    "COST_MODES",
     "ActivationPool",
     "Block",
+    "CostModel",
+    "Costs",
     "DenoiserSpec",
     "DeviceError",
     "DeviceMemory",
@@ -38,4 +37,5 @@ __all__ = [
     "run_micro_batches",
     "single",
     "spec_for",
+    "split_rows",
 ]

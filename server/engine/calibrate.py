@@ -3,8 +3,9 @@
 The cost model (`costs.py`) turns counted work (`work.py`) into seconds with five numbers per
 (device kind, dtype, threads): FLOP/s of matrix products, of convolutions and of attention,
 bytes/s of memory-bound ops, and seconds of overhead per op. Each is timed on an op shaped like
-an SD-sized block's (3×3 convolutions of 320 channels at 32² and 1280 at 8² and 4², linears of 2048 and 32 rows,
-8-head attention over 1024 tokens), scaled down until one run fits 0.1 s,
+an SD-sized block's (3×3 convolutions of 320 channels at 32² and of 1280 at 8² and 4²,
+linears of 2048 and 32 rows, 8-head attention over 1024 tokens), scaled down until one run
+fits 0.1 s,
 so a slow dtype (bfloat16 emulated on an AVX2 CPU is ~180× slower than float32) still
 calibrates in about a second. All of it takes at most ~3 s, once per host: the result is kept
 in the cache directory, keyed by the host's processor, the torch version and the thread count.
@@ -12,6 +13,7 @@ in the cache directory, keyed by the host's processor, the torch version and the
 
 from __future__ import annotations
 
+import itertools
 import math
 import platform
 import time
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from server.engine.cache import lookup, store
@@ -53,7 +57,7 @@ class DeviceSpeed:
             return self.attention_flops_per_s
         points = self.matmul if kind == "matmul" else self.conv
         x = math.log2(max(rows, 1))
-        for (r0, v0), (r1, v1) in zip(points, points[1:], strict=False):
+        for (r0, v0), (r1, v1) in itertools.pairwise(points):
             if x <= math.log2(r1):
                 share = min(1.0, max(0.0, (x - math.log2(r0)) / (math.log2(r1) - math.log2(r0))))
                 return v0 ** (1 - share) * v1**share
@@ -97,9 +101,7 @@ def device_kind(device: str) -> str:
     return _cpu_name()
 
 
-def cached_calibration(
-    device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None
-) -> DeviceSpeed:
+def cached_calibration(device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None) -> DeviceSpeed:
     """`calibrate`, read from `cache_dir` when this host calibrated this case before."""
     threads = threads if torch.device(device).type == "cpu" else 1
     key = {"device": device_kind(device), "dtype": str(dtype), "threads": threads, "torch": torch.__version__}
@@ -174,29 +176,29 @@ def _memory(scale: int, dtype: torch.dtype, device: torch.device) -> Op:
 
 
 def _op_overhead(dtype: torch.dtype, device: torch.device, sync: Callable[[], None]) -> float:
-    """Seconds per op of a stack of tiny modules (norm, activation, convolution, linear, residual
-    add): dispatch, launch and the modules' own Python, not arithmetic."""
-    layer = _TinyLayer().to(device, dtype).eval()
-    stack = nn.Sequential(*(layer for _ in range(8)))
-    x = torch.randn(1, 8, 4, 4, dtype=dtype, device=device)
-    ops = len(count_ops(lambda: stack(x)).ops)
+    """Seconds per op of a diffusers resnet and transformer block on tiny tensors: dispatch,
+    launch and the blocks' own Python (attention processors, shape checks), not arithmetic."""
+    resnet = ResnetBlock2D(in_channels=32, temb_channels=32, groups=8).to(device, dtype).eval()
+    attention = Transformer2DModel(2, 16, in_channels=32, norm_num_groups=8, cross_attention_dim=32)
+    attention = nn.Module.to(attention, device, dtype).eval()  # without diffusers' dtype warning
+    x = torch.randn(1, 32, 4, 4, dtype=dtype, device=device)
+    temb, context = (
+        torch.randn(1, 32, dtype=dtype, device=device),
+        torch.randn(1, 8, 32, dtype=dtype, device=device),
+    )
+
+    def run() -> None:
+        attention(resnet(x, temb), encoder_hidden_states=context, return_dict=False)
+
+    ops = len(count_ops(run).ops)
     best = float("inf")
     for _ in range(REPEATS + 2):
         started = time.perf_counter()
         for _ in range(5):
-            stack(x)
+            run()
         sync()
         best = min(best, time.perf_counter() - started)
     return best / (5 * ops)
-
-
-class _TinyLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.conv, self.proj = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(self.conv(F.silu(self.norm(x))))
 
 
 def _cpu_name() -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -60,7 +59,8 @@ def block_seconds(work: BlockWork, speed: DeviceSpeed) -> float:
 @dataclass
 class CostModel:
     """Seconds per block of `model` for `rows` rows of `latent_size`² latents in `dtype`, on a
-    worker of a given device and thread count: `costs(device, threads)`."""
+    worker of a given device and thread count: `costs(device, threads)`; `costs(..., rows=1)`
+    for another row count (counted work is scaled, not counted again)."""
 
     model: nn.Module
     rows: int
@@ -71,7 +71,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self._work: ModelWork | None = None
-        self._costs: dict[tuple[str, int], dict[str, float]] = {}
+        self._costs: dict[tuple[str, int, int], dict[str, float]] = {}
 
     @property
     def work(self) -> ModelWork:
@@ -79,40 +79,43 @@ class CostModel:
             self._work = count_work(self.model, self.rows, self.latent_size, self.dtype)
         return self._work
 
-    def costs(self, device: str, threads: int = 1) -> dict[str, float]:
-        key = (device_kind(device), threads if torch.device(device).type == "cpu" else 1)
+    def costs(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
+        threads = threads if torch.device(device).type == "cpu" else 1
+        rows = rows or self.rows
+        key = (device_kind(device), threads, rows)
         if key not in self._costs:
-            self._costs[key] = (
-                self.predicted(device, threads) if self.mode == Costs.COUNTED else self.measured(device, threads)
-            )
+            counted = self.mode == Costs.COUNTED
+            self._costs[key] = (self.predicted if counted else self.measured)(device, threads, rows)
         return self._costs[key]
 
-    def predicted(self, device: str, threads: int = 1) -> dict[str, float]:
+    def predicted(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
-        return {name: block_seconds(work, speed) for name, work in self.work.blocks.items()}
+        work = self.work if rows in (None, self.rows) else self.work.at_rows(rows)
+        return {name: block_seconds(block, speed) for name, block in work.blocks.items()}
 
-    def measured(self, device: str, threads: int = 1) -> dict[str, float]:
+    def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""
+        rows = rows or self.rows
         threads = threads if torch.device(device).type == "cpu" else 1
-        key = self._measured_key(device, threads)
+        key = self._measured_key(device, threads, rows)
         path = self.cache_dir / "measured.json" if self.cache_dir is not None else None
         if (stored := lookup(path, key)) is not None:
             return dict(stored)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            seconds = profile_block_costs(self.model, self.rows, self.latent_size, self.dtype, device, repeats=5)
+            seconds = profile_block_costs(self.model, rows, self.latent_size, self.dtype, device, repeats=5)
         finally:
             torch.set_num_threads(before)
         store(path, key, seconds)
         return seconds
 
-    def _measured_key(self, device: str, threads: int) -> dict[str, object]:
+    def _measured_key(self, device: str, threads: int, rows: int) -> dict[str, object]:
         config = json.dumps(dict(self.model.config), sort_keys=True, default=str)
         return {
             "model": f"{type(self.model).__name__}:{hashlib.sha256(config.encode()).hexdigest()[:16]}",
             "dtype": str(self.dtype),
-            "rows": self.rows,
+            "rows": rows,
             "latent_size": self.latent_size,
             "device": device_kind(device),
             "threads": threads,

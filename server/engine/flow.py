@@ -9,6 +9,7 @@ between blocks (e.g. `emb + aug_emb`) is credited to the block that ran last.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,20 @@ class _CreditProducers(TorchFunctionMode):
         return out
 
 
+_TRACED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Flow]] = weakref.WeakKeyDictionary()
+
+
 def trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype) -> Flow:
+    """The flow of one forward, traced once per model and shape: a planner weighing several
+    splits of one model plans them all from one trace (seconds each for an SD-sized model)."""
+    traced = _TRACED.setdefault(model, {})
+    key = (batch, latent_size, dtype)
+    if key not in traced:
+        traced[key] = _trace_flow(model, batch, latent_size, dtype)
+    return traced[key]
+
+
+def _trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype) -> Flow:
     twin = meta_twin(model, dtype)
     spec = spec_for(twin)
     made: dict[int, tuple[torch.Tensor, str, set[str]]] = {}  # id → (tensor, producer, readers)

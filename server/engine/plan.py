@@ -5,8 +5,8 @@ device is enough), the devices and a strategy:
 
 - `even`     equal block counts, every device used while blocks remain;
 - `memory`   balanced parameter bytes under per-device budgets (accelerate's `max_memory`);
-- `cost`     balanced measured forward time: the slowest stage is as fast as it can be, each
-             block timed on a device of the kind its stage would run on;
+- `cost`     balanced seconds per block (given: counted or measured by `costs.py`): the slowest
+             stage is as fast as it can be;
 - `explicit` the user's block → device map, validated.
 
 Stages follow execution order, so the activations that cross a boundary are the running
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -36,7 +36,6 @@ from server.engine.devices import (
 )
 from server.engine.flow import Flow, trace_flow
 from server.engine.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
-from server.engine.profile import profile_block_costs
 from server.engine.specs import layout_of
 from server.errors import PlanError
 
@@ -171,7 +170,7 @@ def plan_shards(
     dtype: torch.dtype | None = None,
     latent_size: int | None = None,
     batch: int = 2,
-    block_costs: Mapping[str, float] | None = None,
+    block_costs: Mapping[str, float] | Callable[[str], Mapping[str, float]] | None = None,
     resident: int = 0,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
@@ -179,9 +178,11 @@ def plan_shards(
     `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a CUDA device without one
     gets its free memory less a margin; a device listed k times gives each of its stages 1/k
     of its budget. `device_map` is the `explicit` strategy's block → device map (its devices
-    replace `devices`). `block_costs` (seconds per block) skips the `cost` strategy's profiling
-    pass. Activation bytes are estimated for `batch` latents of `latent_size`². `resident`
-    counts bytes other components (text encoders, VAE) keep on the first stage's device.
+    replace `devices`). `block_costs` are the `cost` strategy's seconds per block, or a function
+    of the stage's device giving them (devices of different kinds run blocks at different
+    speeds; `server.engine.costs` counts or measures them). Activation bytes are estimated for
+    `batch` latents of `latent_size`². `resident` counts bytes other components (text encoders,
+    VAE) keep on the first stage's device.
     """
     # 1. Check the request before any work.
     if strategy not in STRATEGIES:
@@ -223,10 +224,13 @@ def plan_shards(
     elif strategy == "explicit":
         stages = explicit_split(names, device_map or {})
     else:
-        if strategy == "cost":  # timed on one guided image at (at most) the native size: relative
-            # costs are what balance a split, and a forward at the largest size can take minutes
-            profile_at = (min(batch, 2), min(latent_size, int(model.config.sample_size)))
-            costs, costs_from = _block_costs(model, device_list, block_costs, *profile_at, dtype)
+        if strategy == "cost":
+            if block_costs is None:
+                raise PlanError(
+                    "the cost strategy needs block costs: server.engine.costs counts or measures them"
+                )
+            costs = {d: dict(block_costs(d) if callable(block_costs) else block_costs) for d in device_list}
+            costs_from = ("given",)
             weights = [[costs[d].get(n, 0.0) for n in names] for d in device_list]
         else:
             weights = [[float(s) for s in sizes]] * len(device_list)
@@ -267,31 +271,6 @@ def plan_shards(
         devices=estimates,
         costs_from=costs_from,
     )
-
-
-def _block_costs(
-    model: nn.Module,
-    devices: list[str],
-    given: Mapping[str, float] | None,
-    batch: int,
-    latent_size: int,
-    dtype: torch.dtype,
-) -> tuple[dict[str, dict[str, float]], tuple[str, ...]]:
-    """Seconds per block for each stage device: given ones for all, else measured once per kind
-    of device (cuda:0 stands for cuda:1; a cpu stage is timed on the cpu), so a mixed plan
-    does not cost a CPU stage at a GPU's speed."""
-    if given:
-        return {d: dict(given) for d in devices}, ("given",)
-    measured: dict[str, dict[str, float]] = {}  # device type → costs
-    timed_on: list[str] = []
-    for device in dict.fromkeys(devices):
-        kind = torch.device(device).type
-        if kind not in measured:
-            measured[kind] = profile_block_costs(model, batch, latent_size, dtype, device=device)
-            timed_on.append(device)
-            if kind == "cuda":  # the random-weight twin is gone: give its memory back before loading
-                torch.cuda.empty_cache()
-    return {d: measured[torch.device(d).type] for d in devices}, tuple(timed_on)
 
 
 def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:

@@ -70,6 +70,15 @@ class Op(NamedTuple):
     flops: float
     bytes: float
     rows: int  # M of the GEMM a matmul or convolution is (output pixels × batch for a conv)
+    weight_bytes: float = 0.0  # of `bytes`, the parameters' and buffers': the same at any rows
+
+    def scaled(self, share: float) -> Op:
+        """The op for `share` of its rows: FLOPs and activations scale, weights do not."""
+        activations = self.bytes - self.weight_bytes
+        rows = max(1, round(self.rows * share)) if self.rows else 0
+        return Op(
+            self.kind, self.flops * share, activations * share + self.weight_bytes, rows, self.weight_bytes
+        )
 
 
 @dataclass
@@ -100,10 +109,24 @@ class ModelWork:
     def flops(self) -> float:
         return sum(b.flops() for b in self.blocks.values())
 
+    def at_rows(self, rows: int) -> ModelWork:
+        """The same forward for `rows` rows (a lone image's split, say): counted once, scaled."""
+        share = rows / self.rows
+        blocks = {
+            name: BlockWork([op.scaled(share) for op in b.ops], b.views) for name, b in self.blocks.items()
+        }
+        return ModelWork(rows, self.latent_size, self.dtype, blocks)
+
 
 class _Counter(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
         super().__init__()
+        # The model's weights, and views of them (a linear runs as addmm on its weight's t()),
+        # kept alive so that their ids stay theirs.
+        self.weights: list[torch.Tensor] = (
+            [*model.parameters(), *model.buffers()] if model is not None else []
+        )
+        self.weight_ids = {id(t) for t in self.weights}
         self.block: str | None = None
         self.work: dict[str, BlockWork] = defaultdict(BlockWork)
 
@@ -121,6 +144,10 @@ class _Counter(TorchDispatchMode):
         work = self.work[self.block]
         if packet in METADATA:
             work.views += 1
+            if any(id(t) in self.weight_ids for t in tree_flatten(args)[0]):
+                for view in tree_flatten(out)[0]:
+                    self.weights.append(view)
+                    self.weight_ids.add(id(view))
             return out
         if packet is aten.scaled_dot_product_attention:  # one fused kernel, whichever backend runs it
             query, key, value = args[:3]
@@ -130,7 +157,11 @@ class _Counter(TorchDispatchMode):
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         else:
             kind, flops = "memory", 0.0
-        work.ops.append(Op(kind, flops, float(_bytes(args, kwargs, out)), _gemm_rows(kind, out)))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        weights = sum(_nbytes(t) for t in tensors if id(t) in self.weight_ids)
+        work.ops.append(
+            Op(kind, flops, float(sum(map(_nbytes, tensors))), _gemm_rows(kind, out), float(weights))
+        )
         return out
 
 
@@ -142,9 +173,8 @@ def _gemm_rows(kind: str, out: Any) -> int:
     return 0
 
 
-def _bytes(args: Any, kwargs: Any, out: Any) -> int:
-    tensors, _ = tree_flatten((args, kwargs, out))
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def count_ops(run: Callable[[], object]) -> BlockWork:
@@ -161,9 +191,9 @@ def count_work(model: nn.Module, rows: int, latent_size: int, dtype: torch.dtype
     counted on a weightless copy of `model` (built from its config on the meta device)."""
     with torch.device("meta"):
         twin = type(model).from_config(model.config)
-    twin = twin.to(dtype).eval()
+    twin = nn.Module.to(twin, dtype).eval()  # diffusers' own .to() warns about dtypes it keeps
     spec = spec_for(twin)
-    counter = _Counter()
+    counter = _Counter(twin)
 
     def enter(name: str):
         def hook(_module: nn.Module, _args: tuple) -> None:
@@ -183,4 +213,6 @@ def count_work(model: nn.Module, rows: int, latent_size: int, dtype: torch.dtype
         for handle in handles:
             handle.remove()
     names = spec.layout(twin).names
-    return ModelWork(rows, latent_size, str(dtype).removeprefix("torch."), {n: counter.work[n] for n in names})
+    return ModelWork(
+        rows, latent_size, str(dtype).removeprefix("torch."), {n: counter.work[n] for n in names}
+    )

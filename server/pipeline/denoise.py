@@ -26,7 +26,16 @@ import numpy as np
 import torch
 
 from server.demo import MODEL_DIR
-from server.engine import ActivationPool, ModelShard, ParallelPlan, ShardPlan, build_shards, plan_shards
+from server.engine import (
+    ActivationPool,
+    ModelShard,
+    ParallelPlan,
+    ShardPlan,
+    build_shards,
+    plan_shards,
+    run_micro_batches,
+)
+from server.engine.blocks import DenoiserInputs
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.pipeline.loader import Components, load_components
@@ -69,6 +78,9 @@ class Pipeline:
         self.replicas = [shard]  # with a ParallelPlan: a shard per replica (see lanes())
         self.lanes_per_replica = 1
         self.lane_threads: int | None = None  # intra-op threads each lane's thread runs
+        # Other replicas' shards with nothing to do now (the Service knows): a step splits its
+        # rows across them, so a lone request keeps every replica busy.
+        self.idle_replicas: Callable[[], Sequence[ModelShard]] = tuple
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
 
     @classmethod
@@ -234,8 +246,8 @@ class Pipeline:
                 context[span] = state.context
                 for name, value in extras.items():
                     value[span] = state.extras[name]
-            # 2. One forward through the shard.
-            out = self.shard(sample, timesteps, context, **self.family.model_kwargs(extras))
+            # 2. One forward through the shard (and any idle replicas, a share of the rows each).
+            out = self._forward(DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras)))
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []
@@ -265,6 +277,13 @@ class Pipeline:
                     pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]))
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
                         state.preview = (index, image.permute(1, 2, 0).float().cpu())
+
+    def _forward(self, inputs: DenoiserInputs) -> torch.Tensor:
+        rows = inputs.sample.shape[0]
+        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 else [self.shard]
+        if len(shards) == 1:
+            return self.shard(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning)
+        return run_micro_batches(shards, inputs, len(shards), self.lane_threads)
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from server.engine import ParallelPlan, plan_parallel
+from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
 from server.pipeline.families import Family, meta_denoiser
 from server.pipeline.loader import part_bytes
 
@@ -39,23 +39,34 @@ def plan_model(
     folder: Path | None = None,
     parallel: str = "auto",
     threads: int = 1,
+    costs: str = Costs.COUNTED,
+    cache_dir: Path | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; with `folder`, its encoders and VAE count
     on the first stage's device. `parallel` chooses replicas, pipelined stages or both
-    (`server.engine.plan_parallel`); `threads` is the CPU's intra-op threads in all."""
+    (`server.engine.plan_parallel`) from block costs `costs` (counted or measured, at 2 rows of
+    the native size: the typical request; measured ones and calibrations kept in `cache_dir`);
+    `threads` is the CPU's intra-op threads in all."""
     resident = 0
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
         resident = part_bytes(folder, parts, dtype)
+    model = meta_denoiser(family)
+    latent = family.native_size // family.vae_scale_factor  # the typical request
+
+    model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir)
+    where = f"{costs} at 2 rows of {latent}² latents"
     return plan_parallel(
-        meta_denoiser(family),
+        model,
         devices,
         "off" if device_map else parallel,  # an explicit block map is one split
         strategy,
         threads=threads,
-        profile_latent_size=family.native_size // family.vae_scale_factor,  # the typical request
+        block_costs=model_costs.costs,
+        lone_costs=lambda device, threads: model_costs.costs(device, threads, rows=1),
+        costs_note=where,
         max_memory=max_memory,
         device_map=device_map,
         dtype=dtype,

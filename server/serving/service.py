@@ -74,6 +74,18 @@ class Service:
             )
             for index, lane in enumerate(lanes)
         ]
+        if len(self.loops) > 1 and pipeline.lanes_per_replica == 1:  # a lane per whole replica
+            for loop in self.loops:
+                loop.pipeline.idle_replicas = self._idle_replicas(loop)
+
+    def _idle_replicas(self, mine: StepLoop) -> Callable[[], list]:
+        """The shards of the other lanes with no job queued or running: a lone request's step
+        splits its rows across them (guidance halves, or an n > 1 request's images)."""
+
+        def idle() -> list:
+            return [loop.pipeline.shard for loop in self.loops if loop is not mine and loop.load() == 0]
+
+        return idle
 
     def submit(
         self,
@@ -123,7 +135,7 @@ class Service:
         return {
             "replicas": len(self.pipeline.replicas),
             "stages": len(self.pipeline.shard.plan.stages),
-            "micro_batches": len(self.loops),
+            "lanes": len(self.loops),
             "threads_per_lane": self.pipeline.lane_threads,
             **self.busy(),
         }

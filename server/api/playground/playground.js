@@ -392,11 +392,11 @@ async function refreshDevices() {
     return;
   }
   const shards = await response.json();
-  const { replicas, stages, micro_batches } = shards.parallel;
+  const { replicas, stages, lanes } = shards.parallel;
   const plural = (count, word) => `${count} ${word}${count === 1 ? "" : "s"}`;
   $("plan").textContent =
     `${plural(replicas, "replica")} × ${plural(stages, "stage")}, ` +
-    `${plural(micro_batches, "lane")}, ${shards.plan.dtype}.`;
+    `${plural(lanes, "lane")}, ${shards.plan.dtype}.`;
   $("worker-list").replaceChildren(...workerItems(shards.parallel.busy_seconds));
   const open = new Set([...document.querySelectorAll("#device-list details[open]")].map(
     (d) => d.closest("li").dataset.device));

@@ -1,0 +1,271 @@
+"""`plan_parallel`: which replicas × stages, lanes and threads to run over the devices given.
+
+Every candidate is predicted from seconds per block (`costs.py`: counted by default, measured
+when asked), never by running it:
+
+- throughput (rows/s) = replicas × rows / the slowest stage (its incoming boundary copy
+  included), for `rows` rows a micro-batch;
+- a lone guided image's step = its rows split over the replicas (each runs rows/R), through
+  every stage of one replica in turn.
+
+Today's single worker is a candidate like the others, and wins where it is fastest: one GPU
+(or the layer split) when replicas do not fit or do not pay, one CPU worker with all the threads
+when a model gains nothing from more workers.
+
+CPU workers share the host's cores: the workers' threads in all never exceed the CPU quota
+(`threads`), and when they fill it, the server's own threads (the HTTP event loop, the step
+loops' Python, image encoding) take cores from them: predicted times are stretched by
+(the workers' threads + HTTP_CORES) / quota. That is why, on 2 cores, a dispatch-bound model runs one thread a
+worker and an SD-sized one all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from server.engine.costs import CostModel
+from server.engine.devices import resolve_devices
+from server.engine.gates import worker_names
+from server.engine.parallel import PARALLEL_MODES, Candidate, Parallel, ParallelPlan, single
+from server.engine.plan import ShardPlan, Strategy, plan_shards
+from server.errors import PlanError
+
+# Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
+# estimate (NVLink is faster); on one host's CPU workers a boundary moves nothing.
+BOUNDARY_BYTES_PER_S = 16e9
+# Cores the server's own threads keep busy beside the workers under load (event loop, step
+# loops between forwards, PNG encoding): an estimate, checked by benchmarks.serving's table.
+HTTP_CORES = 0.5
+
+BlockCosts = Callable[[str, int], Mapping[str, float]]  # (device, threads) → seconds per block
+
+
+def plan_parallel(
+    model: nn.Module,
+    devices: str | Sequence[str],
+    parallel: str = Parallel.AUTO,
+    strategy: str = Strategy.MEMORY,
+    *,
+    threads: int = 1,
+    rows: int = 2,
+    block_costs: BlockCosts | None = None,
+    lone_costs: BlockCosts | None = None,  # the same for one row
+    costs_note: str = "",
+    **plan_options: Any,
+) -> ParallelPlan:
+    """Replicas × stages over `devices` (see the module's docstring).
+
+    `threads` is the CPU's intra-op threads in all (CPU workers share them). Throughput is
+    predicted for `rows` rows per micro-batch from `block_costs(device, threads)` (seconds per
+    block; default: counted, `CostModel`), a lone image's step split over replicas from
+    `lone_costs` (the same for one row; default: counted). `plan_options` go to
+    `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
+    """
+    if parallel not in PARALLEL_MODES:
+        raise PlanError(f"unknown parallel mode {parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
+    device_list = resolve_devices(devices)
+    if block_costs is None:
+        latent = plan_options.get("latent_size") or int(model.config.sample_size)
+        dtype = plan_options.get("dtype") or next(model.parameters()).dtype
+        model_costs = CostModel(model, rows, latent, dtype)
+        block_costs = model_costs.costs
+        lone_costs = lone_costs or (lambda device, threads: model_costs.costs(device, threads, rows=1))
+        costs_note = costs_note or "counted"
+    lone_costs = lone_costs or (
+        lambda device, threads: {b: s / rows for b, s in block_costs(device, threads).items()}
+    )
+    search = _Search(model, device_list, strategy, threads, rows, block_costs, lone_costs, plan_options)
+
+    # 1. One worker: a single device, or the layer split when the model needs every device.
+    if parallel == Parallel.OFF or len(device_list) == 1:
+        return search.one_worker(parallel, costs_note)
+    if not search.fits_one():
+        # Replicas need the whole model on each device; and a model that does not fit one device
+        # cannot have its blocks timed there: lanes through the split keep every stage busy.
+        if parallel == Parallel.REPLICAS:
+            raise PlanError(
+                f"replicas need the whole model on each device, and it does not fit {device_list[0]}"
+            )
+        return search.pipeline_only(costs_note)
+
+    # 2. Every shape of replicas × stages, and today's one worker beside them.
+    count = len(device_list)
+    shapes = {
+        Parallel.REPLICAS: [(count, 1)],
+        Parallel.PIPELINE: [(1, count)],
+        Parallel.AUTO: [(r, count // r) for r in range(count, 0, -1) if count % r == 0],
+    }[Parallel(parallel)]
+    for replicas, stages in shapes:
+        search.add_shape(replicas, stages)
+    baseline = search.add_baseline()
+
+    # 3. The fastest that fits (auto may pick the baseline; replicas and pipeline were asked for).
+    choosable = [c for c in search.candidates if c.rows_per_s is not None and c is not baseline]
+    if parallel == Parallel.AUTO and baseline is not None and baseline.rows_per_s is not None:
+        choosable.append(baseline)
+    if not choosable:
+        notes = "; ".join(f"{c.label}: {c.note}" for c in search.candidates)
+        raise PlanError(f"no {parallel} configuration over {device_list} fits: {notes}")
+    best = max(choosable, key=lambda c: c.rows_per_s or 0.0)
+    reason = f"{best.label} is predicted fastest ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
+    if best is not baseline and baseline is not None and baseline.rows_per_s:
+        reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
+    reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
+    return search.plan_of(best, reason, costs_note)
+
+
+class _Search:
+    """The candidates weighed so far, and the plans behind them."""
+
+    def __init__(self, model, devices, strategy, threads, rows, block_costs, lone_costs, options) -> None:
+        self.model, self.devices, self.strategy, self.options = model, devices, strategy, options
+        self.quota, self.rows = max(1, threads), rows
+        self.block_costs, self.lone_costs = block_costs, lone_costs
+        self.all_cpu = all(d == "cpu" for d in devices)
+        self.candidates: list[Candidate] = []
+        self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
+
+    # Shapes.
+
+    def add_shape(self, replicas: int, stages: int) -> Candidate:
+        groups = [self.devices[i * stages : (i + 1) * stages] for i in range(replicas)]
+        workers = replicas * stages
+        if self.all_cpu and workers > self.quota:
+            return self._add(
+                Candidate(replicas, stages, None, f"{workers} busy workers on {self.quota} cores")
+            )
+        threads = self.quota // workers if self.all_cpu else 1
+        costs = self.block_costs(groups[0][0], threads)
+        try:
+            split = tuple(self._split(group, costs, stages) for group in groups)
+        except PlanError as err:
+            return self._add(Candidate(replicas, stages, None, str(err)))
+        stretch = self._stretch(workers, threads)
+        rows_per_s = replicas * self.rows / (self._slowest_stage_s(split[0], costs) * stretch)
+        lone = self._lone_step_s(split[0], replicas, threads) * stretch
+        candidate = Candidate(replicas, stages, rows_per_s, "", lone, threads if self.all_cpu else None)
+        self.plans[id(candidate)] = (split, stages)  # a lane per stage keeps every stage busy
+        return self._add(candidate)
+
+    def add_baseline(self) -> Candidate | None:
+        """Today's one worker: on CPU, one lane with the threads that serve it fastest (what
+        `--devices cpu` runs); on GPUs, the layer split with one lane (every stage in turn)."""
+        if self.all_cpu:
+            plan, threads = self._single(["cpu"]), self.best_threads()
+            costs = self.block_costs("cpu", threads)
+            seconds = sum(costs.values()) * self._stretch(1, threads)
+            note = f"one worker, {threads} thread{'s' * (threads != 1)}"
+        else:
+            try:
+                plan = self._single(self.devices)
+            except PlanError:
+                return None
+            costs, threads = self.block_costs(self.devices[0], 1), None
+            seconds = sum(sum(costs[b] for b in s.blocks) for s in plan.stages)
+            note = "one lane through the layer split"
+        candidate = Candidate(
+            1, len(plan.stages), self.rows / seconds, note, seconds * 2 / self.rows, threads
+        )
+        self.plans[id(candidate)] = ((plan,), 1)
+        return self._add(candidate)
+
+    def best_threads(self) -> int:
+        """A lone CPU worker's threads: the count predicted fastest among 1, powers of two, the
+        quota less one and the quota (each count is a calibration, cached)."""
+
+        def seconds(threads: int) -> float:
+            return sum(self.block_costs("cpu", threads).values()) * self._stretch(1, threads)
+
+        counts = {1, self.quota - 1, self.quota} | {2**k for k in range(1, self.quota.bit_length())}
+        return min((t for t in counts if 1 <= t <= self.quota), key=lambda t: (seconds(t), t))
+
+    # Plans.
+
+    def one_worker(self, parallel: str, costs_note: str) -> ParallelPlan:
+        plan = self._single(self.devices)
+        if not self.all_cpu:
+            return single(plan, costs=costs_note)
+        threads = self.best_threads() if len(self.devices) == 1 else self.quota
+        reason = f"{threads} of {self.quota} thread(s) predicted fastest for one worker"
+        if parallel == Parallel.OFF and len(self.devices) > 1:
+            reason = "--parallel off: one lane through the layer split"
+        return single(plan, threads, reason=reason, costs=costs_note)
+
+    def pipeline_only(self, costs_note: str) -> ParallelPlan:
+        plan = plan_shards(self.model, self.devices, self.strategy, **self.options)
+        reason = (
+            "the model does not fit one device, so no replicas, and its blocks are not costed there: "
+            f"{len(self.devices)} pipelined stages split by {self.strategy}, a lane per stage"
+        )
+        threads = max(1, self.quota // len(self.devices)) if self.all_cpu else None
+        candidate = Candidate(1, len(self.devices), None, "not costed")
+        workers = tuple(worker_names(self.devices))
+        return ParallelPlan((plan,), len(plan.stages), threads, (candidate,), reason, workers, costs_note)
+
+    def plan_of(self, best: Candidate, reason: str, costs_note: str) -> ParallelPlan:
+        split, lanes = self.plans[id(best)]
+        workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
+        return ParallelPlan(split, lanes, best.threads, tuple(self.candidates), reason, workers, costs_note)
+
+    # Helpers.
+
+    def fits_one(self) -> bool:
+        try:
+            self._single(self.devices[:1])
+        except PlanError:
+            return False
+        return True
+
+    def _add(self, candidate: Candidate) -> Candidate:
+        self.candidates.append(candidate)
+        return candidate
+
+    def _single(self, devices: Sequence[str]) -> ShardPlan:
+        costs = {}
+        if self.strategy == Strategy.COST:  # balance the layer split by its blocks' seconds
+            threads = max(1, self.quota // len(devices))
+            costs["block_costs"] = lambda device: self.block_costs(device, threads)
+        return plan_shards(self.model, list(devices), self.strategy, **costs, **self.options)
+
+    def _split(self, group: list[str], costs: Mapping[str, float], stages: int) -> ShardPlan:
+        """One replica's plan over `group`: a pipeline balances its blocks' seconds (its slowest
+        stage sets the pace), a single stage just has to fit."""
+        if stages > 1:
+            return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **self.options)
+        return plan_shards(self.model, group, self.strategy, **self.options)
+
+    def _stretch(self, workers: int, threads: int) -> float:
+        """How much slower CPU workers run when, with the server's own threads, they ask for more
+        cores than the quota has (1 on GPUs)."""
+        if not self.all_cpu:
+            return 1.0
+        return (
+            max(1.0, (workers * threads + HTTP_CORES) / self.quota)
+            if workers * threads >= self.quota
+            else 1.0
+        )
+
+    def _slowest_stage_s(self, plan: ShardPlan, costs: Mapping[str, float]) -> float:
+        """Seconds of the slowest stage for one micro-batch, its incoming boundary copy included."""
+        return max(self._stage_seconds(plan, costs))
+
+    def _lone_step_s(self, plan: ShardPlan, replicas: int, threads: int) -> float:
+        """One step of a lone guided image (2 rows) through every stage of one replica in turn: with
+        several replicas each runs one of its rows (`lone_costs`: seconds per block for one row)."""
+        if replicas > 1:
+            return sum(self._stage_seconds(plan, self.lone_costs(plan.stages[0].device, threads)))
+        return (
+            sum(self._stage_seconds(plan, self.block_costs(plan.stages[0].device, threads))) * 2 / self.rows
+        )
+
+    def _stage_seconds(self, plan: ShardPlan, costs: Mapping[str, float]) -> list[float]:
+        out = []
+        for index, stage in enumerate(plan.stages):
+            seconds = sum(costs[block] for block in stage.blocks)
+            if index > 0 and plan.stages[index - 1].device != stage.device:
+                seconds += plan.boundaries[index - 1].bytes / BOUNDARY_BYTES_PER_S
+            out.append(seconds)
+        return out
