@@ -27,10 +27,11 @@ from server.api.connections import bounded_protocol
 from server.api.requestid import RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings
-from server.engine import Strategy
+from server.engine import Costs, Strategy
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
+from server.pipeline.planning import compare_costs
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -133,7 +134,25 @@ def plan_command(args: argparse.Namespace) -> None:
             )
         options["side"] = args.resolution
     plan = plan_for(settings, family, folder=None if args.config else settings.model, **options)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    side_by_side = None
+    if settings.costs == Costs.MEASURED:  # what counting would have predicted, beside the timings
+        device = plan.replicas[0].stages[0].device
+        side_by_side = compare_costs(
+            family, device, settings.torch_dtype, plan.threads or 1, settings.cache_dir
+        )
+    if args.json:
+        print(json.dumps(plan.to_dict() | ({"block_costs": side_by_side} if side_by_side else {}), indent=2))
+        return
+    print(plan)
+    if side_by_side:
+        print(
+            f"\nseconds per block on one {device} worker ({plan.threads or 1} thread(s)), counted vs measured:"
+        )
+        for block, both in side_by_side.items():
+            counted, measured = both["counted_s"], both["measured_s"]
+            print(
+                f"  {block:24} {counted * 1e3:10.2f} ms {measured * 1e3:10.2f} ms  {counted / measured:5.2f}×"
+            )
 
 
 # uvicorn's graceful shutdown after the drain: the responses already computed go out. A pod's

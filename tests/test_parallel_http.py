@@ -61,7 +61,7 @@ def test_same_images_as_the_default_server_under_concurrent_load(parallel, refer
 def test_both_workers_were_busy_and_the_plan_says_how(parallel) -> None:
     mode, server, metrics = parallel
     shards = httpx.get(f"{server.url}/v1/shards").json()
-    assert shards["parallel"]["micro_batches"] == 2 and shards["parallel"]["threads_per_lane"] == 1
+    assert shards["parallel"]["lanes"] == 2 and shards["parallel"]["threads_per_lane"] == 1
     assert (shards["parallel"]["replicas"], shards["parallel"]["stages"]) == {
         "pipeline": (1, 2),
         "replicas": (2, 1),

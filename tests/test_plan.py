@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine import DeviceError, PlanError, layout_of, plan_shards
+from server.engine import CostModel, DeviceError, PlanError, layout_of, plan_shards
 from server.engine.devices import parse_size
 from server.engine.partition import min_max_partition
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
@@ -97,9 +97,14 @@ def test_cost_balances_given_block_costs() -> None:
     assert sorted(stage.cost_s for stage in plan.stages) == [7.0, 8.0]
 
 
-def test_cost_profiles_every_block_when_no_costs_are_given() -> None:
-    plan = plan_shards(SD15, "cpu,cpu", "cost", latent_size=8)
+def test_cost_takes_counted_costs_per_device_and_never_times_blocks_itself() -> None:
+    counted = CostModel(SD15, 2, 8, torch.float32)
+    plan = plan_shards(
+        SD15, "cpu,cpu", "cost", latent_size=8, block_costs=lambda device: counted.costs(device)
+    )
     assert all(stage.cost_s is not None and stage.cost_s > 0 for stage in plan.stages)
+    with pytest.raises(PlanError, match="the cost strategy needs block costs"):
+        plan_shards(SD15, "cpu,cpu", "cost", latent_size=8)
 
 
 def test_explicit_map_forms_contiguous_stages() -> None:

@@ -39,6 +39,7 @@ BOUNDARY_BYTES_PER_S = 16e9
 # Cores the server's own threads keep busy beside the workers under load (event loop, step
 # loops between forwards, PNG encoding): an estimate, checked by benchmarks.serving's table.
 HTTP_CORES = 0.5
+NEAR = 0.05  # predictions this close in throughput are a tie: the lower lone latency wins
 
 BlockCosts = Callable[[str, int], Mapping[str, float]]  # (device, threads) → seconds per block
 
@@ -104,13 +105,18 @@ def plan_parallel(
 
     # 3. The fastest that fits (auto may pick the baseline; replicas and pipeline were asked for).
     choosable = [c for c in search.candidates if c.rows_per_s is not None and c is not baseline]
-    if parallel == Parallel.AUTO and baseline is not None and baseline.rows_per_s is not None:
-        choosable.append(baseline)
+    if parallel == Parallel.AUTO:  # never more busy CPU workers than cores, unless asked for
+        choosable = [c for c in choosable if id(c) not in search.crowded]
+        if baseline is not None and baseline.rows_per_s is not None:
+            choosable.append(baseline)
     if not choosable:
         notes = "; ".join(f"{c.label}: {c.note}" for c in search.candidates)
         raise PlanError(f"no {parallel} configuration over {device_list} fits: {notes}")
-    best = max(choosable, key=lambda c: c.rows_per_s or 0.0)
-    reason = f"{best.label} is predicted fastest ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
+    # Throughput first; among those within NEAR of the fastest, the quicker lone image.
+    top = max(c.rows_per_s or 0.0 for c in choosable)
+    near = [c for c in choosable if (c.rows_per_s or 0.0) >= top * (1 - NEAR)]
+    best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
+    reason = f"{best.label} is predicted fastest{' (or as fast, and quicker alone)' if len(near) > 1 else ''} ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
     if best is not baseline and baseline is not None and baseline.rows_per_s:
         reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
     reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
@@ -126,6 +132,7 @@ class _Search:
         self.block_costs, self.lone_costs = block_costs, lone_costs
         self.all_cpu = all(d == "cpu" for d in devices)
         self.candidates: list[Candidate] = []
+        self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
 
     # Shapes.
@@ -133,11 +140,7 @@ class _Search:
     def add_shape(self, replicas: int, stages: int) -> Candidate:
         groups = [self.devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         workers = replicas * stages
-        if self.all_cpu and workers > self.quota:
-            return self._add(
-                Candidate(replicas, stages, None, f"{workers} busy workers on {self.quota} cores")
-            )
-        threads = self.quota // workers if self.all_cpu else 1
+        threads = max(1, self.quota // workers) if self.all_cpu else 1
         costs = self.block_costs(groups[0][0], threads)
         try:
             split = tuple(self._split(group, costs, stages) for group in groups)
@@ -146,7 +149,11 @@ class _Search:
         stretch = self._stretch(workers, threads)
         rows_per_s = replicas * self.rows / (self._slowest_stage_s(split[0], costs) * stretch)
         lone = self._lone_step_s(split[0], replicas, threads) * stretch
-        candidate = Candidate(replicas, stages, rows_per_s, "", lone, threads if self.all_cpu else None)
+        crowded = self.all_cpu and workers > self.quota  # run only when asked for by name
+        note = f"{workers} busy workers on {self.quota} cores" if crowded else ""
+        candidate = Candidate(replicas, stages, rows_per_s, note, lone, threads if self.all_cpu else None)
+        if crowded:
+            self.crowded.add(id(candidate))
         self.plans[id(candidate)] = (split, stages)  # a lane per stage keeps every stage busy
         return self._add(candidate)
 
@@ -239,7 +246,7 @@ class _Search:
 
     def _stretch(self, workers: int, threads: int) -> float:
         """How much slower CPU workers run when, with the server's own threads, they ask for more
-        cores than the quota has (1 on GPUs)."""
+        cores than the quota has (1 on GPUs): they share the cores (and their memory bandwidth)."""
         if not self.all_cpu:
             return 1.0
         return (

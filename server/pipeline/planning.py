@@ -74,3 +74,15 @@ def plan_model(
         batch=batch,
         resident=resident,
     )
+
+
+def compare_costs(
+    family: Family, device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None
+) -> dict[str, dict[str, float]]:
+    """Per block, counted and measured seconds for one worker (`plan --costs measured` prints
+    them side by side): at 2 rows of the native latent size, as plans are costed."""
+    model = meta_denoiser(family)
+    latent = family.native_size // family.vae_scale_factor
+    counted = CostModel(model, 2, latent, dtype, Costs.COUNTED, cache_dir).costs(device, threads)
+    measured = CostModel(model, 2, latent, dtype, Costs.MEASURED, cache_dir).costs(device, threads)
+    return {block: {"counted_s": counted[block], "measured_s": measured[block]} for block in counted}
