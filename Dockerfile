@@ -50,7 +50,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- the image ----
 FROM deps
-# Kubernetes runs this with a read-only root filesystem and a writable /tmp: every cache goes there.
+# Kubernetes runs this with a read-only root filesystem and a writable /tmp: every cache goes there,
+# but for the planner's calibration (DIFFSHARD_CACHE_DIR, a few KB): mount a volume at
+# /var/cache/diffshard to keep it across restarts (compose and deploy/k8s do). Unwritable, it only
+# warns and the calibration is timed again (a few seconds).
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/tmp \
@@ -59,12 +62,14 @@ ENV PYTHONUNBUFFERED=1 \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     TRITON_CACHE_DIR=/tmp/triton \
     MPLCONFIGDIR=/tmp/matplotlib \
-    DIFFSHARD_HOST=0.0.0.0
+    DIFFSHARD_HOST=0.0.0.0 \
+    DIFFSHARD_CACHE_DIR=/var/cache/diffshard
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps /wheels/*.whl \
     && python -c "from server.demo import MODEL_DIR; assert (MODEL_DIR / 'model_index.json').is_file(), MODEL_DIR" \
     && groupadd --gid 10001 diffshard \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin diffshard \
+    && install -d -o 10001 -g 10001 -m 0750 /var/cache/diffshard \
     && rm -rf /build
 WORKDIR /app
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it.

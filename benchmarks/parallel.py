@@ -77,9 +77,9 @@ from torch import nn
 from benchmarks.serving import client_loop, summary
 from benchmarks.shard import build_unet
 from server.engine.blocks import DenoiserInputs
-from server.engine.parallel import ParallelPlan, build_shards
+from server.engine import CostModel, ParallelPlan, build_shards
+from server.engine.devices import cpu_dtype
 from server.engine.plan import plan_shards
-from server.engine.profile import profile_block_costs
 from server.engine.shard import ModelShard
 from server.engine.specs import spec_for
 from server.pipeline.families.sd import SD
@@ -97,7 +97,7 @@ STEPS_PER_IMAGE = 25  # the built-in model's recommended steps
 TARGET_SPEEDUP = 1.3
 TARGET_AUTO_SHARE = 0.95
 TARGET_BUSY = 0.80
-DTYPE = torch.bfloat16
+DTYPE = cpu_dtype()  # bfloat16 where the CPU has it natively; float32 where it is emulated (~180× slower)
 T = TypeVar("T")
 
 
@@ -343,9 +343,9 @@ def engine_cpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[
     single = plan_shards(model, "cpu", "memory", dtype=DTYPE, latent_size=latent, batch=rows)
     with ModelShard(model, single) as shard:
         one = timed(model, [shard], 1, rows, latent, 2 * forwards, threads=2)
-    # Balance the stages for the work they will do: block times on one thread, as a worker runs
-    # them, at the latent size served (2 rows: at 8, one profile would take minutes here).
-    costs = with_threads(1, lambda: profile_block_costs(model, 2, latent, DTYPE, "cpu", repeats=1))
+    # Balance the stages for the work they will do: counted block costs on one thread, as a
+    # worker runs them, at the latent size served.
+    costs = CostModel(model, 2, latent, DTYPE).costs("cpu", 1)
     split = plan_shards(
         model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=rows, block_costs=costs
     )
@@ -354,7 +354,7 @@ def engine_cpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[
         stages = [{"blocks": list(s.blocks), "predicted_cost_s": _round(s.cost_s, 4)} for s in split.stages]
     return {
         "engine": "cpu",
-        "model": "sd15 UNet (random weights, seed 0), bfloat16",
+        "model": f"sd15 UNet (random weights, seed 0), {str(DTYPE).removeprefix('torch.')}",
         "latent_size": latent,
         "rows_in_flight": 2 * rows,
         "rows_per_lane": rows,

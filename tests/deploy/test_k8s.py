@@ -165,6 +165,20 @@ def test_termination_grace_covers_prestop_drain_and_shutdown(rendered) -> None:
     )
 
 
+def test_cache_dir_is_a_writable_volume(rendered) -> None:
+    """The root filesystem is read-only: the planner's cache (DIFFSHARD_CACHE_DIR) must be a
+    volume mounted writable at that very path, or every pod calibrates again and warns."""
+    cache_dir = settings_env(rendered)["DIFFSHARD_CACHE_DIR"]
+    assert container(rendered)["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m for m in container(rendered)["volumeMounts"]}
+    assert cache_dir in mounts, f"DIFFSHARD_CACHE_DIR={cache_dir} is none of the mounts {sorted(mounts)}"
+    assert not mounts[cache_dir].get("readOnly") and "subPath" not in mounts[cache_dir]
+    volumes = {v["name"]: v for v in the(rendered, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mounts[cache_dir]["name"]]
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume, volume
+    assert not volume.get("persistentVolumeClaim", {}).get("readOnly"), volume
+
+
 @pytest.mark.slow
 def test_startup_probe_outlasts_a_model_load() -> None:
     """From process start to ready, measured on the built-in model (what the cpu overlay
