@@ -76,8 +76,8 @@ from torch import nn
 
 from benchmarks.serving import client_loop, summary
 from benchmarks.shard import build_unet
-from server.engine.blocks import DenoiserInputs
 from server.engine import CostModel, ParallelPlan, build_shards
+from server.engine.blocks import DenoiserInputs
 from server.engine.devices import cpu_dtype
 from server.engine.plan import plan_shards
 from server.engine.shard import ModelShard

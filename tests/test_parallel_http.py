@@ -77,11 +77,13 @@ def test_both_workers_were_busy_and_the_plan_says_how(parallel) -> None:
 def test_a_lone_request_keeps_both_replicas_busy_with_the_same_image(reference) -> None:
     """One client, two replicas: each step's guidance halves run on both workers at once (the
     idle replica takes a share of the rows), and the image is the single worker's."""
-    with live_server("--devices", "cpu,cpu", "--parallel", "replicas") as server:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            answer = client.post("/v1/images/generations", json=REQUESTS[0])
-            assert answer.status_code == 200, answer.text
-            busy = client.get("/v1/shards").json()["parallel"]["busy_seconds"]
+    with (
+        live_server("--devices", "cpu,cpu", "--parallel", "replicas") as server,
+        httpx.Client(base_url=server.url, timeout=120) as client,
+    ):
+        answer = client.post("/v1/images/generations", json=REQUESTS[0])
+        assert answer.status_code == 200, answer.text
+        busy = client.get("/v1/shards").json()["parallel"]["busy_seconds"]
     image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
         int
     )

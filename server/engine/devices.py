@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-
 from pathlib import Path
 
 import torch
@@ -106,10 +106,8 @@ def cpu_dtype() -> torch.dtype:
     """bfloat16 where this CPU runs it natively (AVX-512 with bf16, AMX), else float32: on an
     AVX2-only CPU bfloat16 matmul is emulated, ~180× slower than float32 (measured)."""
     flags = ""
-    try:
+    with contextlib.suppress(OSError):
         flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pass
     native = " avx512_bf16" in flags or " amx_bf16" in flags
     return torch.bfloat16 if native else torch.float32
 

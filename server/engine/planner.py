@@ -116,7 +116,10 @@ def plan_parallel(
     top = max(c.rows_per_s or 0.0 for c in choosable)
     near = [c for c in choosable if (c.rows_per_s or 0.0) >= top * (1 - NEAR)]
     best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
-    reason = f"{best.label} is predicted fastest{' (or as fast, and quicker alone)' if len(near) > 1 else ''} ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
+    tie = " (or as fast, and quicker alone)" if len(near) > 1 else ""
+    reason = (
+        f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
+    )
     if best is not baseline and baseline is not None and baseline.rows_per_s:
         reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
     reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
