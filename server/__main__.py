@@ -145,9 +145,8 @@ def plan_command(args: argparse.Namespace) -> None:
         return
     print(plan)
     if side_by_side:
-        print(
-            f"\nseconds per block on one {device} worker ({plan.threads or 1} thread(s)), counted vs measured:"
-        )
+        threads = plan.threads or 1
+        print(f"\nseconds per block on one {device} worker ({threads} thread(s)), counted vs measured:")
         for block, both in side_by_side.items():
             counted, measured = both["counted_s"], both["measured_s"]
             print(
