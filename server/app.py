@@ -57,6 +57,7 @@ def plan_for(
         folder=folder,
         parallel=options.pop("parallel", settings.parallel),
         threads=settings.threads or cpu_quota(),
+        pick_threads=settings.threads is None,  # --threads N: a lone CPU worker runs N
         costs=settings.costs,
         cache_dir=settings.cache_dir,
         **options,

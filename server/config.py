@@ -125,8 +125,8 @@ class Settings(BaseSettings):
     threads: int | None = Field(
         None,
         ge=1,
-        description="CPU intra-op threads in all, shared by the CPU workers (default: the CPU quota; "
-        "a lone CPU worker runs the count predicted fastest up to it)",
+        description="CPU intra-op threads in all, shared by the CPU workers; a lone CPU worker runs "
+        "exactly this many (default: the CPU quota, and a lone worker the count predicted fastest)",
     )
     debug: bool = Field(False, description="print tracebacks of startup failures")
 

@@ -81,7 +81,7 @@ def test_two_gpus_pipelined_or_replicated_match_one_gpu_with_both_busy(
     with torch.inference_mode():
         expected = spec.forward(unet, inputs)
     costs = dict.fromkeys(layout_of(unet).names, 0.001)
-    plan = plan_parallel(unet, "cuda:0,cuda:1", parallel, block_costs=lambda _device, _threads: costs)
+    plan = plan_parallel(unet, "cuda:0,cuda:1", parallel, block_costs=lambda *_, **__: costs)
     assert plan.workers == ("cuda:0", "cuda:1")
     shards = build_shards(unet, plan)
     out = run_micro_batches(shards, inputs, micro_batches=2)
@@ -104,7 +104,7 @@ def test_a_lone_step_split_over_two_gpu_replicas_takes_at_most_065_of_one_gpu() 
     spec = spec_for(unet)
     inputs = spec.example_inputs(unet, 2, 64, torch.bfloat16, torch.device("cuda:0"))
     costs = dict.fromkeys(layout_of(unet).names, 0.001)
-    plan = plan_parallel(unet, "cuda:0,cuda:1", "replicas", block_costs=lambda _device, _threads: costs)
+    plan = plan_parallel(unet, "cuda:0,cuda:1", "replicas", block_costs=lambda *_, **__: costs)
     shards = build_shards(unet, plan)
 
     def step_s(run) -> tuple[float, torch.Tensor]:

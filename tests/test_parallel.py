@@ -56,7 +56,7 @@ def test_pipelined_stages_equal_the_unsplit_model(name: str, stages: int, micro_
 def test_two_replicas_equal_the_unsplit_model(name: str) -> None:
     model = MODELS[name]()
     inputs, expected = unsplit(model, rows=4)
-    plan = plan_parallel(model, "cpu,cpu", "replicas", block_costs=lambda _d, _t: _unit_costs(model))
+    plan = plan_parallel(model, "cpu,cpu", "replicas", block_costs=lambda *_, **__: _unit_costs(model))
     assert (plan.kind, plan.workers) == ("replicas", ("cpu:0", "cpu:1"))
     shards = build_shards(model, plan)
     assert shards[0].model is shards[1].model  # CPU replicas share one copy of the weights
@@ -126,7 +126,7 @@ def test_the_planner_predicts_every_shape_and_picks_the_fastest() -> None:
     # one thread per worker: 10 ms a block, the mid block 40 ms; one worker with both threads: 80%
     one = dict.fromkeys(names, 0.010) | {"mid_block": 0.040}
     measured = {1: one, 2: {block: 0.8 * s for block, s in one.items()}}
-    plan = plan_parallel(model, "cpu,cpu", "auto", threads=2, block_costs=lambda _d, t: measured[t])
+    plan = plan_parallel(model, "cpu,cpu", "auto", threads=2, block_costs=lambda _d, t, **_: measured[t])
     shapes = {(c.replicas, c.stages): c for c in plan.candidates}
     total, full = sum(one.values()), (2 + HTTP_CORES) / 2  # both cores busy: the server's threads share them
     assert shapes[(2, 1)].rows_per_s == pytest.approx(2 * 2 / (total * full))
@@ -137,7 +137,9 @@ def test_the_planner_predicts_every_shape_and_picks_the_fastest() -> None:
     )  # no even cut: the slowest stage sets the pace
     assert (plan.kind, plan.threads, plan.lanes) == ("replicas", 1, 2)
     assert "2 replicas × 1 stage is predicted fastest" in plan.reason and "× one worker" in plan.reason
-    pipeline = plan_parallel(model, "cpu,cpu", "pipeline", threads=2, block_costs=lambda _d, t: measured[t])
+    pipeline = plan_parallel(
+        model, "cpu,cpu", "pipeline", threads=2, block_costs=lambda _d, t, **_: measured[t]
+    )
     assert (pipeline.kind, pipeline.stages, pipeline.lanes) == ("pipeline", 2, 2)
     assert "--parallel pipeline asked for it" in pipeline.reason
     assert isinstance(pipeline, ParallelPlan) and "lane" in str(pipeline)
@@ -155,8 +157,8 @@ def test_one_worker_wins_where_more_workers_do_not_pay() -> None:
         "cpu,cpu",
         "auto",
         threads=2,
-        block_costs=lambda _d, t: costs[t],
-        lone_costs=lambda _d, t: costs[t],
+        block_costs=lambda _d, t, **_: costs[t],
+        lone_costs=lambda _d, t, **_: costs[t],
     )
     assert (plan.kind, plan.workers, plan.threads) == ("single", ("cpu",), 2)
     assert plan.candidates[-1].note == "one worker, 2 threads"
@@ -220,7 +222,7 @@ def test_a_hybrid_of_two_pipelined_replicas_equals_the_unsplit_model() -> None:
 def test_auto_weighs_every_shape_on_four_workers() -> None:
     model = tiny_sd15_unet()
     costs = dict.fromkeys(_unit_costs(model), 0.01)
-    plan = plan_parallel(model, ["cpu"] * 4, "auto", threads=4, block_costs=lambda _d, _t: costs)
+    plan = plan_parallel(model, ["cpu"] * 4, "auto", threads=4, block_costs=lambda *_, **__: costs)
     assert {(c.replicas, c.stages) for c in plan.candidates} == {(4, 1), (2, 2), (1, 4), (1, 1)}
 
 

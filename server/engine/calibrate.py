@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import math
 import platform
+import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -178,18 +180,7 @@ def _memory(scale: int, dtype: torch.dtype, device: torch.device) -> Op:
 def _op_overhead(dtype: torch.dtype, device: torch.device, sync: Callable[[], None]) -> float:
     """Seconds per op of a diffusers resnet and transformer block on tiny tensors: dispatch,
     launch and the blocks' own Python (attention processors, shape checks), not arithmetic."""
-    resnet = ResnetBlock2D(in_channels=32, temb_channels=32, groups=8).to(device, dtype).eval()
-    attention = Transformer2DModel(2, 16, in_channels=32, norm_num_groups=8, cross_attention_dim=32)
-    attention = nn.Module.to(attention, device, dtype).eval()  # without diffusers' dtype warning
-    x = torch.randn(1, 32, 4, 4, dtype=dtype, device=device)
-    temb, context = (
-        torch.randn(1, 32, dtype=dtype, device=device),
-        torch.randn(1, 8, 32, dtype=dtype, device=device),
-    )
-
-    def run() -> None:
-        attention(resnet(x, temb), encoder_hidden_states=context, return_dict=False)
-
+    run = _small_blocks(dtype, device, side=4)
     ops = len(count_ops(run).ops)
     best = float("inf")
     for _ in range(REPEATS + 2):
@@ -199,6 +190,83 @@ def _op_overhead(dtype: torch.dtype, device: torch.device, sync: Callable[[], No
         sync()
         best = min(best, time.perf_counter() - started)
     return best / (5 * ops)
+
+
+def shared_overhead(speed: DeviceSpeed, workers: int, threads: int, beside_server: bool) -> float:
+    """Seconds per op, beyond its arithmetic, when `workers` CPU workers (a thread each, `threads`
+    intra-op threads each) run a small model's blocks at once, as lanes do; with
+    `beside_server`, next to a thread busy half the time, as the server's own threads are when
+    the workers fill the quota. This is what sharing costs that FLOPs do not show: the workers'
+    Python takes turns under the interpreter lock, and an OpenMP team waits at every parallel
+    op for any of its threads that the scheduler took off a core."""
+    dtype = getattr(torch, speed.dtype)
+    run = _small_blocks(dtype, torch.device("cpu"), side=16)
+    work = count_ops(run)
+    arithmetic = sum(
+        max(op.flops / speed.rate(op.kind, op.rows), op.bytes / speed.bytes_per_s) for op in work.ops
+    )
+    repeats, start, stop = 8, threading.Barrier(workers + 1), threading.Event()
+    spent: list[float] = []
+
+    def worker() -> None:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            run()  # warm: this thread's OpenMP team, the allocator's caches
+            start.wait()
+            began = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            spent.append(time.perf_counter() - began)
+
+    def server() -> None:  # half a core: Python for a millisecond, then a millisecond asleep
+        while not stop.is_set():
+            until = time.perf_counter() + 1e-3
+            while time.perf_counter() < until:
+                pass
+            time.sleep(1e-3)
+
+    threads_ = [threading.Thread(target=worker) for _ in range(workers)]
+    if beside_server:
+        threads_.append(threading.Thread(target=server, daemon=True))
+    for t in threads_:
+        t.start()
+    start.wait()
+    for t in threads_[:workers]:
+        t.join()
+    stop.set()
+    per_op = statistics.median(spent) / repeats / len(work.ops)
+    return max(speed.op_overhead_s, per_op - arithmetic / len(work.ops))
+
+
+def cached_shared_overhead(
+    speed: DeviceSpeed, workers: int, threads: int, beside_server: bool, cache_dir: Path | None
+) -> float:
+    key = {
+        "device": speed.device,
+        "dtype": speed.dtype,
+        "workers": workers,
+        "threads": threads,
+        "beside_server": beside_server,
+        "torch": torch.__version__,
+    }
+    path = cache_dir / "calibration.json" if cache_dir is not None else None
+    stored = lookup(path, key)
+    if isinstance(stored, float):
+        return stored
+    seconds = shared_overhead(speed, workers, threads, beside_server)
+    store(path, key, seconds)
+    return seconds
+
+
+def _small_blocks(dtype: torch.dtype, device: torch.device, side: int) -> Callable[[], object]:
+    """A diffusers resnet and transformer block, 32 channels, on 2 rows of `side`² latents."""
+    resnet = ResnetBlock2D(in_channels=32, temb_channels=32, groups=8).to(device, dtype).eval()
+    attention = Transformer2DModel(2, 16, in_channels=32, norm_num_groups=8, cross_attention_dim=32)
+    attention = nn.Module.to(attention, device, dtype).eval()  # without diffusers' dtype warning
+    x = torch.randn(2, 32, side, side, dtype=dtype, device=device)
+    temb = torch.randn(2, 32, dtype=dtype, device=device)
+    context = torch.randn(2, 8, 32, dtype=dtype, device=device)
+    return lambda: attention(resnet(x, temb), encoder_hidden_states=context, return_dict=False)
 
 
 def _cpu_name() -> str:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from server.engine.cache import lookup, store
-from server.engine.calibrate import DeviceSpeed, cached_calibration, device_kind
+from server.engine.calibrate import DeviceSpeed, cached_calibration, cached_shared_overhead, device_kind
 from server.engine.profile import profile_block_costs
 from server.engine.work import BlockWork, ModelWork, count_work
 
@@ -46,13 +46,14 @@ class Costs(StrEnum):
 COST_MODES = tuple(c.value for c in Costs)
 
 
-def block_seconds(work: BlockWork, speed: DeviceSpeed) -> float:
+def block_seconds(work: BlockWork, speed: DeviceSpeed, overhead_s: float | None = None) -> float:
     """The roofline with overhead (see the module's docstring) for one block."""
+    overhead_s = speed.op_overhead_s if overhead_s is None else overhead_s
     seconds = 0.0
     for op in work.ops:
         memory = op.bytes / speed.bytes_per_s
         compute = op.flops / speed.rate(op.kind, op.rows) if op.kind != "memory" else 0.0
-        seconds += max(compute, memory) + speed.op_overhead_s
+        seconds += max(compute, memory) + overhead_s
     return seconds
 
 
@@ -79,19 +80,43 @@ class CostModel:
             self._work = count_work(self.model, self.rows, self.latent_size, self.dtype)
         return self._work
 
-    def costs(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
-        threads = threads if torch.device(device).type == "cpu" else 1
+    def costs(
+        self,
+        device: str,
+        threads: int = 1,
+        rows: int | None = None,
+        *,
+        workers: int = 1,
+        beside_server: bool = False,
+    ) -> dict[str, float]:
+        """Seconds per block on one of `workers` workers of `device`'s kind running at once (CPU
+        workers share the interpreter and the cores; `beside_server`: the server's own threads
+        too, as when the workers fill the CPU quota)."""
+        cpu = torch.device(device).type == "cpu"
+        threads, workers, beside_server = (threads, workers, beside_server) if cpu else (1, 1, False)
         rows = rows or self.rows
-        key = (device_kind(device), threads, rows)
+        key = (device_kind(device), threads, rows, workers, beside_server)
         if key not in self._costs:
-            counted = self.mode == Costs.COUNTED
-            self._costs[key] = (self.predicted if counted else self.measured)(device, threads, rows)
+            if self.mode == Costs.COUNTED:
+                self._costs[key] = self.predicted(device, threads, rows, workers, beside_server)
+            else:  # timed alone: sharing is not measured (the planner stretches for the quota)
+                self._costs[key] = self.measured(device, threads, rows)
         return self._costs[key]
 
-    def predicted(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
+    def predicted(
+        self,
+        device: str,
+        threads: int = 1,
+        rows: int | None = None,
+        workers: int = 1,
+        beside_server: bool = False,
+    ) -> dict[str, float]:
         speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
+        overhead = None
+        if torch.device(device).type == "cpu":
+            overhead = cached_shared_overhead(speed, workers, threads, beside_server, self.cache_dir)
         work = self.work if rows in (None, self.rows) else self.work.at_rows(rows)
-        return {name: block_seconds(block, speed) for name, block in work.blocks.items()}
+        return {name: block_seconds(block, speed, overhead) for name, block in work.blocks.items()}
 
     def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""
@@ -107,6 +132,8 @@ class CostModel:
             seconds = profile_block_costs(self.model, rows, self.latent_size, self.dtype, device, repeats=5)
         finally:
             torch.set_num_threads(before)
+            if torch.device(device).type == "cuda":  # the twin is gone: later budgets must not see it
+                torch.cuda.empty_cache()
         store(path, key, seconds)
         return seconds
 

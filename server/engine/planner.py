@@ -41,7 +41,9 @@ BOUNDARY_BYTES_PER_S = 16e9
 HTTP_CORES = 0.5
 NEAR = 0.05  # predictions this close in throughput are a tie: the lower lone latency wins
 
-BlockCosts = Callable[[str, int], Mapping[str, float]]  # (device, threads) → seconds per block
+# (device, threads, workers=, beside_server=) → seconds per block on one of `workers` busy
+# workers (CPU workers share the cores and the interpreter; `beside_server`: they fill the quota)
+BlockCosts = Callable[..., Mapping[str, float]]
 
 
 def plan_parallel(
@@ -55,6 +57,7 @@ def plan_parallel(
     block_costs: BlockCosts | None = None,
     lone_costs: BlockCosts | None = None,  # the same for one row
     costs_note: str = "",
+    pick_threads: bool = True,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
@@ -62,7 +65,8 @@ def plan_parallel(
     `threads` is the CPU's intra-op threads in all (CPU workers share them). Throughput is
     predicted for `rows` rows per micro-batch from `block_costs(device, threads)` (seconds per
     block; default: counted, `CostModel`), a lone image's step split over replicas from
-    `lone_costs` (the same for one row; default: counted). `plan_options` go to
+    `lone_costs` (the same for one row; default: counted). A lone CPU worker runs the thread
+    count predicted fastest, or all `threads` without `pick_threads`. `plan_options` go to
     `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
     """
     if parallel not in PARALLEL_MODES:
@@ -73,12 +77,13 @@ def plan_parallel(
         dtype = plan_options.get("dtype") or next(model.parameters()).dtype
         model_costs = CostModel(model, rows, latent, dtype)
         block_costs = model_costs.costs
-        lone_costs = lone_costs or (lambda device, threads: model_costs.costs(device, threads, rows=1))
+        lone_costs = lone_costs or (lambda device, threads, **kw: model_costs.costs(device, threads, 1, **kw))
         costs_note = costs_note or "counted"
     lone_costs = lone_costs or (
-        lambda device, threads: {b: s / rows for b, s in block_costs(device, threads).items()}
+        lambda device, threads, **kw: {b: s / rows for b, s in block_costs(device, threads, **kw).items()}
     )
     search = _Search(model, device_list, strategy, threads, rows, block_costs, lone_costs, plan_options)
+    search.pick_threads = pick_threads
 
     # 1. One worker: a single device, or the layer split when the model needs every device.
     if parallel == Parallel.OFF or len(device_list) == 1:
@@ -136,6 +141,7 @@ class _Search:
         self.all_cpu = all(d == "cpu" for d in devices)
         self.candidates: list[Candidate] = []
         self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
+        self.pick_threads = True
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
 
     # Shapes.
@@ -144,14 +150,15 @@ class _Search:
         groups = [self.devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         workers = replicas * stages
         threads = max(1, self.quota // workers) if self.all_cpu else 1
-        costs = self.block_costs(groups[0][0], threads)
+        sharing = self._sharing(workers, threads)
+        costs = self.block_costs(groups[0][0], threads, **sharing)
         try:
             split = tuple(self._split(group, costs, stages) for group in groups)
         except PlanError as err:
             return self._add(Candidate(replicas, stages, None, str(err)))
         stretch = self._stretch(workers, threads)
         rows_per_s = replicas * self.rows / (self._slowest_stage_s(split[0], costs) * stretch)
-        lone = self._lone_step_s(split[0], replicas, threads) * stretch
+        lone = self._lone_step_s(split[0], replicas, threads, sharing) * stretch
         crowded = self.all_cpu and workers > self.quota  # run only when asked for by name
         note = f"{workers} busy workers on {self.quota} cores" if crowded else ""
         candidate = Candidate(replicas, stages, rows_per_s, note, lone, threads if self.all_cpu else None)
@@ -165,7 +172,7 @@ class _Search:
         `--devices cpu` runs); on GPUs, the layer split with one lane (every stage in turn)."""
         if self.all_cpu:
             plan, threads = self._single(["cpu"]), self.best_threads()
-            costs = self.block_costs("cpu", threads)
+            costs = self.block_costs("cpu", threads, **self._sharing(1, threads))
             seconds = sum(costs.values()) * self._stretch(1, threads)
             note = f"one worker, {threads} thread{'s' * (threads != 1)}"
         else:
@@ -184,10 +191,14 @@ class _Search:
 
     def best_threads(self) -> int:
         """A lone CPU worker's threads: the count predicted fastest among 1, powers of two, the
-        quota less one and the quota (each count is a calibration, cached)."""
+        quota less one and the quota (each count is a calibration, cached); the quota itself
+        when the user set it (`--threads` overrides)."""
+        if not self.pick_threads:
+            return self.quota
 
         def seconds(threads: int) -> float:
-            return sum(self.block_costs("cpu", threads).values()) * self._stretch(1, threads)
+            costs = self.block_costs("cpu", threads, **self._sharing(1, threads))
+            return sum(costs.values()) * self._stretch(1, threads)
 
         counts = {1, self.quota - 1, self.quota} | {2**k for k in range(1, self.quota.bit_length())}
         return min((t for t in counts if 1 <= t <= self.quota), key=lambda t: (seconds(t), t))
@@ -262,14 +273,19 @@ class _Search:
         """Seconds of the slowest stage for one micro-batch, its incoming boundary copy included."""
         return max(self._stage_seconds(plan, costs))
 
-    def _lone_step_s(self, plan: ShardPlan, replicas: int, threads: int) -> float:
+    def _lone_step_s(self, plan: ShardPlan, replicas: int, threads: int, sharing: dict[str, Any]) -> float:
         """One step of a lone guided image (2 rows) through every stage of one replica in turn: with
         several replicas each runs one of its rows (`lone_costs`: seconds per block for one row)."""
+        device = plan.stages[0].device
         if replicas > 1:
-            return sum(self._stage_seconds(plan, self.lone_costs(plan.stages[0].device, threads)))
-        return (
-            sum(self._stage_seconds(plan, self.block_costs(plan.stages[0].device, threads))) * 2 / self.rows
-        )
+            return sum(self._stage_seconds(plan, self.lone_costs(device, threads, **sharing)))
+        return sum(self._stage_seconds(plan, self.block_costs(device, threads, **sharing))) * 2 / self.rows
+
+    def _sharing(self, workers: int, threads: int) -> dict[str, Any]:
+        """How busy CPU workers share the host, for the cost model (nothing on GPUs)."""
+        if not self.all_cpu:
+            return {}
+        return {"workers": workers, "beside_server": workers * threads >= self.quota}
 
     def _stage_seconds(self, plan: ShardPlan, costs: Mapping[str, float]) -> list[float]:
         out = []

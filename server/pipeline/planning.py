@@ -39,6 +39,7 @@ def plan_model(
     folder: Path | None = None,
     parallel: str = "auto",
     threads: int = 1,
+    pick_threads: bool = True,
     costs: str = Costs.COUNTED,
     cache_dir: Path | None = None,
 ) -> ParallelPlan:
@@ -47,7 +48,8 @@ def plan_model(
     on the first stage's device. `parallel` chooses replicas, pipelined stages or both
     (`server.engine.plan_parallel`) from block costs `costs` (counted or measured, at 2 rows of
     the native size: the typical request; measured ones and calibrations kept in `cache_dir`);
-    `threads` is the CPU's intra-op threads in all."""
+    `threads` is the CPU's intra-op threads in all (a lone CPU worker runs the count predicted
+    fastest up to it, or all of them without `pick_threads`)."""
     resident = 0
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
@@ -65,8 +67,9 @@ def plan_model(
         strategy,
         threads=threads,
         block_costs=model_costs.costs,
-        lone_costs=lambda device, threads: model_costs.costs(device, threads, rows=1),
+        lone_costs=lambda device, threads, **sharing: model_costs.costs(device, threads, 1, **sharing),
         costs_note=where,
+        pick_threads=pick_threads,
         max_memory=max_memory,
         device_map=device_map,
         dtype=dtype,
