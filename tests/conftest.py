@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +54,20 @@ TINY_UNETS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet}
 @pytest.fixture(params=sorted(TINY_UNETS))
 def tiny_unet(request: pytest.FixtureRequest) -> UNet2DConditionModel:
     return TINY_UNETS[request.param]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The planner's calibrations go to a folder of this session (servers started by tests
+    inherit it), not to the user's ~/.cache: calibrated once a session, then reused."""
+    folder = tmp_path_factory.mktemp("diffshard-cache")
+    before = os.environ.get("DIFFSHARD_CACHE_DIR")
+    os.environ["DIFFSHARD_CACHE_DIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("DIFFSHARD_CACHE_DIR", None)
+    else:
+        os.environ["DIFFSHARD_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -146,20 +146,13 @@ def test_the_planner_predicts_every_shape_and_picks_the_fastest() -> None:
 
 
 def test_one_worker_wins_where_more_workers_do_not_pay() -> None:
-    """Threads that scale perfectly and a dispatch-bound model (one row costs what two do): one
+    """Threads that scale perfectly and a dispatch-bound model (any rows cost the same): one
     worker with both threads is as fast as two replicas and twice as quick for a lone image, so
     auto runs it (the baseline is a real candidate)."""
     model = tiny_sd15_unet()
     one = _unit_costs(model)
     costs = {1: one, 2: {block: s / 2 for block, s in one.items()}}
-    plan = plan_parallel(
-        model,
-        "cpu,cpu",
-        "auto",
-        threads=2,
-        block_costs=lambda _d, t, **_: costs[t],
-        lone_costs=lambda _d, t, **_: costs[t],
-    )
+    plan = plan_parallel(model, "cpu,cpu", "auto", threads=2, block_costs=lambda _d, t, **_: costs[t])
     assert (plan.kind, plan.workers, plan.threads) == ("single", ("cpu",), 2)
     assert plan.candidates[-1].note == "one worker, 2 threads"
 
@@ -230,3 +223,25 @@ def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> 
     model = tiny_sd15_unet()
     with pytest.raises(PlanError, match="replicas need the whole model on each device"):
         plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")
+
+
+def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:
+    """With a plan that splits lone requests, one request's guidance halves run on both replicas
+    at once (both workers busy), and its image is the one-worker image within 1e-3."""
+    from server.pipeline import GenerationRequest, Pipeline
+    from server.pipeline.families import meta_denoiser
+    from server.pipeline.loader import read_family
+    from server.serving import Service
+
+    request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0)]
+    alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]
+    split = plan_shards(meta_denoiser(read_family(folders["sd15"])), "cpu", "memory")
+    plan = ParallelPlan((split, split), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
+    service = Service(Pipeline.load(folders["sd15"], plan=plan), "tiny")
+    try:
+        image = service.submit(request).future.result(timeout=60)[0]
+        busy = service.busy()["busy_seconds"]
+    finally:
+        service.close()
+    assert abs(image - alone).max() <= 1e-3
+    assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0, busy

@@ -99,8 +99,9 @@ class CostModel:
         if key not in self._costs:
             if self.mode == Costs.COUNTED:
                 self._costs[key] = self.predicted(device, threads, rows, workers, beside_server)
-            else:  # timed alone: sharing is not measured (the planner stretches for the quota)
-                self._costs[key] = self.measured(device, threads, rows)
+            else:  # timed alone at `self.rows` and scaled: sharing and other row counts are not timed
+                measured = self.measured(device, threads, self.rows)
+                self._costs[key] = {block: s * rows / self.rows for block, s in measured.items()}
         return self._costs[key]
 
     def predicted(

@@ -46,6 +46,7 @@ class Candidate:
     note: str = ""
     lone_step_s: float | None = None  # predicted seconds of one step of a lone guided image
     threads: int | None = None  # per worker, on CPU workers
+    splits_lone: bool = False  # a lone request's rows go to the idle replicas too (predicted quicker)
 
     @property
     def label(self) -> str:
@@ -59,6 +60,7 @@ class Candidate:
             "threads_per_worker": self.threads,
             "predicted_rows_per_s": self.rows_per_s,
             "predicted_lone_step_s": self.lone_step_s,
+            "splits_lone_requests": self.splits_lone,
             "note": self.note,
         }
 
@@ -67,8 +69,9 @@ class Candidate:
             return f"{self.label}: {self.note or 'does not fit'}"
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} each" if self.threads else ""
         lone = f", a lone image {self.lone_step_s * 1e3:.4g} ms a step" if self.lone_step_s else ""
+        lone += " split over the replicas" if self.splits_lone else ""
         note = f" ({self.note})" if self.note else ""
-        return f"{self.label}{threads}: {self.rows_per_s:.3g} rows/s predicted{lone}{note}"
+        return f"{self.label}{threads}: {self.rows_per_s:.3g} rows/s under load{lone}{note}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class ParallelPlan:
     reason: str = ""
     workers: tuple[str, ...] = field(default=())  # a name per stage of every replica
     costs: str = ""  # where the predictions came from: counted or measured, and on what
+    splits_lone: bool = False  # see Candidate
 
     @property
     def stages(self) -> int:
@@ -108,6 +112,7 @@ class ParallelPlan:
             "workers": list(self.workers),
             "reason": self.reason,
             "costs": self.costs,
+            "splits_lone_requests": self.splits_lone,
             "candidates": [c.to_dict() for c in self.candidates],
             "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
         }

@@ -41,8 +41,9 @@ BOUNDARY_BYTES_PER_S = 16e9
 HTTP_CORES = 0.5
 NEAR = 0.05  # predictions this close in throughput are a tie: the lower lone latency wins
 
-# (device, threads, workers=, beside_server=) → seconds per block on one of `workers` busy
-# workers (CPU workers share the cores and the interpreter; `beside_server`: they fill the quota)
+# (device, threads, rows=, workers=, beside_server=) → seconds per block for `rows` rows on one
+# of `workers` busy workers (CPU workers share the cores and the interpreter; `beside_server`:
+# they fill the quota, beside the server's own threads)
 BlockCosts = Callable[..., Mapping[str, float]]
 
 
@@ -55,7 +56,6 @@ def plan_parallel(
     threads: int = 1,
     rows: int = 2,
     block_costs: BlockCosts | None = None,
-    lone_costs: BlockCosts | None = None,  # the same for one row
     costs_note: str = "",
     pick_threads: bool = True,
     **plan_options: Any,
@@ -63,10 +63,11 @@ def plan_parallel(
     """Replicas × stages over `devices` (see the module's docstring).
 
     `threads` is the CPU's intra-op threads in all (CPU workers share them). Throughput is
-    predicted for `rows` rows per micro-batch from `block_costs(device, threads)` (seconds per
-    block; default: counted, `CostModel`), a lone image's step split over replicas from
-    `lone_costs` (the same for one row; default: counted). A lone CPU worker runs the thread
-    count predicted fastest, or all `threads` without `pick_threads`. `plan_options` go to
+    predicted under load, each lane batching its share of `batch` rows (what `Service` gives
+    it), a lone image's step at 2 rows (split over idle replicas where that is predicted
+    quicker), from `block_costs` (seconds per block; default: counted at `rows` rows,
+    `CostModel`). A lone CPU worker runs the thread count predicted fastest, or all `threads`
+    without `pick_threads`. `plan_options` go to
     `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
     """
     if parallel not in PARALLEL_MODES:
@@ -75,18 +76,16 @@ def plan_parallel(
     if block_costs is None:
         latent = plan_options.get("latent_size") or int(model.config.sample_size)
         dtype = plan_options.get("dtype") or next(model.parameters()).dtype
-        model_costs = CostModel(model, rows, latent, dtype)
-        block_costs = model_costs.costs
-        lone_costs = lone_costs or (lambda device, threads, **kw: model_costs.costs(device, threads, 1, **kw))
+        block_costs = CostModel(model, rows, latent, dtype).costs
         costs_note = costs_note or "counted"
-    lone_costs = lone_costs or (
-        lambda device, threads, **kw: {b: s / rows for b, s in block_costs(device, threads, **kw).items()}
-    )
-    search = _Search(model, device_list, strategy, threads, rows, block_costs, lone_costs, plan_options)
+    search = _Search(model, device_list, strategy, threads, block_costs, plan_options)
     search.pick_threads = pick_threads
 
-    # 1. One worker: a single device, or the layer split when the model needs every device.
-    if parallel == Parallel.OFF or len(device_list) == 1:
+    # 1. One worker: a single device, or the layer split when the model needs every device. The
+    # CPU alone may run several workers (lanes sharing its cores and one copy of the weights),
+    # unless --threads fixed a lone worker's threads.
+    cpu_lanes = device_list == ["cpu"] and parallel == Parallel.AUTO and pick_threads and search.quota > 1
+    if parallel == Parallel.OFF or (len(device_list) == 1 and not cpu_lanes):
         return search.one_worker(parallel, costs_note)
     if not search.fits_one():
         # Replicas need the whole model on each device; and a model that does not fit one device
@@ -104,6 +103,10 @@ def plan_parallel(
         Parallel.PIPELINE: [(1, count)],
         Parallel.AUTO: [(r, count // r) for r in range(count, 0, -1) if count % r == 0],
     }[Parallel(parallel)]
+    if cpu_lanes:  # 2, 4, … and quota workers of one CPU, each a share of its threads
+        shapes = [
+            (w, 1) for w in sorted({2**k for k in range(1, search.quota.bit_length())} | {search.quota})
+        ]
     for replicas, stages in shapes:
         search.add_shape(replicas, stages)
     baseline = search.add_baseline()
@@ -122,9 +125,7 @@ def plan_parallel(
     near = [c for c in choosable if (c.rows_per_s or 0.0) >= top * (1 - NEAR)]
     best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
     tie = " (or as fast, and quicker alone)" if len(near) > 1 else ""
-    reason = (
-        f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s at {rows} rows per micro-batch"
-    )
+    reason = f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s under load"
     if best is not baseline and baseline is not None and baseline.rows_per_s:
         reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
     reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
@@ -134,10 +135,10 @@ def plan_parallel(
 class _Search:
     """The candidates weighed so far, and the plans behind them."""
 
-    def __init__(self, model, devices, strategy, threads, rows, block_costs, lone_costs, options) -> None:
+    def __init__(self, model, devices, strategy, threads, block_costs, options) -> None:
         self.model, self.devices, self.strategy, self.options = model, devices, strategy, options
-        self.quota, self.rows = max(1, threads), rows
-        self.block_costs, self.lone_costs = block_costs, lone_costs
+        self.quota, self.batch = max(1, threads), int(options.get("batch", 2))
+        self.block_costs = block_costs
         self.all_cpu = all(d == "cpu" for d in devices)
         self.candidates: list[Candidate] = []
         self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
@@ -147,21 +148,22 @@ class _Search:
     # Shapes.
 
     def add_shape(self, replicas: int, stages: int) -> Candidate:
-        groups = [self.devices[i * stages : (i + 1) * stages] for i in range(replicas)]
+        devices = self.devices * replicas if self.devices == ["cpu"] else self.devices  # lanes of one CPU
+        groups = [devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         workers = replicas * stages
         threads = max(1, self.quota // workers) if self.all_cpu else 1
-        sharing = self._sharing(workers, threads)
-        costs = self.block_costs(groups[0][0], threads, **sharing)
+        rows = self._lane_rows(stages)
+        costs = self.block_costs(groups[0][0], threads, rows=rows, **self._sharing(workers, threads))
         try:
             split = tuple(self._split(group, costs, stages) for group in groups)
         except PlanError as err:
             return self._add(Candidate(replicas, stages, None, str(err)))
-        stretch = self._stretch(workers, threads)
-        rows_per_s = replicas * self.rows / (self._slowest_stage_s(split[0], costs) * stretch)
-        lone = self._lone_step_s(split[0], replicas, threads, sharing) * stretch
+        step_s = self._slowest_stage_s(split[0], costs) * self._stretch(workers, threads)
+        lone_s, splits = self._lone_step(split[0], replicas, threads)
         crowded = self.all_cpu and workers > self.quota  # run only when asked for by name
         note = f"{workers} busy workers on {self.quota} cores" if crowded else ""
-        candidate = Candidate(replicas, stages, rows_per_s, note, lone, threads if self.all_cpu else None)
+        cpu_threads = threads if self.all_cpu else None
+        candidate = Candidate(replicas, stages, replicas * rows / step_s, note, lone_s, cpu_threads, splits)
         if crowded:
             self.crowded.add(id(candidate))
         self.plans[id(candidate)] = (split, stages)  # a lane per stage keeps every stage busy
@@ -172,20 +174,17 @@ class _Search:
         `--devices cpu` runs); on GPUs, the layer split with one lane (every stage in turn)."""
         if self.all_cpu:
             plan, threads = self._single(["cpu"]), self.best_threads()
-            costs = self.block_costs("cpu", threads, **self._sharing(1, threads))
-            seconds = sum(costs.values()) * self._stretch(1, threads)
             note = f"one worker, {threads} thread{'s' * (threads != 1)}"
         else:
             try:
                 plan = self._single(self.devices)
             except PlanError:
                 return None
-            costs, threads = self.block_costs(self.devices[0], 1), None
-            seconds = sum(sum(costs[b] for b in s.blocks) for s in plan.stages)
-            note = "one lane through the layer split"
-        candidate = Candidate(
-            1, len(plan.stages), self.rows / seconds, note, seconds * 2 / self.rows, threads
-        )
+            threads, note = 1, "one lane through the layer split"
+        seconds = self._step_s(plan, threads, self.batch, workers=1)
+        lone_s, _ = self._lone_step(plan, 1, threads)
+        cpu_threads = threads if self.all_cpu else None
+        candidate = Candidate(1, len(plan.stages), self.batch / seconds, note, lone_s, cpu_threads)
         self.plans[id(candidate)] = ((plan,), 1)
         return self._add(candidate)
 
@@ -197,8 +196,7 @@ class _Search:
             return self.quota
 
         def seconds(threads: int) -> float:
-            costs = self.block_costs("cpu", threads, **self._sharing(1, threads))
-            return sum(costs.values()) * self._stretch(1, threads)
+            return self._step_s(self._single(["cpu"]), threads, self.batch, workers=1)
 
         counts = {1, self.quota - 1, self.quota} | {2**k for k in range(1, self.quota.bit_length())}
         return min((t for t in counts if 1 <= t <= self.quota), key=lambda t: (seconds(t), t))
@@ -211,6 +209,8 @@ class _Search:
             return single(plan, costs=costs_note)
         threads = self.best_threads() if len(self.devices) == 1 else self.quota
         reason = f"{threads} of {self.quota} thread(s) predicted fastest for one worker"
+        if not self.pick_threads:
+            reason = f"--threads {threads}: one worker runs them all"
         if parallel == Parallel.OFF and len(self.devices) > 1:
             reason = "--parallel off: one lane through the layer split"
         return single(plan, threads, reason=reason, costs=costs_note)
@@ -229,7 +229,9 @@ class _Search:
     def plan_of(self, best: Candidate, reason: str, costs_note: str) -> ParallelPlan:
         split, lanes = self.plans[id(best)]
         workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
-        return ParallelPlan(split, lanes, best.threads, tuple(self.candidates), reason, workers, costs_note)
+        return ParallelPlan(
+            split, lanes, best.threads, tuple(self.candidates), reason, workers, costs_note, best.splits_lone
+        )
 
     # Helpers.
 
@@ -273,13 +275,23 @@ class _Search:
         """Seconds of the slowest stage for one micro-batch, its incoming boundary copy included."""
         return max(self._stage_seconds(plan, costs))
 
-    def _lone_step_s(self, plan: ShardPlan, replicas: int, threads: int, sharing: dict[str, Any]) -> float:
-        """One step of a lone guided image (2 rows) through every stage of one replica in turn: with
-        several replicas each runs one of its rows (`lone_costs`: seconds per block for one row)."""
-        device = plan.stages[0].device
-        if replicas > 1:
-            return sum(self._stage_seconds(plan, self.lone_costs(device, threads, **sharing)))
-        return sum(self._stage_seconds(plan, self.block_costs(device, threads, **sharing))) * 2 / self.rows
+    def _lane_rows(self, lanes: int) -> int:
+        """Rows a lane batches under load: its share of `batch`, as `Service` gives it."""
+        return max(2, self.batch // lanes) if lanes > 1 else self.batch
+
+    def _step_s(self, plan: ShardPlan, threads: int, rows: int, workers: int) -> float:
+        """Seconds of one step of `rows` rows through every stage of `plan` in turn."""
+        costs = self.block_costs(plan.stages[0].device, threads, rows=rows, **self._sharing(workers, threads))
+        return sum(self._stage_seconds(plan, costs)) * self._stretch(workers, threads)
+
+    def _lone_step(self, plan: ShardPlan, replicas: int, threads: int) -> tuple[float, bool]:
+        """Seconds of one step of a lone guided image (2 rows), and whether splitting its rows
+        over the idle replicas (a row each, at once) is predicted quicker than one replica."""
+        whole = self._step_s(plan, threads, 2, workers=1)
+        if replicas == 1:
+            return whole, False
+        parts = self._step_s(plan, threads, 1, workers=replicas)
+        return (parts, True) if parts < whole else (whole, False)
 
     def _sharing(self, workers: int, threads: int) -> dict[str, Any]:
         """How busy CPU workers share the host, for the cost model (nothing on GPUs)."""

@@ -81,6 +81,7 @@ class Pipeline:
         # Other replicas' shards with nothing to do now (the Service knows): a step splits its
         # rows across them, so a lone request keeps every replica busy.
         self.idle_replicas: Callable[[], Sequence[ModelShard]] = tuple
+        self.splits_lone = False  # the plan predicts splitting a lone request's rows pays
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
 
     @classmethod
@@ -116,7 +117,7 @@ class Pipeline:
         shards = build_shards(components.denoiser, plan)
         pipeline = cls(components, shards[0], pool, encoder_device=encoder_device)
         pipeline.replicas, pipeline.lanes_per_replica = shards, plan.lanes_per_replica
-        pipeline.lane_threads = plan.threads
+        pipeline.lane_threads, pipeline.splits_lone = plan.threads, plan.splits_lone
         return pipeline
 
     def lanes(self) -> list[Pipeline]:

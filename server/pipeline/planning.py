@@ -67,7 +67,6 @@ def plan_model(
         strategy,
         threads=threads,
         block_costs=model_costs.costs,
-        lone_costs=lambda device, threads, **sharing: model_costs.costs(device, threads, 1, **sharing),
         costs_note=where,
         pick_threads=pick_threads,
         max_memory=max_memory,

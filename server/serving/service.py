@@ -74,7 +74,7 @@ class Service:
             )
             for index, lane in enumerate(lanes)
         ]
-        if len(self.loops) > 1 and pipeline.lanes_per_replica == 1:  # a lane per whole replica
+        if pipeline.splits_lone and len(self.loops) > 1 and pipeline.lanes_per_replica == 1:
             for loop in self.loops:
                 loop.pipeline.idle_replicas = self._idle_replicas(loop)
 

@@ -1,0 +1,77 @@
+"""The cost model's numbers and their cache: counted work scales with rows as a recount does, a
+calibration is timed once per host and reused, an unwritable cache only warns, measured costs
+are reused by the next plan, and `plan` with several CPU devices answers in seconds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import CostModel, Costs
+from server.engine.calibrate import DeviceSpeed, cached_calibration
+from server.engine.threads import cpu_quota
+from server.engine.work import count_work
+from tests.conftest import tiny_sd15_unet
+from tests.test_cli import run_cli
+
+
+def test_work_counted_at_one_row_equals_two_rows_scaled() -> None:
+    """A lone image's split is costed by scaling one count: FLOPs and activations halve, the
+    weights each op reads do not."""
+    model = tiny_sd15_unet()
+    two, one = count_work(model, 2, 16, torch.float32), count_work(model, 1, 16, torch.float32)
+    scaled = two.at_rows(1)
+    for name, block in one.blocks.items():
+        assert scaled.blocks[name].flops() == pytest.approx(block.flops())
+        assert scaled.blocks[name].bytes == pytest.approx(
+            block.bytes, rel=2e-2
+        )  # fixed-size tensors (time ids) aside
+    assert two.flops == pytest.approx(2 * one.flops)
+
+
+def test_a_calibration_is_timed_once_and_then_read_back(tmp_path: Path) -> None:
+    first = cached_calibration("cpu", torch.float32, 1, tmp_path)
+    stored = tmp_path / "calibration.json"
+    written = stored.stat().st_mtime_ns
+    started = time.perf_counter()
+    again = cached_calibration("cpu", torch.float32, 1, tmp_path)
+    assert again == first and isinstance(again, DeviceSpeed)
+    assert time.perf_counter() - started < 0.1 and stored.stat().st_mtime_ns == written  # read, not timed
+    assert first.rate("conv", 32) <= first.rate("conv", 2048)  # interpolated between the sizes timed
+
+
+def test_an_unwritable_cache_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        speed = cached_calibration("cpu", torch.float32, 1, blocked)
+    assert speed.bytes_per_s > 0
+    assert "cannot write the planner's cache" in caplog.text
+
+
+def test_measured_costs_are_reused_by_the_next_plan(tmp_path: Path) -> None:
+    model = tiny_sd15_unet()
+    first = CostModel(model, 2, 8, torch.float32, Costs.MEASURED, tmp_path).costs("cpu", 1)
+    (entry,) = json.loads((tmp_path / "measured.json").read_text())["entries"]
+    assert entry["key"]["rows"] == 2 and entry["key"]["latent_size"] == 8 and entry["key"]["threads"] == 1
+    assert CostModel(model, 2, 8, torch.float32, Costs.MEASURED, tmp_path).costs("cpu", 1) == first
+
+
+def test_plan_on_three_cpu_devices_lists_every_candidate_in_seconds() -> None:
+    started = time.perf_counter()
+    done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu,cpu", "--json")
+    assert done.returncode == 0, done.stderr
+    assert time.perf_counter() - started < 60  # minutes before costs were counted (a bound, not a benchmark)
+    parallel = json.loads(done.stdout)["parallel"]
+    assert parallel["costs"].startswith("counted")
+    shapes = {(c["replicas"], c["stages"]) for c in parallel["candidates"]}
+    assert shapes == {(3, 1), (1, 3), (1, 1)}
+    assert all(
+        c["predicted_rows_per_s"] > 0 and c["predicted_lone_step_s"] > 0 for c in parallel["candidates"]
+    )
+    assert parallel["lanes"] * parallel["threads_per_worker"] <= cpu_quota()  # no more threads than cores
