@@ -59,6 +59,8 @@ bench: $(VENV)/.test
 	$(PY) -m benchmarks.host_memory
 	$(PY) -m benchmarks.threads
 	$(PY) -m benchmarks.parallel
+	$(PY) -m benchmarks.planner
+	$(PY) -m benchmarks.thread_default
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
 model: $(VENV)/.runtime

@@ -8,10 +8,12 @@ For two models — the built-in one at its native latent 16² and an SD-1.5-arch
 2. **Stages**: the 2-stage split the planner makes on `cpu,cpu` from counted costs; each
    stage's predicted seconds against the sum of its blocks' measured seconds.
 3. **Candidates**: what `plan_parallel` predicts on `cpu,cpu` with this host's quota (rows/s
-   at 2 rows a micro-batch) against rows/s measured in the engine, each run as serving runs it:
+   with 2 rows a lane) against rows/s measured in the engine, each run as serving runs it:
    2 replicas (two threads, one intra-op thread each, forwards back to back on a shared model),
    2 pipelined stages (two lanes through the gated split), one worker (the thread count the
-   planner gave it). Medians of `rounds` rounds, the candidates interleaved in each round.
+   planner gave it); those that fill the quota beside a thread as busy as the planner assumes
+   the server's own threads are (`calibrate.busy_server`). Medians of `rounds` rounds, the
+   candidates interleaved in each round.
 
 Targets (`meets_target`): for both models the candidates' order by predicted rows/s is their
 order by measured rows/s (ties within 5% of the measured either way count as matching); for
@@ -19,8 +21,8 @@ the SD-1.5 UNet every stage's prediction is within ±25% of its measurement. The
 model's errors are quoted, not targeted (it is dispatch-bound: sub-millisecond blocks).
 
 What a CPU run cannot show: GPU kernels, transfers between real devices (the CPU workers share
-memory); the candidates here run in the engine, without the HTTP server's own threads, so the
-planner's allowance for those (`HTTP_CORES`) is not exercised (benchmarks.serving does that).
+memory); the candidates run in the engine beside a simulated server thread, not a real HTTP
+server (benchmarks.thread_default measures that).
 
     python -m benchmarks.planner [--quick]
 """
@@ -28,6 +30,7 @@ planner's allowance for those (`HTTP_CORES`) is not exercised (benchmarks.servin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import threading
@@ -49,6 +52,7 @@ from server.engine import (
     plan_shards,
     spec_for,
 )
+from server.engine.calibrate import busy_server
 from server.engine.profile import profile_block_costs, random_twin
 from server.engine.threads import cpu_quota
 from server.pipeline.families import meta_denoiser
@@ -95,8 +99,11 @@ def forwards_per_s(shards: list[ModelShard], lanes: int, threads: int, latent: i
     return lanes * forwards * ROWS / (time.perf_counter() - began)
 
 
-def measure_candidates(model: nn.Module, plan: Any, latent: int, forwards: int) -> dict[str, float]:
-    """Rows/s of every fitting candidate of `plan`, run as serving would run it."""
+def measure_candidates(
+    model: nn.Module, plan: Any, latent: int, forwards: int, quota: int
+) -> dict[str, float]:
+    """Rows/s of every fitting candidate of `plan`, run as serving would run it: when its workers
+    fill the quota, beside a thread as busy as the planner assumes the server's is."""
     out = {}
     for c in plan.candidates:
         if c.rows_per_s is None:
@@ -114,8 +121,10 @@ def measure_candidates(model: nn.Module, plan: Any, latent: int, forwards: int) 
                 model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=ROWS, block_costs=costs
             )
             shards, lanes = [ModelShard(model, split)], c.stages
+        full = lanes * (c.threads or 1) >= quota
         try:
-            out[c.label] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
+            with busy_server() if full else contextlib.nullcontext():
+                out[c.label] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
         finally:
             for shard in shards:
                 shard.remove()
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             model, "cpu,cpu", "auto", threads=quota, latent_size=latent, batch=ROWS, dtype=DTYPE
         )
         forwards = (2 if args.quick else 4) if name == "sd15" else (20 if args.quick else 60)
-        runs = [measure_candidates(model, plan, latent, forwards) for _ in range(rounds)]
+        runs = [measure_candidates(model, plan, latent, forwards, quota) for _ in range(rounds)]
         measured_rates = {label: statistics.median(r[label] for r in runs) for label in runs[0]}
         predicted_rates = {c.label: c.rows_per_s for c in plan.candidates if c.label in measured_rates}
         for label in measured_rates:

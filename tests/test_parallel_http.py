@@ -89,5 +89,5 @@ def test_a_lone_request_on_replicas_gives_the_same_image_and_the_plan_says_if_it
     )
     assert int(np.abs(image - reference[0]).max()) <= 2  # within 2/255 of the unsplit rows
     busy = shards["parallel"]["busy_seconds"]
-    splits = shards["plan"]["parallel"]["splits_lone_requests"]
+    splits = shards["parallel"]["splits_lone_requests"]
     assert (busy["cpu:1"] > 0) == splits, (splits, busy)

@@ -13,13 +13,14 @@ in the cache directory, keyed by the host's processor, the torch version and the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -205,7 +206,7 @@ def shared_overhead(speed: DeviceSpeed, workers: int, threads: int, beside_serve
     arithmetic = sum(
         max(op.flops / speed.rate(op.kind, op.rows), op.bytes / speed.bytes_per_s) for op in work.ops
     )
-    repeats, start, stop = 8, threading.Barrier(workers + 1), threading.Event()
+    repeats, start = 8, threading.Barrier(workers + 1)
     spent: list[float] = []
 
     def worker() -> None:
@@ -218,24 +219,37 @@ def shared_overhead(speed: DeviceSpeed, workers: int, threads: int, beside_serve
                 run()
             spent.append(time.perf_counter() - began)
 
-    def server() -> None:  # half a core: Python for a millisecond, then a millisecond asleep
+    pool = [threading.Thread(target=worker) for _ in range(workers)]
+    with busy_server() if beside_server else contextlib.nullcontext():
+        for t in pool:
+            t.start()
+        start.wait()
+        for t in pool:
+            t.join()
+    per_op = statistics.median(spent) / repeats / len(work.ops)
+    return max(speed.op_overhead_s, per_op - arithmetic / len(work.ops))
+
+
+@contextlib.contextmanager
+def busy_server() -> Iterator[None]:
+    """A thread busy half the time in Python (a millisecond spinning, a millisecond asleep): what
+    the planner assumes the server's own threads take while CPU workers fill the quota."""
+    stop = threading.Event()
+
+    def spin() -> None:
         while not stop.is_set():
             until = time.perf_counter() + 1e-3
             while time.perf_counter() < until:
                 pass
             time.sleep(1e-3)
 
-    threads_ = [threading.Thread(target=worker) for _ in range(workers)]
-    if beside_server:
-        threads_.append(threading.Thread(target=server, daemon=True))
-    for t in threads_:
-        t.start()
-    start.wait()
-    for t in threads_[:workers]:
-        t.join()
-    stop.set()
-    per_op = statistics.median(spent) / repeats / len(work.ops)
-    return max(speed.op_overhead_s, per_op - arithmetic / len(work.ops))
+    thread = threading.Thread(target=spin, name="diffshard-busy-server", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def cached_shared_overhead(

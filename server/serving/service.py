@@ -137,6 +137,7 @@ class Service:
             "stages": len(self.pipeline.shard.plan.stages),
             "lanes": len(self.loops),
             "threads_per_lane": self.pipeline.lane_threads,
+            "splits_lone_requests": bool(self.pipeline.splits_lone and len(self.loops) > 1),
             **self.busy(),
         }
 
