@@ -3,20 +3,23 @@
 Every candidate is predicted from seconds per block (`costs.py`: counted by default, measured
 when asked), never by running it:
 
-- throughput (rows/s) = replicas × rows / the slowest stage (its incoming boundary copy
-  included), for `rows` rows a micro-batch;
-- a lone guided image's step = its rows split over the replicas (each runs rows/R), through
-  every stage of one replica in turn.
+- throughput under load (rows/s) = replicas × a lane's rows / the slowest stage (its incoming
+  boundary copy included), each lane batching its share of `batch` rows as `Service` gives it;
+- a lone guided image's step: its 2 rows through every stage of one replica in turn, or split
+  over the idle replicas (a row each, at once) where that is predicted quicker.
 
-Today's single worker is a candidate like the others, and wins where it is fastest: one GPU
-(or the layer split) when replicas do not fit or do not pay, one CPU worker with all the threads
-when a model gains nothing from more workers.
+The fastest wins; within NEAR of it, the one quicker for a lone image. Today's single worker is
+a candidate like the others: one GPU (or the layer split) when replicas do not fit or do not
+pay, one CPU worker when a model gains nothing from more workers. The CPU alone (`cpu`) may
+run several lanes (2, 4, … up to the quota), sharing its cores and one copy of the weights.
 
 CPU workers share the host's cores: the workers' threads in all never exceed the CPU quota
-(`threads`), and when they fill it, the server's own threads (the HTTP event loop, the step
-loops' Python, image encoding) take cores from them: predicted times are stretched by
-(the workers' threads + HTTP_CORES) / quota. That is why, on 2 cores, a dispatch-bound model runs one thread a
-worker and an SD-sized one all of them.
+(`threads`; more busy workers than cores are predicted, never picked by auto), and when they
+fill it, the server's own threads (event loop, the step loops' Python, image encoding) take
+cores from them: predicted times are stretched by (the workers' threads + HTTP_CORES) / quota,
+and their per-op overhead is the one timed beside such a thread (`calibrate.shared_overhead`).
+That is why, on 2 cores, a dispatch-bound model runs one thread a lane and an SD-sized one
+gains from two.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from server.errors import PlanError
 # estimate (NVLink is faster); on one host's CPU workers a boundary moves nothing.
 BOUNDARY_BYTES_PER_S = 16e9
 # Cores the server's own threads keep busy beside the workers under load (event loop, step
-# loops between forwards, PNG encoding): an estimate, checked by benchmarks.serving's table.
+# loops between forwards, PNG encoding): an estimate, checked by benchmarks.thread_default.
 HTTP_CORES = 0.5
 NEAR = 0.05  # predictions this close in throughput are a tie: the lower lone latency wins
 
