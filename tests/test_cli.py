@@ -53,9 +53,7 @@ def test_plan_sd15_memory_json() -> None:
 
 
 def test_plan_table_for_sdxl() -> None:
-    done = run_cli(
-        "plan", "--config", "sdxl", "--devices", "cpu,cpu", "--parallel", "off", "--resolution", "512"
-    )
+    done = run_cli("plan", "--config", "sdxl", "--devices", "cpu,cpu", "--resolution", "512")
     assert done.returncode == 0, done.stderr
     assert "latent=64x64" in done.stdout and "add_embedding" not in done.stdout  # blocks, not modules
 

@@ -104,7 +104,7 @@ def test_plan_prints_the_sd3_medium_transformer_blocks() -> None:
             "--devices",
             "cpu,cpu",
             "--parallel",
-            "off",
+            "pipeline",  # its two stages show the split
             "--json",
         ],
         capture_output=True,
