@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("diffshard")
+_warned: set[Path] = set()  # a cache that cannot be written is said once per process
 
 
 def default_cache_dir() -> Path:
@@ -35,7 +36,9 @@ def store(path: Path | None, key: dict[str, Any], value: Any) -> None:
         tmp.write_text(json.dumps({"entries": entries}, indent=1))
         tmp.replace(path)  # whole or not at all: two processes writing leave one's file
     except OSError as err:
-        log.warning("cannot write the planner's cache %s (%s): it is measured again next time", path, err)
+        if path not in _warned:
+            _warned.add(path)
+            log.warning("cannot write the planner's cache %s (%s): it is measured again next time", path, err)
 
 
 def _entries(path: Path | None) -> list[dict[str, Any]]:
