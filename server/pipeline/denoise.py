@@ -100,7 +100,7 @@ class Pipeline:
     ) -> Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
         `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
-        A ParallelPlan places every replica; `lanes()` then gives a view per micro-batch lane."""
+        A ParallelPlan places every replica; `lanes()` then gives a view per lane."""
         components = load_components(folder, dtype)
         if plan is None:
             plan = plan_shards(
@@ -121,7 +121,7 @@ class Pipeline:
         return pipeline
 
     def lanes(self) -> list[Pipeline]:
-        """A view of this pipeline per micro-batch lane: the encoders, VAE, pool and defaults are
+        """A view of this pipeline per lane: the encoders, VAE, pool and defaults are
         shared; each lane steps its own requests through its replica's shard, where the stage
         gates interleave the lanes. One lane (this pipeline) without a ParallelPlan."""
         views = [self._with_shard(shard) for shard in self.replicas for _ in range(self.lanes_per_replica)]

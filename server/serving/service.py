@@ -32,7 +32,7 @@ STATUS = {
 class Service:
     """A loaded pipeline behind its step loops, with the service's limits.
 
-    One step loop per micro-batch lane of the pipeline (`Pipeline.lanes`): one for a model on
+    One step loop per lane of the pipeline (`Pipeline.lanes`): one for a model on
     one device or a plain layer split; with replicas or pipelined stages, several, each on its
     own thread with its own requests, so every device has work. A job goes to the lane with the
     fewest rows queued or running; the queue bound is shared out among the lanes.
