@@ -161,8 +161,14 @@ def test_a_wedged_step_fails_livez_and_every_waiting_request_is_answered_503() -
     every waiting request 503 and /livez fails, so Kubernetes restarts the pod."""
     step_timeout_s = 2
     with (
-        live_server(
-            "--inject-faults", "--step-timeout-s", str(step_timeout_s), "--drain-timeout-s", "1"
+        live_server(  # one step loop (--threads 1: one worker): the one the hang wedges
+            "--inject-faults",
+            "--step-timeout-s",
+            str(step_timeout_s),
+            "--drain-timeout-s",
+            "1",
+            "--threads",
+            "1",
         ) as server,
         ThreadPoolExecutor(2) as pool,
     ):
@@ -184,7 +190,10 @@ def test_a_wedged_step_fails_livez_and_every_waiting_request_is_answered_503() -
 def test_a_killed_loop_answers_every_waiting_request_503_at_once() -> None:
     """[[kill]] kills the step-loop thread (an exception no handler catches) in its 3rd step while
     three long requests run: every one is answered 503 as it dies, and both probes fail."""
-    with live_server("--inject-faults", "--drain-timeout-s", "1") as server, ThreadPoolExecutor(4) as pool:
+    with (
+        live_server("--inject-faults", "--drain-timeout-s", "1", "--threads", "1") as server,  # one step loop
+        ThreadPoolExecutor(4) as pool,
+    ):
         start = threading.Barrier(3)
 
         def waiter(seed: int) -> tuple[httpx.Response, float]:
