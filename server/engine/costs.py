@@ -76,8 +76,8 @@ class CostModel:
 
     @property
     def work(self) -> ModelWork:
-        if self._work is None:  # counted for one row (half the time of two), scaled to `rows`
-            self._work = count_work(self.model, 1, self.latent_size, self.dtype).at_rows(self.rows)
+        if self._work is None:
+            self._work = count_work(self.model, self.rows, self.latent_size, self.dtype)
         return self._work
 
     def costs(
