@@ -146,6 +146,7 @@ class _Search:
         self.candidates: list[Candidate] = []
         self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
         self.pick_threads = True
+        self.singles: dict[tuple[str, ...], ShardPlan] = {}  # devices → the one-worker plan
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
 
     # Shapes.
@@ -250,11 +251,15 @@ class _Search:
         return candidate
 
     def _single(self, devices: Sequence[str]) -> ShardPlan:
-        costs = {}
-        if self.strategy == Strategy.COST:  # balance the layer split by its blocks' seconds
-            threads = max(1, self.quota // len(devices))
-            costs["block_costs"] = lambda device: self.block_costs(device, threads)
-        return plan_shards(self.model, list(devices), self.strategy, **costs, **self.options)
+        """The one-worker plan over `devices`, made once (each thread count weighed asks for it)."""
+        key = tuple(devices)
+        if key not in self.singles:
+            costs = {}
+            if self.strategy == Strategy.COST:  # balance the layer split by its blocks' seconds
+                threads = max(1, self.quota // len(devices))
+                costs["block_costs"] = lambda device: self.block_costs(device, threads)
+            self.singles[key] = plan_shards(self.model, list(devices), self.strategy, **costs, **self.options)
+        return self.singles[key]
 
     def _split(self, group: list[str], costs: Mapping[str, float], stages: int) -> ShardPlan:
         """One replica's plan over `group`: a pipeline balances its blocks' seconds (its slowest
