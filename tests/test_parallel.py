@@ -179,9 +179,8 @@ def test_counted_and_measured_costs_rank_blocks_alike(name: str) -> None:
     counted = CostModel(model, 2, 16, torch.float32).costs("cpu", 1)
     measured = CostModel(model, 2, 16, torch.float32, Costs.MEASURED).costs("cpu", 1)
     assert _spearman(counted, measured) >= 0.85
-    assert (
-        max(counted, key=counted.get) in sorted(measured, key=measured.get)[-2:]
-    )  # the dearest blocks agree
+    dearest = max(counted, key=counted.get)  # measured near the top: equal blocks jitter apart when timed
+    assert measured[dearest] >= 0.75 * max(measured.values()), (dearest, measured)
 
 
 def _spearman(a: dict[str, float], b: dict[str, float]) -> float:
