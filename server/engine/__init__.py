@@ -1,7 +1,7 @@
 """The ModelShard engine: plan a denoiser's split across devices, then run it split."""
 
 from server.engine.blocks import Block, DenoiserSpec, Layout, SkipEdge
-from server.engine.costs import COST_MODES, CostModel, Costs
+from server.engine.costs import CostModel, Costs
 from server.engine.memory import DeviceMemory
 from server.engine.parallel import Parallel, ParallelPlan, single
 from server.engine.plan import ShardPlan, Strategy, plan_shards
@@ -13,7 +13,6 @@ from server.engine.specs import layout_of, register_spec, spec_for
 from server.errors import DeviceError, PlanError
 
 __all__ = [
-    "COST_MODES",
     "ActivationPool",
     "Block",
     "CostModel",

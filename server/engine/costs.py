@@ -43,9 +43,6 @@ class Costs(StrEnum):
     MEASURED = "measured"  # every block timed on a random-weight twin, cached
 
 
-COST_MODES = tuple(c.value for c in Costs)
-
-
 def block_seconds(work: BlockWork, speed: DeviceSpeed, overhead_s: float | None = None) -> float:
     """The roofline with overhead (see the module's docstring) for one block."""
     overhead_s = speed.op_overhead_s if overhead_s is None else overhead_s

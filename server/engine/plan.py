@@ -93,7 +93,7 @@ class ShardPlan:
     stages: tuple[Stage, ...]
     boundaries: tuple[Boundary, ...]
     devices: tuple[DeviceEstimate, ...]
-    costs_from: tuple[str, ...] = ()  # cost strategy: where block times were measured, or ("given",)
+    costs_from: tuple[str, ...] = ()  # cost strategy: ("given",), the costs it balanced
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -120,9 +120,8 @@ class ShardPlan:
             f"ShardPlan strategy={self.strategy} dtype={self.dtype} "
             f"batch={self.batch} latent={self.latent_size}x{self.latent_size}"
         )
-        if self.costs_from:
-            given = self.costs_from == ("given",)
-            head += " costs=" + ("given" if given else "measured on " + ", ".join(self.costs_from))
+        if self.costs_from:  # the cost strategy balances given costs (counted or measured by costs.py)
+            head += " costs=" + ", ".join(self.costs_from)
         rows: list[tuple[str, ...]] = [("stage", "device", "block", "params", "cost")]
         for i, stage in enumerate(self.stages):
             for j, (block, nbytes) in enumerate(zip(stage.blocks, stage.block_bytes, strict=True)):

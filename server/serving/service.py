@@ -74,7 +74,10 @@ class Service:
             )
             for index, lane in enumerate(lanes)
         ]
-        if pipeline.splits_lone and len(self.loops) > 1 and pipeline.lanes_per_replica == 1:
+        # A lone request's rows go to idle replicas only with a lane per whole replica, and only
+        # where the plan predicts it pays.
+        self.splits_lone = pipeline.splits_lone and len(self.loops) > 1 and pipeline.lanes_per_replica == 1
+        if self.splits_lone:
             for loop in self.loops:
                 loop.pipeline.idle_replicas = self._idle_replicas(loop)
 
@@ -137,7 +140,7 @@ class Service:
             "stages": len(self.pipeline.shard.plan.stages),
             "lanes": len(self.loops),
             "threads_per_lane": self.pipeline.lane_threads,
-            "splits_lone_requests": bool(self.pipeline.splits_lone and len(self.loops) > 1),
+            "splits_lone_requests": self.splits_lone,
             **self.busy(),
         }
 
