@@ -6,7 +6,8 @@ Three servers of the built-in model (its recommended 25 steps and guidance) run 
 - `old_default`: `--devices cpu --threads <quota>`: one worker with all the quota's threads,
   the default before the planner chose threads;
 - `one_thread_lanes`: `--devices cpu,cpu --parallel replicas --threads <quota>`: a lane per core,
-  one thread each (a lone request's rows split over both);
+  one thread each (a lone request runs on one of them: for this dispatch-bound model its
+  plan predicts splitting rows slower; `benchmarks.lone_split` shows a model where it pays);
 - `new_default`: no flags: the planner's choice (the plan's headline is printed).
 
 For 1 and 8 concurrent clients, each sending requests back to back, all three are measured in
