@@ -12,6 +12,10 @@ connection (a file descriptor, buffers) forever. Here:
 - beyond `max_connections` open connections, a new one gets a 503 envelope and is closed at
   once (uvicorn's `limit_concurrency` would accept it, hold it until it sent a request, and
   answer in plain text).
+
+uvicorn has no public setting for a header deadline, so this subclasses its private
+`H11Protocol`: pyproject.toml pins uvicorn's minor version, and tests/test_connections.py says
+what changed if that pin moves.
 """
 
 from __future__ import annotations
