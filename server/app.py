@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
 from server import __version__
-from server.api import health, playground, routes
+from server.api import docs, health, playground, routes
 from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
@@ -175,7 +175,9 @@ def create_app(
     on `registry` (a fresh one by default), served on the metrics port by the lifespan unless
     `serve_metrics` is False (`serve` binds that port itself, before anything loads). `on_fatal`
     is called if the model cannot load (`serve` stops the server)."""
-    app = FastAPI(title="diffshard", version=__version__, lifespan=lifespan)
+    app = FastAPI(  # /docs is api/docs.py's (offline, under a CSP); no /redoc
+        title="diffshard", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
     app.state.serve_metrics = serve_metrics
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
@@ -188,6 +190,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(routes.router)
     app.include_router(playground.router)
+    app.include_router(docs.router)
     install_openapi(app, _bounds(settings, app.state.api_keys is not None))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
     app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too

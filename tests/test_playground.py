@@ -1,10 +1,14 @@
-"""The playground at `/`, in a real browser: Debian's Chromium, headless, driven by selenium
-through Debian's chromedriver (`make test` installs both; nothing is downloaded at test time).
+"""The playground at `/` and the API reference at `/docs`, in a real browser: Debian's Chromium,
+headless, driven by selenium through Debian's chromedriver (`make test` installs both; nothing is
+downloaded at test time), which resolves no host name: only this server can answer it.
 
 Type "a red circle", press Generate: a partial preview appears, then the image, which the
 built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
 image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. Also: the key
 field and errors in plain words on a server with keys, and Stop cancelling the request.
+
+The API reference is Swagger UI, offline and under the playground's policy: it lists the
+operations of /openapi.json with no error in the browser's console.
 
 `DIFFSHARD_SCREENSHOT=docs/playground.png` saves the README's screenshot (`make screenshot`).
 """
@@ -28,7 +32,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from server.api.playground import FILES
+from server.api import docs
+from server.api.playground import FILES, HEADERS
 from server.demo.evaluate import Verdict, classify
 from tests.live import LiveServer, live_server
 
@@ -45,6 +50,7 @@ FLAGS = (
     "--disable-sync",
     "--no-first-run",
     "--window-size=1400,1000",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no network: only the server here
 )
 # Records, in the page, each kind ("partial", "final") the main image of each card takes, in order.
 RECORD_KINDS = """
@@ -78,6 +84,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     os.environ["SE_OFFLINE"] = "true"  # selenium must not look for a driver or browser online
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, CSP refusals too
     for flag in (*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -216,3 +223,38 @@ def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveSe
     assert not browser.find_element(By.ID, "error").is_displayed()
     assert browser.execute_script("return sessionStorage.getItem('diffshard.apiKey')") == "sk-first"
     assert browser.execute_script("return localStorage.length") == 0  # the key stays in this tab
+
+
+def test_the_api_reference_and_its_files_come_from_this_server_alone(server: LiveServer) -> None:
+    page = httpx.get(f"{server.url}/docs")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["content-security-policy"] == HEADERS["content-security-policy"]
+    assert "http://" not in page.text and "https://" not in page.text
+    for name, kind in {**docs.OURS, **docs.VENDORED}.items():
+        asset = httpx.get(f"{server.url}/docs/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+        assert asset.headers["content-security-policy"] == HEADERS["content-security-policy"]
+    for other in ("index.html", "redoc.standalone.js", "favicon.png", "docs.py"):  # only the files it names
+        missing = httpx.get(f"{server.url}/docs/{other}")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert httpx.get(f"{server.url}/redoc").status_code == 404  # ReDoc cannot run under the policy
+
+
+def test_the_api_reference_renders_offline(browser: WebDriver, server: LiveServer) -> None:
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(f"{server.url}/docs")
+    found = until(
+        browser, lambda b: b.find_elements(By.CSS_SELECTOR, ".opblock-summary-path"), "the operations"
+    )
+    paths = {element.get_attribute("data-path") for element in found}
+    assert {"/v1/images/generations", "/v1/models", "/v1/shards", "/v1/stats", "/livez", "/readyz"} <= paths
+
+    generate = browser.find_element(By.CSS_SELECTOR, '.opblock-post [data-path="/v1/images/generations"]')
+    generate.click()  # Swagger UI is live, not a picture: the operation opens, with its body's schema
+    until(browser, lambda b: b.find_elements(By.CSS_SELECTOR, ".opblock-post .try-out"), "the operation")
+    assert "num_inference_steps" in browser.find_element(By.CSS_SELECTOR, ".opblock-post .opblock-body").text
+
+    errors = [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors  # a CSP refusal or a missing file would be here
+    loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert loaded and all(url.startswith(f"{server.url}/") for url in loaded), loaded
