@@ -39,7 +39,7 @@ from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
 
-IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back when the loop has nothing to do
+IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back while the service has nothing to do
 
 
 def plan_for(
@@ -81,10 +81,13 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
 
-    def housekeeping() -> None:  # the loop has been idle a while: give back what bursts left behind
+    def housekeeping() -> bool:  # idle a while: give back what bursts left; True once all is back
         freed = pool.trim(idle_for_s=IDLE_TRIM_S)
         freed_host = release_freed_host_memory()
-        log.info("idle: %d pooled bytes and %d resident bytes given back", freed, freed_host)
+        idle = sum(s.bytes_idle for s in pool.stats().values())
+        if freed or freed_host:
+            log.info("idle: %d pooled bytes and %d resident bytes given back", freed, freed_host)
+        return idle == 0
 
     lanes = pipeline.lane_threads
     log.info(
@@ -97,11 +100,12 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
         settings.served_name,
         settings.limits(pipeline.family.native_size),
         max_queue=settings.max_queue,
+        max_queue_per_key=settings.key_queue_limit,
         max_batch=settings.max_batch,
         step_timeout_s=settings.step_timeout_s,
         failures_unready=settings.failures_unready,
         inject_faults=settings.inject_faults,
-        on_idle=housekeeping,
+        tidy=housekeeping,
         threads=threads,
     )
 
@@ -181,6 +185,7 @@ def create_app(
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
     app.state.serve_metrics = serve_metrics
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
+    app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")
     app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue)
     app.state.metrics = metrics = Metrics(
@@ -191,7 +196,9 @@ def create_app(
     app.include_router(routes.router)
     app.include_router(playground.router)
     app.include_router(docs.router)
-    install_openapi(app, _bounds(settings, app.state.api_keys is not None))
+    install_openapi(
+        app, _bounds(settings, app.state.api_keys is not None or app.state.admin_keys is not None)
+    )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
     app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too
     app.add_middleware(RequestContext)  # outermost: every answer carries the request id

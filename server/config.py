@@ -82,6 +82,9 @@ class Settings(BaseSettings):
         "float32 when a stage runs on the CPU",
     )
     api_key_file: Path | None = Field(None, description="bearer keys, one a line; unset: no auth")
+    admin_key_file: Path | None = Field(
+        None, description="operators' bearer keys, one a line: they also see every key's jobs in /v1/stats"
+    )
 
     # Limits on one request.
     max_n: int = Field(10, ge=1, le=100, description="images per request")
@@ -97,6 +100,9 @@ class Settings(BaseSettings):
 
     # Connections.
     read_timeout_s: float = Field(30, gt=0, description="time a client may take to send headers and body")
+    sse_keepalive_s: float = Field(
+        15, gt=0, le=300, description="a stream quiet this long sends an SSE comment, so proxies keep it open"
+    )
     max_connections: int = Field(512, ge=1, description="concurrent connections; beyond it: 503")
 
     # The step loop: batching, overload, deadlines, drain.
@@ -104,16 +110,25 @@ class Settings(BaseSettings):
         16, ge=1, le=1024, description="denoiser rows per batched step (2 per guided image)"
     )
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
+    max_queue_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="requests one API key may have waiting; beyond it: 429 (default: half of max_queue)",
+    )
     request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
     drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     step_timeout_s: float = Field(
-        120, gt=0, description="a step running longer than this fails /livez (the pod is restarted)"
+        120,
+        gt=0,
+        description="a step of max_batch native-size rows running longer than this (more work: "
+        "proportionally longer) fails /readyz until it returns; 4x longer fails /livez",
     )
     failures_unready: int = Field(
         3, ge=1, description="consecutive failed steps (not out-of-memory) that fail /readyz"
     )
     inject_faults: bool = Field(
-        False, description="tests only: [[fail]], [[oom]], [[hang]] or [[decode]] in a prompt fails there"
+        False,
+        description="tests only: [[fail]], [[oom]], [[hang]], [[decode]] or [[kill]] in a prompt fails there",
     )
 
     # Memory and threads.
@@ -152,7 +167,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"names {device}, which is not among the devices {list(devices)}")
         return budgets
 
-    @field_validator("api_key_file")
+    @field_validator("api_key_file", "admin_key_file")
     @classmethod
     def _key_file(cls, path: Path | None) -> Path | None:
         if path is not None and not read_api_keys(path):
@@ -162,6 +177,11 @@ class Settings(BaseSettings):
     @property
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype(list(self.devices)) if self.dtype == "auto" else DTYPES[self.dtype]
+
+    @property
+    def key_queue_limit(self) -> int:
+        """Requests one API key may have waiting (`max_queue_per_key`, default half the line)."""
+        return self.max_queue_per_key or max(1, self.max_queue // 2)
 
     @property
     def served_name(self) -> str:

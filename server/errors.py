@@ -10,6 +10,7 @@
         ├── Unavailable          the service cannot take it now (503)
         │   ├── NotReady         the model is loading, or failed to load
         │   ├── Overloaded       the queue is full; `retry_after` seconds
+        │   │   └── KeyOverloaded    one API key's share of the queue is full (429)
         │   ├── Draining         the server is shutting down
         │   └── OutOfMemory      the device ran out of memory during the request
         ├── DeadlineExceeded     past the request timeout (504)
@@ -80,6 +81,16 @@ class Overloaded(Unavailable):
 
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class KeyOverloaded(Overloaded):
+    reason = "key_queue_full"
+
+    def __init__(self, retry_after: int, share: int) -> None:
+        Unavailable.__init__(
+            self, f"this API key has {share} requests waiting, its most; retry in {retry_after} s"
+        )
         self.retry_after = retry_after
 
 

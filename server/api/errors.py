@@ -7,6 +7,7 @@ AuthenticationError, ...) and show `message`, so every message names the field a
 
 from __future__ import annotations
 
+import difflib
 import logging
 import secrets
 from http import HTTPStatus
@@ -17,12 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from server.api.schemas import ImageGenerationRequest  # the one body with fields to misspell
 from server.errors import (
     Cancelled,
     DeadlineExceeded,
     DiffshardError,
     Draining,
     InvalidRequest,
+    KeyOverloaded,
     NotReady,
     OutOfMemory,
     Overloaded,
@@ -39,6 +42,7 @@ WIRE_NAMES = {"steps": "num_inference_steps"}
 STATUS: dict[type[DiffshardError], tuple[int, str | None]] = {
     InvalidRequest: (400, "invalid_value"),
     NotReady: (503, None),  # the code is the status: loading, failed (to load) or unhealthy
+    KeyOverloaded: (429, "rate_limit_exceeded"),  # this key's share of the line: others still get in
     Overloaded: (503, "overloaded"),
     Draining: (503, "draining"),
     OutOfMemory: (503, "out_of_memory"),
@@ -146,7 +150,14 @@ def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, 
             return message, None, "invalid_content_type"
         return "the request body must be a JSON object with at least a prompt", None, "invalid_body"
     param = ".".join(loc)
+    if error.get("type") == "extra_forbidden":
+        return f"{param}: unknown field{_did_you_mean(loc[-1])}", param, "unknown_parameter"
     return f"{param}: {error.get('msg', 'invalid value')}", param, "invalid_value"
+
+
+def _did_you_mean(field: str) -> str:
+    close = difflib.get_close_matches(field, ImageGenerationRequest.model_fields, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else " (see /openapi.json for the fields)"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -17,8 +17,7 @@ from server.api.deps import RuntimeDep, ServiceDep
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
 from server.api.streaming import EVENTS, Feed, image_events
-from server.pipeline.images import encode_async
-from server.serving import Job, Service
+from server.serving import Job, Service, encode_async
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
@@ -69,8 +68,8 @@ async def generate_images(
     requests = generation_requests(body, service.name, service.limits.max_n)
     request_id = request.state.request_id  # one id in every log line
     if body.stream:
-        return _stream(body, requests, request_id, service)
-    job = service.submit(requests, request_id=request_id)
+        return _stream(body, requests, request, service)
+    job = service.submit(requests, request_id=request_id, owner=request.state.owner)
     images = await _outcome(job, request, service)
     encoded = await asyncio.gather(
         *(encode_async(image, body.output_format, body.output_compression) for image in images)
@@ -88,12 +87,19 @@ async def generate_images(
 
 
 def _stream(
-    body: ImageGenerationRequest, requests: list, request_id: str, service: Service
+    body: ImageGenerationRequest, requests: list, request: Request, service: Service
 ) -> StreamingResponse:
     """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
-    feed = Feed(len(requests))
+    feed, request_id = Feed(), request.state.request_id
     on_progress = feed.on_progress if body.stream_progress else None
-    job = service.submit(requests, request_id=request_id, on_partial=feed.on_partial, on_progress=on_progress)
+    job = service.submit(
+        requests,
+        request_id=request_id,
+        on_partial=feed.on_partial,
+        on_progress=on_progress,
+        owner=request.state.owner,
+    )
+    keepalive_s = request.app.state.settings.sse_keepalive_s
     first = job.requests[0]
     fields = {
         "size": f"{first.width}x{first.height}",
@@ -105,7 +111,13 @@ def _stream(
     async def events():
         try:
             source = image_events(
-                job, feed, fields, body.output_compression, request_id, with_progress=body.stream_progress
+                job,
+                feed,
+                fields,
+                body.output_compression,
+                request_id,
+                with_progress=body.stream_progress,
+                keepalive_s=keepalive_s,
             )
             async with contextlib.aclosing(source):  # its tasks end with the stream, not at collection
                 async for event in source:
@@ -136,6 +148,9 @@ async def shards(service: ServiceDep) -> dict[str, Any]:
 
 
 @router.get("/stats")
-async def stats(service: ServiceDep) -> dict[str, Any]:
-    """The step loop's counters and each active request's progress, and the pool's per device."""
-    return {"engine": service.stats().to_dict(), "pool": service.pool(), "threads": service.threads}
+async def stats(request: Request, service: ServiceDep) -> dict[str, Any]:
+    """The step loop's counters and the progress of the caller's running requests (an admin key,
+    or any caller without keys: everyone's), and the pool's per device."""
+    viewer = None if request.state.admin else request.state.owner
+    engine = service.stats().seen_by(viewer).to_dict()
+    return {"engine": engine, "pool": service.pool(), "threads": service.threads}

@@ -1,13 +1,15 @@
 """Request and response bodies of the Images API, and their translation into pipeline requests.
 
 The body follows OpenAI's `POST /v1/images/generations`; diffshard's extensions
-(negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress) sit beside the
-standard fields, where the SDKs put `extra_body`. Types are checked strictly ("2" is not
-an integer). OpenAI's other fields are honoured where this service can (`output_format`
-png, jpeg or webp with `output_compression`; `quality` auto or standard: the model's own
-settings; `background` auto or opaque; `moderation` low: none is done) and refused with a 400
-naming the field where honouring them would change the images (`background: transparent`,
-`style`, other qualities); `user` is accepted and unused. Fields nobody defines are ignored.
+(negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress,
+deterministic) sit beside the standard fields, where the SDKs put `extra_body`. Types are
+checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
+can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
+the model's own settings; `background` auto or opaque; `moderation` low: none is done;
+`complexity` low: no planning is done) and refused with a 400 naming the field where honouring
+them would change the images (`background: transparent`, `style`, other qualities, gif and svg
+output); `user` and `safety_identifier` are accepted and unused. Any other field is refused
+with a 400 naming it: a typo (`num_inference_step`) must not run silently with defaults.
 What the wire format decides is checked here; the service's limits and the model's invariants
 are checked by the serving layer when the job is submitted.
 """
@@ -22,9 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.errors import InvalidRequest
-from server.pipeline import GenerationRequest
-from server.pipeline.images import FORMATS
-from server.pipeline.requests import SEED_LIMIT
+from server.serving import FORMATS, SEED_LIMIT, GenerationRequest
 
 MAX_GUIDANCE = 100.0
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
@@ -35,16 +35,25 @@ HONOURED = {
     "quality": ("auto", "standard"),  # the model's own steps and guidance; set num_inference_steps
     "background": ("auto", "opaque"),  # every image is opaque
     "moderation": ("low",),  # no moderation is done
+    "complexity": ("low",),  # no computation is spent planning the image
 }
 WHY_NOT = {
     "quality": "set num_inference_steps for more or fewer steps",
     "background": "images have no alpha channel",
     "moderation": "diffshard does no content moderation",
+    "complexity": "diffshard spends no computation planning images; set num_inference_steps",
+}
+# OpenAI fields for output this service does not make: null or absent only.
+UNSERVED = {
+    "style": "describe the style in the prompt",
+    "frame_count": "gif output is not served",
+    "frame_duration_ms": "gif output is not served",
+    "svg": "svg output is not served",
 }
 
 
 class ImageGenerationRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     prompt: str
     n: int = 1
@@ -59,13 +68,23 @@ class ImageGenerationRequest(BaseModel):
     background: str | None = None
     moderation: str | None = None
     style: str | None = None
+    complexity: str | None = None
+    frame_count: int | None = None
+    frame_duration_ms: int | None = None
+    svg: dict | None = None
     model: str | None = None
     user: str | None = None
+    safety_identifier: str | None = None
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     seed: int | None = Field(None, description="image i uses seed + i; default: random")
     scheduler: str | None = Field(None, description="default, or one the model's family supports")
+    deterministic: bool = Field(
+        False,
+        description="its rows run in calls of their own, so the same seed gives the same bytes "
+        "whatever else is batched (slower under load)",
+    )
 
 
 class ImageData(BaseModel):
@@ -102,8 +121,9 @@ def check_output(body: ImageGenerationRequest) -> None:
             raise InvalidRequest("output_compression", "applies to jpeg and webp only; png is lossless")
         if not 0 <= compression <= 100:
             raise InvalidRequest("output_compression", f"must be between 0 and 100, got {compression}")
-    if body.style is not None:
-        raise InvalidRequest("style", "is not supported: describe the style in the prompt")
+    for field, why in UNSERVED.items():
+        if getattr(body, field) is not None:
+            raise InvalidRequest(field, f"is not supported: {why}")
     for field, allowed in HONOURED.items():
         value = getattr(body, field)
         if value is not None and value not in allowed:
@@ -146,6 +166,7 @@ def generation_requests(
             width=width,
             height=height,
             partial_images=partials or 0,
+            deterministic=body.deterministic,
         )
         for i in range(body.n)
     ]

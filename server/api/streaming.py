@@ -22,10 +22,13 @@ time that changes:
 `queue_position` is 1 for the next request to start (null once running); `step` of `steps` is
 the denoising steps done (the least of the n images).
 
-The step loop hands partial images over without waiting: each stream buffers at most one
-round of them (one per image) plus `PARTIAL_BUFFER` and drops the newest beyond that, so a slow
-reader never stalls other requests; progress is a flag, read when the stream is ready to write.
-A client that goes away cancels its request at the next step.
+The step loop hands partial images over without waiting, as uint8 pixels: each stream keeps
+only the latest one per image (a slow reader skips to the newest, and holds at most n small
+frames), so it never stalls other requests; progress is a flag, read when the stream is ready
+to write. A stream with nothing to say for `keepalive_s` sends an SSE comment (`: keep-alive`),
+so proxies that cut idle connections (nginx, cloud load balancers: ~60 s) leave it open while it
+waits in the line or a long step runs. A client that goes away cancels its request at the next
+step.
 """
 
 from __future__ import annotations
@@ -38,38 +41,44 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
+
 from server.api.errors import domain_response
 from server.errors import Rejected
-from server.pipeline.images import encode_async
-from server.serving import Job
+from server.serving import Job, encode_async, to_uint8
 
 EVENTS = ("image_generation.partial_image", "image_generation.completed", "diffshard.progress", "error")
-PARTIAL_BUFFER = 8
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 # diffshard counts no tokens; the SDK's completed event has a usage object
 USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "input_tokens_details": {}}
-
-Partial = tuple[int, int, Any]  # image index, partial index, [H, W, 3] image
 
 
 class Feed:
     """What the step loop's thread tells one stream, handed to the stream's event loop without
-    blocking: partial images in a bounded queue, and a flag that the job moved."""
+    blocking: the latest partial image of each image, and a flag that the job moved."""
 
-    def __init__(self, images: int) -> None:
+    def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.partials: asyncio.Queue[Partial] = asyncio.Queue(images + PARTIAL_BUFFER)
-        self.moved = asyncio.Event()
+        self.latest: dict[int, tuple[int, np.ndarray]] = {}  # image → (partial index, uint8 pixels)
+        self.changed = asyncio.Event()  # a partial image came, or the job moved
 
     def on_partial(self, image: int, partial: int, pixels: Any) -> None:
-        self._soon(self._offer, (image, partial, pixels))
+        frame = to_uint8(pixels)  # a copy, a quarter of the floats' bytes: the loop reuses its buffers
+        self._soon(self._offer, image, partial, frame)
 
     def on_progress(self) -> None:
-        if not self.moved.is_set():  # a flag already up says it all
-            self._soon(self.moved.set)
+        self._soon(self.changed.set)
 
-    def _offer(self, item: Partial) -> None:
-        if not self.partials.full():  # a slow reader loses partial images, never the final ones
-            self.partials.put_nowait(item)
+    def take(self) -> list[tuple[int, int, np.ndarray]]:
+        """The partial images not yet sent, by image; and clear the flag."""
+        taken = [(image, partial, frame) for image, (partial, frame) in sorted(self.latest.items())]
+        self.latest.clear()
+        self.changed.clear()
+        return taken
+
+    def _offer(self, image: int, partial: int, frame: np.ndarray) -> None:
+        self.latest[image] = (partial, frame)  # a newer one replaces one not yet sent
+        self.changed.set()
 
     def _soon(self, call: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop closed (the server stops): nobody listens
@@ -104,37 +113,43 @@ async def image_events(
     request_id: str,
     *,
     with_progress: bool = False,
+    keepalive_s: float = 15.0,
 ) -> AsyncIterator[str]:
-    """The events of `job`: its progress if asked for and its partial images as they come, then
-    each finished image."""
+    """The events of `job`: its progress if asked for and its partial images as they come (a
+    keep-alive comment when nothing came for `keepalive_s`), then each finished image."""
     output_format = fields["output_format"]
 
     async def encoded(pixels: Any) -> str:
         return base64.b64encode(await encode_async(pixels, output_format, compression)).decode()
 
     done = asyncio.wrap_future(job.future)
-    partial = asyncio.ensure_future(feed.partials.get())
-    moved = asyncio.ensure_future(feed.moved.wait())
+    done.add_done_callback(consumed)  # a stream that ends early leaves its outcome to nobody
     said: dict[str, Any] = {}
+    changed = asyncio.ensure_future(feed.changed.wait())
     try:
         while True:
             if with_progress and (now := progress(job)) != said:
                 said = now
                 yield _stamped("diffshard.progress", now)
-            finished, _ = await asyncio.wait({partial, moved, done}, return_when=asyncio.FIRST_COMPLETED)
-            if moved in finished:
-                feed.moved.clear()
-                moved = asyncio.ensure_future(feed.moved.wait())
-            if partial in finished:  # before the end: partial images handed over are all sent
-                image, index, pixels = partial.result()
-                partial = asyncio.ensure_future(feed.partials.get())
-                data = {"b64_json": await encoded(pixels), "partial_image_index": index, "image_index": image}
-                yield _stamped("image_generation.partial_image", {**data, **fields})
+            finished, _ = await asyncio.wait(
+                {changed, done}, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not finished:
+                yield KEEPALIVE
+                continue
+            if changed in finished:  # before the end: partial images handed over are all sent
+                for image, index, frame in feed.take():
+                    data = {
+                        "b64_json": await encoded(frame),
+                        "partial_image_index": index,
+                        "image_index": image,
+                    }
+                    yield _stamped("image_generation.partial_image", {**data, **fields})
+                changed = asyncio.ensure_future(feed.changed.wait())
             elif done in finished:
                 break
     finally:
-        partial.cancel()
-        moved.cancel()
+        changed.cancel()
     try:
         images = done.result()
     except Rejected as err:  # the same envelope a plain request would get
@@ -146,3 +161,9 @@ async def image_events(
         seed = job.requests[image].seed
         data = {"b64_json": await encoded(pixels), "image_index": image, "seed": seed, "usage": USAGE}
         yield _stamped("image_generation.completed", {**data, **fields})
+
+
+def consumed(outcome: asyncio.Future) -> None:
+    """Retrieve an outcome nobody awaits, so asyncio does not log it as never retrieved."""
+    if not outcome.cancelled():
+        outcome.exception()

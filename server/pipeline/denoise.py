@@ -248,7 +248,8 @@ class Pipeline:
                 for name, value in extras.items():
                     value[span] = state.extras[name]
             # 2. One forward through the shard (and any idle replicas, a share of the rows each).
-            out = self._forward(DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras)))
+            inputs = DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
+            out = self._forward(inputs, split=not any(s.request.deterministic for s in states))
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []
@@ -279,9 +280,11 @@ class Pipeline:
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
                         state.preview = (index, image.permute(1, 2, 0).float().cpu())
 
-    def _forward(self, inputs: DenoiserInputs) -> torch.Tensor:
+    def _forward(self, inputs: DenoiserInputs, split: bool = True) -> torch.Tensor:
+        """The denoiser on `inputs`; its rows split over idle replicas where allowed (not for a
+        deterministic request: its rows' shapes must not depend on what else runs)."""
         rows = inputs.sample.shape[0]
-        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 else [self.shard]
+        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 and split else [self.shard]
         if len(shards) == 1:
             return self.shard(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning)
         return run_micro_batches(shards, inputs, len(shards), self.lane_threads)

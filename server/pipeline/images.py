@@ -12,8 +12,10 @@ from PIL import Image
 
 
 def to_uint8(image: torch.Tensor | np.ndarray) -> np.ndarray:
-    """[H, W, 3] floats in [0, 1] → uint8, rounded as diffusers' numpy_to_pil rounds."""
+    """[H, W, 3] floats in [0, 1] → uint8, rounded as diffusers' numpy_to_pil rounds (a copy)."""
     array = image.numpy() if isinstance(image, torch.Tensor) else image
+    if array.dtype == np.uint8:  # already pixels (a stream's partial image)
+        return array
     return (array * 255).round().astype(np.uint8)
 
 

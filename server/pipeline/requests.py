@@ -33,6 +33,7 @@ class GenerationRequest:
     width: int | None = None
     height: int | None = None
     partial_images: int = 0  # previews of the predicted clean image, at evenly spaced steps
+    deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
 
     @property
     def resolved(self) -> bool:

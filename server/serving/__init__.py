@@ -1,5 +1,9 @@
-"""Serving: the step loop, jobs and their outcomes, admission, deadlines, stats as plain data."""
+"""Serving: the step loop, jobs and their outcomes, admission, deadlines, stats as plain data.
+What the HTTP layer needs of the pipeline (request values, image encoding) it gets from here."""
 
+from server.pipeline import GenerationRequest
+from server.pipeline.images import FORMATS, encode_async, to_uint8
+from server.pipeline.requests import SEED_LIMIT
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
@@ -7,7 +11,10 @@ from server.serving.service import Runtime, Service
 from server.serving.stats import Distribution, LoopStats, Snapshot
 
 __all__ = [
+    "FORMATS",
+    "SEED_LIMIT",
     "Distribution",
+    "GenerationRequest",
     "Job",
     "Limits",
     "LoopStats",
@@ -15,4 +22,6 @@ __all__ = [
     "Service",
     "Snapshot",
     "StepLoop",
+    "encode_async",
+    "to_uint8",
 ]

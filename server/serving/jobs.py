@@ -26,11 +26,17 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     states: list[RequestState] = field(default_factory=list)
     cancel_requested: bool = False
+    owner: str | None = None  # who sent it (an API key's label): the line is fair between owners
     queue_position: int | None = None  # 1 = the next job of its lane to start; None once running
     # Called on the step loop's thread and must not block: (image index, partial index, [H, W, 3]
     # image) for each partial image due; and, once a turn, that the job moved (queue, steps).
     on_partial: Callable[[int, int, torch.Tensor], None] | None = None
     on_progress: Callable[[], None] | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Its calls run alone, so its bytes do not depend on what else is batched."""
+        return any(r.deterministic for r in self.requests)
 
     @property
     def deadline(self) -> float:

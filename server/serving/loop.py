@@ -1,17 +1,21 @@
 """The step loop: step-level continuous batching on one thread, the pipeline's only owner.
 
-Every turn of the loop (`_run`)
-1. admits waiting jobs, first come first served, while the active rows fit `max_batch`
-   (a job bigger than that runs alone, its rows split across calls), and encodes their prompts;
-2. drops jobs whose client left or whose deadline passed, returning their buffers;
+Every turn of the loop (`_turn`)
+1. drops jobs whose client left, whose deadline passed or that the watchdog answered, returning
+   their buffers;
+2. picks the jobs to step (`Lineup.pick`: owners in turn, each its share of `max_batch` rows
+   while several have work; a job bigger than that runs alone, its rows split across calls),
+   admitting waiting ones, and encodes the admitted jobs' prompts;
 3. runs one batched denoiser step per group of same-size requests, each row at its own timestep
-   (and hands out the partial images due);
+   (a `deterministic` request's rows in a call of their own), and hands out the partial images due;
 4. decodes finished requests (in bounded VAE calls) and resolves jobs whose images are done.
 
 A batched call that raises is retried job by job, so only the job that caused it fails. A job
-ends once (done, failed, cancelled, expired or drained), and its scopes close then. A watchdog
-answers every waiting job if a call runs past the step timeout, and a dying loop answers them
-too. The HTTP side only submits jobs and awaits their futures (and their partial images).
+ends once (done, failed, cancelled, expired or drained), and its scopes close then. Each call
+has a deadline scaled by its work (`health.py`): past it the loop is slow (not ready), far past
+it stuck (not live, every waiting job answered); a call that returns clears both. A dying loop
+answers every waiting job too. The HTTP side only submits jobs and awaits their futures (and
+their partial images).
 """
 
 from __future__ import annotations
@@ -20,23 +24,17 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
-from server.errors import (
-    Draining,
-    NotReady,
-    Overloaded,
-    Rejected,
-    StepFailed,
-)
+from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
 from server.pipeline import Pipeline, RequestState, group_states
-from server.serving.faults import inject_fault
-from server.serving.health import Heartbeat, Watchdog, is_out_of_memory
-from server.serving.jobs import Job, failure_outcome, leaving_outcome, place_in_line
+from server.serving.calls import WatchedCalls
+from server.serving.health import is_out_of_memory
+from server.serving.jobs import Job, failure_outcome, leaving_outcome
+from server.serving.lineup import Lineup
 from server.serving.stats import LoopStats
 
 log = logging.getLogger("diffshard")
@@ -48,34 +46,41 @@ class StepLoop:
         pipeline: Pipeline,
         *,
         max_queue: int = 64,
+        max_queue_per_key: int | None = None,
         max_batch: int = 16,
         step_timeout_s: float = 120.0,
+        native_pixels: int = 1,
         inject_faults: bool = False,
-        on_idle: Callable[[], None] | None = None,
         threads: int | None = None,
         name: str = "diffshard-loop",
     ) -> None:
         self.pipeline = pipeline
         self.threads = threads  # torch intra-op threads of this loop's thread (None: torch's)
         self.max_queue = max_queue
+        self.max_queue_per_key = max_queue_per_key or max_queue  # jobs one API key may have waiting
         self.max_batch = max_batch
-        self.step_timeout_s = step_timeout_s
-        self.inject_faults = inject_faults
-        self.on_idle = on_idle  # called when the loop has nothing to do (trim the pool, give memory back)
-        self.heartbeat = Heartbeat()
-        self.stuck: str | None = None  # set by the watchdog: the loop is wedged in a call
-        self._queue: deque[Job] = deque()
-        self._active: list[Job] = []
-        self._wake = threading.Condition()  # guards queue, active list and stats (re-entrant lock)
+        self.idle_since: float | None = time.monotonic()  # when the loop last ran out of work
+        self._lineup = Lineup()
+        self._active: list[Job] = []  # admitted: their states are open (some may be parked)
+        self._wake = threading.Condition()  # guards line, active list and stats (re-entrant lock)
         self._admitting = True
         self._stopping = False
         self._closed = threading.Event()
         self._clear_caches = False  # after an out-of-memory error, once its frames are gone
         self._job_seconds: float | None = None  # moving average, for Retry-After
         self._stats = LoopStats()
+        self._call = WatchedCalls(
+            pipeline,
+            step_timeout_s=step_timeout_s,
+            max_batch=max_batch,
+            native_pixels=native_pixels,
+            inject_faults=inject_faults,
+            closed=self._closed,
+            on_stuck=self._answer_stuck,
+        )
+        self.heartbeat = self._call.heartbeat
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        Watchdog(self.heartbeat, step_timeout_s, self._on_stuck, self._closed).start()
 
     # The HTTP side: submit, cancel, read stats, drain.
 
@@ -87,18 +92,21 @@ class StepLoop:
                 raise Draining("the server is shutting down")
             if problem := self.problem():
                 raise NotReady("unhealthy", problem)
-            if len(self._queue) >= self.max_queue:
+            if len(self._lineup) >= self.max_queue:
                 self._stats.rejected["queue_full"] += 1
                 raise Overloaded(self.retry_after())
-            self._queue.append(job)
-            job.queue_position = len(self._queue)
+            if job.owner is not None and self._lineup.waiting(job.owner) >= self.max_queue_per_key:
+                self._stats.rejected["key_queue_full"] += 1
+                raise KeyOverloaded(self.retry_after(), self.max_queue_per_key)
+            self._lineup.append(job)
+            self.idle_since = None
             self._wake.notify()
         return job
 
     def load(self) -> int:
         """Rows queued or running: where the next job waits least."""
         with self._wake:
-            return sum(j.rows for j in self._queue) + sum(j.rows for j in self._active)
+            return sum(j.rows for j in self._lineup) + sum(j.rows for j in self._active)
 
     def retry_after(self) -> int:
         """Seconds until a queued job would likely get a place: one job's recent duration."""
@@ -112,26 +120,32 @@ class StepLoop:
     def stats(self) -> LoopStats:
         with self._wake:
             stats = self._stats
-            stats.queue_depth = len(self._queue)
+            stats.queue_depth = len(self._lineup)
             stats.active_jobs = len(self._active)
             stats.active_images = sum(len(j.requests) for j in self._active)
             stats.active_rows = sum(j.rows for j in self._active)
             stats.progress = {j.id: j.progress() for j in self._active}
+            stats.owners = {j.id: j.owner for j in [*self._active, *self._lineup]}
+            stats.slow_calls, stats.stuck_calls = self._call.slow_calls, self._call.stuck_calls
             return stats.copy()
 
     def problem(self) -> str | None:
-        """Why the loop cannot serve (dead, stuck, or its device broken); None when it can."""
+        """Why the loop cannot serve at all (dead, stuck, or its device broken); None when it can.
+        A slow loop still serves (`slow` says why it is not ready for more)."""
         if not self._thread.is_alive():
             return "the step loop stopped; the server log says why"
-        if self.stuck:
-            return self.stuck
-        return self.heartbeat.broken
+        return self._call.stuck or self.heartbeat.broken
+
+    @property
+    def slow(self) -> str | None:
+        """Why the loop should get no more work for now (a call past its deadline); None if not."""
+        return self._call.slow
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is queued or running, or `timeout` passes; True if idle."""
         deadline = time.monotonic() + timeout
         with self._wake:
-            while self._queue or self._active:
+            while self._lineup or self._active:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -176,25 +190,27 @@ class StepLoop:
     def _turn(self) -> bool:
         """One turn of the loop; False when it should stop."""
         with self._wake:
-            housekept = self.on_idle is None
-            while not (self._queue or self._active or self._stopping):
-                if not self._wake.wait(timeout=None if housekept else IDLE_S):
-                    self._idle()  # IDLE_S with nothing to do
-                    housekept = True
+            while not (self._lineup or self._active or self._stopping):
+                if self.idle_since is None:
+                    self.idle_since = time.monotonic()  # housekeeping (`Service`) may start
+                self._wake.wait()
             if self._stopping:
                 self._stop()
                 return False
-            admitted = self._admit()
+            self.idle_since = None
+            # 1. Leavers first: they take no place and no encoding.
+            self._drop_leavers()
+            # 2. Who steps this turn, and who is admitted to.
+            running, admitted = self._lineup.pick(self._active, self.max_batch)
+            self._admitted(admitted)
         if self._clear_caches:
             self._free_device_memory()
         try:
-            # 1. Admitted jobs: encode their prompts in one call, open their states.
-            if admitted:
-                self._isolated(admitted, self._start)
-            # 2. Jobs whose client left or whose deadline passed.
-            self._drop_leavers()
-            # 3. One batched step per group of same-size requests.
-            for chunk in self._chunks():
+            if admitted:  # their prompts, encoded in one call (a deterministic job's alone)
+                for jobs in self._alike(admitted):
+                    self._isolated(jobs, self._start)
+            # 3. One batched step per group of same-size requests (parked jobs wait a turn).
+            for chunk in self._chunks(running + admitted):
                 self._step(chunk)
             for job in self._active:
                 job.report()  # the partial images due at this step; its steps done
@@ -210,60 +226,53 @@ class StepLoop:
             self._wake.notify_all()  # wait_idle() may be waiting
         return True
 
-    def _idle(self) -> None:
-        try:
-            self.on_idle()
-        except Exception:
-            log.exception("idle housekeeping failed")
-
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""
-        self._end(list(self._queue), Draining("the server shut down before this request started"))
-        self._queue.clear()
+        self._end(self._lineup.drain(), Draining("the server shut down before this request started"))
         self._end(list(self._active), Draining("the server shut down before this request finished"))
         self._wake.notify_all()
 
-    def _admit(self) -> list[Job]:
-        """Move queued jobs to the active list while their rows fit (called with the lock held);
-        they count as active (for stats and drains) from here, before their prompts are encoded."""
-        admitted: list[Job] = []
-        rows = sum(j.rows for j in self._active)
-        while self._queue:
-            job = self._queue[0]
-            if rows and rows + job.rows > self.max_batch:
-                break
-            self._queue.popleft()
-            admitted.append(job)
-            rows += job.rows
+    def _admitted(self, jobs: list[Job]) -> None:
+        """Jobs that leave the line: they count as active (for stats and drains) from here,
+        before their prompts are encoded (called with the lock held)."""
         now = time.monotonic()
-        for job in admitted:
+        for job in jobs:
             self._stats.queue_wait_seconds.observe(now - job.submitted)
             job.queue_position = None
-        place_in_line(self._queue)
-        self._active.extend(admitted)
-        return admitted
+        self._active.extend(jobs)
+
+    def _drop_leavers(self) -> None:
+        """End the jobs, waiting or admitted, whose client left, whose deadline passed or that
+        the watchdog already answered (called with the lock held)."""
+        now = time.monotonic()
+
+        def leaving(job: Job) -> bool:
+            return job.cancel_requested or now > job.deadline or job.future.done()
+
+        waiting = [j for j in self._lineup if leaving(j)]
+        self._lineup.remove(waiting)
+        for job in waiting:
+            self._stats.queue_wait_seconds.observe(now - job.submitted)  # waited, then left
+        for job in waiting + [j for j in self._active if leaving(j)]:
+            self._end([job], leaving_outcome(job))
+
+    @staticmethod
+    def _alike(jobs: list[Job]) -> list[list[Job]]:
+        """Jobs that may share a call: every plain job together, each deterministic one alone."""
+        plain = [j for j in jobs if not j.deterministic]
+        return ([plain] if plain else []) + [[j] for j in jobs if j.deterministic]
 
     def _start(self, jobs: list[Job]) -> None:
         states = self._call(self.pipeline.start, [r for job in jobs for r in job.requests])
         for job in jobs:
             job.states, states = states[: len(job.requests)], states[len(job.requests) :]
 
-    def _drop_leavers(self) -> None:
-        now = time.monotonic()
-        with self._wake:
-            queued = [j for j in self._queue if j.cancel_requested or now > j.deadline]
-            for job in queued:
-                self._queue.remove(job)
-                self._stats.queue_wait_seconds.observe(now - job.submitted)  # waited, then left
-            if queued:
-                place_in_line(self._queue)
-        for job in queued + [j for j in self._active if j.cancel_requested or now > j.deadline]:
-            self._end([job], leaving_outcome(job))
-
-    def _chunks(self) -> Iterable[list[RequestState]]:
-        """Running states grouped by size, in calls of at most `max_batch` rows (or one state)."""
-        running = [s for job in self._active for s in job.states if not s.done]
-        for states in group_states(running):
+    def _chunks(self, jobs: list[Job]) -> Iterable[list[RequestState]]:
+        """The states of `jobs` still denoising, grouped by size, in calls of at most `max_batch`
+        rows (or one state); a deterministic request's states each in a call of their own."""
+        running = [s for job in jobs for s in job.states if not s.done and job in self._active]
+        yield from ([s] for s in running if s.request.deterministic)
+        for states in group_states([s for s in running if not s.request.deterministic]):
             chunk: list[RequestState] = []
             for state in states:
                 if chunk and sum(s.rows for s in chunk) + state.rows > self.max_batch:
@@ -297,7 +306,8 @@ class StepLoop:
         ]:
             self._end([job], leaving_outcome(job))  # not worth decoding: nobody will take it
         ready = [s for j in self._active for s in j.states if s.done and s.image is None and not s.closed]
-        for states in group_states(ready):
+        alone = [[s] for s in ready if s.request.deterministic]
+        for states in alone + group_states([s for s in ready if not s.request.deterministic]):
             self._isolated(self._jobs_of(states), lambda jobs, states=states: self._decode(jobs, states))
         for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
             images = [s.image.numpy().copy() for s in job.states]  # copied out before the scopes close
@@ -313,18 +323,6 @@ class StepLoop:
         self._call(self.pipeline.decode, [s for s in states if id(s) in mine])
 
     # Calls into the pipeline: timed by the heartbeat, faults injected, failures kept to their job.
-
-    def _call(self, method: Callable, arg: list) -> list:
-        self.heartbeat.begin()
-        try:
-            if self.inject_faults:
-                inject_fault(method.__name__, arg, self._closed)
-            result = method(arg)
-            self.pipeline.synchronize()  # so step times are device times, not enqueue times
-        finally:
-            self.heartbeat.end()
-        self.heartbeat.succeeded()
-        return result
 
     def _isolated(self, jobs: list[Job], run: Callable[[list[Job]], None]) -> None:
         """`run` on all jobs at once; if it raises, on each job alone, so only the culprit fails."""
@@ -386,15 +384,10 @@ class StepLoop:
 
     def _answer_all(self, error: Rejected) -> None:
         """Answer every queued and running job now, without touching their buffers (a wedged call
-        may still be using them); called with the lock held."""
-        for job in [*self._queue, *self._active]:
+        may still be using them; the loop drops them once it runs again); called with the lock held."""
+        for job in [*self._lineup, *self._active]:
             self._resolve(job, error)
 
-    def _on_stuck(self, running_s: float) -> None:
-        self.stuck = f"the step loop is stuck: a call has run for {running_s:.0f} s"
-        log.critical("%s (DIFFSHARD_STEP_TIMEOUT_S); answering every waiting request 503", self.stuck)
+    def _answer_stuck(self, why: str) -> None:
         with self._wake:
-            self._answer_all(NotReady("unhealthy", self.stuck))
-
-
-IDLE_S = 30.0  # the loop does its housekeeping after this long with nothing to do
+            self._answer_all(NotReady("unhealthy", why))

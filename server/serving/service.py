@@ -7,6 +7,8 @@ Routes call these and nothing below them: they never touch the pipeline, the sha
 from __future__ import annotations
 
 import math
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +18,7 @@ import torch
 
 from server.errors import NotReady
 from server.pipeline import GenerationRequest, Pipeline
+from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
 from server.serving.loop import StepLoop
@@ -45,11 +48,13 @@ class Service:
         limits: Limits | None = None,
         *,
         max_queue: int = 64,
+        max_queue_per_key: int | None = None,
         max_batch: int = 16,
         step_timeout_s: float = 120.0,
         failures_unready: int = 3,
         inject_faults: bool = False,
-        on_idle: Callable[[], None] | None = None,
+        tidy: Callable[[], bool] | None = None,
+        idle_s: float = IDLE_S,
         threads: int | None = None,
     ) -> None:
         self.pipeline = pipeline
@@ -65,10 +70,11 @@ class Service:
             StepLoop(
                 lane,
                 max_queue=math.ceil(max_queue / len(lanes)),
+                max_queue_per_key=math.ceil((max_queue_per_key or max_queue) / len(lanes)),
                 max_batch=lane_batch,
                 step_timeout_s=step_timeout_s,
+                native_pixels=self.limits.native_pixels,
                 inject_faults=inject_faults,
-                on_idle=on_idle if index == 0 else None,  # the pool and host memory are shared
                 threads=pipeline.lane_threads,
                 name="diffshard-loop" if len(lanes) == 1 else f"diffshard-lane-{index}",
             )
@@ -80,6 +86,13 @@ class Service:
         if self.splits_lone:
             for loop in self.loops:
                 loop.pipeline.idle_replicas = self._idle_replicas(loop)
+        # While every lane is idle, give back what bursts left (the lanes share pool and host).
+        self._closing = threading.Event()
+        self.housekeeper = None
+        if tidy is not None:
+            idle = lambda: [loop.idle_since for loop in self.loops]  # noqa: E731
+            self.housekeeper = Housekeeper(idle, tidy, self._closing, idle_s)
+            self.housekeeper.start()
 
     def _idle_replicas(self, mine: StepLoop) -> Callable[[], list]:
         """The shards of the other lanes with no job queued or running: a lone request's step
@@ -96,18 +109,21 @@ class Service:
         request_id: str | None = None,
         on_partial: Callable[[int, int, Any], None] | None = None,
         on_progress: Callable[[], None] | None = None,
+        owner: str | None = None,
     ) -> Job:
-        """Resolve and check the requests (InvalidRequest), then queue them as one job
-        (Overloaded or Draining when the loop cannot take it). On the step loop's thread,
-        `on_partial` receives the partial images the requests ask for, and `on_progress` hears
-        each turn that the job moved (`Job.queue_position`, `Job.progress`)."""
+        """Resolve and check the requests (InvalidRequest), then queue them as one job of `owner`
+        (Overloaded, KeyOverloaded or Draining when the loop cannot take it). On the step loop's
+        thread, `on_partial` receives the partial images the requests ask for, and `on_progress`
+        hears each turn that the job moved (`Job.queue_position`, `Job.progress`)."""
         filled = [self.pipeline.with_defaults(r) for r in requests]
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
         rows = sum(self.pipeline.rows(r) for r in resolved)
-        job = Job(resolved, rows, self.limits.request_timeout_s)
+        job = Job(resolved, rows, self.limits.request_timeout_s, owner=owner)
         if request_id is not None:  # the loop's log lines name the job: the request's own id
-            job.id = request_id
+            # ids come from clients: one already in use gets a suffix, so /v1/stats keeps both
+            taken = request_id in self.stats().owners
+            job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
         job.on_partial, job.on_progress = on_partial, on_progress
         return min(self.loops, key=StepLoop.load).submit(job)
 
@@ -172,10 +188,12 @@ class Service:
     # Health and lifecycle.
 
     def problem(self) -> str | None:
-        """Why this service should not get traffic: a loop is dead, stuck or on a broken device,
-        or its last steps all failed."""
+        """Why this service should not get traffic: a loop is dead, stuck, slow or on a broken
+        device, or its last steps all failed."""
         if problem := self.live_problem():
             return problem
+        if slow := next((s for loop in self.loops if (s := loop.slow)), None):
+            return slow
         failures = max(loop.heartbeat.failures_in_a_row for loop in self.loops)
         return f"the last {failures} steps failed" if failures >= self.failures_unready else None
 
@@ -201,6 +219,7 @@ class Service:
             loop.abandon(error)
 
     def close(self) -> None:
+        self._closing.set()
         for loop in self.loops:
             loop.close()
 

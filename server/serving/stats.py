@@ -59,6 +59,9 @@ class LoopStats:
     images_completed: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason → jobs
     progress: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # active job → per image
+    owners: dict[str, str | None] = field(default_factory=dict)  # queued or active job → its owner
+    slow_calls: int = 0  # calls that ran past their deadline
+    stuck_calls: int = 0  # calls that ran far past it
 
     @property
     def steps(self) -> int:
@@ -81,7 +84,7 @@ class LoopStats:
         """Two lanes' counters as one loop's."""
 
         def added(value: Any, more: Any) -> Any:
-            return value | more if type(value) is dict else value + more  # progress: per job
+            return value | more if type(value) is dict else value + more  # progress, owners: per job
 
         return LoopStats(**{name: added(value, getattr(other, name)) for name, value in vars(self).items()})
 
@@ -99,8 +102,17 @@ class LoopStats:
             "jobs_completed": self.jobs_completed,
             "images_completed": self.images_completed,
             "rejected": dict(self.rejected),
+            "slow_calls": self.slow_calls,
+            "stuck_calls": self.stuck_calls,
             "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
         }
+
+    def seen_by(self, owner: str | None) -> LoopStats:
+        """These counters with only `owner`'s jobs in `progress` (None: the operator sees all)."""
+        mine = self.copy()
+        if owner is not None:
+            mine.progress = {j: p for j, p in self.progress.items() if self.owners.get(j) == owner}
+        return mine
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""Giving back what a burst left behind, while the service is idle: on its own thread, so no
+step loop's lock is held while the pool trims and the allocator returns memory to the OS."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger("diffshard")
+
+IDLE_S = 30.0  # housekeeping runs every this long while every lane has been idle this long
+
+
+class Housekeeper(threading.Thread):
+    """Calls `tidy()` every `every_s` while every lane has been idle at least that long, until it
+    says the idle floor is reached (True: nothing left to give back); again after the next work.
+    `idle_since()` gives each lane's time.monotonic() of going idle (None: it has work)."""
+
+    def __init__(
+        self,
+        idle_since: Callable[[], Sequence[float | None]],
+        tidy: Callable[[], bool],
+        stop: threading.Event,
+        every_s: float = IDLE_S,
+    ) -> None:
+        super().__init__(name="diffshard-housekeeping", daemon=True)
+        self.idle_since, self.tidy, self.stop, self.every_s = idle_since, tidy, stop, every_s
+        self.at_floor = False
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            since = self.idle_since()
+            if any(s is None for s in since):
+                self.at_floor = False  # busy: there will be something to give back
+                continue
+            if self.at_floor or time.monotonic() - max(since) < self.every_s:
+                continue
+            try:
+                self.at_floor = self.tidy()
+            except Exception:
+                log.exception("idle housekeeping failed")
