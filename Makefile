@@ -20,13 +20,25 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 # Debian packages the tests run for real: prometheus and promtool (tests/test_prometheus.py),
-# chromium and chromedriver (tests/test_playground.py). Install those missing (apt-get update
-# only if the install fails; sudo only when not root).
+# chromium and chromedriver (tests/test_playground.py), kubectl (tests/deploy renders deploy/k8s).
+# Install those missing (apt-get update only if the install fails; sudo only when not root).
+# kubectl is not on PyPI and is in apt only where Kubernetes' own repository (pkgs.k8s.io) or
+# Google Cloud's is set up: Debian 12's kubernetes-client is 1.20, too old for kustomize
+# components. So kubectl is installed when apt has one >= KUBECTL_MIN, and otherwise the tests
+# that render deploy/k8s skip, saying what to install (tests/deploy/manifests.py).
 TEST_PACKAGES := prometheus:prometheus promtool:prometheus chromium:chromium chromedriver:chromium-driver
+KUBECTL_MIN := 1.21
 APT := env DEBIAN_FRONTEND=noninteractive apt-get
 test-tools:
-	@missing=$$(for pair in $(TEST_PACKAGES); do \
+	@kubectl_package() { command -v kubectl >/dev/null && return; \
+	  for pkg in kubectl kubernetes-client; do \
+	    version=$$(apt-cache policy $$pkg 2>/dev/null | sed -n 's/^ *Candidate: //p'); \
+	    case "$$version" in ""|"(none)") continue;; esac; \
+	    if dpkg --compare-versions "$$version" ge $(KUBECTL_MIN); then echo $$pkg; return; fi; \
+	  done; }; \
+	missing=$$(for pair in $(TEST_PACKAGES); do \
 	  command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u | xargs); \
+	if command -v apt-get >/dev/null; then missing=$$(echo $$missing $$(kubectl_package)); fi; \
 	if [ -n "$$missing" ]; then \
 	  if ! command -v apt-get >/dev/null; then \
 	    echo "the tests need Debian's $$missing (or the same programs on PATH): install them" >&2; exit 1; \
@@ -35,8 +47,12 @@ test-tools:
 	  else echo "installing $$missing for the tests needs root or sudo" >&2; exit 1; fi; \
 	  echo "installing Debian's $$missing for the tests"; \
 	  $$sudo $(APT) install -y --no-install-recommends $$missing || \
-	    { $$sudo $(APT) update && $$sudo $(APT) install -y --no-install-recommends $$missing; }; \
-	fi
+	    { $$sudo $(APT) update && missing=$$(echo $$missing $$(kubectl_package) | xargs -n1 | sort -u | xargs) \
+	      && $$sudo $(APT) install -y --no-install-recommends $$missing; } || exit 1; \
+	fi; \
+	command -v kubectl >/dev/null || echo "no kubectl >= $(KUBECTL_MIN) on PATH or in apt's sources: the" \
+	  "tests that render deploy/k8s will skip; to run them, install kubectl from https://pkgs.k8s.io" \
+	  "(https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/)" >&2
 
 # The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`).
 run: $(VENV)/.runtime
