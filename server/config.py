@@ -128,7 +128,8 @@ class Settings(BaseSettings):
     )
     inject_faults: bool = Field(
         False,
-        description="tests only: [[fail]], [[oom]], [[hang]], [[decode]] or [[kill]] in a prompt fails there",
+        description="tests only: [[fail]], [[oom]], [[hang]], [[slow]], [[decode]] or [[kill]] in a prompt "
+        "fails there",
     )
 
     # Memory and threads.

@@ -40,7 +40,17 @@ from server.serving.stats import DeviceView, Distribution, LoopStats, Snapshot
 PREFIX = "diffshard"
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Rejection reasons, always exported (0 until one happens) so dashboards and alerts see them.
-REASONS = ("queue_full", "timeout", "cancelled", "oom", "invalid", "unauthorized", "failed", "draining")
+REASONS = (
+    "queue_full",
+    "key_queue_full",
+    "timeout",
+    "cancelled",
+    "oom",
+    "invalid",
+    "unauthorized",
+    "failed",
+    "draining",
+)
 LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
 DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (empty on CPU)
 # The `method` label's values: any other method a client sends counts as "other", so a client
@@ -124,6 +134,20 @@ CATALOG = (
         "rejections_total", "counter", "requests", ("reason",), f"requests refused or ended early: {REASONS}"
     ),
     MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
+    MetricSpec(
+        "slow_steps_total",
+        "counter",
+        "calls",
+        (),
+        "calls past their deadline (the step timeout scaled by their work): /readyz failed meanwhile",
+    ),
+    MetricSpec(
+        "stuck_steps_total",
+        "counter",
+        "calls",
+        (),
+        "calls far past their deadline: /livez failed and waiting requests were answered 503",
+    ),
     MetricSpec("model_load_duration_seconds", "gauge", "seconds", (), "time to load and place the model"),
     MetricSpec(
         "build",
@@ -281,6 +305,8 @@ class _Collector:
         yield CounterMetricFamily(
             f"{PREFIX}_images_generated", _help("images_generated_total"), stats.images_completed
         )
+        for name, value in (("slow_steps_total", stats.slow_calls), ("stuck_steps_total", stats.stuck_calls)):
+            yield CounterMetricFamily(f"{PREFIX}_{name.removesuffix('_total')}", _help(name), value)
         yield from self._workers(snapshot)
         if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)

@@ -4,10 +4,10 @@ tests/test_loop.py and tests/reliability/test_edges.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-
-import threading
 
 from server.pipeline import GenerationRequest
 from server.serving.calls import WatchedCalls

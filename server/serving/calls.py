@@ -42,10 +42,11 @@ class WatchedCalls:
         Watchdog(self.heartbeat, poll_s, self._on_slow, self._on_stuck, closed).start()
 
     def __call__(self, method: Callable[[list], Any], items: list) -> Any:
-        self.heartbeat.begin(self.deadline_s(items))
+        deadline_s = self.deadline_s(items)
+        self.heartbeat.begin(deadline_s)
         try:
             if self.inject_faults:
-                inject_fault(method.__name__, items, self._closed)
+                inject_fault(method.__name__, items, self._closed, deadline_s)
             result = method(items)
             self.pipeline.synchronize()  # so step times are device times, not enqueue times
         finally:

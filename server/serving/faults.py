@@ -4,7 +4,7 @@ machines cannot produce real ones on demand. A fake at that boundary, off by def
 
     [[fail]]   the step raises (RuntimeError)         [[oom]]    the step runs out of memory
     [[hang]]   the step never returns (until close)   [[decode]] the VAE decode raises
-    [[kill]]   the step loop thread dies
+    [[kill]]   the step loop thread dies              [[slow]]   the step takes twice its deadline
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ class LoopKilled(BaseException):
 STEP_FAULTS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError, "[[kill]]": LoopKilled}
 
 
-def inject_fault(call: str, states: list, closed: threading.Event) -> None:
+SLOW = 2.0  # [[slow]]: the step takes this many times its deadline (slow, not stuck)
+
+
+def inject_fault(call: str, states: list, closed: threading.Event, deadline_s: float) -> None:
     """Raise (or block) if a marked request takes part in `call` ("start", "step" or "decode")."""
     for state in states:
         prompt = getattr(getattr(state, "request", state), "prompt", "")
@@ -33,5 +36,7 @@ def inject_fault(call: str, states: list, closed: threading.Event) -> None:
                     raise error(f"injected fault {marker}")
             if "[[hang]]" in prompt:
                 closed.wait()  # wedged until the loop closes
+            if "[[slow]]" in prompt:
+                closed.wait(SLOW * deadline_s)  # past its deadline, then it returns
         if call == "decode" and "[[decode]]" in prompt:
             raise RuntimeError("injected fault [[decode]]")
