@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -12,8 +13,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -57,6 +60,75 @@ def test_openai_sdk_generates_pngs_and_the_seed_fixes_the_bytes(server: LiveServ
     assert first.size == "64x64" and first.data[0].revised_prompt == "a red circle"
     assert pngs(first)[0] != pngs(first)[1]  # image i uses seed + i
     assert pngs(generate()) == pngs(first)
+
+
+def test_every_field_the_openai_sdk_sends_is_accepted(server: LiveServer) -> None:
+    """images.generate's every parameter, with a value this server serves (null where it makes
+    no such output): none is refused as unknown."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    sent = {
+        "prompt": "a red circle",
+        "background": "opaque",
+        "complexity": "low",
+        "frame_count": None,
+        "frame_duration_ms": None,
+        "model": "diffshard-shapes",
+        "moderation": "low",
+        "n": 1,
+        "output_compression": 80,
+        "output_format": "webp",
+        "partial_images": None,
+        "quality": "auto",
+        "response_format": "b64_json",
+        "safety_identifier": "user-1234",
+        "size": "64x64",
+        "stream": False,
+        "style": None,
+        "svg": None,
+        "user": "user-1234",
+    }
+    parameters = set(inspect.signature(client.images.generate).parameters)
+    assert parameters - {"extra_headers", "extra_query", "extra_body", "timeout"} == set(sent)
+    result = client.images.generate(**sent, extra_body={"num_inference_steps": 2})
+    assert Image.open(io.BytesIO(pngs(result)[0])).format == "WEBP"
+
+
+def test_a_deterministic_request_gives_the_same_bytes_alone_and_in_a_mixed_batch(server: LiveServer) -> None:
+    """Seeds 0, 3 and 4 are ones whose plain images moved by one level in a batch of 8 on the
+    development host (kernels depend on the batch's rows); deterministic ones must not move."""
+    mine = [
+        {"prompt": "a red circle", "seed": s, "num_inference_steps": 20, "deterministic": True}
+        for s in (0, 3, 4)
+    ]
+    others = [
+        {"prompt": "a blue square", "seed": 1, "num_inference_steps": 22, "n": 2},
+        {"prompt": "a green triangle", "seed": 2, "num_inference_steps": 18},
+        {"prompt": "a white circle", "seed": 3, "num_inference_steps": 25, "guidance_scale": 3.0},
+        {"prompt": "a red square", "seed": 4, "num_inference_steps": 15, "size": "128x128"},
+        {"prompt": "a blue circle", "seed": 5, "num_inference_steps": 20},
+    ]
+
+    def send(request: dict) -> bytes:
+        answer = httpx.post(f"{server.url}/v1/images/generations", json=request, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return base64.b64decode(answer.json()["data"][0]["b64_json"])
+
+    def batched_calls() -> int:  # calls of more than one guided image so far
+        rows = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["engine"]["batch_rows"]
+        return sum(calls for n, calls in rows.items() if int(n) > 2)
+
+    alone = [send(body) for body in mine]
+    before = batched_calls()
+    start = threading.Barrier(8)
+
+    def together(request: dict) -> bytes:
+        start.wait(timeout=60)
+        return send(request)
+
+    with ThreadPoolExecutor(8) as pool:
+        batched = list(pool.map(together, [*mine, *others]))
+    assert batched_calls() > before  # the others were batched meanwhile
+    assert batched[: len(mine)] == alone
 
 
 def test_openai_sdk_raises_bad_request_for_a_bad_size(server: LiveServer) -> None:
@@ -113,6 +185,11 @@ BAD_BODIES = [
     ({**GOOD, "response_format": "url"}, "response_format", ["only b64_json"]),
     ({**GOOD, "model": "dall-e-3"}, "model", ["diffshard-shapes"]),
     ({"n": 1}, "prompt", ["Field required"]),
+    ({**GOOD, "num_inference_step": 5}, "num_inference_step", ["unknown field", "'num_inference_steps'"]),
+    ({**GOOD, "step_cahce": "deep"}, "step_cahce", ["unknown field", "/openapi.json"]),
+    ({**GOOD, "frame_count": 4}, "frame_count", ["gif output is not served"]),
+    ({**GOOD, "svg": {"model": "x"}}, "svg", ["svg output is not served"]),
+    ({**GOOD, "complexity": "high"}, "complexity", ["must be low"]),
 ]
 
 
