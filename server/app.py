@@ -144,8 +144,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     if settings.inject_faults:
         log.warning(
-            "fault injection is on (DIFFSHARD_INJECT_FAULTS): prompts holding [[fail]], [[oom]], [[hang]] "
-            "or [[decode]] fail on purpose; this is for tests, never for serving"
+            "fault injection is on (DIFFSHARD_INJECT_FAULTS): prompts holding [[fail]], [[oom]], [[hang]], "
+            "[[slow]], [[decode]] or [[kill]] fail on purpose; this is for tests, never for serving"
         )
     exporter = None
     if settings.metrics_port and app.state.serve_metrics:  # Prometheus scrapes its own port
