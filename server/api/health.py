@@ -1,7 +1,8 @@
 """Probes. /livez answers 200 while the process can serve or will be able to (loading, draining,
 a failed load all end by themselves) and 503 when its step loop is dead, stuck or on a broken
 device, so Kubernetes restarts it. /readyz answers 200 once the model is loaded and healthy,
-503 otherwise.
+503 otherwise. Neither answers before the port listens: `serve` plans first (seconds, on the meta
+device) and connections are refused until then, which the startup probe (on /readyz) allows for.
 
 Probe answers are public: they say what state the server is in (`code`: loading, draining,
 failed, unhealthy) in fixed words; what went wrong in detail (a load error's text, with file
