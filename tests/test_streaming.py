@@ -5,9 +5,13 @@ buffers return; streams and plain requests share the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gc
 import io
+import itertools
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +21,10 @@ import openai
 import pytest
 from PIL import Image
 
+from server.api.streaming import KEEPALIVE, Feed, image_events
+from server.errors import Cancelled
 from server.pipeline import GenerationRequest, Pipeline
+from server.serving import Job
 from tests.live import LiveServer, live_server
 from tests.waiting import wait_until
 
@@ -169,6 +176,63 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_its_buffers_return(ser
         return pool if all(p["bytes_in_use"] == 0 for p in pool.values()) else None
 
     assert wait_until(pool_when_all_returned, 30, "every pooled buffer returned")
+    errors = [line for line in server.log if " ERROR " in line or "never retrieved" in line]
+    assert not errors, errors  # a client leaving is news to nobody (the test below pins the asyncio part)
+
+
+def test_an_abandoned_stream_leaves_no_outcome_unretrieved() -> None:
+    """The stream's end, then its job's: asyncio must have nothing to report when the outcome's
+    future is collected (it used to log "Future exception was never retrieved" at ERROR)."""
+
+    async def abandon() -> list[str]:
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _, context: reported.append(context["message"])
+        )
+        job = Job([GenerationRequest("a red circle", steps=2)], 2, 60.0)
+        events = image_events(job, Feed(), {"output_format": "png"}, None, "r1", keepalive_s=0.01)
+        assert await anext(events) == KEEPALIVE  # the stream is running
+        await events.aclose()  # its client left
+        ended = asyncio.Event()
+        job.future.add_done_callback(lambda _: ended.set())  # on this thread: set_exception below
+        job.future.set_exception(Cancelled("the client disconnected"))
+        await ended.wait()
+        for _ in range(3):  # the wrapped future's copy of the outcome lands on the next ticks
+            await asyncio.sleep(0)
+        del events
+        gc.collect()
+        return reported
+
+    assert asyncio.run(abandon()) == []
+
+
+def test_a_queued_stream_hears_keep_alives_while_it_waits_and_then_completes() -> None:
+    """Behind a long request (one image at a time), a stream with no progress events asked for
+    would be silent; it gets an SSE comment every --sse-keepalive-s instead, until its images."""
+    keepalive_s = 0.3
+    with live_server("--max-batch", "2", "--sse-keepalive-s", str(keepalive_s)) as small:
+        url = f"{small.url}/v1/images/generations"
+        long = {"prompt": "a blue square", "num_inference_steps": 100, "n": 2, "stream": True}
+        with httpx.stream("POST", url, json=long, timeout=60) as first:
+            assert first.status_code == 200
+            body = {"prompt": "a red circle", "stream": True, "num_inference_steps": 4}
+            arrived: list[tuple[float, str]] = []
+            with httpx.stream("POST", url, json=body, timeout=60) as queued:
+                stream = queued.iter_lines()  # one iterator, read on after the first leaves
+                for line in stream:
+                    if line:
+                        arrived.append((time.monotonic(), line))
+                        if len([1 for _, seen in arrived if seen.startswith(":")]) == 3:
+                            break  # heard three keep-alives while queued
+                first.close()  # the long request's client leaves: the queued one runs
+                for line in stream:
+                    if line:
+                        arrived.append((time.monotonic(), line))
+    lines = [line for _, line in arrived]
+    assert lines[:3] == [": keep-alive"] * 3, lines[:5]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(arrived[:3])]
+    assert all(gap < keepalive_s * 4 for gap in gaps), gaps  # one every keepalive_s, give or take
+    assert "event: image_generation.completed" in lines
 
 
 def test_eight_streams_and_eight_plain_requests_all_complete(server: LiveServer) -> None:
