@@ -1,0 +1,149 @@
+"""The catalog of every metric family diffshard exports: name, type, unit, labels and help
+(docs/metrics.md is its table; a test keeps the two in step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "diffshard"
+# Rejection reasons, always exported (0 until one happens) so dashboards and alerts see them.
+REASONS = (
+    "queue_full",
+    "key_queue_full",
+    "timeout",
+    "cancelled",
+    "oom",
+    "invalid",
+    "unauthorized",
+    "failed",
+    "draining",
+)
+DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (empty on CPU)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: str
+    unit: str
+    labels: tuple[str, ...]
+    help: str
+    cuda_only: bool = False
+
+
+CATALOG = (
+    MetricSpec(
+        "device_allocated_bytes",
+        "gauge",
+        "bytes",
+        DEVICE_LABELS,
+        "bytes in live tensors (allocator)",
+        True,
+    ),
+    MetricSpec(
+        "device_reserved_bytes", "gauge", "bytes", DEVICE_LABELS, "bytes the CUDA allocator holds", True
+    ),
+    MetricSpec(
+        "device_peak_allocated_bytes", "gauge", "bytes", DEVICE_LABELS, "highest allocated since start", True
+    ),
+    MetricSpec(
+        "device_free_bytes", "gauge", "bytes", DEVICE_LABELS, "free device memory (on CPU: available RAM)"
+    ),
+    MetricSpec(
+        "device_total_bytes", "gauge", "bytes", DEVICE_LABELS, "device memory (on CPU: the host's RAM)"
+    ),
+    MetricSpec(
+        "shard_parameter_bytes", "gauge", "bytes", DEVICE_LABELS, "weights and buffers the shard placed"
+    ),
+    MetricSpec(
+        "shard_blocks", "gauge", "blocks", DEVICE_LABELS, "denoiser blocks the shard placed on the device"
+    ),
+    MetricSpec("process_resident_bytes", "gauge", "bytes", (), "the server process's resident memory"),
+    MetricSpec("process_peak_resident_bytes", "gauge", "bytes", (), "the process's highest resident memory"),
+    MetricSpec(
+        "pool_pooled_bytes", "gauge", "bytes", ("device",), "bytes the activation pool holds, idle or rented"
+    ),
+    MetricSpec("pool_in_use_bytes", "gauge", "bytes", ("device",), "bytes rented out by the activation pool"),
+    MetricSpec("pool_rents_total", "counter", "rents", ("device", "result"), "rents by result: hit or miss"),
+    MetricSpec(
+        "pool_evictions_total", "counter", "buffers", ("device",), "idle buffers evicted for the byte budget"
+    ),
+    MetricSpec(
+        "http_requests_total", "counter", "requests", ("route", "method", "code"), "HTTP requests answered"
+    ),
+    MetricSpec(
+        "http_request_duration_seconds", "histogram", "seconds", ("route",), "time to answer a request"
+    ),
+    MetricSpec(
+        "queue_wait_seconds",
+        "histogram",
+        "seconds",
+        (),
+        "arrival to admission (or to leaving the queue)",
+    ),
+    MetricSpec(
+        "step_duration_seconds",
+        "histogram",
+        "seconds",
+        (),
+        "one batched denoising step (denoiser + schedulers)",
+    ),
+    MetricSpec("batch_rows", "histogram", "rows", (), "denoiser rows per batched step (2 per guided image)"),
+    MetricSpec("queue_depth", "gauge", "requests", (), "requests waiting for a place"),
+    MetricSpec("queue_capacity", "gauge", "requests", (), "the queue's bound (DIFFSHARD_MAX_QUEUE)"),
+    MetricSpec("running_requests", "gauge", "requests", (), "requests being denoised"),
+    MetricSpec("running_rows", "gauge", "rows", (), "denoiser rows of the running requests"),
+    MetricSpec(
+        "rejections_total", "counter", "requests", ("reason",), f"requests refused or ended early: {REASONS}"
+    ),
+    MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
+    MetricSpec(
+        "slow_steps_total",
+        "counter",
+        "calls",
+        (),
+        "calls past their deadline (the step timeout scaled by their work): /readyz failed meanwhile",
+    ),
+    MetricSpec(
+        "stuck_steps_total",
+        "counter",
+        "calls",
+        (),
+        "calls far past their deadline: /livez failed and waiting requests were answered 503",
+    ),
+    MetricSpec("model_load_duration_seconds", "gauge", "seconds", (), "time to load and place the model"),
+    MetricSpec(
+        "build",
+        "info",
+        "",
+        ("version", "torch", "diffusers", "model", "dtype", "threads", "inject_faults"),
+        "versions, the model, torch's threads, and whether fault injection is on",
+    ),
+    MetricSpec(
+        "device_busy_seconds_total",
+        "counter",
+        "seconds",
+        ("device",),
+        "seconds a worker (a stage or replica on its device) ran a forward; rate() is its utilisation",
+    ),
+    MetricSpec(
+        "pipeline_bubble_seconds_total",
+        "counter",
+        "seconds",
+        ("device",),
+        "seconds a worker sat idle while its model had a forward in flight",
+    ),
+    MetricSpec("micro_batches_in_flight", "gauge", "micro-batches", (), "forwards running in the shards now"),
+    MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
+    MetricSpec(
+        "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"
+    ),
+)
+
+
+def metric_name(family: MetricSpec) -> str:
+    return f"{PREFIX}_{family.name}" + ("_info" if family.type == "info" else "")
+
+
+def help_of(name: str) -> str:
+    return next(f.help for f in CATALOG if f.name == name)

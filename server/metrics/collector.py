@@ -1,0 +1,220 @@
+"""The families Prometheus reads at scrape time, from one `Snapshot`, and the live HTTP ones."""
+
+from __future__ import annotations
+
+import resource
+from collections import Counter
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
+
+import torch
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from server import __version__
+from server.engine.memory import resident_bytes
+from server.engine.pool import PoolStats
+from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, REASONS, help_of
+from server.serving.stats import DeviceView, Distribution, LoopStats, Snapshot
+
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
+
+
+class Metrics:
+    """Every diffshard family on `registry`, reading `snapshot()` at scrape time."""
+
+    def __init__(
+        self, registry: CollectorRegistry, snapshot: Callable[[], Snapshot], *, inject_faults: bool = False
+    ) -> None:
+        self.registry = registry
+        self.snapshot = snapshot
+        self.inject_faults = inject_faults  # shown in build_info: a server failing on purpose says so
+        self.http_requests = PromCounter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests answered",
+            ("route", "method", "code"),
+            registry=registry,
+        )
+        self.http_duration = Histogram(
+            f"{PREFIX}_http_request_duration_seconds",
+            "time to answer a request",
+            ("route",),
+            buckets=REQUEST_BUCKETS,
+            registry=registry,
+        )
+        # refusals only the HTTP layer sees; keys exist up front so a scrape never copies a growing dict
+        self.http_rejections: Counter[str] = Counter(invalid=0, unauthorized=0)
+        registry.register(_Collector(self))
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # families are built at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.metrics.snapshot()
+        yield from self._build(snapshot)
+        yield from self._serving(snapshot)
+        yield from self._devices(snapshot.devices)
+        yield from self._pool(snapshot.pool)
+        yield from self._process()
+
+    def _build(self, snapshot: Snapshot) -> Iterator[Metric]:
+        info = InfoMetricFamily(f"{PREFIX}_build", help_of("build"))
+        info.add_metric(
+            [],
+            {
+                "version": __version__,
+                "torch": torch.__version__,
+                "diffusers": version("diffusers"),
+                "model": snapshot.model,
+                "dtype": snapshot.dtype,
+                "threads": "" if snapshot.threads is None else str(snapshot.threads),
+                "inject_faults": str(self.metrics.inject_faults).lower(),
+            },
+        )
+        yield info
+        yield GaugeMetricFamily(f"{PREFIX}_ready", help_of("ready"), float(snapshot.ready))
+        if snapshot.last_step_at is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_last_step_timestamp_seconds",
+                help_of("last_step_timestamp_seconds"),
+                snapshot.last_step_at,
+            )
+        if snapshot.load_seconds is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_model_load_duration_seconds",
+                "time to load and place the model",
+                snapshot.load_seconds,
+            )
+
+    def _serving(self, snapshot: Snapshot) -> Iterator[Metric]:
+        stats = snapshot.loop or LoopStats()  # zeros while the model loads
+        gauges = {
+            "queue_depth": stats.queue_depth,
+            "queue_capacity": snapshot.queue_capacity,
+            "running_requests": stats.active_jobs,
+            "running_rows": stats.active_rows,
+        }
+        for name, value in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_of(name), value)
+        rejections = CounterMetricFamily(
+            f"{PREFIX}_rejections", help_of("rejections_total"), labels=["reason"]
+        )
+        counts = Counter(self.metrics.http_rejections)
+        for reason, n in stats.rejected.items():
+            counts[LOOP_REASONS.get(reason, reason)] += n
+        for reason in dict.fromkeys((*REASONS, *counts)):
+            rejections.add_metric([reason], counts[reason])
+        yield rejections
+        yield CounterMetricFamily(
+            f"{PREFIX}_images_generated", help_of("images_generated_total"), stats.images_completed
+        )
+        for name, value in (("slow_steps_total", stats.slow_calls), ("stuck_steps_total", stats.stuck_calls)):
+            yield CounterMetricFamily(f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), value)
+        yield from self._workers(snapshot)
+        if snapshot.loop is not None:
+            yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
+            yield _histogram("step_duration_seconds", stats.step_seconds)
+            yield _histogram("batch_rows", stats.rows_per_step)
+
+    def _workers(self, snapshot: Snapshot) -> Iterator[Metric]:
+        for name, seconds in (
+            ("device_busy_seconds_total", snapshot.busy_seconds),
+            ("pipeline_bubble_seconds_total", snapshot.bubble_seconds),
+        ):
+            family = CounterMetricFamily(
+                f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), labels=["device"]
+            )
+            for worker, value in seconds.items():
+                family.add_metric([worker], value)
+            yield family
+        yield GaugeMetricFamily(
+            f"{PREFIX}_micro_batches_in_flight",
+            help_of("micro_batches_in_flight"),
+            snapshot.micro_batches_in_flight,
+        )
+
+    def _devices(self, devices: dict[str, DeviceView]) -> Iterator[Metric]:
+        if not devices:
+            return
+        families = {
+            f.name: GaugeMetricFamily(f"{PREFIX}_{f.name}", f.help, labels=DEVICE_LABELS)
+            for f in CATALOG
+            if f.labels == DEVICE_LABELS
+        }
+        for device, view in devices.items():
+            labels, memory = _device_labels(device), view.memory
+            families["shard_parameter_bytes"].add_metric(labels, memory.shard_bytes)
+            families["shard_blocks"].add_metric(labels, len(view.blocks))
+            if memory.allocated is not None:  # CUDA
+                families["device_allocated_bytes"].add_metric(labels, memory.allocated)
+                families["device_reserved_bytes"].add_metric(labels, memory.reserved or 0)
+                families["device_peak_allocated_bytes"].add_metric(labels, memory.peak or 0)
+            families["device_free_bytes"].add_metric(labels, memory.free or 0)
+            families["device_total_bytes"].add_metric(labels, memory.total or 0)
+        yield from families.values()
+
+    def _pool(self, pool: dict[str, PoolStats]) -> Iterator[Metric]:
+        pooled = GaugeMetricFamily(
+            f"{PREFIX}_pool_pooled_bytes", help_of("pool_pooled_bytes"), labels=["device"]
+        )
+        in_use = GaugeMetricFamily(
+            f"{PREFIX}_pool_in_use_bytes", help_of("pool_in_use_bytes"), labels=["device"]
+        )
+        rents = CounterMetricFamily(
+            f"{PREFIX}_pool_rents", help_of("pool_rents_total"), labels=["device", "result"]
+        )
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_pool_evictions", help_of("pool_evictions_total"), labels=["device"]
+        )
+        for device, stats in pool.items():
+            pooled.add_metric([device], stats.bytes_pooled)
+            in_use.add_metric([device], stats.bytes_in_use)
+            rents.add_metric([device, "hit"], stats.hits)
+            rents.add_metric([device, "miss"], stats.misses)
+            evictions.add_metric([device], stats.evictions)
+        yield from (pooled, in_use, rents, evictions)
+
+    def _process(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_process_resident_bytes", help_of("process_resident_bytes"), resident_bytes()
+        )
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+        yield GaugeMetricFamily(
+            f"{PREFIX}_process_peak_resident_bytes", help_of("process_peak_resident_bytes"), peak_kib * 1024
+        )
+
+
+def _histogram(name: str, distribution: Distribution) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*distribution.bounds, float("inf")), distribution.counts, strict=True):
+        cumulative += count
+        buckets.append((_bound(bound), cumulative))
+    return HistogramMetricFamily(
+        f"{PREFIX}_{name}", help_of(name), buckets=buckets, sum_value=distribution.total
+    )
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(float(value))
+
+
+def _device_labels(device: str) -> list[str]:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return [device, "", ""]
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    return [device, str(index), f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid]
