@@ -26,6 +26,7 @@ RANKS = {
     "__main__": 6,
     "__init__": 0,
 }
+CHAIN = ("engine", "pipeline", "serving", "api")  # each imports only its own layer and the next below
 MAX_LINES = 400
 FAMILY_NAMES = re.compile(r"\b(sd15|sd21|sdxl|sd3)\b|[\"']sd[\"']", re.IGNORECASE)
 
@@ -67,6 +68,20 @@ def test_layers_import_only_downwards() -> None:
         if RANKS[layer(target)] > RANKS[layer(module)]
     ]
     assert not upward, f"imports that point up a layer: {upward}"
+
+
+def test_each_layer_of_the_chain_imports_only_the_one_below() -> None:
+    """api → serving → pipeline → engine, strictly: a route never reaches the pipeline, the
+    serving layer never the engine (what they need is re-exported by the layer below)."""
+    skipping = [
+        f"{module} → {target}"
+        for module, targets in graph().items()
+        for target in targets
+        if layer(module) in CHAIN
+        and layer(target) in CHAIN
+        and CHAIN.index(layer(module)) - CHAIN.index(layer(target)) > 1
+    ]
+    assert not skipping, f"imports that skip a layer: {skipping}"
 
 
 def test_there_is_no_import_cycle() -> None:

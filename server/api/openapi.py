@@ -19,8 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN
-from server.pipeline.images import FORMATS
-from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
+from server.serving import FORMATS, MAX_MODEL_STEPS, SEED_LIMIT
 
 ERROR_SCHEMA = {
     "type": "object",

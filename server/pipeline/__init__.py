@@ -1,7 +1,18 @@
-"""The diffusion pipeline: model families, per-request state, schedulers, loading, images."""
+"""The diffusion pipeline: model families, per-request state, schedulers, loading, images.
+What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
+from server.engine import DeviceMemory
+from server.engine.pool import PoolStats
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import Defaults, GenerationRequest
 from server.pipeline.state import RequestState, group_states
 
-__all__ = ["Defaults", "GenerationRequest", "Pipeline", "RequestState", "group_states"]
+__all__ = [
+    "Defaults",
+    "DeviceMemory",
+    "GenerationRequest",
+    "Pipeline",
+    "PoolStats",
+    "RequestState",
+    "group_states",
+]
