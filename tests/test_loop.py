@@ -157,3 +157,42 @@ def test_defaults_beyond_the_limits_are_lowered_to_them(folders: dict[str, Path]
     finally:
         service.close()
     assert (job.requests[0].steps, job.requests[0].width, image.shape) == (4, 16, (16, 16, 3))
+
+
+def test_idle_housekeeping_runs_off_the_loop_s_lock_until_nothing_idle_is_left(
+    folders: dict[str, Path],
+) -> None:
+    """While every lane is idle, `tidy` runs on its own thread every idle_s until it says the
+    floor is reached; meanwhile the loop takes and serves work as usual."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    held, release, floor = threading.Event(), threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def idle_bytes() -> int:
+        return sum(s.bytes_idle for s in pipeline.pool.stats().values())
+
+    def tidy() -> bool:
+        calls.append(idle_bytes())
+        if len(calls) == 1:  # the first housekeeping holds on until the test has used the loop
+            held.set()
+            release.wait(30)
+        pipeline.pool.trim(idle_for_s=0)
+        if idle_bytes() == 0:
+            floor.set()
+        return idle_bytes() == 0
+
+    service = Service(pipeline, "tiny", LIMITS, tidy=tidy, idle_s=0.05)
+    try:
+        for side in (16, 24, 32):  # a small burst of distinct sizes leaves idle buffers behind
+            request = GenerationRequest("a red circle", steps=2, width=side, height=side)
+            service.submit([request]).future.result(timeout=60)
+        assert held.wait(30), "no housekeeping while idle"
+        assert calls[0] > 0  # the burst's buffers were pooled
+        during = service.submit([GenerationRequest("a blue square", steps=2)])  # not blocked by it
+        assert len(during.future.result(timeout=60)) == 1 and service.stats().jobs_completed == 4
+        release.set()
+        assert floor.wait(30), f"the pool never emptied: {calls}"
+        assert idle_bytes() == 0
+    finally:
+        release.set()
+        service.close()
