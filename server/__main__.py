@@ -28,6 +28,7 @@ from server.api.requestid import RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings
 from server.engine import Costs, Strategy
+from server.engine.memory import bound_kernel_cache
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
@@ -199,6 +200,7 @@ def serve_command(args: argparse.Namespace) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())  # lines about a request end with its id
     _refuse_remote_fault_injection(settings)
+    bound_kernel_cache()  # before planning times a convolution
     # Both ports are taken before anything loads: a busy port fails in a second, with one line,
     # rather than after the model loaded (or, for the metrics port, with a traceback).
     api_socket = bind_port(settings.host, settings.port, "port")

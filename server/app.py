@@ -27,7 +27,7 @@ from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
-from server.engine.memory import release_freed_host_memory, retain_freed_host_memory
+from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
 from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
 from server.engine.threads import cpu_quota, fit_threads
 from server.metrics import HttpMetrics, Metrics
@@ -76,6 +76,7 @@ def pool_budgets(settings: Settings) -> dict[str, int]:
 def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Service:
     """Load the model placed by `plan` (or by `plan_for` the settings) behind a step loop."""
     retain_freed_host_memory()
+    bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
     threads = fit_threads(settings.threads)
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))

@@ -1,0 +1,88 @@
+"""What `deterministic: true` costs (issue 22): a deterministic request runs its rows in calls of
+its own, so under load it shares no step with others.
+
+One real server (`python -m server serve`, the built-in model, its recommended steps and
+guidance, default settings) takes 8 concurrent clients, each sending requests back to back,
+in rounds that alternate between plain requests and `deterministic: true` ones (the same
+prompts and seeds). Per round: images/s over its wall time and p50 latency; then medians over
+rounds and the ratio deterministic / plain, from the same run. There is no target: the
+figure is what the README quotes as the option's price.
+
+    python -m benchmarks.deterministic [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from benchmarks.serving import percentile
+from tests.live import LiveServer, live_server
+
+CLIENTS = 8
+
+
+def client_loop(server: LiveServer, requests: int, seed: int, deterministic: bool) -> list[float]:
+    latencies = []
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        for i in range(requests):
+            body = {"prompt": "a red circle", "seed": seed * 1000 + i, "deterministic": deterministic}
+            started = time.perf_counter()
+            client.post("/v1/images/generations", json=body).raise_for_status()
+            latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+def round_of(server: LiveServer, per_client: int, deterministic: bool, seed: int) -> dict[str, float]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        runs = list(
+            pool.map(lambda c: client_loop(server, per_client, seed + c, deterministic), range(CLIENTS))
+        )
+    wall = time.perf_counter() - started
+    latencies = [t for run in runs for t in run]
+    return {"images_per_s": len(latencies) / wall, "p50_s": percentile(latencies, 0.5)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2 rounds of each, 2 requests a client")
+    args = parser.parse_args(argv)
+    rounds, per_client = (2, 2) if args.quick else (4, 3)
+    table: dict[str, list[dict[str, float]]] = {"plain": [], "deterministic": []}
+    with live_server() as server:
+        client_loop(server, 1, 0, False)  # warm-up
+        for round_ in range(rounds):
+            kinds = ["plain", "deterministic"] if round_ % 2 == 0 else ["deterministic", "plain"]
+            for kind in kinds:
+                row = round_of(server, per_client, kind == "deterministic", 100 * round_)
+                table[kind].append(row)
+                print(json.dumps({"round": round_, "kind": kind, "clients": CLIENTS, **row}))
+    medians = {
+        kind: {k: round(statistics.median(r[k] for r in rows), 3) for k in ("images_per_s", "p50_s")}
+        for kind, rows in table.items()
+    }
+    ratio = medians["deterministic"]["images_per_s"] / medians["plain"]["images_per_s"]
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "rounds": rounds,
+                "clients": CLIENTS,
+                "medians": medians,
+                "deterministic_over_plain_images_per_s": round(ratio, 3),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
