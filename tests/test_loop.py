@@ -196,3 +196,39 @@ def test_idle_housekeeping_runs_off_the_loop_s_lock_until_nothing_idle_is_left(
     finally:
         release.set()
         service.close()
+
+
+def test_jobs_the_watchdog_answered_are_dropped_not_computed_and_the_loop_recovers(
+    folders: dict[str, Path],
+) -> None:
+    """A step held far past its deadline: the watchdog calls the loop stuck and answers both
+    jobs 503; once the step returns, neither is stepped again, and the loop serves anew."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    step, entered, release = pipeline.step, threading.Event(), threading.Event()
+    after_release: list[int] = []
+
+    def held_step(states) -> None:
+        if release.is_set():
+            after_release.append(len(states))
+        elif not entered.is_set():
+            entered.set()
+            release.wait(30)  # the first step hangs until the test lets it go
+        step(states)
+
+    pipeline.step = held_step
+    service = Service(pipeline, "tiny", LIMITS, max_batch=4, step_timeout_s=0.05)
+    try:
+        jobs = [service.submit([GenerationRequest(p, seed=i, steps=5)]) for i, p in enumerate(PROMPTS[:2])]
+        assert entered.wait(30)
+        for job in jobs:
+            assert isinstance(job.future.exception(timeout=30), NotReady)
+        assert "stuck" in service.live_problem()
+        release.set()
+        wait_until(lambda: service.problem() is None, 30, "the loop recovering once the step returned")
+        assert service.loops[0].wait_idle(30)
+        assert after_release == []  # the answered jobs were dropped, not stepped
+        fresh = service.submit([GenerationRequest("a white circle", seed=9, steps=3)])
+        assert len(fresh.future.result(timeout=60)) == 1
+    finally:
+        release.set()
+        service.close()
