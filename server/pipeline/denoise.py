@@ -38,7 +38,9 @@ from server.engine import (
 from server.engine.blocks import DenoiserInputs
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
+from server.errors import InvalidRequest
 from server.pipeline.loader import Components, load_components
+from server.pipeline.lora import Adapter, Adapters, rows_asking
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler
 from server.pipeline.state import RequestState, check_group, group_states, spans
@@ -83,6 +85,7 @@ class Pipeline:
         self.idle_replicas: Callable[[], Sequence[ModelShard]] = tuple
         self.splits_lone = False  # the plan predicts splitting a lone request's rows pays
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
+        self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
 
     @classmethod
     def load(
@@ -133,6 +136,13 @@ class Pipeline:
         view.shard, view.device = shard, shard.device
         return view
 
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
+        denoisers = list({id(s.model): s.model for s in self.replicas}.values())
+        encoders = zip(self.family.text_encoders, self.encoders, strict=False)  # absent ones are last
+        self.adapters.models = {self.family.denoiser: denoisers, **{name: [e] for name, e in encoders}}
+        self.adapters.add(adapter)
+
     def synchronize(self) -> None:
         """Wait for the work queued on every CUDA device this pipeline's (lane's) shard uses."""
         for device in self.shard.devices:  # this lane's: other lanes' devices run on meanwhile
@@ -143,6 +153,10 @@ class Pipeline:
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         """`request` with every unset field filled in from the defaults, checked against the model."""
+        for name, _ in request.lora:
+            if name not in self.adapters.loaded:
+                known = ", ".join(sorted(self.adapters.loaded)) or "none is loaded"
+                raise InvalidRequest("lora", f"no adapter named {name!r} ({known})")
         return resolve(request, self.defaults, self.family)
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
@@ -160,11 +174,14 @@ class Pipeline:
         # 1. Encode every row's text at once: per request, the negative row (if any) first.
         zero_unset = self.family.zero_unset_negative
         texts: list[str] = []
+        asking: list[tuple] = []  # each text's request's adapters: its rows of the encoders
         for r in requests:
             if self.rows(r) == 2 and not (zero_unset and r.negative_prompt is None):
                 texts.append(r.negative_prompt or "")
+                asking.append(r.lora)
             texts.append(r.prompt)
-        with self._encoding:
+            asking.append(r.lora)
+        with self._encoding, rows_asking(asking):
             embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
         # 2. Give each request its rows and open its state.
         states: list[RequestState] = []
@@ -249,7 +266,10 @@ class Pipeline:
                     value[span] = state.extras[name]
             # 2. One forward through the shard (and any idle replicas, a share of the rows each).
             inputs = DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
-            out = self._forward(inputs, split=not any(s.request.deterministic for s in states))
+            asking = [s.request.lora for s in states for _ in range(s.rows)]
+            alone = any(s.request.deterministic or s.request.lora for s in states)
+            with rows_asking(asking):  # adapters' rows: not split over replicas (their threads)
+                out = self._forward(inputs, split=not alone)
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []

@@ -34,6 +34,7 @@ class GenerationRequest:
     height: int | None = None
     partial_images: int = 0  # previews of the predicted clean image, at evenly spaced steps
     deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
+    lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
 
     @property
     def resolved(self) -> bool:

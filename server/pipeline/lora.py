@@ -1,0 +1,249 @@
+"""LoRA adapters applied per row: one denoiser (or text-encoder) call carries rows with different
+adapters, or none, and each targeted layer adds `scale · B(A x)` to its own rows only.
+
+Files are read with diffusers' own loaders (`lora_state_dict`: diffusers/PEFT keys, and kohya's
+A1111 format converted), safetensors only. The base weights are never touched: a forward hook on
+each targeted `nn.Linear` or `nn.Conv2d` adds the adapters' deltas to the rows that asked for
+them (`index_add_`), so a row without adapters is computed exactly as by the base model.
+
+Why not peft's layers: its mixed-batch forward (`adapter_names`) takes one adapter per row at
+that adapter's one global scale; a request here may ask for several adapters, each at its own
+scale, beside other requests asking for the same adapter at another.
+
+Which rows ask for what is set around each call (`rows_asking`), per thread: each step loop's
+thread runs its own calls, so lanes sharing one copy of the weights do not see each other's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+
+from server.errors import ModelFolderError
+
+Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
+
+_asking = threading.local()  # .rows: one Choice per row of the call in flight on this thread
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One targeted layer of one adapter: `up @ down`, times `alpha / rank`."""
+
+    down: torch.Tensor  # lora_A: [rank, in] (conv: [rank, in, kh, kw])
+    up: torch.Tensor  # lora_B: [out, rank] (conv: [out, rank, 1, 1])
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class Adapter:
+    """A LoRA file, read: per part of the pipeline ("unet", "text_encoder", ...), per module name,
+    its pair."""
+
+    name: str
+    path: Path
+    parts: dict[str, dict[str, LoraPair]] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max(pair.rank for pairs in self.parts.values() for pair in pairs.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for pairs in self.parts.values()
+            for pair in pairs.values()
+            for t in (pair.down, pair.up)
+        )
+
+    def describe(self) -> dict[str, Any]:
+        targets = sorted({name.rsplit(".", 1)[-1] for pairs in self.parts.values() for name in pairs})
+        return {"name": self.name, "rank": self.rank, "parts": sorted(self.parts), "targets": targets}
+
+
+def read_adapter(name: str, path: Path, pipeline_class: type, parts: Sequence[str]) -> Adapter:
+    """`path` (a .safetensors file) as an Adapter for a pipeline of `pipeline_class` whose parts
+    are `parts` (e.g. unet, text_encoder); ModelFolderError says what does not fit."""
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise ModelFolderError(f"LoRA {name!r}: {path} is not a .safetensors file")
+    raw = load_file(path)
+    with safe_open(path, "pt") as header:
+        metadata = json.loads((header.metadata() or {}).get("lora_adapter_metadata", "{}") or "{}")
+    state, alphas = pipeline_class.lora_state_dict(raw)  # diffusers converts kohya's keys
+    adapter = Adapter(name, path)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        for down, up in ((".lora_A.weight", ".lora_B.weight"), (".lora.down.weight", ".lora.up.weight")):
+            if key.endswith(down) or key.endswith(up):
+                module = key.removesuffix(down).removesuffix(up)
+                pairs.setdefault(module, {})["down" if key.endswith(down) else "up"] = tensor
+                break
+        else:
+            if not key.endswith(".alpha"):
+                raise ModelFolderError(f"LoRA {name!r}: {path.name} has a key diffshard cannot read: {key}")
+    for module, pair in pairs.items():
+        part, _, inner = module.partition(".")
+        if part not in parts or not inner:
+            raise ModelFolderError(
+                f"LoRA {name!r}: {path.name} targets {module!r}, which is not a part of this model "
+                f"({', '.join(parts)})"
+            )
+        if set(pair) != {"down", "up"}:
+            raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {module!r}")
+        rank = pair["down"].shape[0]
+        alpha = (alphas or {}).get(f"{module}.alpha", metadata.get("lora_alpha", rank))
+        adapter.parts.setdefault(part, {})[inner] = LoraPair(pair["down"], pair["up"], float(alpha))
+    if not adapter.parts:
+        raise ModelFolderError(f"LoRA {name!r}: {path.name} holds no LoRA weights")
+    return adapter
+
+
+class Adapters:
+    """The adapters a pipeline serves, each attached to every copy of the parts it targets
+    (`models`: part name → its models, e.g. one UNet per replica; a copy shared by lanes once)."""
+
+    def __init__(self, models: Mapping[str, Sequence[nn.Module]]) -> None:
+        self.models = models
+        self.loaded: dict[str, Adapter] = {}
+        self.sets: dict[int, AdapterSet] = {}  # id(model) → its adapters
+
+    def add(self, adapter: Adapter) -> None:
+        if adapter.name in self.loaded:
+            raise ModelFolderError(f"two adapters are named {adapter.name!r}: give each its own name")
+        for part in adapter.parts:
+            if part not in self.models:
+                raise ModelFolderError(
+                    f"LoRA {adapter.name!r} targets {part}, which this model does not have"
+                )
+        for part in adapter.parts:
+            for model in self.models[part]:
+                self.sets.setdefault(id(model), AdapterSet(model, part)).add(adapter)
+        self.loaded[adapter.name] = adapter
+
+    def bytes_on(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for adapter_set in self.sets.values():
+            for device, size in adapter_set.bytes_on().items():
+                out[device] = out.get(device, 0) + size
+        return out
+
+
+class AdapterSet:
+    """Adapters attached to one model (a denoiser or a text encoder): a hook per targeted layer,
+    placed on that layer's device and dtype. `check` first names the first module that does not
+    fit."""
+
+    def __init__(self, model: nn.Module, part: str) -> None:
+        self.model, self.part = model, part
+        self.layers: dict[str, dict[str, LoraPair]] = {}  # module name → adapter name → pair
+        self._hooks: dict[str, Any] = {}
+
+    def add(self, adapter: Adapter) -> None:
+        pairs = adapter.parts.get(self.part, {})
+        modules = dict(self.model.named_modules())
+        for module_name, pair in pairs.items():  # all checked before any is attached
+            _check_fits(adapter, module_name, modules.get(module_name), pair)
+        for module_name, pair in pairs.items():
+            layer = modules[module_name]
+            weight = layer.weight
+            placed = LoraPair(
+                pair.down.to(weight.device, weight.dtype), pair.up.to(weight.device, weight.dtype), pair.alpha
+            )
+            self.layers.setdefault(module_name, {})[adapter.name] = placed
+            if module_name not in self._hooks:
+                self._hooks[module_name] = layer.register_forward_hook(self._hook(module_name))
+
+    def bytes_on(self) -> dict[str, int]:
+        """Adapter bytes per device."""
+        out: dict[str, int] = {}
+        for by_name in self.layers.values():
+            for pair in by_name.values():
+                device = str(pair.down.device)
+                out[device] = out.get(device, 0) + sum(
+                    t.numel() * t.element_size() for t in (pair.down, pair.up)
+                )
+        return out
+
+    def _hook(self, module_name: str):
+        def add_deltas(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            rows: Sequence[Choice] | None = getattr(_asking, "rows", None)
+            if not rows or len(rows) != output.shape[0]:
+                return output
+            pairs = self.layers[module_name]
+            x = inputs[0]
+            for name, pair in pairs.items():
+                index = [i for i, choice in enumerate(rows) for n, _ in choice if n == name]
+                if not index:
+                    continue
+                scales = [s for choice in rows for n, s in choice if n == name]
+                at = torch.tensor(index, device=output.device)
+                scale = torch.tensor(scales, device=output.device, dtype=output.dtype) * pair.scaling
+                delta = _delta(layer, pair, x.index_select(0, at))
+                output.index_add_(0, at, delta * scale.view(-1, *([1] * (delta.dim() - 1))))
+            return output
+
+        return add_deltas
+
+
+def _delta(layer: nn.Module, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(layer, nn.Conv2d):
+        hidden = F.conv2d(x, pair.down, stride=layer.stride, padding=layer.padding, dilation=layer.dilation)
+        return F.conv2d(hidden, pair.up)
+    return F.linear(F.linear(x, pair.down), pair.up)
+
+
+def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: LoraPair) -> None:
+    where = f"LoRA {adapter.name!r} ({adapter.path.name}) does not fit this model: {name}"
+    if not isinstance(layer, nn.Linear | nn.Conv2d):
+        kind = "no such module" if layer is None else f"a {type(layer).__name__}, not a Linear or Conv2d"
+        raise ModelFolderError(f"{where} is {kind}")
+    weight = layer.weight
+    if pair.down.shape[1] != weight.shape[1] or pair.up.shape[0] != weight.shape[0]:
+        raise ModelFolderError(
+            f"{where} has weight {tuple(weight.shape)}, the adapter "
+            f"{tuple(pair.up.shape[:1])} x {tuple(pair.down.shape[1:])}"
+        )
+
+
+@contextmanager
+def rows_asking(rows: Sequence[Choice]) -> Iterator[None]:
+    """Within: the calls on this thread carry `rows` (one Choice per row of their batch)."""
+    before = getattr(_asking, "rows", None)
+    _asking.rows = rows if any(rows) else None
+    try:
+        yield
+    finally:
+        _asking.rows = before
+
+
+def validate_choice(choice: Mapping[str, float], loaded: Mapping[str, Adapter], max_scale: float) -> Choice:
+    """A request's `lora` as a Choice; ValueError naming what is wrong (the API turns it into a 400)."""
+    out = []
+    for name, scale in choice.items():
+        if name not in loaded:
+            known = ", ".join(sorted(loaded)) or "none are loaded"
+            raise ValueError(f"no adapter {name!r}: choose from {known}")
+        if not -max_scale <= scale <= max_scale:
+            raise ValueError(f"{name}: scale must be between {-max_scale:g} and {max_scale:g}, got {scale}")
+        out.append((name, float(scale)))
+    return tuple(out)

@@ -1,0 +1,147 @@
+"""LoRA adapters per row (issue 23), in process on the tiny SD-1.5- and SDXL-shaped folders: a
+request's adapters at its scales give diffusers' image after `load_lora_weights` and
+`set_adapters`; a request without adapters is the base model's, bit for bit; requests with
+different adapters stepped together give the images each gives alone. Adapters are random,
+built here under fixed seeds, in the diffusers/PEFT file format (safetensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from safetensors.torch import save_file
+from torch import nn
+
+from server.errors import InvalidRequest, ModelFolderError
+from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.lora import read_adapter
+from server.pipeline.schedulers import make_scheduler
+from tests.tiny_pipelines import diffusers_image
+
+# diffusers' reference pipeline, given a second adapter, says peft holds several: as it should
+pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
+
+REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
+TOLERANCE = 1e-3
+RANK = 4
+# what trainers target: the UNet's attention projections and the text encoder's
+UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def random_lora(folder: Path, out: Path, seed: int, kind: str) -> Path:
+    """A rank-4 LoRA on the UNet's attention and the first text encoder, large enough to change
+    the image visibly; diffusers/PEFT keys (`unet.<module>.lora_A.weight`, ...)."""
+    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for part, model, targets in (
+        ("unet", pipe.unet, UNET_TARGETS),
+        ("text_encoder", pipe.text_encoder, TEXT_TARGETS),
+    ):
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and name.endswith(targets):
+                fan_out, fan_in = module.weight.shape
+                tensors[f"{part}.{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=generator) * 0.3
+                tensors[f"{part}.{name}.lora_B.weight"] = (
+                    torch.randn(fan_out, RANK, generator=generator) * 0.3
+                )
+    save_file(tensors, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loras(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        kind: {
+            name: random_lora(folders[kind], root / f"{kind}-{name}.safetensors", seed, kind)
+            for name, seed in (("A", 1), ("B", 2))
+        }
+        for kind in REFERENCE
+    }
+
+
+def ours(folder: Path, kind: str, files: dict[str, Path], devices: str = "cpu,cpu") -> Pipeline:
+    """Split in two stages, so adapters also work through the ModelShard's hooks."""
+    pipeline = Pipeline.load(folder, devices=devices, strategy="even")
+    for name, path in files.items():
+        pipeline.add_adapter(
+            read_adapter(name, path, REFERENCE[kind], ("unet", "text_encoder", "text_encoder_2"))
+        )
+    return pipeline
+
+
+def theirs(folder: Path, kind: str, files: dict[str, Path], scales: dict[str, float], request) -> np.ndarray:
+    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
+    for name, path in files.items():
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+    pipe.set_adapters(list(scales), list(scales.values()))
+    return diffusers_image(pipe, request)
+
+
+def request(lora: dict[str, float], seed: int = 3) -> GenerationRequest:
+    return GenerationRequest(
+        "a red circle",
+        negative_prompt="blue",
+        seed=seed,
+        steps=5,
+        guidance_scale=4.0,
+        lora=tuple(lora.items()),
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(REFERENCE))
+@pytest.mark.parametrize("scales", [{"A": 0.7}, {"A": 0.7, "B": 0.4}], ids=["A", "A+B"])
+def test_a_request_s_adapters_give_diffusers_image_after_set_adapters(
+    folders, loras, kind: str, scales: dict[str, float]
+) -> None:
+    pipeline = ours(folders[kind], kind, loras[kind])
+    mine = pipeline.generate([request(scales)])[0]
+    reference = theirs(folders[kind], kind, loras[kind], scales, pipeline.resolve(request(scales)))
+    base = pipeline.generate([request({})])[0]
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+    assert float(np.abs(mine - base).max()) > 20 * TOLERANCE  # the adapter changes the image
+
+
+def test_a_request_without_adapters_is_the_base_model_bit_for_bit(folders, loras) -> None:
+    plain = Pipeline.load(folders["sd15"], devices="cpu,cpu", strategy="even").generate([request({})])[0]
+    loaded = ours(folders["sd15"], "sd15", loras["sd15"]).generate([request({})])[0]
+    np.testing.assert_array_equal(plain, loaded)
+
+
+def test_mixed_adapters_in_one_call_give_the_images_they_give_alone(folders, loras) -> None:
+    pipeline = ours(folders["sd15"], "sd15", loras["sd15"], devices="cpu")
+    choices = [{}, {"A": 1.0}, {"B": 0.5}, {"A": 0.6, "B": -0.8}]
+    requests = [request(choice, seed=i) for i, choice in enumerate(choices)]
+    alone = [pipeline.generate([r])[0] for r in requests]
+    rows_per_call: list[int] = []
+    step = pipeline.step
+    pipeline.step = lambda states: (rows_per_call.append(sum(s.rows for s in states)), step(states))[1]
+    together = pipeline.generate(requests)
+    assert set(rows_per_call) == {8}  # every step: one denoiser call with all four requests' rows
+    for one, joined in zip(alone, together, strict=True):
+        assert float(np.abs(one - joined).max()) < TOLERANCE
+    assert float(np.abs(alone[1] - alone[3]).max()) > 20 * TOLERANCE  # the choices do differ
+
+
+def test_unknown_adapters_and_files_that_do_not_fit_are_refused_by_name(folders, loras, tmp_path) -> None:
+    pipeline = ours(folders["sd15"], "sd15", {"A": loras["sd15"]["A"]}, devices="cpu")
+    with pytest.raises(InvalidRequest, match="no adapter named 'C'"):
+        pipeline.resolve(request({"C": 1.0}))
+    sdxl_file = loras["sdxl"]["A"]  # another architecture's adapter: its layers do not fit
+    with pytest.raises(ModelFolderError, match=r"does not fit this model: .*attn"):
+        pipeline.add_adapter(read_adapter("X", sdxl_file, StableDiffusionPipeline, ("unet", "text_encoder")))
+    with pytest.raises(ModelFolderError, match="two adapters are named 'A'"):
+        pipeline.add_adapter(
+            read_adapter("A", loras["sd15"]["B"], StableDiffusionPipeline, ("unet", "text_encoder"))
+        )
+    pickle = tmp_path / "adapter.bin"
+    pickle.write_bytes(b"not safetensors")
+    with pytest.raises(ModelFolderError, match=r"not a \.safetensors file"):
+        read_adapter("P", pickle, StableDiffusionPipeline, ("unet",))
