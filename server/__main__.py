@@ -57,6 +57,11 @@ def _add_setting(parser: argparse.ArgumentParser, name: str) -> None:
     default = "the built-in model" if name == "model" else info.default
     default = getattr(default, "value", default)  # enums print as their value
     flag, env = f"--{name.replace('_', '-')}", f"env DIFFSHARD_{name.upper()}"
+    if (info.json_schema_extra or {}).get("repeatable"):
+        parser.add_argument(
+            flag, dest=name, action="append", metavar="NAME=PATH", help=f"{info.description} ({env})"
+        )
+        return
     if info.annotation is bool:
         parser.add_argument(
             flag, dest=name, action="store_const", const=True, help=f"{info.description} ({env})"

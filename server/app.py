@@ -34,6 +34,7 @@ from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.families import Family
 from server.pipeline.loader import read_family
+from server.pipeline.lora import read_adapter
 from server.pipeline.planning import largest_side, plan_model
 from server.serving import Runtime, Service
 
@@ -81,6 +82,9 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
+    for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
+        pipeline.add_adapter(read_adapter(name, path, pipeline.family))
+        log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
 
     def housekeeping() -> bool:  # idle a while: give back what bursts left; True once all is back
         freed = pool.trim(idle_for_s=IDLE_TRIM_S)

@@ -5,6 +5,7 @@ device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,6 +18,7 @@ from server.engine import Costs, Parallel, Strategy
 from server.engine.cache import default_cache_dir
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.engine.pool import ANY_DEVICE
+from server.errors import ConfigError
 from server.pipeline.families import pipeline_classes
 from server.pipeline.loader import read_family
 from server.serving import Limits
@@ -36,6 +38,33 @@ def _pool_budgets(value: object) -> dict[str, int]:
 
 
 PoolBudgets = Annotated[dict[str, int], NoDecode, BeforeValidator(_pool_budgets)]
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _loras(value: object) -> dict[str, Path]:
+    """NAME=PATH entries (repeated flags, or one comma-separated variable) → {name: file}."""
+    entries = (
+        value if isinstance(value, list | tuple) else [e for e in str(value or "").split(",") if e.strip()]
+    )
+    out: dict[str, Path] = {}
+    for entry in entries:
+        name, _, path = str(entry).partition("=")
+        name = name.strip()
+        if not ADAPTER_NAME.fullmatch(name) or not path:
+            raise ValueError(f"write NAME=PATH (a name of letters, digits, _ . -), got {entry!r}")
+        if name in out:
+            raise ValueError(f"two adapters are named {name!r}")
+        out[name] = _adapter_file(Path(path.strip()))
+    return out
+
+
+def _adapter_file(path: Path) -> Path:
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise ValueError(f"{path} is not a .safetensors file (adapters load from safetensors only)")
+    return path
+
+
+Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(_loras)]
 
 
 class Settings(BaseSettings):
@@ -80,6 +109,14 @@ class Settings(BaseSettings):
         "auto",
         description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs, "
         "float32 when a stage runs on the CPU",
+    )
+    lora: Loras = Field(
+        None,
+        description="a LoRA adapter NAME=PATH to serve (repeat the flag; in the variable: comma-separated)",
+        json_schema_extra={"repeatable": True},
+    )
+    lora_dir: Path | None = Field(
+        None, description="a folder whose every .safetensors file is an adapter, named by its stem"
     )
     api_key_file: Path | None = Field(None, description="bearer keys, one a line; unset: no auth")
     admin_key_file: Path | None = Field(
@@ -178,6 +215,23 @@ class Settings(BaseSettings):
     @property
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype(list(self.devices)) if self.dtype == "auto" else DTYPES[self.dtype]
+
+    @field_validator("lora_dir")
+    @classmethod
+    def _lora_dir(cls, folder: Path | None) -> Path | None:
+        if folder is not None and not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder")
+        return folder
+
+    @property
+    def adapters(self) -> dict[str, Path]:
+        """Every adapter to serve: `lora` entries, then `lora_dir`'s files (a name given twice: error)."""
+        found = dict(self.lora)
+        for path in sorted(self.lora_dir.glob("*.safetensors")) if self.lora_dir else ():
+            if path.stem in found:
+                raise ConfigError(f"two adapters are named {path.stem!r} (--lora and --lora-dir)")
+            found[path.stem] = path
+        return found
 
     @property
     def key_queue_limit(self) -> int:

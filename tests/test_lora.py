@@ -6,25 +6,36 @@ built here under fixed seeds, in the diffusers/PEFT file format (safetensors).""
 
 from __future__ import annotations
 
+import base64
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors.torch import save_file
 from torch import nn
 
+from server.demo import MODEL_DIR
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import read_adapter
 from server.pipeline.schedulers import make_scheduler
+from tests.live import LiveServer, live_server
 from tests.tiny_pipelines import diffusers_image
 
 # diffusers' reference pipeline, given a second adapter, says peft holds several: as it should
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
 
-REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
+REFERENCE = {
+    "sd15": StableDiffusionPipeline,
+    "sdxl": StableDiffusionXLPipeline,
+    "sd3": StableDiffusion3Pipeline,
+}
+NO_T5 = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}  # the tiny SD3 folder has no T5
 TOLERANCE = 1e-3
 RANK = 4
 # what trainers target: the UNet's attention projections and the text encoder's
@@ -33,13 +44,14 @@ TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def random_lora(folder: Path, out: Path, seed: int, kind: str) -> Path:
-    """A rank-4 LoRA on the UNet's attention and the first text encoder, large enough to change
-    the image visibly; diffusers/PEFT keys (`unet.<module>.lora_A.weight`, ...)."""
-    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True)
+    """A rank-4 LoRA on the denoiser's attention and the first text encoder, large enough to
+    change the image visibly; diffusers/PEFT keys (`unet.<module>.lora_A.weight`, ...)."""
+    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, **NO_T5.get(kind, {}))
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
+    denoiser = "transformer" if kind == "sd3" else "unet"
     for part, model, targets in (
-        ("unet", pipe.unet, UNET_TARGETS),
+        (denoiser, getattr(pipe, denoiser), UNET_TARGETS),
         ("text_encoder", pipe.text_encoder, TEXT_TARGETS),
     ):
         for name, module in model.named_modules():
@@ -54,8 +66,9 @@ def random_lora(folder: Path, out: Path, seed: int, kind: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loras(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+def loras(folders: dict[str, Path], sd3_folder: Path, tmp_path_factory) -> dict[str, dict[str, Path]]:
     root = tmp_path_factory.mktemp("loras")
+    folders = {**folders, "sd3": sd3_folder}
     return {
         kind: {
             name: random_lora(folders[kind], root / f"{kind}-{name}.safetensors", seed, kind)
@@ -69,14 +82,14 @@ def ours(folder: Path, kind: str, files: dict[str, Path], devices: str = "cpu,cp
     """Split in two stages, so adapters also work through the ModelShard's hooks."""
     pipeline = Pipeline.load(folder, devices=devices, strategy="even")
     for name, path in files.items():
-        pipeline.add_adapter(
-            read_adapter(name, path, REFERENCE[kind], ("unet", "text_encoder", "text_encoder_2"))
-        )
+        pipeline.add_adapter(read_adapter(name, path, pipeline.family))
     return pipeline
 
 
 def theirs(folder: Path, kind: str, files: dict[str, Path], scales: dict[str, float], request) -> np.ndarray:
-    pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe = REFERENCE[kind].from_pretrained(
+        folder, local_files_only=True, use_safetensors=True, **NO_T5.get(kind, {})
+    )
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
     for name, path in files.items():
@@ -99,8 +112,9 @@ def request(lora: dict[str, float], seed: int = 3) -> GenerationRequest:
 @pytest.mark.parametrize("kind", sorted(REFERENCE))
 @pytest.mark.parametrize("scales", [{"A": 0.7}, {"A": 0.7, "B": 0.4}], ids=["A", "A+B"])
 def test_a_request_s_adapters_give_diffusers_image_after_set_adapters(
-    folders, loras, kind: str, scales: dict[str, float]
+    folders, sd3_folder, loras, kind: str, scales: dict[str, float]
 ) -> None:
+    folders = {**folders, "sd3": sd3_folder}
     pipeline = ours(folders[kind], kind, loras[kind])
     mine = pipeline.generate([request(scales)])[0]
     reference = theirs(folders[kind], kind, loras[kind], scales, pipeline.resolve(request(scales)))
@@ -136,12 +150,45 @@ def test_unknown_adapters_and_files_that_do_not_fit_are_refused_by_name(folders,
         pipeline.resolve(request({"C": 1.0}))
     sdxl_file = loras["sdxl"]["A"]  # another architecture's adapter: its layers do not fit
     with pytest.raises(ModelFolderError, match=r"does not fit this model: .*attn"):
-        pipeline.add_adapter(read_adapter("X", sdxl_file, StableDiffusionPipeline, ("unet", "text_encoder")))
+        pipeline.add_adapter(read_adapter("X", sdxl_file, pipeline.family))
     with pytest.raises(ModelFolderError, match="two adapters are named 'A'"):
-        pipeline.add_adapter(
-            read_adapter("A", loras["sd15"]["B"], StableDiffusionPipeline, ("unet", "text_encoder"))
-        )
+        pipeline.add_adapter(read_adapter("A", loras["sd15"]["B"], pipeline.family))
     pickle = tmp_path / "adapter.bin"
     pickle.write_bytes(b"not safetensors")
     with pytest.raises(ModelFolderError, match=r"not a \.safetensors file"):
-        read_adapter("P", pickle, StableDiffusionPipeline, ("unet",))
+        read_adapter("P", pickle, pipeline.family)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The built-in model with a random adapter `style`, one lane."""
+    path = random_lora(MODEL_DIR, tmp_path_factory.mktemp("served") / "style.safetensors", 7, "sd15")
+    with live_server("--lora", f"style={path}", "--threads", "1") as running:
+        yield running
+
+
+def test_over_http_the_sdk_asks_for_adapters_streamed_or_not_and_bad_ones_get_400(served: LiveServer) -> None:
+    listed = httpx.get(f"{served.url}/v1/models", timeout=10).json()["data"][0]["adapters"]
+    assert [(a["name"], a["rank"], a["parts"]) for a in listed] == [("style", RANK, ["text_encoder", "unet"])]
+    assert "to_q" in listed[0]["targets"] and listed[0]["bytes"] > 0
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    extra = {"seed": 5, "num_inference_steps": 6}
+
+    def image(**body) -> bytes:
+        return base64.b64decode(
+            client.images.generate(prompt="a red circle", extra_body={**extra, **body}).data[0].b64_json
+        )
+
+    styled, plain = image(lora={"style": 1.5}), image()
+    assert styled != plain
+    events = list(
+        client.images.generate(
+            prompt="a red circle", stream=True, partial_images=1, extra_body={**extra, "lora": {"style": 1.5}}
+        )
+    )
+    assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
+    assert base64.b64decode(events[-1].b64_json) == styled
+    for lora, words in (({"nope": 1.0}, "no adapter named 'nope'"), ({"style": 9.0}, "between -4 and 4")):
+        with pytest.raises(openai.BadRequestError, match=words) as caught:
+            image(lora=lora)
+        assert caught.value.param == "lora"

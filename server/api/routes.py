@@ -132,11 +132,13 @@ def _stream(
 
 @router.get("/models")
 async def models(runtime: RuntimeDep) -> dict[str, Any]:
+    """The model served, with the LoRA adapters a request may ask for (`lora`, an extension)."""
     model: dict[str, Any] = {
         "id": runtime.model_name,
         "object": "model",
         "created": runtime.started,
         "owned_by": "diffshard",
+        "adapters": runtime.service.adapters() if runtime.service else [],
     }
     return {"object": "list", "data": [model]}
 

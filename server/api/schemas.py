@@ -2,7 +2,7 @@
 
 The body follows OpenAI's `POST /v1/images/generations`; diffshard's extensions
 (negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress,
-deterministic) sit beside the standard fields, where the SDKs put `extra_body`. Types are
+deterministic, lora) sit beside the standard fields, where the SDKs put `extra_body`. Types are
 checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
 can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
 the model's own settings; `background` auto or opaque; `moderation` low: none is done;
@@ -28,6 +28,8 @@ from server.serving import FORMATS, SEED_LIMIT, GenerationRequest
 
 MAX_GUIDANCE = 100.0
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
+MAX_LORA_SCALE = 4.0  # beyond it an adapter only saturates the image
+MAX_LORAS = 8  # adapters one request may combine
 # "WIDTHxHEIGHT": ASCII digits, no 0 and no leading zeros; the OpenAPI document states this very pattern
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 # OpenAI fields and the values honoured: each means what this service does anyway.
@@ -80,6 +82,11 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = None
     seed: int | None = Field(None, description="image i uses seed + i; default: random")
     scheduler: str | None = Field(None, description="default, or one the model's family supports")
+    lora: dict[str, float] | None = Field(
+        None,
+        description=f"LoRA adapters (GET /v1/models lists them) and their scales, -{MAX_LORA_SCALE:g} to "
+        f"{MAX_LORA_SCALE:g}, at most {MAX_LORAS}",
+    )
     deterministic: bool = Field(
         False,
         description="its rows run in calls of their own, so the same seed gives the same bytes "
@@ -154,6 +161,15 @@ def generation_requests(
         raise InvalidRequest("stream_progress", "needs stream: true")
     if partials is not None and not 0 <= partials <= MAX_PARTIAL_IMAGES:
         raise InvalidRequest("partial_images", f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {partials}")
+    lora = body.lora or {}
+    if len(lora) > MAX_LORAS:
+        raise InvalidRequest("lora", f"at most {MAX_LORAS} adapters a request, got {len(lora)}")
+    for name, scale in lora.items():
+        if not (math.isfinite(scale) and -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE):
+            raise InvalidRequest(
+                "lora",
+                f"{name}: scale must be between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {scale}",
+            )
     seed = secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed
     return [
         GenerationRequest(
@@ -167,6 +183,7 @@ def generation_requests(
             height=height,
             partial_images=partials or 0,
             deterministic=body.deterministic,
+            lora=tuple(lora.items()),
         )
         for i in range(body.n)
     ]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -31,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from server.errors import ModelFolderError
+from server.pipeline.families import Family
 
 Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
 
@@ -81,15 +83,19 @@ class Adapter:
         return {"name": self.name, "rank": self.rank, "parts": sorted(self.parts), "targets": targets}
 
 
-def read_adapter(name: str, path: Path, pipeline_class: type, parts: Sequence[str]) -> Adapter:
-    """`path` (a .safetensors file) as an Adapter for a pipeline of `pipeline_class` whose parts
-    are `parts` (e.g. unet, text_encoder); ModelFolderError says what does not fit."""
+def read_adapter(name: str, path: Path, family: Family) -> Adapter:
+    """`path` (a .safetensors file) as an Adapter for a model of `family`, read by its diffusers
+    pipeline class's `lora_state_dict`; ModelFolderError says what does not fit."""
+    pipeline_class = getattr(diffusers, family.pipeline_classes[0])
+    parts = (family.denoiser, *family.text_encoders)
     if path.suffix != ".safetensors" or not path.is_file():
         raise ModelFolderError(f"LoRA {name!r}: {path} is not a .safetensors file")
     raw = load_file(path)
     with safe_open(path, "pt") as header:
         metadata = json.loads((header.metadata() or {}).get("lora_adapter_metadata", "{}") or "{}")
-    state, alphas = pipeline_class.lora_state_dict(raw)  # diffusers converts kohya's keys
+    read = pipeline_class.lora_state_dict(raw)  # diffusers converts kohya's keys
+    # SD and SDXL give (state, network alphas); SD3's loader, the state alone
+    state, alphas = read if isinstance(read, tuple) else (read, None)
     adapter = Adapter(name, path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
@@ -220,8 +226,8 @@ def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: Lora
     weight = layer.weight
     if pair.down.shape[1] != weight.shape[1] or pair.up.shape[0] != weight.shape[0]:
         raise ModelFolderError(
-            f"{where} has weight {tuple(weight.shape)}, the adapter "
-            f"{tuple(pair.up.shape[:1])} x {tuple(pair.down.shape[1:])}"
+            f"{where} maps {weight.shape[1]} features to {weight.shape[0]}, the adapter "
+            f"{pair.down.shape[1]} to {pair.up.shape[0]} (rank {pair.rank})"
         )
 
 

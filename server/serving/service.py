@@ -160,6 +160,10 @@ class Service:
             **self.busy(),
         }
 
+    def adapters(self) -> list[dict[str, Any]]:
+        """The LoRA adapters served: name, rank, parts, target modules, bytes."""
+        return [a.describe() | {"bytes": a.bytes} for a in self.pipeline.adapters.loaded.values()]
+
     def pool(self) -> dict[str, dict[str, Any]]:
         return {
             device: asdict(s) | {"hit_rate": s.hit_rate} for device, s in self.pipeline.pool.stats().items()

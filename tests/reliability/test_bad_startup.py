@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.live import free_port
 
@@ -78,6 +79,16 @@ def empty_key_file(tmp: Path) -> Path:
     return keys
 
 
+def misfit_lora(tmp: Path) -> Path:
+    """A LoRA for a layer the built-in model has, of the wrong width."""
+    path = tmp / "misfit.safetensors"
+    module = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    save_file(
+        {f"{module}.lora_A.weight": torch.zeros(4, 7), f"{module}.lora_B.weight": torch.zeros(7, 4)}, path
+    )
+    return path
+
+
 def port_of(busy: socket.socket) -> str:
     return str(busy.getsockname()[1])
 
@@ -127,6 +138,16 @@ CASES = [
         "empty API-key file",
         lambda t, b: ["--api-key-file", str(empty_key_file(t))],
         lambda t, b: ["--api-key-file", "holds no keys"],
+    ),
+    Case(
+        "adapter that is not safetensors",
+        lambda t, b: ["--lora", f"style={t / 'style.bin'}"],
+        lambda t, b: ["--lora", "style.bin", "safetensors"],
+    ),
+    Case(
+        "adapter that does not fit",
+        lambda t, b: ["--lora", f"misfit={misfit_lora(t)}"],
+        lambda t, b: ["misfit.safetensors", "does not fit", "attn1.to_q"],
     ),
     Case("busy API port", lambda t, b: ["--port", port_of(b)], lambda t, b: ["--port", port_of(b), "in use"]),
     Case(
