@@ -7,6 +7,7 @@ built here under fixed seeds, in the diffusers/PEFT file format (safetensors).""
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import read_adapter
 from server.pipeline.schedulers import make_scheduler
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer, free_port, live_server
 from tests.tiny_pipelines import diffusers_image
 
 # diffusers' reference pipeline, given a second adapter, says peft holds several: as it should
@@ -163,7 +164,11 @@ def test_unknown_adapters_and_files_that_do_not_fit_are_refused_by_name(folders,
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """The built-in model with a random adapter `style`, one lane."""
     path = random_lora(MODEL_DIR, tmp_path_factory.mktemp("served") / "style.safetensors", 7, "sd15")
-    with live_server("--lora", f"style={path}", "--threads", "1") as running:
+    metrics_port = free_port()
+    with live_server(
+        "--lora", f"style={path}", "--threads", "1", "--metrics-port", str(metrics_port)
+    ) as running:
+        running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield running
 
 
@@ -192,3 +197,8 @@ def test_over_http_the_sdk_asks_for_adapters_streamed_or_not_and_bad_ones_get_40
         with pytest.raises(openai.BadRequestError, match=words) as caught:
             image(lora=lora)
         assert caught.value.param == "lora"
+    metrics = httpx.get(served.metrics_url, timeout=10).text
+    assert 'diffshard_lora_requests_total{adapter="style"} 2.0' in metrics  # the plain one and the stream
+    assert 'diffshard_lora_rows_total{adapter="style"} 24.0' in metrics  # 2 requests x 6 steps x 2 rows
+    placed = re.search(r'diffshard_lora_bytes\{device="cpu"\} (\S+)', metrics)
+    assert placed and float(placed.group(1)) == listed[0]["bytes"]

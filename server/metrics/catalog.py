@@ -134,6 +134,13 @@ CATALOG = (
         "seconds a worker sat idle while its model had a forward in flight",
     ),
     MetricSpec("micro_batches_in_flight", "gauge", "micro-batches", (), "forwards running in the shards now"),
+    MetricSpec(
+        "lora_requests_total", "counter", "requests", ("adapter",), "requests admitted with the LoRA adapter"
+    ),
+    MetricSpec(
+        "lora_rows_total", "counter", "rows", ("adapter",), "denoiser rows stepped with the LoRA adapter"
+    ),
+    MetricSpec("lora_bytes", "gauge", "bytes", ("device",), "LoRA adapter weights placed on the device"),
     MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
     MetricSpec(
         "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"

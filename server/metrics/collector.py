@@ -124,10 +124,28 @@ class _Collector:
         for name, value in (("slow_steps_total", stats.slow_calls), ("stuck_steps_total", stats.stuck_calls)):
             yield CounterMetricFamily(f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), value)
         yield from self._workers(snapshot)
+        yield from self._adapters(snapshot, stats)
         if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
             yield _histogram("batch_rows", stats.rows_per_step)
+
+    def _adapters(self, snapshot: Snapshot, stats: LoopStats) -> Iterator[Metric]:
+        """Per LoRA adapter served (labels bounded to them: requests name only loaded ones)."""
+        for name, counts in (
+            ("lora_requests_total", stats.adapter_requests),
+            ("lora_rows_total", stats.adapter_rows),
+        ):
+            family = CounterMetricFamily(
+                f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), labels=["adapter"]
+            )
+            for adapter in snapshot.adapters:
+                family.add_metric([adapter], counts[adapter])
+            yield family
+        placed = GaugeMetricFamily(f"{PREFIX}_lora_bytes", help_of("lora_bytes"), labels=["device"])
+        for device in dict.fromkeys([*snapshot.devices, *snapshot.adapter_bytes]):
+            placed.add_metric([device], snapshot.adapter_bytes.get(device, 0))
+        yield placed
 
     def _workers(self, snapshot: Snapshot) -> Iterator[Metric]:
         for name, seconds in (

@@ -238,6 +238,7 @@ class StepLoop:
         now = time.monotonic()
         for job in jobs:
             self._stats.queue_wait_seconds.observe(now - job.submitted)
+            self._stats.adapter_requests.update({name for r in job.requests for name, _ in r.lora})
             job.queue_position = None
         self._active.extend(jobs)
 
@@ -296,6 +297,7 @@ class StepLoop:
                 self._stats.step_seconds.observe(seconds)
                 self._stats.batch_rows[rows] += 1
                 self._stats.rows_per_step.observe(rows)
+                self._stats.count_adapter_rows(states)
 
         self._isolated(self._jobs_of(chunk), step)
 

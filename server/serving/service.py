@@ -292,5 +292,7 @@ class Runtime:
             threads=service.threads if service else None,
             ready=self.serving,
             last_step_at=service.last_step_at if service else None,
+            adapters=tuple(service.pipeline.adapters.loaded) if service else (),
+            adapter_bytes=service.pipeline.adapters.bytes_on() if service else {},
             **(service.busy() if service else {}),
         )

@@ -59,6 +59,8 @@ class LoopStats:
     rejected: Counter = field(default_factory=Counter)  # reason → jobs
     progress: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # active job → per image
     owners: dict[str, str | None] = field(default_factory=dict)  # queued or active job → its owner
+    adapter_requests: Counter = field(default_factory=Counter)  # LoRA adapter → requests admitted with it
+    adapter_rows: Counter = field(default_factory=Counter)  # LoRA adapter → denoiser rows stepped with it
     slow_calls: int = 0  # calls that ran past their deadline
     stuck_calls: int = 0  # calls that ran far past it
 
@@ -106,6 +108,11 @@ class LoopStats:
             "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
         }
 
+    def count_adapter_rows(self, states: Any) -> None:
+        """The rows each LoRA adapter was applied to in one step of `states`."""
+        for state in states:
+            self.adapter_rows.update(dict.fromkeys((name for name, _ in state.request.lora), state.rows))
+
     def seen_by(self, owner: str | None) -> LoopStats:
         """These counters with only `owner`'s jobs in `progress` (None: the operator sees all)."""
         mine = self.copy()
@@ -139,3 +146,5 @@ class Snapshot:
     busy_seconds: dict[str, float] = field(default_factory=dict)  # per worker: stage/replica held
     bubble_seconds: dict[str, float] = field(default_factory=dict)  # per worker: idle, forwards in flight
     micro_batches_in_flight: int = 0
+    adapters: tuple[str, ...] = ()  # the LoRA adapters served (their counters start at 0)
+    adapter_bytes: dict[str, int] = field(default_factory=dict)  # per device: the adapters' weights
