@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from server.demo import MODEL_DIR
@@ -44,8 +44,8 @@ UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def random_lora(folder: Path, out: Path, seed: int, kind: str) -> Path:
-    """A rank-4 LoRA on the denoiser's attention and the first text encoder, large enough to
+def random_lora(folder: Path, out: Path, seed: int, kind: str, rank: int = RANK) -> Path:
+    """A LoRA (rank 4 unless asked) on the denoiser's attention and the first text encoder, large enough to
     change the image visibly; diffusers/PEFT keys (`unet.<module>.lora_A.weight`, ...)."""
     pipe = REFERENCE[kind].from_pretrained(folder, local_files_only=True, **NO_T5.get(kind, {}))
     generator = torch.Generator().manual_seed(seed)
@@ -58,9 +58,9 @@ def random_lora(folder: Path, out: Path, seed: int, kind: str) -> Path:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.endswith(targets):
                 fan_out, fan_in = module.weight.shape
-                tensors[f"{part}.{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=generator) * 0.3
+                tensors[f"{part}.{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.3
                 tensors[f"{part}.{name}.lora_B.weight"] = (
-                    torch.randn(fan_out, RANK, generator=generator) * 0.3
+                    torch.randn(fan_out, rank, generator=generator) * 0.3
                 )
     save_file(tensors, out)
     return out
@@ -202,3 +202,33 @@ def test_over_http_the_sdk_asks_for_adapters_streamed_or_not_and_bad_ones_get_40
     assert 'diffshard_lora_rows_total{adapter="style"} 24.0' in metrics  # 2 requests x 6 steps x 2 rows
     placed = re.search(r'diffshard_lora_bytes\{device="cpu"\} (\S+)', metrics)
     assert placed and float(placed.group(1)) == listed[0]["bytes"]
+
+
+def kohya(peft_file: Path, out: Path, alpha: float) -> Path:
+    """The same adapter in kohya's A1111 format: `lora_unet_<module_with_underscores>.lora_down.weight`,
+    `.lora_up.weight` and an `.alpha` each (here not the rank: its scaling must be read)."""
+    tensors: dict[str, torch.Tensor] = {}
+    prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_text_model_"}
+    for key, tensor in load_file(peft_file).items():
+        part, _, rest = key.partition(".")
+        module, kind = rest.rsplit(".lora_", 1)
+        name = prefixes[part] + module.replace(".", "_")
+        tensors[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
+        tensors[f"{name}.alpha"] = torch.tensor(alpha)
+    save_file(tensors, out)
+    return out
+
+
+def test_kohya_files_are_read_as_diffusers_reads_them(folders, loras, tmp_path) -> None:
+    path = kohya(loras["sd15"]["A"], tmp_path / "kohya.safetensors", alpha=2.0)
+    pipeline = ours(folders["sd15"], "sd15", {"K": path}, devices="cpu")
+    adapter = pipeline.adapters.loaded["K"]
+    assert adapter.rank == RANK and {p.alpha for pairs in adapter.parts.values() for p in pairs.values()} == {
+        2.0
+    }
+    assert sum(map(len, adapter.parts.values())) == len(load_file(loras["sd15"]["A"])) // 2  # every layer
+    mine = pipeline.generate([request({"K": 0.9})])[0]
+    reference = theirs(
+        folders["sd15"], "sd15", {"K": path}, {"K": 0.9}, pipeline.resolve(request({"K": 0.9}))
+    )
+    assert float(np.abs(mine - reference).max()) < TOLERANCE

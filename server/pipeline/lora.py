@@ -26,6 +26,11 @@ from typing import Any
 
 import diffusers
 import torch
+from diffusers.utils.state_dict_utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_peft,
+    convert_unet_state_dict_to_peft,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -97,31 +102,60 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
     # SD and SDXL give (state, network alphas); SD3's loader, the state alone
     state, alphas = read if isinstance(read, tuple) else (read, None)
     adapter = Adapter(name, path)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    by_part: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
-        for down, up in ((".lora_A.weight", ".lora_B.weight"), (".lora.down.weight", ".lora.up.weight")):
-            if key.endswith(down) or key.endswith(up):
-                module = key.removesuffix(down).removesuffix(up)
-                pairs.setdefault(module, {})["down" if key.endswith(down) else "up"] = tensor
-                break
-        else:
-            if not key.endswith(".alpha"):
-                raise ModelFolderError(f"LoRA {name!r}: {path.name} has a key diffshard cannot read: {key}")
-    for module, pair in pairs.items():
-        part, _, inner = module.partition(".")
+        part, _, inner = key.partition(".")
         if part not in parts or not inner:
             raise ModelFolderError(
-                f"LoRA {name!r}: {path.name} targets {module!r}, which is not a part of this model "
+                f"LoRA {name!r}: {path.name} targets {key!r}, which is not a part of this model "
                 f"({', '.join(parts)})"
             )
-        if set(pair) != {"down", "up"}:
-            raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {module!r}")
-        rank = pair["down"].shape[0]
-        alpha = (alphas or {}).get(f"{module}.alpha", metadata.get("lora_alpha", rank))
-        adapter.parts.setdefault(part, {})[inner] = LoraPair(pair["down"], pair["up"], float(alpha))
+        by_part.setdefault(part, {})[inner] = tensor
+    for part, tensors in by_part.items():
+        text = part != family.denoiser
+        part_alphas = {
+            k.removeprefix(f"{part}."): v for k, v in (alphas or {}).items() if k.startswith(f"{part}.")
+        }
+        pairs, module_alphas = _pairs(_as_peft(tensors, text), _alphas_by_module(part_alphas, text))
+        for module, pair in pairs.items():
+            if set(pair) != {"down", "up"}:
+                raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {part}.{module}")
+            rank = pair["down"].shape[0]
+            alpha = module_alphas.get(module, metadata.get("lora_alpha", rank))
+            adapter.parts.setdefault(part, {})[module] = LoraPair(pair["down"], pair["up"], float(alpha))
     if not adapter.parts:
         raise ModelFolderError(f"LoRA {name!r}: {path.name} holds no LoRA weights")
     return adapter
+
+
+def _as_peft(tensors: dict[str, Any], text: bool) -> dict[str, Any]:
+    """A part's keys in PEFT's form (`<module>.lora_A.weight`), converted as diffusers' loaders do
+    (older diffusers and kohya-converted keys: `processor.to_k_lora.down.weight`, ...)."""
+    if all(".lora_A." in key or ".lora_B." in key for key in tensors):
+        return tensors
+    if text:
+        return convert_state_dict_to_peft(convert_state_dict_to_diffusers(tensors))
+    return convert_unet_state_dict_to_peft(tensors)
+
+
+def _alphas_by_module(alphas: dict[str, float], text: bool) -> dict[str, float]:
+    """kohya's alphas (keyed by the converted down weight + `.alpha`) by module: their keys go
+    through the same conversion as the weights'."""
+    weights = [key.removesuffix(".alpha") for key in alphas]
+    converted = _as_peft(dict.fromkeys(weights, 0), text)
+    return {key.split(".lora_")[0]: alpha for key, alpha in zip(converted, alphas.values(), strict=True)}
+
+
+def _pairs(
+    tensors: dict[str, Any], alphas: dict[str, float]
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    pairs: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        module, _, kind = key.partition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise ModelFolderError(f"a LoRA key diffshard cannot read: {key}")
+        pairs.setdefault(module, {})["down" if kind == "A.weight" else "up"] = tensor
+    return pairs, alphas
 
 
 class Adapters:
@@ -165,8 +199,8 @@ class AdapterSet:
         self._hooks: dict[str, Any] = {}
 
     def add(self, adapter: Adapter) -> None:
-        pairs = adapter.parts.get(self.part, {})
         modules = dict(self.model.named_modules())
+        pairs = {_named(name, modules): pair for name, pair in adapter.parts.get(self.part, {}).items()}
         for module_name, pair in pairs.items():  # all checked before any is attached
             _check_fits(adapter, module_name, modules.get(module_name), pair)
         for module_name, pair in pairs.items():
@@ -209,6 +243,14 @@ class AdapterSet:
             return output
 
         return add_deltas
+
+
+def _named(name: str, modules: Mapping[str, nn.Module]) -> str:
+    """A module's name in this model: older files say `text_model.` where transformers 5's flat
+    CLIPTextModel has none (diffusers strips it too)."""
+    if name not in modules and name.removeprefix("text_model.") in modules:
+        return name.removeprefix("text_model.")
+    return name
 
 
 def _delta(layer: nn.Module, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
