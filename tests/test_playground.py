@@ -5,7 +5,8 @@ downloaded at test time), which resolves no host name: only this server can answ
 Type "a red circle", press Generate: a partial preview appears, then the image, which the
 built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
 image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. Also: the key
-field and errors in plain words on a server with keys, and Stop cancelling the request.
+field and errors in plain words on a server with keys, Stop cancelling the request, and a server's LoRA
+adapters listed with a scale slider each, the one switched on sent with the request.
 
 The API reference is Swagger UI, offline and under the playground's policy: it lists the
 operations of /openapi.json with no error in the browser's console.
@@ -29,13 +30,17 @@ from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
 
 from server.api import docs
 from server.api.playground import FILES, HEADERS
+from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
 from tests.live import LiveServer, live_server
+from tests.test_lora import RANK, random_lora
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 DEADLINE_S = 60
@@ -62,6 +67,15 @@ new MutationObserver((changes) => {
     }
   }
 }).observe(document.getElementById("images"), {subtree: true, attributeFilter: ["data-kind"]});
+"""
+# Records, in the page, the body of each request it POSTs (the generations), as sent.
+RECORD_REQUESTS = """
+window.sent = [];
+const send = window.fetch;
+window.fetch = (path, init = {}) => {
+  if (init.method === "POST") window.sent.push(JSON.parse(init.body));
+  return send(path, init);
+};
 """
 # The pixels an <img> shows, as RGBA bytes row by row (the page's CSP keeps scripts from fetching
 # its blob: URLs, so they are read off a canvas).
@@ -95,6 +109,14 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     with live_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The built-in model with one random adapter, `style`."""
+    path = random_lora(MODEL_DIR, tmp_path_factory.mktemp("lora") / "style.safetensors", 7, "sd15")
+    with live_server("--lora", f"style={path}") as running:
         yield running
 
 
@@ -141,6 +163,17 @@ def final_images(browser: WebDriver, count: int) -> list:
     )
 
 
+def shown_pixels(browser: WebDriver, image) -> np.ndarray:
+    width, height, rgba = browser.execute_script(IMAGE_PIXELS, image)
+    return np.array(rgba, dtype=np.uint8).reshape(height, width, 4)[..., :3]
+
+
+def api_pixels(server: LiveServer, **body) -> np.ndarray:
+    answer = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=60)
+    image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
+    return np.asarray(image.convert("RGB"))
+
+
 def test_a_red_circle_streams_its_previews_then_the_image(
     browser: WebDriver, server: LiveServer, tmp_path: Path
 ) -> None:
@@ -160,14 +193,11 @@ def test_a_red_circle_streams_its_previews_then_the_image(
         "diffshard-7.png"
     )
 
-    width, height, rgba = browser.execute_script(IMAGE_PIXELS, image)
-    shown = np.array(rgba, dtype=np.uint8).reshape(height, width, 4)[..., :3]
+    shown = shown_pixels(browser, image)
     assert classify(shown) == Verdict("red", "circle")
-    plain = httpx.post(
-        f"{server.url}/v1/images/generations", json={"prompt": "a red circle", "seed": 7}, timeout=60
-    )
-    api_image = Image.open(io.BytesIO(base64.b64decode(plain.json()["data"][0]["b64_json"])))
-    np.testing.assert_array_equal(shown, np.asarray(api_image.convert("RGB")))  # the API's image, as is
+    plain = api_pixels(server, prompt="a red circle", seed=7)
+    np.testing.assert_array_equal(shown, plain)  # the API's image, as is
+    assert not browser.find_element(By.ID, "lora").is_displayed()  # this server has no adapters
 
     shards = httpx.get(f"{server.url}/v1/shards").json()
     listed = browser.find_elements(By.CSS_SELECTOR, "#device-list li")
@@ -223,6 +253,49 @@ def test_keys_and_errors_in_plain_words(browser: WebDriver, keyed_server: LiveSe
     assert not browser.find_element(By.ID, "error").is_displayed()
     assert browser.execute_script("return sessionStorage.getItem('diffshard.apiKey')") == "sk-first"
     assert browser.execute_script("return localStorage.length") == 0  # the key stays in this tab
+
+
+def test_adapters_are_listed_with_a_scale_each_and_those_switched_on_are_sent(
+    browser: WebDriver, lora_server: LiveServer
+) -> None:
+    browser.get_log("browser")  # drop what earlier pages logged
+    open_page(browser, lora_server.url)
+    section = until(browser, lambda b: (s := b.find_element(By.ID, "lora")).is_displayed() and s, "adapters")
+    [row] = section.find_elements(By.CSS_SELECTOR, "#lora-list li")
+    switch = row.find_element(By.CSS_SELECTOR, "input[type=checkbox]")
+    slider = row.find_element(By.CSS_SELECTOR, "input[type=range]")
+    scale = row.find_element(By.TAG_NAME, "output")
+    assert row.find_element(By.CSS_SELECTOR, f'label[for="{switch.get_attribute("id")}"]').text == (
+        f"style rank {RANK}"
+    )
+    label = row.find_element(By.CSS_SELECTOR, f'label[for="{slider.get_attribute("id")}"]')
+    assert label.get_attribute("textContent") == "Scale of style"  # for screen readers
+    assert [slider.get_attribute(a) for a in ("min", "max", "step", "value")] == ["-4", "4", "0.05", "1"]
+    assert not switch.is_selected() and not slider.is_enabled() and scale.text == "1.00"  # off at first
+
+    browser.execute_script(RECORD_REQUESTS)
+    fill(browser, prompt="a red circle", seed="5", num_inference_steps="6")
+    browser.find_element(By.ID, "go").click()
+    [plain] = final_images(browser, 1)
+    plain_pixels = shown_pixels(browser, plain)
+
+    switch.click()
+    assert slider.is_enabled()
+    slider.send_keys(Keys.ARROW_RIGHT * 10)  # ten steps of 0.05
+    assert scale.text == "1.50"
+    browser.find_element(By.ID, "go").click()
+    until(browser, staleness_of(plain), "the next generation's cards")
+    [styled] = final_images(browser, 1)
+    styled_pixels = shown_pixels(browser, styled)
+
+    first, second = browser.execute_script("return window.sent")
+    assert "lora" not in first and second["lora"] == {"style": 1.5}  # nothing when none is on
+    assert {k: v for k, v in second.items() if k != "lora"} == first
+    assert not np.array_equal(styled_pixels, plain_pixels)  # the adapter changed the image
+    body = {"prompt": "a red circle", "seed": 5, "num_inference_steps": 6}
+    np.testing.assert_array_equal(styled_pixels, api_pixels(lora_server, **body, lora={"style": 1.5}))
+    np.testing.assert_array_equal(plain_pixels, api_pixels(lora_server, **body))
+    assert not [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
 
 
 def test_the_api_reference_and_its_files_come_from_this_server_alone(server: LiveServer) -> None:

@@ -18,6 +18,7 @@ from server.api.errors import APIError
 
 FILES = {  # what /playground/{name} serves: nothing else can be asked for
     "playground.js": "text/javascript",
+    "lora.js": "text/javascript",
     "playground.css": "text/css",
 }
 HEADERS = {

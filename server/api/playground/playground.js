@@ -2,6 +2,8 @@
 // (POST /v1/images/generations with stream: true), and a panel of the devices' memory.
 // Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
 
+import { chosenAdapters, showAdapters } from "./lora.js";
+
 const $ = (id) => document.getElementById(id);
 const KEY = "diffshard.apiKey"; // session storage only: gone when the tab closes
 const REFRESH_MS = 5000;
@@ -10,6 +12,7 @@ const NUMBERS = ["num_inference_steps", "guidance_scale", "seed"]; // likewise
 
 let running = null; // the AbortController of the generation in flight
 let urls = []; // object URLs of the shown images, revoked when the next generation starts
+let adaptersRead = false; // the server loads its adapters at startup: read once, they stay
 
 // Talking to the server.
 
@@ -89,7 +92,7 @@ function showError(problem) {
   const field = problem.param && document.querySelector(`#generate [name="${CSS.escape(problem.param)}"]`);
   if (field) {
     field.setAttribute("aria-invalid", "true");
-    field.focus();
+    (field.matches("fieldset") ? field.querySelector("input") : field).focus(); // lora: its first switch
   }
 }
 
@@ -126,6 +129,8 @@ function requestBody() {
   for (const name of OPTIONAL) if (form[name].value.trim()) body[name] = form[name].value.trim();
   for (const name of NUMBERS) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
   body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
+  const lora = chosenAdapters();
+  if (lora) body.lora = lora;
   return body;
 }
 
@@ -409,7 +414,7 @@ async function refreshDevices() {
   );
 }
 
-// Start: the limits from the OpenAPI document, the server's state, the devices.
+// Start: the limits from the OpenAPI document, the adapters, the server's state, the devices.
 
 async function readLimits() {
   const response = await fetch("/openapi.json");
@@ -429,6 +434,18 @@ async function readLimits() {
   for (const name of branch(fields.scheduler).enum || []) {
     if (name !== "default") form.scheduler.add(new Option(name, name));
   }
+}
+
+async function readAdapters() {
+  let response;
+  try {
+    response = await api("/v1/models");
+  } catch {
+    return; // the status line says the server is unreachable
+  }
+  if (!response.ok) return; // 401 until a key is entered: read again on the next refresh
+  showAdapters((await response.json()).data[0].adapters ?? []);
+  adaptersRead = true;
 }
 
 async function readStatus() {
@@ -461,9 +478,15 @@ function start() {
   $("stop").addEventListener("click", () => running?.abort());
   document.addEventListener("visibilitychange", refreshDevices);
   readLimits();
+  readAdapters();
   readStatus();
   refreshDevices();
-  setInterval(() => document.hidden || (readStatus(), refreshDevices()), REFRESH_MS);
+  setInterval(() => {
+    if (document.hidden) return;
+    if (!adaptersRead) readAdapters();
+    readStatus();
+    refreshDevices();
+  }, REFRESH_MS);
 }
 
 start();
