@@ -3,12 +3,15 @@ adapters, or none, and each targeted layer adds `scale · B(A x)` to its own row
 
 Files are read with diffusers' own loaders (`lora_state_dict`: diffusers/PEFT keys, and kohya's
 A1111 format converted), safetensors only. The base weights are never touched: a forward hook on
-each targeted `nn.Linear` or `nn.Conv2d` adds the adapters' deltas to the rows that asked for
-them (`index_add_`), so a row without adapters is computed exactly as by the base model.
+each targeted `nn.Linear` or `nn.Conv2d` adds the adapters' deltas to its output; a call with no
+row asking for them runs exactly as the base model, and in a mixed call a row without adapters
+gets a delta of exactly 0.
 
 Why not peft's layers: its mixed-batch forward (`adapter_names`) takes one adapter per row at
 that adapter's one global scale; a request here may ask for several adapters, each at its own
-scale, beside other requests asking for the same adapter at another.
+scale, beside other requests asking for the same adapter at another. Per layer, the adapters
+are stacked (`Stacked`): one product down through every adapter's A, each row's scales applied
+(0 for adapters it did not ask for), one product up: a fixed number of ops whatever the mix.
 
 Which rows ask for what is set around each call (`rows_asking`), per thread: each step loop's
 thread runs its own calls, so lanes sharing one copy of the weights do not see each other's.
@@ -41,7 +44,52 @@ from server.pipeline.families import Family
 
 Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
 
-_asking = threading.local()  # .rows: one Choice per row of the call in flight on this thread
+_asking = threading.local()  # .plan: the RowPlan of the call in flight on this thread
+
+
+class RowPlan:
+    """Which rows of one call ask for which adapter, at what scale. Per set of adapters a layer
+    holds, a mask [rows, their ranks stacked] of each row's scale, made once per call and device
+    (not once per layer)."""
+
+    def __init__(self, rows: Sequence[Choice]) -> None:
+        self.rows = rows
+        self._masks: dict[tuple, torch.Tensor | None] = {}
+
+    def mask(self, stacked: Stacked, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """[rows, sum of ranks]: a row's scale for each adapter's columns (0: not asked); None if
+        no row asks for any of `stacked`'s adapters."""
+        key = (stacked.names, stacked.ranks, device, dtype)
+        if key not in self._masks:
+            scales = [dict(choice) for choice in self.rows]
+            per_column = [
+                [s.get(n, 0.0) for n, r in zip(stacked.names, stacked.ranks, strict=True) for _ in range(r)]
+                for s in scales
+            ]
+            asked = any(n in s for s in scales for n in stacked.names)
+            self._masks[key] = torch.tensor(per_column, device=device, dtype=dtype) if asked else None
+        return self._masks[key]
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """One layer's adapters, their pairs stacked: one product down and one up for any mix of
+    adapters in the call, each row's scales applied between (as S-LoRA batches adapters)."""
+
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    down: torch.Tensor  # [sum of ranks, in] (conv: [sum, in, kh, kw])
+    up: torch.Tensor  # [out, sum of ranks] (conv: [out, sum, 1, 1]), alpha / rank folded in
+
+    @classmethod
+    def of(cls, pairs: Mapping[str, LoraPair]) -> Stacked:
+        ups = [pair.up * pair.scaling for pair in pairs.values()]
+        return cls(
+            tuple(pairs),
+            tuple(pair.rank for pair in pairs.values()),
+            torch.cat([pair.down for pair in pairs.values()]),
+            torch.cat(ups, dim=1),
+        )
 
 
 @dataclass(frozen=True)
@@ -196,6 +244,7 @@ class AdapterSet:
     def __init__(self, model: nn.Module, part: str) -> None:
         self.model, self.part = model, part
         self.layers: dict[str, dict[str, LoraPair]] = {}  # module name → adapter name → pair
+        self.stacked: dict[str, Stacked] = {}  # module name → its adapters, stacked
         self._hooks: dict[str, Any] = {}
 
     def add(self, adapter: Adapter) -> None:
@@ -210,6 +259,7 @@ class AdapterSet:
                 pair.down.to(weight.device, weight.dtype), pair.up.to(weight.device, weight.dtype), pair.alpha
             )
             self.layers.setdefault(module_name, {})[adapter.name] = placed
+            self.stacked[module_name] = Stacked.of(self.layers[module_name])
             if module_name not in self._hooks:
                 self._hooks[module_name] = layer.register_forward_hook(self._hook(module_name))
 
@@ -226,21 +276,23 @@ class AdapterSet:
 
     def _hook(self, module_name: str):
         def add_deltas(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            rows: Sequence[Choice] | None = getattr(_asking, "rows", None)
-            if not rows or len(rows) != output.shape[0]:
+            plan: RowPlan | None = getattr(_asking, "plan", None)
+            if plan is None or len(plan.rows) != output.shape[0]:
                 return output
-            pairs = self.layers[module_name]
+            stacked = self.stacked[module_name]
+            mask = plan.mask(stacked, output.device, output.dtype)
+            if mask is None:  # no row of this call asks for this layer's adapters
+                return output
             x = inputs[0]
-            for name, pair in pairs.items():
-                index = [i for i, choice in enumerate(rows) for n, _ in choice if n == name]
-                if not index:
-                    continue
-                scales = [s for choice in rows for n, s in choice if n == name]
-                at = torch.tensor(index, device=output.device)
-                scale = torch.tensor(scales, device=output.device, dtype=output.dtype) * pair.scaling
-                delta = _delta(layer, pair, x.index_select(0, at))
-                output.index_add_(0, at, delta * scale.view(-1, *([1] * (delta.dim() - 1))))
-            return output
+            if isinstance(layer, nn.Conv2d):
+                hidden = F.conv2d(
+                    x, stacked.down, stride=layer.stride, padding=layer.padding, dilation=layer.dilation
+                )
+                hidden.mul_(mask[:, :, None, None])
+                return output.add_(F.conv2d(hidden, stacked.up))
+            hidden = F.linear(x, stacked.down)
+            hidden.mul_(mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1]))
+            return output.add_(F.linear(hidden, stacked.up))
 
         return add_deltas
 
@@ -251,13 +303,6 @@ def _named(name: str, modules: Mapping[str, nn.Module]) -> str:
     if name not in modules and name.removeprefix("text_model.") in modules:
         return name.removeprefix("text_model.")
     return name
-
-
-def _delta(layer: nn.Module, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(layer, nn.Conv2d):
-        hidden = F.conv2d(x, pair.down, stride=layer.stride, padding=layer.padding, dilation=layer.dilation)
-        return F.conv2d(hidden, pair.up)
-    return F.linear(F.linear(x, pair.down), pair.up)
 
 
 def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: LoraPair) -> None:
@@ -276,22 +321,9 @@ def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: Lora
 @contextmanager
 def rows_asking(rows: Sequence[Choice]) -> Iterator[None]:
     """Within: the calls on this thread carry `rows` (one Choice per row of their batch)."""
-    before = getattr(_asking, "rows", None)
-    _asking.rows = rows if any(rows) else None
+    before = getattr(_asking, "plan", None)
+    _asking.plan = RowPlan(rows) if any(rows) else None
     try:
         yield
     finally:
-        _asking.rows = before
-
-
-def validate_choice(choice: Mapping[str, float], loaded: Mapping[str, Adapter], max_scale: float) -> Choice:
-    """A request's `lora` as a Choice; ValueError naming what is wrong (the API turns it into a 400)."""
-    out = []
-    for name, scale in choice.items():
-        if name not in loaded:
-            known = ", ".join(sorted(loaded)) or "none are loaded"
-            raise ValueError(f"no adapter {name!r}: choose from {known}")
-        if not -max_scale <= scale <= max_scale:
-            raise ValueError(f"{name}: scale must be between {-max_scale:g} and {max_scale:g}, got {scale}")
-        out.append((name, float(scale)))
-    return tuple(out)
+        _asking.plan = before
