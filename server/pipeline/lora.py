@@ -164,7 +164,10 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
         part_alphas = {
             k.removeprefix(f"{part}."): v for k, v in (alphas or {}).items() if k.startswith(f"{part}.")
         }
-        pairs, module_alphas = _pairs(_as_peft(tensors, text), _alphas_by_module(part_alphas, text))
+        pairs, module_alphas = (
+            _pairs(_as_peft(tensors, text), f"LoRA {name!r}: {path.name}"),
+            _alphas_by_module(part_alphas, text),
+        )
         for module, pair in pairs.items():
             if set(pair) != {"down", "up"}:
                 raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {part}.{module}")
@@ -194,16 +197,15 @@ def _alphas_by_module(alphas: dict[str, float], text: bool) -> dict[str, float]:
     return {key.split(".lora_")[0]: alpha for key, alpha in zip(converted, alphas.values(), strict=True)}
 
 
-def _pairs(
-    tensors: dict[str, Any], alphas: dict[str, float]
-) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+def _pairs(tensors: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """PEFT-form tensors by module: {"down": lora_A, "up": lora_B}; `where` names the file."""
     pairs: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         module, _, kind = key.partition(".lora_")
         if kind not in ("A.weight", "B.weight"):
-            raise ModelFolderError(f"a LoRA key diffshard cannot read: {key}")
+            raise ModelFolderError(f"{where} has a key diffshard cannot read: {key}")
         pairs.setdefault(module, {})["down" if kind == "A.weight" else "up"] = tensor
-    return pairs, alphas
+    return pairs
 
 
 class Adapters:
