@@ -20,8 +20,9 @@ from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableD
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from server.config import Settings
 from server.demo import MODEL_DIR
-from server.errors import InvalidRequest, ModelFolderError
+from server.errors import ConfigError, InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import read_adapter
 from server.pipeline.schedulers import make_scheduler
@@ -232,3 +233,17 @@ def test_kohya_files_are_read_as_diffusers_reads_them(folders, loras, tmp_path) 
         folders["sd15"], "sd15", {"K": path}, {"K": 0.9}, pipeline.resolve(request({"K": 0.9}))
     )
     assert float(np.abs(mine - reference).max()) < TOLERANCE
+
+
+def test_lora_settings_gather_flags_and_a_folder_and_refuse_clashes(loras, tmp_path) -> None:
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    (folder / "detail.safetensors").write_bytes(loras["sd15"]["B"].read_bytes())
+    settings = Settings(lora=[f"style={loras['sd15']['A']}"], lora_dir=folder)
+    assert settings.adapters == {"style": loras["sd15"]["A"], "detail": folder / "detail.safetensors"}
+    from_env = Settings(lora=f"a={loras['sd15']['A']},b={loras['sd15']['B']}")  # DIFFSHARD_LORA's form
+    assert list(from_env.adapters) == ["a", "b"]
+    with pytest.raises(ConfigError, match="two adapters are named 'detail'"):
+        _ = Settings(lora=[f"detail={loras['sd15']['A']}"], lora_dir=folder).adapters
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        Settings(lora=["no-equals-sign"])
