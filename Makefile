@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test lint bench model samples test-tools screenshot
+.PHONY: run test lint bench model samples diamond test-tools screenshot
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -85,6 +85,12 @@ model: $(VENV)/.runtime
 
 samples: $(VENV)/.runtime
 	$(PY) -m server.demo.sampling --seeds 4 --grid docs/samples.png
+
+# Retrain the diamond LoRA on the built-in model (~7 min on 2 CPU cores; peft is a test extra),
+# then judge it as the server serves it; both write server/demo/adapters/diamond.json.
+diamond: $(VENV)/.test
+	$(PY) -m server.demo.train_lora
+	$(PY) -m benchmarks.diamond_lora
 
 # Redraw the README's picture of the playground (a real Chromium drives it: tests/test_playground.py).
 screenshot: $(VENV)/.test test-tools

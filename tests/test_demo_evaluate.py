@@ -1,4 +1,5 @@
-"""The rule-based judge of shapes images: right on dataset images, clean and degraded."""
+"""The rule-based judge of shapes images: right on dataset images, clean and degraded, and on
+the diamonds (dataset.NEW_SHAPES) an adapter teaches the built-in model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from server.demo.dataset import Batch, sample_batch, to_uint8
+from server.demo.dataset import SHAPES, Batch, sample_batch, to_uint8
 from server.demo.evaluate import Verdict, accuracy, classify, main
 
 
@@ -39,6 +40,34 @@ def test_blurred_and_desaturated_images_are_classified(batch: Batch, k: int) -> 
     degraded = toward_gray(blur(batch.images, k), 0.25)
     acc = accuracy(degraded, batch.colors, batch.shapes)
     assert acc["color"] >= 0.95 and acc["shape"] >= 0.95, acc
+
+
+@pytest.fixture(scope="module")
+def diamonds() -> Batch:
+    return sample_batch(500, torch.Generator().manual_seed(4321), shapes=("diamond",))
+
+
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_drawn_diamonds_are_diamonds_clean_blurred_and_desaturated(diamonds: Batch, k: int) -> None:
+    images = toward_gray(blur(diamonds.images, k), 0.25) if k else diamonds.images
+    acc = accuracy(images, diamonds.colors, diamonds.shapes)
+    assert acc["color"] >= 0.98 and acc["shape"] >= (0.98 if k < 5 else 0.95), acc
+
+
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_drawn_squares_circles_and_triangles_are_never_diamonds(batch: Batch, k: int) -> None:
+    images = toward_gray(blur(batch.images, k), 0.25) if k else batch.images
+    shapes = [classify(image).shape for image in images]
+    assert "diamond" not in shapes
+    squares = [s for s, drawn in zip(shapes, batch.shapes, strict=True) if drawn == "square"]
+    assert len(squares) > 250 and set(squares) == {"square"}
+
+
+def test_a_mixed_batch_of_all_four_shapes_is_classified() -> None:
+    mixed = sample_batch(400, torch.Generator().manual_seed(99), shapes=(*SHAPES, "diamond"))
+    assert set(mixed.shapes) == {*SHAPES, "diamond"}
+    acc = accuracy(mixed.images, mixed.colors, mixed.shapes)
+    assert acc["color"] >= 0.98 and acc["shape"] >= 0.98, acc
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.05])

@@ -11,9 +11,12 @@ images a small diffusion model generates (soft edges, off or washed-out colors, 
 3. Color: the median of the object's core (eroded mask, away from blurred edges), minus the
    background so a faint object is not mistaken for a pale one. Low saturation → white;
    otherwise the hue angle falls into one of five bins around the `dataset.COLORS` hues.
-4. Shape: the object's mask against an ideal circle, square and upright triangle drawn in its
-   bounding box (taken after a 3x3 opening, so noise spurs do not stretch it; the triangle may
-   reach above it, for an apex lost to blur); the highest IoU wins if it reaches MIN_SHAPE_IOU.
+4. Shape: the object's mask against an ideal circle, square, upright triangle and diamond (a
+   square turned 45°, `dataset.NEW_SHAPES`: what the diamond adapter draws) drawn in its bounding
+   box (taken after a 3x3 opening, so noise spurs do not stretch it; the triangle may reach above
+   it, for an apex lost to blur); the highest IoU wins if it reaches MIN_SHAPE_IOU. A diamond
+   fits a circle at IoU ≈ 0.64 (which the judge without a diamond called it), a circle fits a
+   diamond at ≈ 0.64 too: drawn and generated circles, squares and triangles keep their verdicts.
 
 `python -m server.demo.evaluate IMAGE.png ...` prints a verdict per file.
 """
@@ -213,6 +216,7 @@ def _shape(mask: np.ndarray) -> str | None:
     iou = {
         "circle": _iou(box, lambda u, v: (u - 0.5) ** 2 + (v - 0.5) ** 2 <= 0.25),
         "square": float(box.mean()),  # the ideal square is the whole box
+        "diamond": _iou(box, _diamond),
         # blur eats the thin apex, leaving a trapezoid: let the ideal triangle's apex rise above
         # the mask, by up to a third of its height
         "triangle": max(
@@ -226,6 +230,10 @@ def _shape(mask: np.ndarray) -> str | None:
 
 def _triangle(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     return v >= 2 * np.abs(u - 0.5)  # apex at the top middle, as in the dataset
+
+
+def _diamond(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return np.abs(u - 0.5) + np.abs(v - 0.5) <= 0.5  # corners at the middles of the box's sides
 
 
 def _iou(box: np.ndarray, inside: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> float:
