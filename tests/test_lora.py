@@ -235,6 +235,39 @@ def test_kohya_files_are_read_as_diffusers_reads_them(folders, loras, tmp_path) 
     assert float(np.abs(mine - reference).max()) < TOLERANCE
 
 
+def test_alphas_in_diffusers_metadata_are_read_per_part_and_per_pattern(folders, loras, tmp_path) -> None:
+    """`save_lora_weights` writes each part's peft config under its prefix (`unet.lora_alpha`,
+    `unet.alpha_pattern`): alpha ≠ rank must scale as diffusers scales it."""
+    tensors = load_file(loras["sd15"]["A"])
+    parts = {
+        part: {k.removeprefix(f"{part}."): v for k, v in tensors.items() if k.startswith(f"{part}.")}
+        for part in ("unet", "text_encoder")
+    }
+    config = {"r": RANK, "lora_alpha": 2 * RANK}
+    StableDiffusionPipeline.save_lora_weights(
+        tmp_path,
+        unet_lora_layers=parts["unet"],
+        text_encoder_lora_layers=parts["text_encoder"],
+        weight_name="alphas.safetensors",
+        unet_lora_adapter_metadata={
+            **config,
+            "target_modules": list(UNET_TARGETS),
+            "alpha_pattern": {"to_q": 1},
+        },
+        text_encoder_lora_adapter_metadata={**config, "target_modules": list(TEXT_TARGETS)},
+    )
+    path = tmp_path / "alphas.safetensors"
+    pipeline = ours(folders["sd15"], "sd15", {"M": path}, devices="cpu")
+    unet = pipeline.adapters.loaded["M"].parts["unet"]
+    assert {p.alpha for m, p in unet.items() if m.endswith("to_q")} == {1.0}
+    assert {p.alpha for m, p in unet.items() if not m.endswith("to_q")} == {2.0 * RANK}
+    mine = pipeline.generate([request({"M": 0.5})])[0]
+    reference = theirs(
+        folders["sd15"], "sd15", {"M": path}, {"M": 0.5}, pipeline.resolve(request({"M": 0.5}))
+    )
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+
+
 def test_lora_settings_gather_flags_and_a_folder_and_refuse_clashes(loras, tmp_path) -> None:
     folder = tmp_path / "adapters"
     folder.mkdir()

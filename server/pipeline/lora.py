@@ -20,6 +20,7 @@ thread runs its own calls, so lanes sharing one copy of the weights do not see e
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -168,15 +169,36 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
             _pairs(_as_peft(tensors, text), f"LoRA {name!r}: {path.name}"),
             _alphas_by_module(part_alphas, text),
         )
+        config = _part_config(metadata, part)
         for module, pair in pairs.items():
             if set(pair) != {"down", "up"}:
                 raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {part}.{module}")
             rank = pair["down"].shape[0]
-            alpha = module_alphas.get(module, metadata.get("lora_alpha", rank))
+            alpha = module_alphas.get(module)
+            if alpha is None:
+                alpha = _configured_alpha(config, module, rank)
             adapter.parts.setdefault(part, {})[module] = LoraPair(pair["down"], pair["up"], float(alpha))
     if not adapter.parts:
         raise ModelFolderError(f"LoRA {name!r}: {path.name} holds no LoRA weights")
     return adapter
+
+
+def _part_config(metadata: dict[str, Any], part: str) -> dict[str, Any]:
+    """A part's peft config from diffusers' `lora_adapter_metadata`: `save_lora_weights` prefixes
+    each key with its part (`unet.lora_alpha`, `text_encoder.alpha_pattern`); a file written for
+    one model alone may hold them bare."""
+    prefixed = {k.removeprefix(f"{part}."): v for k, v in metadata.items() if k.startswith(f"{part}.")}
+    return prefixed or {k: v for k, v in metadata.items() if "." not in k}
+
+
+def _configured_alpha(config: dict[str, Any], module: str, rank: int) -> float:
+    """The module's lora_alpha as peft reads a LoraConfig: its `alpha_pattern` entry (a key that
+    matches the module name's tail, as peft's `get_pattern_key`), else `lora_alpha`, else the rank
+    (the scaling is then 1)."""
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return float(alpha)
+    return float(config.get("lora_alpha", rank))
 
 
 def _as_peft(tensors: dict[str, Any], text: bool) -> dict[str, Any]:
