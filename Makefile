@@ -54,9 +54,10 @@ test-tools:
 	  "tests that render deploy/k8s will skip; to run them, install kubectl from https://pkgs.k8s.io" \
 	  "(https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/)" >&2
 
-# The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`).
+# The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`),
+# with the LoRA trained on it (ask for "a red diamond" with lora {"diamond": 1}).
 run: $(VENV)/.runtime
-	$(PY) -m server serve
+	$(PY) -m server serve --lora diamond=server/demo/adapters/diamond.safetensors
 
 test: $(VENV)/.test test-tools lint
 	$(PY) -m pytest
