@@ -176,7 +176,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 def test_over_http_the_sdk_asks_for_adapters_streamed_or_not_and_bad_ones_get_400(served: LiveServer) -> None:
     listed = httpx.get(f"{served.url}/v1/models", timeout=10).json()["data"][0]["adapters"]
     assert [(a["name"], a["rank"], a["parts"]) for a in listed] == [("style", RANK, ["text_encoder", "unet"])]
-    assert "to_q" in listed[0]["targets"] and listed[0]["bytes"] > 0
+    assert {"attn1.to_q", "attn2.to_out.0", "self_attn.q_proj"} <= set(listed[0]["targets"])
+    assert listed[0]["bytes"] > 0
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     extra = {"seed": 5, "num_inference_steps": 6}
 

@@ -133,8 +133,13 @@ class Adapter:
         )
 
     def describe(self) -> dict[str, Any]:
-        targets = sorted({name.rsplit(".", 1)[-1] for pairs in self.parts.values() for name in pairs})
+        # a module's path inside its innermost repeated block (`...transformer_blocks.0.attn1.to_q`
+        # → `attn1.to_q`, `...ff.net.0.proj` → `ff.net.0.proj`): what a trainer's targets name
+        targets = sorted({_INSIDE_BLOCK.sub("", name) for pairs in self.parts.values() for name in pairs})
         return {"name": self.name, "rank": self.rank, "parts": sorted(self.parts), "targets": targets}
+
+
+_INSIDE_BLOCK = re.compile(r"^.*\b\w+s\.\d+\.")  # up to the last `<plural>.<index>.`
 
 
 def read_adapter(name: str, path: Path, family: Family) -> Adapter:
