@@ -4,12 +4,14 @@ What the serving layer reads of the engine (memory and pool numbers) it gets fro
 from server.engine import DeviceMemory
 from server.engine.pool import PoolStats
 from server.pipeline.denoise import Pipeline
+from server.pipeline.edits import Edit
 from server.pipeline.requests import Defaults, GenerationRequest
 from server.pipeline.state import RequestState, group_states
 
 __all__ = [
     "Defaults",
     "DeviceMemory",
+    "Edit",
     "GenerationRequest",
     "Pipeline",
     "PoolStats",

@@ -15,12 +15,9 @@ guidance scales, share the forward.
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,10 +36,11 @@ from server.engine.blocks import DenoiserInputs
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
+from server.pipeline.edits import blend, start_latents
 from server.pipeline.loader import Components, load_components
 from server.pipeline.lora import Adapter, Adapters, rows_asking
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
-from server.pipeline.schedulers import make_scheduler
+from server.pipeline.schedulers import make_scheduler, predicted_clean, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
@@ -212,16 +210,35 @@ class Pipeline:
             shape = family.latent_shape(request.width, request.height)
             scheduler = make_scheduler(self.components.scheduler, request.scheduler)
             family.set_timesteps(scheduler, request.steps, self.device, shape)
+            edit, begin = request.edit, 0
+            if edit is not None:
+                begin = family.edit_begin(request.steps, edit.strength) * scheduler.order
             if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
+                scheduler.set_begin_index(begin)
             # Noise as diffusers' randn_tensor draws it: on the CPU generator, then moved.
             generator = torch.Generator("cpu").manual_seed(request.seed)
-            noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=self.device.type == "cuda")
-            torch.randn(shape, generator=generator, dtype=LATENT_DTYPE, out=noise)
-            latents = scope.rent(shape, LATENT_DTYPE, self.device)
-            latents.copy_(noise)
-            latents.mul_(family.init_noise_sigma(scheduler))
-            scope.give_back(noise)
+            inpainting = None
+            if edit is not None:
+                latents, inpainting = start_latents(
+                    edit,
+                    family=family,
+                    vae=self.vae,
+                    scheduler=scheduler,
+                    first_t=scheduler.timesteps[begin],
+                    generator=generator,
+                    scope=scope,
+                    shape=shape,
+                    width=request.width,
+                    height=request.height,
+                    device=self.device,
+                )
+            else:
+                noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=self.device.type == "cuda")
+                torch.randn(shape, generator=generator, dtype=LATENT_DTYPE, out=noise)
+                latents = scope.rent(shape, LATENT_DTYPE, self.device)
+                latents.copy_(noise)
+                latents.mul_(family.init_noise_sigma(scheduler))
+                scope.give_back(noise)
             kept = {}
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
@@ -234,7 +251,9 @@ class Pipeline:
                 kept.pop("context"),
                 kept,
                 scope,
-                step_kwargs=_step_kwargs(type(scheduler), generator),
+                begin=begin,
+                inpainting=inpainting,
+                step_kwargs=step_kwargs(type(scheduler), generator),
             )
         except BaseException:
             scope.close()
@@ -288,8 +307,16 @@ class Pipeline:
                     prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs
                 )
                 if partial is not None:
-                    previews.append((state, partial, _clean(state, prediction, output, early)))
+                    previews.append(
+                        (
+                            state,
+                            partial,
+                            predicted_clean(state.scheduler, state.latents, prediction, output, early),
+                        )
+                    )
                 state.latents.copy_(output.prev_sample)
+                if state.inpainting is not None:  # the unmasked region back to the image
+                    blend(self.family, state.scheduler, state.latents, state.inpainting, state.next_timestep)
                 state.index += 1
             # 4. The partial images due at this step, batched per size as `decode` batches.
             for group in group_states([s for s, _, _ in previews]):
@@ -362,35 +389,6 @@ class Pipeline:
                 state.close()
 
 
-def _clean(
-    state: RequestState, prediction: torch.Tensor, output: Any, early: torch.Tensor | None
-) -> torch.Tensor:
-    """The model's estimate of the finished latents at this step: what a partial image shows.
-    DDIM and the Euler schedulers return it; DPM-Solver converts its prediction to it (`early`,
-    before its step); flow matching (SD3) predicts a velocity: x0 = x_t - sigma * v."""
-    if early is not None:
-        return early
-    if getattr(output, "pred_original_sample", None) is not None:
-        return output.pred_original_sample
-    sigma = state.scheduler.sigmas[state.scheduler.step_index - 1]  # the step just taken
-    return state.latents - sigma * prediction
-
-
 def _images_per_call(states: Sequence[RequestState]) -> int:
     """How many images of this (one) size one VAE call decodes: DECODE_PIXELS' worth, at least one."""
     return max(1, DECODE_PIXELS // (states[0].request.width * states[0].request.height)) if states else 1
-
-
-@cache
-def _accepts(scheduler_class: type, argument: str) -> bool:
-    return argument in inspect.signature(scheduler_class.step).parameters
-
-
-def _step_kwargs(scheduler_class: type, generator: torch.Generator) -> dict[str, Any]:
-    """What diffusers' prepare_extra_step_kwargs passes: eta=0 (DDIM) and the request's generator."""
-    kwargs: dict[str, Any] = {}
-    if _accepts(scheduler_class, "eta"):
-        kwargs["eta"] = 0.0
-    if _accepts(scheduler_class, "generator"):
-        kwargs["generator"] = generator
-    return kwargs

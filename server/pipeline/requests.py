@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.errors import InvalidRequest
+from server.pipeline.edits import Edit
 from server.pipeline.families import Family
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
@@ -35,6 +36,7 @@ class GenerationRequest:
     partial_images: int = 0  # previews of the predicted clean image, at evenly spaced steps
     deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
     lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
+    edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
 
     @property
     def resolved(self) -> bool:
@@ -47,6 +49,7 @@ class Defaults:
     guidance_scale: float
     scheduler: str
     size: int  # native image side in pixels
+    size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
 
 
 def read_defaults(folder: Path, family: Family) -> Defaults:
@@ -60,6 +63,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         guidance_scale=float(settings.get("guidance_scale", family.default_guidance)),
         scheduler="default",
         size=int(settings.get("size", family.native_size)),
+        size_multiple=family.size_multiple,
     )
 
 
@@ -73,13 +77,16 @@ def resolve(request: GenerationRequest, defaults: Defaults, family: Family) -> G
 def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationRequest:
     """`request` with every unset field filled in from `defaults`; nothing checked."""
     d = defaults
+    width, height = d.size, d.size
+    if request.edit is not None:  # an edit's size is its image's, as diffusers' edit pipelines
+        width, height = (side - side % d.size_multiple for side in request.edit.image.size)
     return replace(
         request,
         steps=d.steps if request.steps is None else request.steps,
         guidance_scale=d.guidance_scale if request.guidance_scale is None else request.guidance_scale,
         scheduler=request.scheduler or d.scheduler,
-        width=d.size if request.width is None else request.width,
-        height=d.size if request.height is None else request.height,
+        width=width if request.width is None else request.width,
+        height=height if request.height is None else request.height,
     )
 
 
@@ -105,6 +112,25 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("size", f"width and height must be at most {largest} for this model, got {size}")
     if not 0 <= request.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {request.seed}")
+    if request.edit is not None:
+        _check_edit(request, request.edit, family)
+
+
+def _check_edit(request: GenerationRequest, edit: Edit, family: Family) -> None:
+    strength = edit.strength
+    if not (math.isfinite(strength) and 0 < strength <= 1):
+        raise InvalidRequest("strength", f"must be greater than 0 and at most 1, got {strength}")
+    if request.steps - family.edit_begin(request.steps, strength) < 1:
+        raise InvalidRequest(
+            "strength",
+            f"{strength} of {request.steps} steps runs no step: raise strength or num_inference_steps",
+        )
+    if edit.mask is not None:
+        if edit.mask.size != edit.image.size:
+            given, wanted = "x".join(map(str, edit.mask.size)), "x".join(map(str, edit.image.size))
+            raise InvalidRequest("mask", f"must have the image's size, {wanted}, got {given}")
+        if edit.mask.getextrema()[1] == 0:
+            raise InvalidRequest("mask", "has no transparent pixel: it marks nothing to repaint")
 
 
 def _is_unicode(text: str) -> bool:

@@ -4,8 +4,11 @@ model accepts is its family's `schedulers`."""
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from typing import Any
 
+import torch
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
@@ -35,3 +38,32 @@ def make_scheduler(folder_scheduler: Any, name: str = "default") -> Any:
     else:
         raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_NAMES)}, got {name!r}")
     return cls.from_config(folder_scheduler.config)
+
+
+@cache
+def _accepts(scheduler_class: type, argument: str) -> bool:
+    return argument in inspect.signature(scheduler_class.step).parameters
+
+
+def step_kwargs(scheduler_class: type, generator: torch.Generator) -> dict[str, Any]:
+    """What diffusers' prepare_extra_step_kwargs passes: eta=0 (DDIM) and the request's generator."""
+    kwargs: dict[str, Any] = {}
+    if _accepts(scheduler_class, "eta"):
+        kwargs["eta"] = 0.0
+    if _accepts(scheduler_class, "generator"):
+        kwargs["generator"] = generator
+    return kwargs
+
+
+def predicted_clean(
+    scheduler: Any, latents: torch.Tensor, prediction: torch.Tensor, output: Any, early: torch.Tensor | None
+) -> torch.Tensor:
+    """The model's estimate of the finished latents at this step: what a partial image shows.
+    DDIM and the Euler schedulers return it; DPM-Solver converts its prediction to it (`early`,
+    before its step); flow matching (SD3) predicts a velocity: x0 = x_t - sigma * v."""
+    if early is not None:
+        return early
+    if getattr(output, "pred_original_sample", None) is not None:
+        return output.pred_original_sample
+    sigma = scheduler.sigmas[scheduler.step_index - 1]  # the step just taken
+    return latents - sigma * prediction

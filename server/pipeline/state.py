@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from server.engine.pool import PoolScope
+from server.pipeline.edits import Inpainting
 from server.pipeline.requests import GenerationRequest
 
 
@@ -24,6 +25,8 @@ class RequestState:
     extras: dict[str, torch.Tensor]  # the family's other per-row conditioning, [rows, ...] each
     scope: PoolScope
     index: int = 0  # steps taken
+    begin: int = 0  # timesteps an edit skips (its strength): it starts at timesteps[begin]
+    inpainting: Inpainting | None = None  # an inpainting edit's image latents, noise and mask
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
@@ -43,7 +46,7 @@ class RequestState:
 
     @property
     def steps(self) -> int:
-        return len(self.scheduler.timesteps)
+        return len(self.scheduler.timesteps) - self.begin
 
     @property
     def done(self) -> bool:
@@ -51,7 +54,12 @@ class RequestState:
 
     @property
     def timestep(self) -> torch.Tensor:
-        return self.scheduler.timesteps[self.index]
+        return self.scheduler.timesteps[self.begin + self.index]
+
+    @property
+    def next_timestep(self) -> torch.Tensor | None:
+        """The timestep after this step's, None at the last step."""
+        return None if self.index + 1 >= self.steps else self.scheduler.timesteps[self.begin + self.index + 1]
 
     @property
     def group(self) -> tuple[Any, ...]:

@@ -125,18 +125,34 @@ class Family:
     def set_timesteps(self, scheduler: Any, steps: int, device: torch.device, latent_shape: tuple) -> None:
         scheduler.set_timesteps(steps, device=device)
 
+    def edit_begin(self, steps: int, strength: float) -> int:
+        """Steps an edit at `strength` skips (diffusers' img2img `get_timesteps`: the steps it
+        runs are floored)."""
+        return max(steps - min(int(steps * strength), steps), 0)
+
     def init_noise_sigma(self, scheduler: Any) -> float:
         return float(scheduler.init_noise_sigma)
 
     def model_input(self, scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return scheduler.scale_model_input(latents, t)
 
-    # 3. Latents → pixels.
+    def noised(
+        self, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """Clean latents noised to timestep `t` (an edit's start, inpainting's known region)."""
+        return scheduler.add_noise(clean, noise, t)
+
+    # 3. Latents ↔ pixels.
 
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents as the VAE decodes them: undo the scaling (and shift) applied at training."""
         vae = self.config.vae
         return latents / vae["scaling_factor"] + (vae.get("shift_factor") or 0.0)
+
+    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE encoder's latents as the denoiser takes them: `unscale_latents` undone."""
+        vae = self.config.vae
+        return (latents - (vae.get("shift_factor") or 0.0)) * vae["scaling_factor"]
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         """Configs that disagree (raise ModelFolderError); nothing to check for SD."""

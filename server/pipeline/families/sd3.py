@@ -101,8 +101,16 @@ class SD3(Family):
                 f"text_encoder_3 (T5) with tokenizer_3 or neither; this one has {', '.join(present)}"
             )
 
+    def edit_begin(self, steps: int, strength: float) -> int:
+        return int(max(steps - steps * strength, 0))  # SD3's get_timesteps floors the steps skipped
+
     def init_noise_sigma(self, scheduler: Any) -> float:
         return 1.0  # flow matching starts from pure noise
+
+    def noised(
+        self, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        return scheduler.scale_noise(clean, t, noise)  # flow matching: (1 - σ) x0 + σ noise
 
     def model_input(self, scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return latents

@@ -59,14 +59,30 @@ class SDXL(Family):
         return {"added_cond_kwargs": extras}
 
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._latent_stats(latents)  # VAEs with per-channel normalised latents
+        if mean is None:
+            return super().unscale_latents(latents)
+        return latents * std / self.config.vae["scaling_factor"] + mean
+
+    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """As StableDiffusionXLImg2ImgPipeline encodes (its inpainting pipeline ignores
+        latents_mean/std when encoding: a mismatch with its own decoding not copied here)."""
+        mean, std = self._latent_stats(latents)
+        if mean is None:
+            return super().scale_latents(latents)
+        return (latents - mean) * self.config.vae["scaling_factor"] / std
+
+    def _latent_stats(self, latents: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The VAE's per-channel latent mean and std, where it has them ([1, C, 1, 1] each)."""
         vae = self.config.vae
         mean, std = vae.get("latents_mean"), vae.get("latents_std")
         if mean is None or std is None:
-            return super().unscale_latents(latents)
-        shape = (1, -1, 1, 1)  # VAEs with per-channel normalised latents
-        mean_t = torch.tensor(mean, dtype=latents.dtype, device=latents.device).view(shape)
-        std_t = torch.tensor(std, dtype=latents.dtype, device=latents.device).view(shape)
-        return latents * std_t / vae["scaling_factor"] + mean_t
+            return None, None
+        shape = (1, -1, 1, 1)
+        return (
+            torch.tensor(mean, dtype=latents.dtype, device=latents.device).view(shape),
+            torch.tensor(std, dtype=latents.dtype, device=latents.device).view(shape),
+        )
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         """The added embedding must take the pooled text plus 6 size ids, as diffusers checks."""

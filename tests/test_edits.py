@@ -1,0 +1,182 @@
+"""Image edits (issue 24) in process on the tiny SD-1.5-, SDXL- and SD3-shaped folders: img2img
+and inpainting through our pipeline give diffusers' `StableDiffusion(XL|3)Img2ImgPipeline` /
+`...InpaintPipeline` image for the same image, mask, strength, seed and scheduler; an edit that
+joins generations mid-way gives the image it gives alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+)
+from PIL import Image, ImageDraw
+
+from server.errors import InvalidRequest
+from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline.schedulers import make_scheduler
+from tests.tiny_pipelines import IMAGE_SIZE
+
+TOLERANCE = 1e-3
+REFERENCE = {
+    ("sd15", "img2img"): StableDiffusionImg2ImgPipeline,
+    ("sd15", "inpaint"): StableDiffusionInpaintPipeline,
+    ("sdxl", "img2img"): StableDiffusionXLImg2ImgPipeline,
+    ("sdxl", "inpaint"): StableDiffusionXLInpaintPipeline,
+    ("sd3", "img2img"): StableDiffusion3Img2ImgPipeline,
+    ("sd3", "inpaint"): StableDiffusion3InpaintPipeline,
+}
+NO_T5 = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}
+
+
+def source_image(size: int = IMAGE_SIZE) -> Image.Image:
+    """Two shapes on a dark ground: a red disc left, a blue square right."""
+    image = Image.new("RGB", (size, size), (20, 20, 30))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((2, 8, size // 2 - 2, size - 8), fill=(220, 30, 30))
+    draw.rectangle((size // 2 + 3, 9, size - 3, size - 9), fill=(30, 40, 220))
+    return image
+
+
+def left_half_mask(size: int = IMAGE_SIZE) -> Image.Image:
+    """diffusers' convention: white repaints (the left half)."""
+    mask = Image.new("L", (size, size), 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, size // 2 - 1, size - 1), fill=255)
+    return mask
+
+
+def edit_request(
+    mask: bool, strength: float, seed: int = 4, scheduler: str | None = None
+) -> GenerationRequest:
+    edit = Edit(source_image(), left_half_mask() if mask else None, strength)
+    return GenerationRequest(
+        "a red circle",
+        negative_prompt="blue",
+        seed=seed,
+        steps=6,
+        guidance_scale=4.0,
+        scheduler=scheduler,
+        edit=edit,
+    )
+
+
+def theirs(folder: Path, kind: str, request: GenerationRequest) -> np.ndarray:
+    mode = "inpaint" if request.edit.mask is not None else "img2img"
+    pipe = REFERENCE[kind, mode].from_pretrained(folder, local_files_only=True, **NO_T5.get(kind, {}))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
+    masked = {"mask_image": request.edit.mask} if mode == "inpaint" else {}
+    # diffusers' SD3 inpainting decodes without the VAE's shift_factor, unlike its own encoding and
+    # every other SD3 pipeline (diffusers#13611, issue 1; fix in PR #14671): compare its latents,
+    # decoded as StableDiffusion3Img2ImgPipeline decodes
+    unshifted = (kind, mode) == ("sd3", "inpaint")
+    images = pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        image=request.edit.image,
+        strength=request.edit.strength,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        output_type="latent" if unshifted else "np",
+        **masked,
+    ).images
+    if unshifted:
+        latents = images / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        with torch.no_grad():
+            images = pipe.image_processor.postprocess(pipe.vae.decode(latents)[0], output_type="np")
+    return images[0]
+
+
+@pytest.fixture(scope="module")
+def all_folders(folders: dict[str, Path], sd3_folder: Path) -> dict[str, Path]:
+    return {**folders, "sd3": sd3_folder}
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl", "sd3"])
+@pytest.mark.parametrize(
+    ("mask", "strength"),
+    [(False, 0.6), (True, 0.75), (True, 1.0)],
+    ids=["img2img", "inpaint", "inpaint-full"],
+)
+def test_edits_give_diffusers_image(all_folders, kind: str, mask: bool, strength: float) -> None:
+    pipeline = Pipeline.load(all_folders[kind], devices="cpu,cpu", strategy="even")
+    request = pipeline.resolve(edit_request(mask, strength))
+    mine = pipeline.generate([request])[0]
+    reference = theirs(all_folders[kind], kind, request)
+    assert mine.shape == reference.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("scheduler", ["euler_a", "dpmpp_2m"])
+def test_edits_match_diffusers_with_schedulers_that_draw_noise_or_keep_history(
+    folders, scheduler: str
+) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    for mask in (False, True):
+        request = pipeline.resolve(edit_request(mask, 0.7, scheduler=scheduler))
+        mine = pipeline.generate([request])[0]
+        assert float(np.abs(mine - theirs(folders["sd15"], "sd15", request)).max()) < TOLERANCE
+
+
+def run_joining(pipeline: Pipeline, first: list[GenerationRequest], later: GenerationRequest, after: int):
+    """`first` stepped `after` times, then `later` joins: every step one call with all rows."""
+    states = pipeline.start([pipeline.resolve(r) for r in first])
+    rows_per_call: list[int] = []
+    try:
+        for _ in range(after):
+            pipeline.step(states)
+        states += pipeline.start([pipeline.resolve(later)])
+        while active := [s for s in states if not s.done]:
+            rows_per_call.append(sum(s.rows for s in active))
+            pipeline.step(active)
+        images = [pipeline.decode([s])[0].numpy().copy() for s in states]
+    finally:
+        for state in states:
+            state.close()
+    return images, rows_per_call
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sd3"])
+def test_an_edit_joining_generations_mid_way_gives_its_image_alone(all_folders, kind: str) -> None:
+    pipeline = Pipeline.load(all_folders[kind], devices="cpu")
+    generations = [
+        GenerationRequest("a blue square", seed=1, steps=6, guidance_scale=4.0),
+        GenerationRequest("a red circle", seed=2, steps=6, guidance_scale=4.0),
+    ]
+    edit = edit_request(mask=True, strength=0.75)
+    together, rows_per_call = run_joining(pipeline, generations, edit, after=2)
+    assert rows_per_call[0] == 6  # the edit's two rows shared a call with both generations' four
+    alone = [pipeline.generate([r])[0] for r in [*generations, edit]]
+    for one, joined in zip(alone, together, strict=True):
+        assert float(np.abs(one - joined).max()) < TOLERANCE
+
+
+def test_edits_out_of_bounds_are_refused_naming_the_field(folders) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    image = source_image()
+    cases = {
+        "strength": [Edit(image, None, 0.0), Edit(image, None, 1.5), Edit(image, None, float("nan"))],
+        "mask": [Edit(image, left_half_mask(16)), Edit(image, Image.new("L", image.size, 0))],
+    }
+    for field, edits in cases.items():
+        for edit in edits:
+            with pytest.raises(InvalidRequest) as refused:
+                pipeline.resolve(GenerationRequest("a red circle", steps=6, edit=edit))
+            assert refused.value.field == field
+    with pytest.raises(InvalidRequest, match="runs no step") as refused:  # 0.1 × 6 steps: none
+        pipeline.resolve(GenerationRequest("a red circle", steps=6, edit=Edit(image, None, 0.1)))
+    assert refused.value.field == "strength"
+    # an edit's default size is its image's, rounded down to what the model takes
+    odd = Edit(source_image(37))
+    assert pipeline.resolve(GenerationRequest("a red circle", edit=odd)).width == 32
