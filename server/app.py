@@ -25,6 +25,7 @@ from server.api.errors import install_error_handlers
 from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
+from server.api.uploads import bound_decoder
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
 from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
@@ -100,10 +101,12 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
         threads,
         f"; each lane runs {lanes}" if lanes is not None else "",
     )
+    limits = settings.limits(pipeline.family.native_size)
+    bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
         pipeline,
         settings.served_name,
-        settings.limits(pipeline.family.native_size),
+        limits,
         max_queue=settings.max_queue,
         max_queue_per_key=settings.key_queue_limit,
         max_batch=settings.max_batch,
@@ -204,7 +207,13 @@ def create_app(
     install_openapi(
         app, _bounds(settings, app.state.api_keys is not None or app.state.admin_keys is not None)
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    image_settings = "DIFFSHARD_MAX_IMAGE_BYTES, DIFFSHARD_MAX_EDIT_IMAGES, DIFFSHARD_MAX_BODY_BYTES"
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.read_timeout_s,
+        by_path={"/v1/images/edits": (settings.edit_body_bytes, image_settings)},
+    )
     app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too
     app.add_middleware(RequestContext)  # outermost: every answer carries the request id
     return app

@@ -133,7 +133,16 @@ class Settings(BaseSettings):
         1000, gt=0, description="n x steps x pixels / native pixels of one request (native-image steps)"
     )
     max_prompt_chars: int = Field(2000, ge=1, description="characters of prompt or negative_prompt")
-    max_body_bytes: int = Field(64 * 1024, ge=1024, description="bytes of a request body")
+    max_body_bytes: int = Field(
+        64 * 1024, ge=1024, description="bytes of a request body (edits: beside their images)"
+    )
+    max_image_bytes: int = Field(
+        4 * 2**20, ge=1024, description="bytes of one image or mask sent to /v1/images/edits"
+    )
+    max_image_pixels: int | None = Field(
+        None, ge=64, description="width x height of one image sent to edit (default: 4x max_pixels)"
+    )
+    max_edit_images: int = Field(4, ge=1, le=16, description="images one edit request may send")
 
     # Connections.
     read_timeout_s: float = Field(30, gt=0, description="time a client may take to send headers and body")
@@ -257,7 +266,15 @@ class Settings(BaseSettings):
             max_work=self.max_work,
             native_pixels=native_size * native_size,
             request_timeout_s=self.request_timeout_s,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(native_size),
+            max_edit_images=self.max_edit_images,
         )
+
+    @property
+    def edit_body_bytes(self) -> int:
+        """An edit's body: its images and mask at their limit, beside the other fields."""
+        return (self.max_edit_images + 1) * self.max_image_bytes + self.max_body_bytes
 
 
 def read_api_keys(path: Path) -> frozenset[str]:

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.api.schemas import ImageGenerationRequest  # the one body with fields to misspell
+from server.api.schemas import ImageEditRequest  # the generation body's fields and the edit's
 from server.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -156,7 +156,7 @@ def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, 
 
 
 def _did_you_mean(field: str) -> str:
-    close = difflib.get_close_matches(field, ImageGenerationRequest.model_fields, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(field, ImageEditRequest.model_fields, n=1, cutoff=0.75)
     return f"; did you mean {close[0]!r}?" if close else " (see /openapi.json for the fields)"
 
 

@@ -1,5 +1,5 @@
 """Refuse request bodies over a byte limit, or slower than the read timeout, before anything
-parses them.
+parses them. Routes that take images (edits) have a larger limit of their own.
 
 The body is read here, up to the limit, and handed on whole; a body that goes past the
 limit (by its Content-Length or as it streams in) is answered 413 at once. A body that has not
@@ -21,22 +21,30 @@ CLOSE = {"connection": "close"}  # the body was not read to its end: the connect
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        read_timeout_s: float = 30.0,
+        by_path: dict[str, tuple[int, str]] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.by_path = by_path or {}  # path → (its limit, the settings that make it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = self.by_path.get(scope["path"], (self.max_bytes, "DIFFSHARD_MAX_BODY_BYTES"))
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, limit, setting)
             return
         try:
             async with asyncio.timeout(self.read_timeout_s):
-                body = await self._read(receive)
+                body = await self._read(receive, limit)
         except TimeoutError:
             message = (
                 f"the request body did not arrive within {self.read_timeout_s:g} s (DIFFSHARD_READ_TIMEOUT_S)"
@@ -45,8 +53,8 @@ class BodyLimit:
             return
         if body is None:
             return  # the client went away mid-body: nobody to answer
-        if len(body) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if len(body) > limit:
+            await self._refuse(scope, receive, send, limit, setting)
             return
         delivered = False
 
@@ -59,7 +67,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive) -> bytes | None:
+    async def _read(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or its first bytes past the limit; None if the client left."""
         chunks, size = [], 0
         while True:
@@ -68,13 +76,13 @@ class BodyLimit:
                 return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes or not message.get("more_body", False):
+            if size > limit or not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int, setting: str) -> None:
         response = envelope(
             413,
-            f"the request body is over {self.max_bytes} bytes (DIFFSHARD_MAX_BODY_BYTES)",
+            f"the request body is over {limit} bytes ({setting})",
             code="body_too_large",
             headers=CLOSE,
         )

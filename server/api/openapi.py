@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN
+from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN, ImageEditRequest
 from server.serving import FORMATS, MAX_MODEL_STEPS, SEED_LIMIT
 
 ERROR_SCHEMA = {
@@ -41,7 +41,7 @@ ERRORS = {
     400: "invalid input: the message names the field (`param`) and the limit or setting",
     401: "a missing or wrong API key (`WWW-Authenticate: Bearer`)",
     408: "the body did not arrive within DIFFSHARD_READ_TIMEOUT_S; the connection is closed",
-    413: "the body is over DIFFSHARD_MAX_BODY_BYTES",
+    413: "the body is over DIFFSHARD_MAX_BODY_BYTES (edits: over their images' limits beside it)",
     500: "the generation failed; the message carries the request id the server log names",
     503: "not ready (code: loading, draining, failed, unhealthy), the queue is full (Retry-After), "
     "out of device memory (x-should-retry: false), or too many connections",
@@ -51,6 +51,7 @@ ERRORS = {
 # 499 (the client left) is never sent: nobody is listening.
 OPERATION_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/images/generations"): (400, 408, 413, 500, 503, 504),
+    ("post", "/v1/images/edits"): (400, 408, 413, 500, 503, 504),
     ("get", "/v1/models"): (503,),
     ("get", "/v1/shards"): (503,),
     ("get", "/v1/stats"): (503,),
@@ -104,6 +105,11 @@ def openapi_document(app: FastAPI, bounds: Bounds) -> dict[str, Any]:
         schemas.pop(unused, None)
     schemas["Error"] = ERROR_SCHEMA
     _bound_body(schemas["ImageGenerationRequest"], bounds)
+    schemas["ImageEditRequest"] = _edit_form(bounds)
+    document["paths"]["/v1/images/edits"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"}}},
+    }
     if bounds.keyed:
         components["securitySchemes"] = {
             "bearer": {
@@ -177,6 +183,38 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
         f"cannot be honoured (background transparent, style, other qualities) answer 400; fields "
         f"nobody defines are ignored."
     )
+
+
+def _edit_form(b: Bounds) -> dict[str, Any]:
+    """The edit's multipart fields: the generation body's, bounded alike, and its files."""
+    schema = ImageEditRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    _bound_body(schema, b)
+    props = schema["properties"]
+    binary = {"type": "string", "format": "binary"}
+    props["image"] = {
+        **binary,
+        "description": "the PNG, JPEG or WebP image to edit (several: image[], up to "
+        "DIFFSHARD_MAX_EDIT_IMAGES), at most DIFFSHARD_MAX_IMAGE_BYTES and DIFFSHARD_MAX_IMAGE_PIXELS",
+    }
+    props["mask"] = {
+        **binary,
+        "description": "a PNG of the image's size whose fully transparent pixels mark what to repaint "
+        "(applies to the first image); without it, the whole image is restyled (img2img)",
+    }
+    _nullable(
+        props["size"],
+        pattern=rf"^auto$|{SIZE_PATTERN}",
+        description='"WIDTHxHEIGHT" (the image is resized to it) or "auto"; default: the image\'s size',
+    )
+    _nullable(props["strength"], exclusiveMinimum=0, maximum=1)
+    _nullable(props["input_fidelity"], enum=["low"])
+    props["lora"] = {
+        "type": "string",
+        "description": 'a JSON object of adapters and scales, e.g. {"style": 0.8}',
+    }
+    schema["required"] = ["prompt", "image"]
+    schema["description"] = "OpenAI's image edit form plus diffshard's extensions, as text fields."
+    return schema
 
 
 def _nullable(prop: dict[str, Any], *, description: str | None = None, **bounds: Any) -> None:

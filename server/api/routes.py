@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
+from server.api.editing import read_edit_form
 from server.api.errors import APIError
 from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
 from server.api.streaming import EVENTS, Feed, image_events
@@ -66,9 +67,24 @@ async def generate_images(
     body: ImageGenerationRequest, request: Request, service: ServiceDep
 ) -> ImagesResponse | StreamingResponse:
     requests = generation_requests(body, service.name, service.limits.max_n)
+    return await _answer(body, requests, request, service, "image_generation")
+
+
+@router.post("/images/edits", response_model=ImagesResponse, responses=STREAMED)
+async def edit_images(request: Request, service: ServiceDep) -> ImagesResponse | StreamingResponse:
+    """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
+    transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask."""
+    body, edits = await read_edit_form(request, service.limits)
+    requests = generation_requests(body, service.name, service.limits.max_n, edits)
+    return await _answer(body, requests, request, service, "image_edit")
+
+
+async def _answer(
+    body: ImageGenerationRequest, requests: list, request: Request, service: Service, kind: str
+) -> ImagesResponse | StreamingResponse:
     request_id = request.state.request_id  # one id in every log line
     if body.stream:
-        return _stream(body, requests, request, service)
+        return _stream(body, requests, request, service, kind)
     job = service.submit(requests, request_id=request_id, owner=request.state.owner)
     images = await _outcome(job, request, service)
     encoded = await asyncio.gather(
@@ -87,7 +103,7 @@ async def generate_images(
 
 
 def _stream(
-    body: ImageGenerationRequest, requests: list, request: Request, service: Service
+    body: ImageGenerationRequest, requests: list, request: Request, service: Service, kind: str
 ) -> StreamingResponse:
     """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
     feed, request_id = Feed(), request.state.request_id
@@ -118,6 +134,7 @@ def _stream(
                 request_id,
                 with_progress=body.stream_progress,
                 keepalive_s=keepalive_s,
+                kind=kind,
             )
             async with contextlib.aclosing(source):  # its tasks end with the stream, not at collection
                 async for event in source:

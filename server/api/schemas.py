@@ -1,6 +1,7 @@
 """Request and response bodies of the Images API, and their translation into pipeline requests.
 
-The body follows OpenAI's `POST /v1/images/generations`; diffshard's extensions
+The body follows OpenAI's `POST /v1/images/generations` (and, as multipart form fields beside
+the files, `POST /v1/images/edits`: `ImageEditRequest`); diffshard's extensions
 (negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress,
 deterministic, lora) sit beside the standard fields, where the SDKs put `extra_body`. Types are
 checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
@@ -16,15 +17,16 @@ are checked by the serving layer when the job is submitted.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import InvalidRequest
-from server.serving import FORMATS, SEED_LIMIT, GenerationRequest
+from server.serving import FORMATS, SEED_LIMIT, Edit, GenerationRequest
 
 MAX_GUIDANCE = 100.0
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
@@ -94,6 +96,33 @@ class ImageGenerationRequest(BaseModel):
     )
 
 
+class ImageEditRequest(ImageGenerationRequest):
+    """`POST /v1/images/edits`' fields beside its files (`image`, `mask`): form fields are text,
+    so numbers and booleans are read from it ("2", "true"), and `lora` is a JSON object."""
+
+    model_config = ConfigDict(strict=False, extra="forbid")
+
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" or "auto"; default: the image\'s size')
+    strength: float | None = Field(
+        None,
+        description="how far from the image, 0 < s <= 1: its share of the steps run; default 0.8, "
+        "with a mask 1.0",
+    )
+    input_fidelity: str | None = None  # OpenAI's: "low" only (set strength instead)
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError(
+                    'must be a JSON object of adapter names and scales, e.g. {"style": 0.8}'
+                ) from None
+        return value
+
+
 class ImageData(BaseModel):
     b64_json: str
     revised_prompt: str
@@ -138,17 +167,23 @@ def check_output(body: ImageGenerationRequest) -> None:
 
 
 def generation_requests(
-    body: ImageGenerationRequest, served_name: str, max_n: int
+    body: ImageGenerationRequest, served_name: str, max_n: int, edits: list[Edit] | None = None
 ) -> list[GenerationRequest]:
-    """One pipeline request per image; InvalidRequest names what the wire format does not allow."""
+    """One pipeline request per image (with `edits`, n per image edited, in order);
+    InvalidRequest names what the wire format does not allow."""
     if not 1 <= body.n <= max_n:  # before building n requests
         raise InvalidRequest("n", f"must be between 1 and {max_n}, got {body.n}", "DIFFSHARD_MAX_N")
+    sources = edits or [None]
+    if body.n * len(sources) > max_n:
+        message = f"n x images is {body.n} x {len(sources)}; the limit is {max_n} images a request"
+        raise InvalidRequest("n", message, "DIFFSHARD_MAX_N")
     if body.response_format != "b64_json":
         raise InvalidRequest("response_format", f"only b64_json is served, got {body.response_format!r}")
     check_output(body)
     if body.model is not None and body.model != served_name:
         raise InvalidRequest("model", f"this server serves {served_name!r}, not {body.model!r}")
-    width, height = parse_size(body.size) if body.size is not None else (None, None)
+    auto = edits is not None and body.size == "auto"  # an edit's size: its image's
+    width, height = parse_size(body.size) if body.size is not None and not auto else (None, None)
     guidance = body.guidance_scale
     if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
         raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
@@ -184,6 +219,7 @@ def generation_requests(
             partial_images=partials or 0,
             deterministic=body.deterministic,
             lora=tuple(lora.items()),
+            edit=edit,
         )
-        for i in range(body.n)
+        for i, edit in enumerate(edit for edit in sources for _ in range(body.n))
     ]

@@ -1,4 +1,5 @@
-"""`stream: true` on /v1/images/generations: OpenAI's server-sent events.
+"""`stream: true` on /v1/images/generations and /v1/images/edits: OpenAI's server-sent events
+(an edit's are named `image_edit.partial_image` and `image_edit.completed`).
 
     event: image_generation.partial_image
     data: {"type": "image_generation.partial_image", "b64_json": ..., "partial_image_index": 0,
@@ -47,7 +48,12 @@ from server.api.errors import domain_response
 from server.errors import Rejected
 from server.serving import Job, encode_async, to_uint8
 
-EVENTS = ("image_generation.partial_image", "image_generation.completed", "diffshard.progress", "error")
+KINDS = ("image_generation", "image_edit")
+EVENTS = (
+    *(f"{kind}.{event}" for kind in KINDS for event in ("partial_image", "completed")),
+    "diffshard.progress",
+    "error",
+)
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 # diffshard counts no tokens; the SDK's completed event has a usage object
 USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "input_tokens_details": {}}
@@ -114,6 +120,7 @@ async def image_events(
     *,
     with_progress: bool = False,
     keepalive_s: float = 15.0,
+    kind: str = "image_generation",
 ) -> AsyncIterator[str]:
     """The events of `job`: its progress if asked for and its partial images as they come (a
     keep-alive comment when nothing came for `keepalive_s`), then each finished image."""
@@ -144,7 +151,7 @@ async def image_events(
                         "partial_image_index": index,
                         "image_index": image,
                     }
-                    yield _stamped("image_generation.partial_image", {**data, **fields})
+                    yield _stamped(f"{kind}.partial_image", {**data, **fields})
                 changed = asyncio.ensure_future(feed.changed.wait())
             elif done in finished:
                 break
@@ -160,7 +167,7 @@ async def image_events(
     for image, pixels in enumerate(images):
         seed = job.requests[image].seed
         data = {"b64_json": await encoded(pixels), "image_index": image, "seed": seed, "usage": USAGE}
-        yield _stamped("image_generation.completed", {**data, **fields})
+        yield _stamped(f"{kind}.completed", {**data, **fields})
 
 
 def consumed(outcome: asyncio.Future) -> None:

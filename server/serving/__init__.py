@@ -1,7 +1,7 @@
 """Serving: the step loop, jobs and their outcomes, admission, deadlines, stats as plain data.
 What the HTTP layer needs of the pipeline (request values, image encoding) it gets from here."""
 
-from server.pipeline import GenerationRequest
+from server.pipeline import Edit, GenerationRequest
 from server.pipeline.images import FORMATS, encode_async, to_uint8
 from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
 from server.serving.jobs import Job
@@ -15,6 +15,7 @@ __all__ = [
     "MAX_MODEL_STEPS",
     "SEED_LIMIT",
     "Distribution",
+    "Edit",
     "GenerationRequest",
     "Job",
     "Limits",

@@ -26,6 +26,9 @@ class Limits:
     max_work: float = 1000.0  # native-image steps: n x steps x pixels / native_pixels
     native_pixels: int = 512 * 512
     request_timeout_s: float = 300.0
+    max_image_bytes: int = 4 * 2**20  # one image (or mask) sent to edit
+    max_image_pixels: int = 4 * 1024 * 1024  # its width x height, read from its header before decoding
+    max_edit_images: int = 4
 
 
 def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
