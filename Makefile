@@ -93,6 +93,7 @@ diamond: $(VENV)/.test
 	$(PY) -m server.demo.train_lora
 	$(PY) -m benchmarks.diamond_lora
 
-# Redraw the README's picture of the playground (a real Chromium drives it: tests/test_playground.py).
+# Redraw the README's pictures of the playground (a real Chromium drives it: tests/test_playground*.py).
 screenshot: $(VENV)/.test test-tools
 	DIFFSHARD_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k red_circle -q
+	DIFFSHARD_SCREENSHOT=docs/playground-edit.png $(PY) -m pytest tests/test_playground_edit.py -k made_here -q

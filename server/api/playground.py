@@ -19,6 +19,7 @@ from server.api.errors import APIError
 FILES = {  # what /playground/{name} serves: nothing else can be asked for
     "playground.js": "text/javascript",
     "lora.js": "text/javascript",
+    "edit.js": "text/javascript",
     "playground.css": "text/css",
 }
 HEADERS = {

@@ -1,7 +1,9 @@
 // The diffshard playground: a form that streams OpenAI image events from this server
-// (POST /v1/images/generations with stream: true), and a panel of the devices' memory.
+// (POST /v1/images/generations, or /v1/images/edits in edit mode, with stream: true), and a
+// panel of the devices' memory.
 // Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
 
+import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
 
 const $ = (id) => document.getElementById(id);
@@ -161,7 +163,8 @@ function card(index, body) {
       <div class="frame"><img alt="" hidden><span class="badge" hidden></span></div>
       <figcaption>
         <span class="title"></span> <span class="seed"></span>
-        <button class="reuse" type="button" hidden>Use seed</button> <a class="download" hidden>Download</a>
+        <button class="reuse" type="button" hidden>Use seed</button> <button class="edit-this" type="button"
+          hidden>Edit</button> <a class="download" hidden>Download</a>
       </figcaption>
     </figure>
     <ol class="strip" aria-label="Previews"></ol>`;
@@ -171,9 +174,13 @@ function card(index, body) {
   return item;
 }
 
-function imageURL(b64, format) {
+function imageBlob(b64, format = "png") {
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
-  const url = URL.createObjectURL(new Blob([bytes], { type: `image/${format}` }));
+  return new Blob([bytes], { type: `image/${format}` });
+}
+
+function imageURL(blob) {
+  const url = URL.createObjectURL(blob);
   urls.push(url);
   return url;
 }
@@ -193,7 +200,7 @@ function onPartial(data) {
   const item = cardOf(data);
   if (!item) return;
   const number = data.partial_image_index + 1;
-  const url = imageURL(data.b64_json, data.output_format);
+  const url = imageURL(imageBlob(data.b64_json, data.output_format));
   const img = item.querySelector(".frame img");
   if (img.dataset.kind !== "final") {
     show(img, url, `Preview ${number} of image ${Number(item.dataset.image) + 1}`);
@@ -215,8 +222,10 @@ function onCompleted(data) {
   const item = cardOf(data);
   if (!item) return 0;
   const img = item.querySelector(".frame img");
-  const url = imageURL(data.b64_json, data.output_format);
-  show(img, url, `${img.dataset.prompt}, image ${Number(item.dataset.image) + 1}, seed ${data.seed}`);
+  const blob = imageBlob(data.b64_json, data.output_format);
+  const url = imageURL(blob);
+  const number = Number(item.dataset.image) + 1;
+  show(img, url, `${img.dataset.prompt}, image ${number}, seed ${data.seed}`);
   img.dataset.kind = "final";
   item.querySelector(".badge").hidden = true;
   item.querySelector(".seed").textContent = `seed ${data.seed}`;
@@ -232,6 +241,11 @@ function onCompleted(data) {
     $("seed").focus();
   };
   reuse.hidden = false;
+  const source = addSource(blob, `${img.dataset.prompt}, seed ${data.seed}`); // listed to edit
+  const edit = item.querySelector(".edit-this");
+  edit.setAttribute("aria-label", `Edit image ${number}`);
+  edit.onclick = () => editSource(source);
+  edit.hidden = false;
   return 1;
 }
 
@@ -257,24 +271,37 @@ function setRunning(on) {
   if (focused) to.focus();
 }
 
+// What to send: a generation's JSON, or in edit mode an edit's multipart form (its image, its
+// mask, the same fields); the events of either are read alike, named by `kind`.
+async function request(body) {
+  if (!editing()) {
+    const init = { headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+    return { path: "/v1/images/generations", kind: "image_generation", init };
+  }
+  const { form, problem } = await editForm(body);
+  return problem ? { problem } : { path: "/v1/images/edits", kind: "image_edit", init: { body: form } };
+}
+
 async function generate() {
   clearError();
   const invalid = invalidField();
   if (invalid) return showError(invalid);
   const body = requestBody();
-  running = new AbortController();
+  running = new AbortController(); // taken while the request is built: one at a time
+  const { path, kind, init, problem: unsendable } = await request(body).catch(() => ({
+    problem: { text: "The image to edit could not be read: choose it again.", param: "image" },
+  }));
+  if (unsendable) {
+    running = null;
+    return showError(unsendable);
+  }
   setRunning(true);
   setProgress("Sending…", 0, { announce: false });
   const started = performance.now();
   let completed = 0;
   let reached = false; // whether the server answered at all
   try {
-    const response = await api("/v1/images/generations", {
-      method: "POST",
-      headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body),
-      signal: running.signal,
-    });
+    const response = await api(path, { method: "POST", ...init, signal: running.signal });
     reached = true;
     if (!response.ok) {
       showError(await problem(response));
@@ -288,8 +315,8 @@ async function generate() {
     $("results-empty").hidden = true;
     for await (const { event, data } of serverEvents(response)) {
       if (event === "diffshard.progress") onProgress(data);
-      else if (event === "image_generation.partial_image") onPartial(data);
-      else if (event === "image_generation.completed") completed += onCompleted(data);
+      else if (event === `${kind}.partial_image`) onPartial(data);
+      else if (event === `${kind}.completed`) completed += onCompleted(data);
       else if (event === "error") showError(explain(null, data.error)); // its message says why
     }
     const seconds = ((performance.now() - started) / 1000).toFixed(1);
@@ -419,7 +446,9 @@ async function refreshDevices() {
 async function readLimits() {
   const response = await fetch("/openapi.json");
   if (!response.ok) return;
-  const fields = (await response.json()).components.schemas.ImageGenerationRequest.properties;
+  const openapi = await response.json();
+  readEditFields(openapi);
+  const fields = openapi.components.schemas.ImageGenerationRequest.properties;
   const branch = (field) => (field.anyOf || [field]).find((b) => b.type !== "null");
   const form = $("generate").elements;
   form.n.max = fields.n.maximum;
@@ -476,6 +505,12 @@ function start() {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("generate").requestSubmit();
   });
   $("stop").addEventListener("click", () => running?.abort());
+  setupEdit({
+    problem: (problem) => {
+      clearError();
+      showError(problem);
+    },
+  });
   document.addEventListener("visibilitychange", refreshDevices);
   readLimits();
   readAdapters();
