@@ -141,6 +141,13 @@ CATALOG = (
         "lora_rows_total", "counter", "rows", ("adapter",), "denoiser rows stepped with the LoRA adapter"
     ),
     MetricSpec("lora_bytes", "gauge", "bytes", ("device",), "LoRA adapter weights placed on the device"),
+    MetricSpec(
+        "images_admitted_total",
+        "counter",
+        "images",
+        ("kind",),
+        "images admitted to the step loop, by kind: generation, img2img or inpainting",
+    ),
     MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
     MetricSpec(
         "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"

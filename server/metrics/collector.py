@@ -22,6 +22,7 @@ from server import __version__
 from server.engine.memory import resident_bytes
 from server.engine.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, REASONS, help_of
+from server.serving import KINDS
 from server.serving.stats import DeviceView, Distribution, LoopStats, Snapshot
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -125,6 +126,12 @@ class _Collector:
             yield CounterMetricFamily(f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), value)
         yield from self._workers(snapshot)
         yield from self._adapters(snapshot, stats)
+        kinds = CounterMetricFamily(
+            f"{PREFIX}_images_admitted", help_of("images_admitted_total"), labels=["kind"]
+        )
+        for kind in KINDS:
+            kinds.add_metric([kind], stats.images_by_kind[kind])
+        yield kinds
         if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)

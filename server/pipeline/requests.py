@@ -19,6 +19,7 @@ from server.pipeline.families import Family
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
 MAX_MODEL_STEPS = 1000  # diffusers' schedulers train on 1000 timesteps
+KINDS = ("generation", "img2img", "inpainting")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class GenerationRequest:
     deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
     lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
     edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
+
+    @property
+    def kind(self) -> str:
+        """generation, img2img or inpainting: one of KINDS (a bounded metric label)."""
+        if self.edit is None:
+            return "generation"
+        return "img2img" if self.edit.mask is None else "inpainting"
 
     @property
     def resolved(self) -> bool:

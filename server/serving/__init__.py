@@ -3,7 +3,7 @@ What the HTTP layer needs of the pipeline (request values, image encoding) it ge
 
 from server.pipeline import Edit, GenerationRequest
 from server.pipeline.images import FORMATS, encode_async, to_uint8
-from server.pipeline.requests import MAX_MODEL_STEPS, SEED_LIMIT
+from server.pipeline.requests import KINDS, MAX_MODEL_STEPS, SEED_LIMIT
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
@@ -12,6 +12,7 @@ from server.serving.stats import Distribution, LoopStats, Snapshot
 
 __all__ = [
     "FORMATS",
+    "KINDS",
     "MAX_MODEL_STEPS",
     "SEED_LIMIT",
     "Distribution",

@@ -239,6 +239,7 @@ class StepLoop:
         for job in jobs:
             self._stats.queue_wait_seconds.observe(now - job.submitted)
             self._stats.adapter_requests.update({name for r in job.requests for name, _ in r.lora})
+            self._stats.images_by_kind.update(r.kind for r in job.requests)
             job.queue_position = None
         self._active.extend(jobs)
 

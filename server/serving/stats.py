@@ -61,6 +61,9 @@ class LoopStats:
     owners: dict[str, str | None] = field(default_factory=dict)  # queued or active job → its owner
     adapter_requests: Counter = field(default_factory=Counter)  # LoRA adapter → requests admitted with it
     adapter_rows: Counter = field(default_factory=Counter)  # LoRA adapter → denoiser rows stepped with it
+    images_by_kind: Counter = field(
+        default_factory=Counter
+    )  # generation, img2img, inpainting → images admitted
     slow_calls: int = 0  # calls that ran past their deadline
     stuck_calls: int = 0  # calls that ran far past it
 

@@ -1,0 +1,17 @@
+"""Edits on the built-in model, judged by its evaluator (issue 24; the figures are
+`python -m benchmarks.edit_quality`'s): img2img turns a red circle blue, inpainting repaints
+only the masked half."""
+
+from __future__ import annotations
+
+from benchmarks.edit_quality import TARGET, img2img, inpainting
+from server.demo import MODEL_DIR
+from server.pipeline import Pipeline
+
+
+def test_img2img_turns_a_dataset_red_circle_blue_and_inpainting_keeps_the_unmasked_half() -> None:
+    pipeline = Pipeline.load(MODEL_DIR, devices="cpu")
+    assert img2img(pipeline, seeds=12)["judged_right"] >= TARGET
+    kept = inpainting(pipeline, seeds=4)
+    assert kept["kept_half_worst"] < 12  # of 255: the VAE's round trip, not a repaint
+    assert kept["repainted_half_mean_abs_diff"] > 3 * kept["kept_half_mean_abs_diff"]
