@@ -5,6 +5,7 @@ joins generations mid-way gives the image it gives alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from PIL import Image, ImageDraw
 from server.errors import InvalidRequest
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.schedulers import make_scheduler
-from tests.tiny_pipelines import IMAGE_SIZE
+from tests.tiny_pipelines import IMAGE_SIZE, build_sd15_inpainting_folder
 
 TOLERANCE = 1e-3
 REFERENCE = {
@@ -180,3 +181,37 @@ def test_edits_out_of_bounds_are_refused_naming_the_field(folders) -> None:
     # an edit's default size is its image's, rounded down to what the model takes
     odd = Edit(source_image(37))
     assert pipeline.resolve(GenerationRequest("a red circle", edit=odd)).width == 32
+
+
+@pytest.fixture(scope="module")
+def inpainting_folder(tmp_path_factory) -> Path:
+    return build_sd15_inpainting_folder(tmp_path_factory.mktemp("sd15-inpainting"))
+
+
+@pytest.mark.parametrize(
+    ("strength", "scheduler"), [(0.75, None), (1.0, None), (0.7, "euler_a")], ids=["0.75", "1.0", "euler_a"]
+)
+def test_an_inpainting_unet_takes_the_mask_and_masked_image_as_diffusers_gives_them(
+    inpainting_folder: Path, strength: float, scheduler: str | None
+) -> None:
+    pipeline = Pipeline.load(inpainting_folder, devices="cpu,cpu", strategy="even")
+    assert pipeline.family.inpainting_channels == 5
+    request = pipeline.resolve(edit_request(True, strength, scheduler=scheduler))
+    mine = pipeline.generate([request])[0]
+    assert float(np.abs(mine - theirs(inpainting_folder, "sd15", request)).max()) < TOLERANCE
+
+
+def test_an_inpainting_unet_repaints_everything_without_a_mask_and_generates_from_black(
+    inpainting_folder: Path,
+) -> None:
+    """Without a mask the whole image is repainted (diffusers: a white mask); a generation is an
+    inpainting of a black image, everything repainted at strength 1."""
+    pipeline = Pipeline.load(inpainting_folder, devices="cpu")
+    white = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 255)
+    restyle = pipeline.resolve(edit_request(False, 0.75))
+    as_inpainting = replace(restyle, edit=Edit(restyle.edit.image, white, 0.75))
+    generation = pipeline.resolve(GenerationRequest("a red circle", seed=2, steps=6, guidance_scale=4.0))
+    from_black = replace(generation, edit=Edit(Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE)), white, 1.0))
+    mine = pipeline.generate([restyle, generation])  # stepped together
+    for image, reference in zip(mine, (as_inpainting, from_black), strict=True):
+        assert float(np.abs(image - theirs(inpainting_folder, "sd15", reference)).max()) < TOLERANCE

@@ -16,6 +16,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    StableDiffusionInpaintPipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -111,6 +112,23 @@ def build_sdxl_folder(folder: Path) -> Path:
             projection_class_embeddings_input_dim=TEXT_DIM + 6 * 8,
         ),
         scheduler=EulerDiscreteScheduler.from_config(SD_SCHEDULE),  # SDXL's default class
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_sd15_inpainting_folder(folder: Path) -> Path:
+    """SD-1.5's shape with an inpainting UNet: 9 input channels (latents, mask, masked image)."""
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    StableDiffusionInpaintPipeline(
+        vae=_vae(),
+        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        tokenizer=tokenizer,
+        unet=_unet(cross_attention_dim=TEXT_DIM, in_channels=9, out_channels=4),
+        scheduler=DDIMScheduler(**SD_SCHEDULE),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     ).save_pretrained(folder, safe_serialization=True)
     return folder
 

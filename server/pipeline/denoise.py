@@ -36,7 +36,7 @@ from server.engine.blocks import DenoiserInputs
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
-from server.pipeline.edits import blend, start_latents
+from server.pipeline.edits import blend, first_latents
 from server.pipeline.loader import Components, load_components
 from server.pipeline.lora import Adapter, Adapters, rows_asking
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
@@ -217,28 +217,18 @@ class Pipeline:
                 scheduler.set_begin_index(begin)
             # Noise as diffusers' randn_tensor draws it: on the CPU generator, then moved.
             generator = torch.Generator("cpu").manual_seed(request.seed)
-            inpainting = None
-            if edit is not None:
-                latents, inpainting = start_latents(
-                    edit,
-                    family=family,
-                    vae=self.vae,
-                    scheduler=scheduler,
-                    first_t=scheduler.timesteps[begin],
-                    generator=generator,
-                    scope=scope,
-                    shape=shape,
-                    width=request.width,
-                    height=request.height,
-                    device=self.device,
-                )
-            else:
-                noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=self.device.type == "cuda")
-                torch.randn(shape, generator=generator, dtype=LATENT_DTYPE, out=noise)
-                latents = scope.rent(shape, LATENT_DTYPE, self.device)
-                latents.copy_(noise)
-                latents.mul_(family.init_noise_sigma(scheduler))
-                scope.give_back(noise)
+            start = first_latents(
+                edit,
+                family=family,
+                vae=self.vae,
+                scheduler=scheduler,
+                first_t=scheduler.timesteps[begin],
+                generator=generator,
+                scope=scope,
+                width=request.width,
+                height=request.height,
+                device=self.device,
+            )
             kept = {}
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
@@ -247,12 +237,13 @@ class Pipeline:
                 request,
                 scheduler,
                 generator,
-                latents,
+                start.latents,
                 kept.pop("context"),
                 kept,
                 scope,
                 begin=begin,
-                inpainting=inpainting,
+                inpainting=start.inpainting,
+                conditioning=start.conditioning,
                 step_kwargs=step_kwargs(type(scheduler), generator),
             )
         except BaseException:
@@ -270,7 +261,13 @@ class Pipeline:
         first, rows = states[0], sum(s.rows for s in states)
         with self.pool.scope() as batch:
             # 1. Stack every state's rows: [rows, C, h, w] samples, [rows] timesteps, [rows, T, D] context.
-            sample = batch.rent((rows, *first.latents.shape[1:]), self.denoiser_dtype, self.device)
+            channels, extra = (
+                first.latents.shape[1],
+                0 if first.conditioning is None else first.conditioning.shape[1],
+            )
+            sample = batch.rent(
+                (rows, channels + extra, *first.latents.shape[2:]), self.denoiser_dtype, self.device
+            )
             timesteps = batch.rent((rows,), torch.float32, self.device)
             context = batch.rent((rows, *first.context.shape[1:]), self.denoiser_dtype, self.device)
             extras = {
@@ -278,7 +275,11 @@ class Pipeline:
                 for name, value in first.extras.items()
             }
             for state, span in zip(states, spans(states), strict=True):
-                sample[span] = self.family.model_input(state.scheduler, state.latents, state.timestep)
+                sample[span, :channels] = self.family.model_input(
+                    state.scheduler, state.latents, state.timestep
+                )
+                if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
+                    sample[span, channels:] = state.conditioning
                 timesteps[span] = state.timestep
                 context[span] = state.context
                 for name, value in extras.items():

@@ -56,8 +56,17 @@ def _processors(scale: int) -> tuple[VaeImageProcessor, VaeImageProcessor]:
     return image, mask
 
 
-def start_latents(
-    edit: Edit,
+@dataclass
+class Start:
+    """A request's first latents and what its steps need beside them."""
+
+    latents: torch.Tensor  # [1, C, h, w], rented
+    inpainting: Inpainting | None = None  # a regular denoiser's inpainting
+    conditioning: torch.Tensor | None = None  # an inpainting denoiser's extra channels: mask, masked image
+
+
+def first_latents(
+    edit: Edit | None,
     *,
     family: Family,
     vae: torch.nn.Module,
@@ -65,36 +74,69 @@ def start_latents(
     first_t: torch.Tensor,
     generator: torch.Generator,
     scope: PoolScope,
-    shape: tuple[int, ...],
     width: int,
     height: int,
     device: torch.device,
-) -> tuple[torch.Tensor, Inpainting | None]:
-    """The edit's first latents (rented on `device`), noised to `first_t`, the first timestep it
-    runs; with a mask, what inpainting keeps."""
+) -> Start:
+    """Noise for a generation; for an edit, its image noised to `first_t`, the first timestep it
+    runs. An inpainting denoiser (9 input channels) sees every request as inpainting: without a
+    mask the whole image is repainted, without an image it starts from black, at strength 1."""
+    shape = family.latent_shape(width, height)
+    conditioned = family.inpainting_channels > 0
+    if edit is None and not conditioned:
+        noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=device.type == "cuda")
+        torch.randn(shape, generator=generator, dtype=LATENT_DTYPE, out=noise)
+        latents = scope.rent(shape, LATENT_DTYPE, device)
+        latents.copy_(noise)
+        latents.mul_(family.init_noise_sigma(scheduler))
+        scope.give_back(noise)
+        return Start(latents)
+    if edit is None:
+        edit = Edit(Image.new("RGB", (width, height)), None, 1.0)
     image_processor, mask_processor = _processors(family.vae_scale_factor)
     pixels = image_processor.preprocess(edit.image, height=height, width=width).to(torch.float32)
-    vae_device = next(vae.parameters()).device
-    posterior = vae.encode(pixels.to(vae_device, vae.dtype)).latent_dist
-    draw = torch.randn(posterior.mean.shape, generator=generator, dtype=posterior.mean.dtype)
-    clean = family.scale_latents(posterior.mean + posterior.std * draw.to(vae_device)).to(LATENT_DTYPE)
+    mask = None if edit.mask is None else mask_processor.preprocess(edit.mask, height=height, width=width)
+    if mask is None and conditioned:
+        mask = torch.ones(1, 1, height, width)
+    full = mask is not None and edit.strength == 1.0  # inpainting at full strength starts from noise
+    # as diffusers' pipelines draw from the generator: the image's posterior (unless an inpainting
+    # denoiser starts from noise), the noise, then the masked image's posterior
+    clean = None if conditioned and full else _encode(vae, family, pixels, generator)
     noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)
     latents = scope.rent(shape, LATENT_DTYPE, device)
-    if edit.mask is None:
-        latents.copy_(family.noised(scheduler, clean, noise, first_t.reshape(1)))
-        return latents, None
-    torch.randn(shape, generator=generator, dtype=posterior.mean.dtype)  # the masked image's draw
-    if edit.strength == 1.0:  # inpainting at full strength starts from pure noise
+    if full:
         latents.copy_(noise)
         latents.mul_(family.init_noise_sigma(scheduler))
     else:
         latents.copy_(family.noised(scheduler, clean, noise, first_t.reshape(1)))
-    mask = mask_processor.preprocess(edit.mask, height=height, width=width)
-    mask = torch.nn.functional.interpolate(mask, size=shape[-2:])
-    kept = Inpainting(*(scope.rent(t.shape, LATENT_DTYPE, device) for t in (clean, noise, mask)))
-    for target, value in zip((kept.image_latents, kept.noise, kept.mask), (clean, noise, mask), strict=True):
+    if mask is None:
+        return Start(latents)
+    small = torch.nn.functional.interpolate(mask, size=shape[-2:])
+    if conditioned:
+        masked = _encode(vae, family, pixels * (mask < 0.5), generator)
+        conditioning = torch.cat([small, masked], dim=1)
+        return Start(latents, conditioning=_kept(scope, device, conditioning)[0])
+    torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)  # the masked image's draw, unused
+    return Start(latents, Inpainting(*_kept(scope, device, clean, noise, small)))
+
+
+def _encode(
+    vae: torch.nn.Module, family: Family, pixels: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """A sample of the VAE's posterior for `pixels` ([1, 3, H, W] in [-1, 1]), scaled as the
+    denoiser takes latents; drawn as diffusers' `retrieve_latents` draws it."""
+    vae_device = next(vae.parameters()).device
+    posterior = vae.encode(pixels.to(vae_device, vae.dtype)).latent_dist
+    draw = torch.randn(posterior.mean.shape, generator=generator, dtype=posterior.mean.dtype)
+    return family.scale_latents(posterior.mean + posterior.std * draw.to(vae_device)).to(LATENT_DTYPE)
+
+
+def _kept(scope: PoolScope, device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of `tensors` rented from the request's scope on `device`."""
+    kept = [scope.rent(t.shape, LATENT_DTYPE, device) for t in tensors]
+    for target, value in zip(kept, tensors, strict=True):
         target.copy_(value)
-    return latents, kept
+    return kept
 
 
 def blend(

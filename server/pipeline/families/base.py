@@ -101,7 +101,14 @@ class Family:
 
     @property
     def latent_channels(self) -> int:
-        return int(self.config.denoiser["in_channels"])
+        """The VAE's latent channels (a planned reference model without a VAE config: the denoiser's)."""
+        return int(self.config.vae.get("latent_channels", self.config.denoiser["in_channels"]))
+
+    @property
+    def inpainting_channels(self) -> int:
+        """Input channels the denoiser takes beyond the latents: 5 (mask, masked image) for an
+        inpainting UNet, else 0."""
+        return int(self.config.denoiser["in_channels"]) - self.latent_channels
 
     @property
     def native_size(self) -> int:

@@ -11,6 +11,12 @@ _SD_UP = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpB
 
 
 class SD(Family):
+    # a folder saved by any SD pipeline; an inpainting one's UNet takes the mask and masked image too
+    pipeline_classes: ClassVar[tuple[str, ...]] = (
+        "StableDiffusionPipeline",
+        "StableDiffusionImg2ImgPipeline",
+        "StableDiffusionInpaintPipeline",
+    )
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "sd15": {
             "sample_size": 64,

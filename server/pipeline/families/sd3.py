@@ -19,7 +19,11 @@ from server.pipeline.families.base import Family, TextEmbeddings, penultimate_st
 
 class SD3(Family):
     name: ClassVar[str] = "sd3"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusion3Pipeline",)
+    pipeline_classes: ClassVar[tuple[str, ...]] = (
+        "StableDiffusion3Pipeline",
+        "StableDiffusion3Img2ImgPipeline",
+        "StableDiffusion3InpaintPipeline",
+    )
     denoiser: ClassVar[str] = "transformer"
     denoiser_class: ClassVar[type[nn.Module]] = SD3Transformer2DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")

@@ -15,7 +15,11 @@ from server.pipeline.families.base import Family, TextEmbeddings, penultimate_st
 
 class SDXL(Family):
     name: ClassVar[str] = "sdxl"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+    pipeline_classes: ClassVar[tuple[str, ...]] = (
+        "StableDiffusionXLPipeline",
+        "StableDiffusionXLImg2ImgPipeline",
+        "StableDiffusionXLInpaintPipeline",
+    )
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     default_guidance: ClassVar[float] = 5.0
