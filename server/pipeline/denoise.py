@@ -261,13 +261,10 @@ class Pipeline:
         first, rows = states[0], sum(s.rows for s in states)
         with self.pool.scope() as batch:
             # 1. Stack every state's rows: [rows, C, h, w] samples, [rows] timesteps, [rows, T, D] context.
-            channels, extra = (
-                first.latents.shape[1],
-                0 if first.conditioning is None else first.conditioning.shape[1],
-            )
-            sample = batch.rent(
-                (rows, channels + extra, *first.latents.shape[2:]), self.denoiser_dtype, self.device
-            )
+            channels = first.latents.shape[1]
+            extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
+            shape = (rows, channels + extra, *first.latents.shape[2:])
+            sample = batch.rent(shape, self.denoiser_dtype, self.device)
             timesteps = batch.rent((rows,), torch.float32, self.device)
             context = batch.rent((rows, *first.context.shape[1:]), self.denoiser_dtype, self.device)
             extras = {
@@ -308,13 +305,8 @@ class Pipeline:
                     prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs
                 )
                 if partial is not None:
-                    previews.append(
-                        (
-                            state,
-                            partial,
-                            predicted_clean(state.scheduler, state.latents, prediction, output, early),
-                        )
-                    )
+                    clean = predicted_clean(state.scheduler, state.latents, prediction, output, early)
+                    previews.append((state, partial, clean))
                 state.latents.copy_(output.prev_sample)
                 if state.inpainting is not None:  # the unmasked region back to the image
                     blend(self.family, state.scheduler, state.latents, state.inpainting, state.next_timestep)
