@@ -3,16 +3,16 @@ and streaming partial images vs plain requests.
 
 Two real servers (`python -m server serve`, the built-in model, its recommended 25 steps and
 guidance) run side by side: `batched` with the default settings, and `one_at_a_time` with
-`--max-batch 2`, so a single guided request (2 UNet rows) fills every step, as a server
-that runs requests one after another does. A third column, `streaming`, is the batched server
-with every request as the playground sends it, `stream: true, partial_images: 2,
-stream_progress: true` (each event read as it comes). A fourth, `mixed`, is the batched server
-with half the clients (the odd ones: with 1 client, none) sending edits (`/v1/images/edits` of
-a 64x64 image at strength 0.8, img2img and inpainting in turn) and half generations. For 1, 4, 8 and 16 concurrent clients,
-each sending requests back to back, all four are measured in the same round (in alternating
-order): images/s and denoising steps/s over the round's wall time, and per-request latency
-percentiles. Every request asks for 25 steps; an edit at strength s runs int(25 s) of them, so
-the mixed column is compared by steps/s, not images/s.
+`--max-batch 2`, so a single guided request (2 UNet rows) fills every step, as a server that
+runs requests one after another does. A third column, `streaming`, is the batched server with
+every request as the playground sends it, `stream: true, partial_images: 2, stream_progress:
+true` (each event read as it comes). A fourth, `mixed`, is the batched server with half the
+clients (the odd ones: with 1 client, none) sending edits (`/v1/images/edits` of a 64x64 image
+at strength 0.8, img2img and inpainting in turn) and half generations. For 1, 4, 8 and 16
+concurrent clients, each sending requests back to back, all four are measured in the same round
+(in alternating order): images/s and denoising steps/s over the round's wall time, and per-
+request latency percentiles. Every request asks for 25 steps; an edit at strength s runs int(25
+s) of them, so the mixed column is compared by steps/s, not images/s.
 
 One JSON object per (clients, server, round), then a summary: medians over rounds, the
 throughput ratio batched / one_at_a_time, streaming / batched, mixed / batched (steps/s), and
