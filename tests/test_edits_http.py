@@ -164,6 +164,10 @@ def test_bad_inputs_answer_400_naming_the_field_and_the_server_keeps_serving(ser
     refused(edit(server, {"image": image}, strenght="0.5"), "strenght", "strength")
     refused(edit(server, {"image": image}, lora="{not json"), "lora")
     refused(edit(server, {"mask": mask}), "image", "required")
+    broken = httpx.post(
+        f"{server.url}/v1/images/edits", content=b"x", headers={"content-type": "multipart/form-data"}
+    )
+    assert broken.status_code == 400 and "multipart/form-data body" in broken.json()["error"]["message"]
     form = edit(server, {})  # no file: httpx sends a urlencoded form
     assert form.status_code == 400 and "multipart/form-data" in form.json()["error"]["message"]
     as_json = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": "a red circle"}, timeout=10)

@@ -185,7 +185,9 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = headers.get("Allow", "")
             message = f"{request.method} is not allowed on {request.url.path}; it takes {allowed}"
             return envelope(405, message, code="method_not_allowed", headers=headers)
-        if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8)
-            message = f"the request body cannot be parsed ({err.detail}): send it as UTF-8 JSON"
+        if err.status_code == 400:  # the body could not be parsed at all (not UTF-8, a broken form)
+            form = request.headers.get("content-type", "").startswith("multipart/")
+            how = "a multipart/form-data body, as OpenAI's SDKs send" if form else "UTF-8 JSON"
+            message = f"the request body cannot be parsed ({err.detail}): send it as {how}"
             return envelope(400, message, code="invalid_body", headers=headers)
         return envelope(err.status_code, str(err.detail), headers=headers)
