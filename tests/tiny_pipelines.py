@@ -5,6 +5,7 @@ projection, text_time added embeddings); sizes are a few thousand parameters per
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ from diffusers import (
     DDIMScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionInpaintPipeline,
@@ -21,9 +24,16 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
 
-from server.demo.tokenizer import build_tokenizer
+from server.demo.tokenizer import WORDS, build_tokenizer
 
 TEXT_DIM = 32
 IMAGE_SIZE = 32  # pixels; latents are 16x16 (the tiny VAE downsamples by 2)
@@ -134,6 +144,96 @@ def build_sd15_inpainting_folder(folder: Path) -> Path:
 
 
 BUILDERS = {"sd15": build_sd15_folder, "sdxl": build_sdxl_folder}
+
+
+# FLUX.1: a transformer over packed 16-channel latents, CLIP's pooled vector and T5's tokens (a
+# tiny T5 with a Unigram tokenizer built here: no download), a 16-channel VAE with FLUX's factors.
+FLUX_LATENT_CHANNELS = 16
+# FLUX.1-dev's scheduler config; schnell's: no dynamic shifting, shift 1
+FLUX_DEV_SCHEDULE = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+FLUX_SCHNELL_SCHEDULE = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False}
+
+
+def build_t5_tokenizer() -> T5Tokenizer:
+    """A Unigram T5 tokenizer (transformers 5's T5Tokenizer is the `tokenizers` one): <pad> 0,
+    </s> 1, <unk> 2, then the built-in model's words and every letter."""
+    pieces = ["<pad>", "</s>", "<unk>", "▁", *(f"▁{w}" for w in WORDS), *string.ascii_lowercase]
+    vocab = [(p, 0.0 if i < 3 else -float(i)) for i, p in enumerate(dict.fromkeys(pieces))]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+def _t5(tokenizer: T5Tokenizer) -> T5EncoderModel:
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        d_kv=8,
+        feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        is_encoder_decoder=False,
+        use_cache=False,
+    )
+    return T5EncoderModel(config)
+
+
+def _flux_transformer(guidance: bool = True, **extra) -> FluxTransformer2DModel:
+    """Tiny FLUX.1: 2 heads × 16; the rotary axes sum to the head size, as FLUX's 16 + 56 + 56 = 128."""
+    config = {
+        "patch_size": 1,
+        "in_channels": 4 * FLUX_LATENT_CHANNELS,
+        "num_layers": 2,
+        "num_single_layers": 3,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": TEXT_DIM,
+        "pooled_projection_dim": TEXT_DIM,
+        "guidance_embeds": guidance,
+        "axes_dims_rope": (4, 4, 8),
+    }
+    return FluxTransformer2DModel(**{**config, **extra})
+
+
+def build_flux_folder(folder: Path, guidance: bool = True) -> Path:
+    """guidance=True: FLUX.1-dev's shape (a guidance embedding, dynamic shift); False: schnell's."""
+    torch.manual_seed(0)
+    tokenizer, t5_tokenizer = build_tokenizer(), build_t5_tokenizer()
+    FluxPipeline(
+        transformer=_flux_transformer(guidance),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            **(FLUX_DEV_SCHEDULE if guidance else FLUX_SCHNELL_SCHEDULE)
+        ),
+        vae=AutoencoderKL(
+            block_out_channels=(16, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=FLUX_LATENT_CHANNELS,
+            norm_num_groups=8,
+            sample_size=IMAGE_SIZE,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        tokenizer=tokenizer,
+        text_encoder_2=_t5(t5_tokenizer),
+        tokenizer_2=t5_tokenizer,
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 # Stable Diffusion 3: an MMDiT over 16-channel latents, two CLIP encoders with projections, and no T5

@@ -36,7 +36,7 @@ from server.engine.devices import (
 )
 from server.engine.flow import Flow, trace_flow
 from server.engine.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
-from server.engine.specs import layout_of
+from server.engine.specs import layout_of, native_latent
 from server.errors import PlanError
 
 
@@ -207,7 +207,7 @@ def plan_shards(
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout = layout_of(model)
     dtype = dtype or next(model.parameters()).dtype
-    latent_size = latent_size or int(model.config.sample_size)
+    latent_size = latent_size or native_latent(model)
     block_bytes = _block_bytes(model, layout, dtype)
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)

@@ -34,6 +34,7 @@ from server.engine.devices import resolve_devices
 from server.engine.gates import worker_names
 from server.engine.parallel import PARALLEL_MODES, Candidate, Parallel, ParallelPlan, single
 from server.engine.plan import ShardPlan, Strategy, plan_shards
+from server.engine.specs import native_latent
 from server.errors import PlanError
 
 # Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
@@ -77,7 +78,7 @@ def plan_parallel(
         raise PlanError(f"unknown parallel mode {parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
     device_list = resolve_devices(devices)
     if block_costs is None:
-        latent = plan_options.get("latent_size") or int(model.config.sample_size)
+        latent = plan_options.get("latent_size") or native_latent(model)
         dtype = plan_options.get("dtype") or next(model.parameters()).dtype
         block_costs = CostModel(model, rows, latent, dtype).costs
         costs_note = costs_note or "counted"

@@ -41,6 +41,8 @@ _CROSS_BLOCK_RESIDUALS = (
     "mid_block_additional_residual",
     "down_intrablock_additional_residuals",
     "block_controlnet_hidden_states",  # an MMDiT controlnet's: added outside any block
+    "controlnet_block_samples",  # FLUX.1 controlnets': likewise
+    "controlnet_single_block_samples",
 )
 
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from torch import nn
 
 from server.engine.blocks import DenoiserSpec, Layout, tensors_of
 from server.engine.dit import SD3TransformerSpec
+from server.engine.flux import FluxTransformerSpec
 from server.engine.unet import UNetSpec
 
 _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (UNet2DConditionModel, UNetSpec),
     (SD3Transformer2DModel, SD3TransformerSpec),
+    (FluxTransformer2DModel, FluxTransformerSpec),
 ]
 
 
@@ -28,6 +30,15 @@ def spec_for(model: nn.Module) -> DenoiserSpec:
             return spec()
     known = ", ".join(t.__name__ for t, _ in _SPECS)
     raise TypeError(f"no block layout for {type(model).__name__} (known: {known}); see register_spec")
+
+
+def native_latent(model: nn.Module) -> int:
+    """The latent side the denoiser was built for: its spec's, else its config's `sample_size`
+    (FLUX.1's config has none)."""
+    spec = spec_for(model)
+    if hasattr(spec, "native_latent"):
+        return int(spec.native_latent(model))
+    return int(model.config.sample_size)
 
 
 def layout_of(model: nn.Module) -> Layout:

@@ -1,0 +1,103 @@
+"""FLUX.1's transformer (`diffusers.FluxTransformer2DModel`) as blocks.
+
+forward embeds first: `x_embedder` projects the packed latent tokens (2x2 patches of the
+16-channel latent, 64 features each), `time_text_embed` turns the timestep (and, for
+guidance-distilled checkpoints such as FLUX.1-dev, the guidance scale) and the pooled CLIP
+vector into `temb`, `context_embedder` projects T5's tokens, and `pos_embed` turns the text and
+image position ids into rotary embeddings (cos, sin) once for every block. Those form the
+`embed` block. Then 19 double-stream `transformer_blocks` map (image tokens, text tokens) with
+temb and the rotary embeddings, and 38 `single_transformer_blocks` do the same over both
+streams joined inside each block (they return them apart again): one block each. `norm_out`
+(modulated by temb) and `proj_out` end it. No skips: the image stream, the text stream, temb
+and the rotary cos and sin cross every boundary.
+
+Packing the latents and making the position ids are glue outside any module, done here in
+`forward` as FluxPipeline does them, so a request's latents stay [B, 16, h, w] everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.engine.blocks import Block, DenoiserInputs, Layout
+
+T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
+NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] → [B, h/2 · w/2, 4C]: FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, h/2 · w/2, 4C] → [B, C, h, w]: FluxPipeline._unpack_latents, in latent sizes."""
+    b, _, features = tokens.shape
+    patches = tokens.view(b, h // 2, w // 2, features // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, features // 4, h, w)
+
+
+def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[h/2 · w/2, 3] position ids (0, row, column): FluxPipeline._prepare_latent_image_ids."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] += torch.arange(h // 2)[:, None]
+    ids[..., 2] += torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class FluxTransformerSpec:
+    """`diffusers.FluxTransformer2DModel`: FLUX.1 dev and schnell alike."""
+
+    EMBEDDING = ("x_embedder", "time_text_embed", "context_embedder", "pos_embed", "encoder_hid_proj")
+    OUTPUT = ("norm_out", "proj_out")
+
+    def native_latent(self, model: nn.Module) -> int:
+        return NATIVE_LATENT
+
+    def layout(self, model: nn.Module) -> Layout:
+        def present(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(n for n in names if getattr(model, n, None) is not None)
+
+        blocks = [Block("embed", present(self.EMBEDDING))]
+        for stream in ("transformer_blocks", "single_transformer_blocks"):
+            blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
+        blocks.append(Block("out", present(self.OUTPUT)))
+        return Layout(tuple(blocks))
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
+    ) -> DenoiserInputs:
+        config = model.config
+        size = (batch, config.in_channels // 4, latent_size, latent_size)
+        sample = torch.randn(size, dtype=dtype, device=device)
+        timestep = torch.linspace(1000.0, 1.0, batch, device=device)  # sigma·1000, one per row
+        context = torch.randn(batch, T5_TOKENS, config.joint_attention_dim, dtype=dtype, device=device)
+        pooled = torch.randn(batch, config.pooled_projection_dim, dtype=dtype, device=device)
+        conditioning: dict[str, Any] = {"pooled_projections": pooled}
+        if config.guidance_embeds:
+            conditioning["guidance"] = torch.full((batch,), 3.5, dtype=dtype, device=device)
+        return DenoiserInputs(sample, timestep, context, conditioning)
+
+    def forward(self, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
+        sample = inputs.sample
+        b, _, h, w = sample.shape
+        timestep = torch.as_tensor(inputs.timestep, device=sample.device)
+        if timestep.ndim == 0:
+            timestep = timestep.expand(b)
+        text_ids = torch.zeros(inputs.context.shape[1], 3, device=sample.device, dtype=sample.dtype)
+        out = model(
+            hidden_states=pack(sample),
+            # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
+            timestep=timestep.to(sample.dtype) / 1000,
+            encoder_hidden_states=inputs.context,
+            txt_ids=text_ids,
+            img_ids=image_ids(h, w, sample.device, sample.dtype),
+            return_dict=False,
+            **inputs.conditioning,
+        )[0]
+        return unpack(out, h, w)
