@@ -174,6 +174,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
         description="denoising steps (DIFFSHARD_MAX_STEPS); default: the model's",
     )
     _nullable(props["guidance_scale"], minimum=0, maximum=MAX_GUIDANCE)
+    _nullable(props["true_cfg_scale"], minimum=0, maximum=MAX_GUIDANCE)
     _nullable(props["seed"], minimum=0, maximum=SEED_LIMIT - 1)
     _nullable(props["scheduler"], enum=list(b.schedulers))
     schema["description"] = (

@@ -2,7 +2,7 @@
 
 The body follows OpenAI's `POST /v1/images/generations` (and, as multipart form fields beside
 the files, `POST /v1/images/edits`: `ImageEditRequest`); diffshard's extensions
-(negative_prompt, num_inference_steps, guidance_scale, seed, scheduler, stream_progress,
+(negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, scheduler, stream_progress,
 deterministic, lora) sit beside the standard fields, where the SDKs put `extra_body`. Types are
 checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
 can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
@@ -82,6 +82,9 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = Field(
+        None, description="guidance-distilled models (FLUX.1): classifier-free guidance with negative_prompt"
+    )
     seed: int | None = Field(None, description="image i uses seed + i; default: random")
     scheduler: str | None = Field(None, description="default, or one the model's family supports")
     lora: dict[str, float] | None = Field(
@@ -187,6 +190,9 @@ def generation_requests(
     guidance = body.guidance_scale
     if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
         raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
+    true_cfg = body.true_cfg_scale
+    if true_cfg is not None and not (math.isfinite(true_cfg) and 0 <= true_cfg <= MAX_GUIDANCE):
+        raise InvalidRequest("true_cfg_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
     if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {body.seed}")
     partials = body.partial_images
@@ -220,6 +226,7 @@ def generation_requests(
             deterministic=body.deterministic,
             lora=tuple(lora.items()),
             edit=edit,
+            true_cfg_scale=1.0 if true_cfg is None else true_cfg,
         )
         for i, edit in enumerate(edit for edit in sources for _ in range(body.n))
     ]

@@ -162,7 +162,7 @@ class Pipeline:
 
     def rows(self, request: GenerationRequest) -> int:
         """Denoiser rows the (resolved) request takes at every step."""
-        return self.family.rows(request.guidance_scale)
+        return self.family.rows(request)
 
     @torch.inference_mode()
     def start(self, requests: Sequence[GenerationRequest]) -> list[RequestState]:
@@ -194,7 +194,7 @@ class Pipeline:
                     context = torch.cat([torch.zeros_like(context), context])
                     pooled = None if pooled is None else torch.cat([torch.zeros_like(pooled), pooled])
                 row += take
-                states.append(self._new_state(r, context, self.family.extras(pooled, r.width, r.height)))
+                states.append(self._new_state(r, context, self.family.extras(pooled, r)))
         except BaseException:
             for state in states:
                 state.close()
@@ -294,7 +294,7 @@ class Pipeline:
                 prediction = out[span].to(LATENT_DTYPE)
                 if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
                     negative, positive = prediction.chunk(2)
-                    prediction = negative + state.request.guidance_scale * (positive - negative)
+                    prediction = negative + self.family.cfg_scale(state.request) * (positive - negative)
                 partial, early, state.preview = state.previews.get(state.index + 1), None, None
                 if partial is not None and hasattr(state.scheduler, "convert_model_output"):  # DPM-Solver
                     if state.scheduler.step_index is None:  # its first step: nothing to convert with yet

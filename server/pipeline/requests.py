@@ -38,6 +38,7 @@ class GenerationRequest:
     deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
     lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
     edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
+    true_cfg_scale: float = 1.0  # guidance-distilled models (FLUX.1): CFG with negative_prompt when > 1
 
     @property
     def kind(self) -> str:
@@ -109,6 +110,12 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("steps", f"must be between 1 and {MAX_MODEL_STEPS}, got {request.steps}")
     if not (math.isfinite(request.guidance_scale) and request.guidance_scale >= 0):
         raise InvalidRequest("guidance_scale", f"must be a finite number ≥ 0, got {request.guidance_scale}")
+    if request.true_cfg_scale != 1.0 and not family.takes_true_cfg:
+        raise InvalidRequest(
+            "true_cfg_scale", "is for guidance-distilled models (FLUX.1); set guidance_scale for this one"
+        )
+    if not (math.isfinite(request.true_cfg_scale) and request.true_cfg_scale >= 0):
+        raise InvalidRequest("true_cfg_scale", f"must be a finite number ≥ 0, got {request.true_cfg_scale}")
     if request.scheduler not in family.schedulers:
         names = ", ".join(family.schedulers)
         raise InvalidRequest("scheduler", f"must be one of {names} for this model, got {request.scheduler!r}")

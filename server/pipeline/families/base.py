@@ -12,13 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
 from server.pipeline.schedulers import SCHEDULER_NAMES
+
+if TYPE_CHECKING:  # requests.py imports this module
+    from server.pipeline.requests import GenerationRequest
 
 # SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
 DDPM_SCHEDULERS = SCHEDULER_NAMES
@@ -52,6 +55,7 @@ class Family:
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
+    takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
     # Architectures `python -m server plan --config NAME` can plan: the reference checkpoints'
     # denoiser configs, trimmed to what differs from the class defaults.
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -66,9 +70,13 @@ class Family:
 
     # 1. Prompts → conditioning.
 
-    def rows(self, guidance_scale: float) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
-        return 2 if guidance_scale > 1 else 1
+        return 2 if request.guidance_scale > 1 else 1
+
+    def cfg_scale(self, request: GenerationRequest) -> float:
+        """The classifier-free guidance scale between a request's negative and positive rows."""
+        return request.guidance_scale
 
     @property
     def zero_unset_negative(self) -> bool:
@@ -85,7 +93,7 @@ class Family:
         mask = tokens.attention_mask.to(device) if use_mask else None
         return TextEmbeddings(encoder(tokens.input_ids.to(device), attention_mask=mask)[0])
 
-    def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         """Per-row conditioning beside the context (rows as `pooled`'s), e.g. SDXL's time ids."""
         return {}
 

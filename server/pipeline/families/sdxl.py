@@ -4,13 +4,16 @@ conditioning (`added_cond_kwargs`), zeros for an unset negative prompt."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
+
+if TYPE_CHECKING:  # requests.py imports the families
+    from server.pipeline.requests import GenerationRequest
 
 
 class SDXL(Family):
@@ -54,8 +57,8 @@ class SDXL(Family):
             contexts.append(hidden)
         return TextEmbeddings(torch.cat(contexts, dim=-1), pooled)
 
-    def extras(self, pooled: torch.Tensor | None, width: int, height: int) -> dict[str, torch.Tensor]:
-        size = (height, width)  # original size, crop top-left (0, 0), target size
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
+        size = (request.height, request.width)  # original size, crop top-left (0, 0), target size
         time_ids = torch.tensor([*size, 0, 0, *size], dtype=pooled.dtype, device=pooled.device)
         return {"text_embeds": pooled, "time_ids": time_ids.expand(pooled.shape[0], 6)}
 
