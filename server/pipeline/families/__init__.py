@@ -12,11 +12,12 @@ from torch import nn
 
 from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
+from server.pipeline.families.flux import Flux
 from server.pipeline.families.sd import SD
 from server.pipeline.families.sd3 import SD3
 from server.pipeline.families.sdxl import SDXL
 
-FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3)
+FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux)
 SD_VAE = {"block_out_channels": (128, 256, 512, 512)}  # the 8x VAE every reference model uses
 
 

@@ -12,16 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
 from server.pipeline.schedulers import SCHEDULER_NAMES
-
-if TYPE_CHECKING:  # requests.py imports this module
-    from server.pipeline.requests import GenerationRequest
 
 # SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
 DDPM_SCHEDULERS = SCHEDULER_NAMES
@@ -40,6 +37,17 @@ class ModelConfig:
 class TextEmbeddings:
     context: torch.Tensor  # [N, tokens, dim]: what the denoiser attends to
     pooled: torch.Tensor | None = None  # [N, dim]: one vector per prompt, for families that take one
+
+
+class Asked(Protocol):
+    """What a family reads of a (resolved) request: requests.py's GenerationRequest, which
+    imports this module."""
+
+    negative_prompt: str | None
+    guidance_scale: float
+    true_cfg_scale: float
+    width: int
+    height: int
 
 
 class Family:
@@ -70,11 +78,11 @@ class Family:
 
     # 1. Prompts → conditioning.
 
-    def rows(self, request: GenerationRequest) -> int:
+    def rows(self, request: Asked) -> int:
         """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
         return 2 if request.guidance_scale > 1 else 1
 
-    def cfg_scale(self, request: GenerationRequest) -> float:
+    def cfg_scale(self, request: Asked) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows."""
         return request.guidance_scale
 
@@ -93,7 +101,7 @@ class Family:
         mask = tokens.attention_mask.to(device) if use_mask else None
         return TextEmbeddings(encoder(tokens.input_ids.to(device), attention_mask=mask)[0])
 
-    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
         """Per-row conditioning beside the context (rows as `pooled`'s), e.g. SDXL's time ids."""
         return {}
 

@@ -6,7 +6,7 @@ schedule shifted by image size, and a VAE with a shift factor."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import SD3Transformer2DModel
@@ -14,10 +14,7 @@ from torch import nn
 
 from server.engine.dit import T5_TOKENS  # diffusers' max_sequence_length default: T5's, or its zeros'
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
-
-if TYPE_CHECKING:  # requests.py imports the families
-    from server.pipeline.requests import GenerationRequest
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, penultimate_states
 
 
 class SD3(Family):
@@ -68,7 +65,7 @@ class SD3(Family):
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return TextEmbeddings(torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1))
 
-    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
         return {"pooled_projections": pooled}
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -4,16 +4,13 @@ conditioning (`added_cond_kwargs`), zeros for an unset negative prompt."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
-
-if TYPE_CHECKING:  # requests.py imports the families
-    from server.pipeline.requests import GenerationRequest
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, penultimate_states
 
 
 class SDXL(Family):
@@ -57,7 +54,7 @@ class SDXL(Family):
             contexts.append(hidden)
         return TextEmbeddings(torch.cat(contexts, dim=-1), pooled)
 
-    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
         size = (request.height, request.width)  # original size, crop top-left (0, 0), target size
         time_ids = torch.tensor([*size, 0, 0, *size], dtype=pooled.dtype, device=pooled.device)
         return {"text_embeds": pooled, "time_ids": time_ids.expand(pooled.shape[0], 6)}

@@ -1,0 +1,138 @@
+"""FLUX.1 (dev, schnell): a transformer over 2x2-packed 16-channel latents (the engine's spec packs
+them), conditioned on T5's tokens and CLIP's pooled vector, a flow-matching schedule shifted by
+the image's token count, and a VAE with a shift factor.
+
+FLUX.1-dev is guidance-distilled: `guidance_scale` is an input of the model (one row per image,
+`guidance` per row, so requests with different scales share a call), not classifier-free
+guidance. True CFG is diffusers' `true_cfg_scale` with a negative prompt: a second row, as other
+families guide. schnell has no guidance input at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers import FluxTransformer2DModel
+from torch import nn
+
+from server.engine.flux import NATIVE_LATENT, T5_TOKENS
+from server.errors import ModelFolderError
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, tokenize
+
+# FLUX.1's transformer/config.json (dev and schnell differ only in guidance_embeds): diffusers'
+# FluxTransformer2DModel defaults, written out
+FLUX1 = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+
+class Flux(Family):
+    name: ClassVar[str] = "flux"
+    pipeline_classes: ClassVar[tuple[str, ...]] = (
+        "FluxPipeline",
+        "FluxImg2ImgPipeline",
+        "FluxInpaintPipeline",
+    )
+    denoiser: ClassVar[str] = "transformer"
+    denoiser_class: ClassVar[type[nn.Module]] = FluxTransformer2DModel
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
+    tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
+    schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
+    default_steps: ClassVar[int] = 28  # FluxPipeline's
+    default_guidance: ClassVar[float] = 3.5  # FluxPipeline's
+    takes_true_cfg: ClassVar[bool] = True
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
+        "flux-dev": {**FLUX1, "guidance_embeds": True},  # black-forest-labs/FLUX.1-dev
+        "flux-schnell": {**FLUX1, "guidance_embeds": False},  # black-forest-labs/FLUX.1-schnell
+    }
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Guidance-distilled (dev): the guidance scale is the model's input."""
+        return bool(self.config.denoiser.get("guidance_embeds", False))
+
+    def rows(self, request: Asked) -> int:
+        """One row, or two for true CFG (diffusers: true_cfg_scale > 1 with a negative prompt)."""
+        return 2 if request.true_cfg_scale > 1 and request.negative_prompt is not None else 1
+
+    def cfg_scale(self, request: Asked) -> float:
+        return request.true_cfg_scale
+
+    def encode(
+        self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
+    ) -> TextEmbeddings:
+        """T5's tokens (padded to 512, no mask, as FluxPipeline) and CLIP's pooled output."""
+        (clip, t5), (clip_tokenizer, t5_tokenizer) = encoders[:2], tokenizers[:2]
+        ids = tokenize(clip_tokenizer, prompts).input_ids.to(next(clip.parameters()).device)
+        pooled = clip(ids, output_hidden_states=False).pooler_output
+        tokens = t5_tokenizer(
+            prompts, padding="max_length", max_length=T5_TOKENS, truncation=True, return_tensors="pt"
+        ).input_ids
+        context = t5(tokens.to(next(t5.parameters()).device), output_hidden_states=False)[0]
+        return TextEmbeddings(context, pooled.to(context.dtype))
+
+    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+        extras = {"pooled_projections": pooled}
+        if self.guidance_embeds:  # per row: requests with other guidance scales share the call
+            extras["guidance"] = torch.full((pooled.shape[0],), request.guidance_scale, device=pooled.device)
+        return extras
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(extras)  # the text and image position ids depend on the size only: the spec makes them
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.config.vae.get("latent_channels", int(self.config.denoiser["in_channels"]) // 4))
+
+    @property
+    def inpainting_channels(self) -> int:
+        return 0  # in_channels counts packed features (4 per latent channel), not extra inputs
+
+    @property
+    def native_size(self) -> int:
+        return NATIVE_LATENT * self.vae_scale_factor  # FluxPipeline's default: no sample_size in the config
+
+    @property
+    def size_multiple(self) -> int:
+        return 2 * self.vae_scale_factor  # 2x2 packing (FluxPipeline resizes with a warning; we refuse)
+
+    def set_timesteps(self, scheduler: Any, steps: int, device: torch.device, latent_shape: tuple) -> None:
+        """FluxPipeline's schedule: sigmas from 1 to 1/steps, shifted by `mu` from the token count."""
+        config = scheduler.config
+        tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+        base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        low, high = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (high - low) / (top - base)
+        mu = tokens * slope + (low - slope * base)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=device, mu=mu)
+
+    def edit_begin(self, steps: int, strength: float) -> int:
+        return int(max(steps - steps * strength, 0))  # FluxImg2ImgPipeline's get_timesteps, as SD3's
+
+    def init_noise_sigma(self, scheduler: Any) -> float:
+        return 1.0  # flow matching starts from pure noise
+
+    def noised(
+        self, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        return scheduler.scale_noise(clean, t, noise)
+
+    def model_input(self, scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        if len(encoders) < 2:
+            raise ModelFolderError(
+                "a FLUX.1 folder needs text_encoder (CLIP) and text_encoder_2 (T5) with their tokenizers"
+            )

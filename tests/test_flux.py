@@ -1,0 +1,131 @@
+"""FLUX.1 as a family (issue 25), on tiny dev- and schnell-shaped folders built from config under
+fixed seeds: our pipeline equals diffusers' FluxPipeline (embedded guidance, true CFG), unsharded
+and split over 2 and 3 stages; requests joining at different steps give the images they give
+alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
+
+from server.errors import InvalidRequest
+from server.pipeline import Edit, GenerationRequest, Pipeline
+from tests.test_edits import left_half_mask, source_image
+from tests.tiny_pipelines import build_flux_folder
+
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def flux_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("flux")
+    return {
+        "dev": build_flux_folder(root / "dev"),
+        "schnell": build_flux_folder(root / "schnell", guidance=False),
+    }
+
+
+def theirs(folder: Path, request: GenerationRequest) -> np.ndarray:
+    pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        true_cfg_scale=request.true_cfg_scale,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        output_type="np",
+    ).images[0]
+
+
+CASES = {
+    "dev": GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32),
+    "dev-wide": GenerationRequest("a green square", seed=5, steps=3, guidance_scale=5.0, width=48, height=32),
+    "true-cfg": GenerationRequest(
+        "a red circle", negative_prompt="blue", true_cfg_scale=4.0, seed=3, steps=3, width=32, height=32
+    ),
+    "schnell": GenerationRequest("a blue triangle", seed=7, steps=3, guidance_scale=0.0, width=32, height=32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu", "cpu,cpu,cpu"])
+def test_our_pipeline_equals_flux_pipeline(flux_folders, case: str, devices: str) -> None:
+    folder = flux_folders["schnell" if case == "schnell" else "dev"]
+    pipeline = Pipeline.load(folder, devices=devices, strategy="even")
+    assert len(pipeline.shard.plan.stages) == len(devices.split(","))
+    request = pipeline.resolve(CASES[case])
+    mine = pipeline.generate([request])[0]
+    reference = theirs(folder, request)
+    assert mine.shape == reference.shape == (request.height, request.width, 3)
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+    assert float(mine.std()) > 0.05  # not a flat image: the comparison means something
+
+
+def test_requests_joining_at_different_steps_give_the_images_they_give_alone(flux_folders) -> None:
+    pipeline = Pipeline.load(flux_folders["dev"], devices="cpu,cpu", strategy="even")
+    first = GenerationRequest("a red circle", seed=1, steps=5, guidance_scale=2.0, width=32, height=32)
+    later = GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=4.0, width=32, height=32)
+    alone = [pipeline.generate([r])[0] for r in (first, later)]
+    states = pipeline.start([pipeline.resolve(first)])
+    rows_per_call = []
+    try:
+        pipeline.step(states)
+        pipeline.step(states)
+        states += pipeline.start([pipeline.resolve(later)])
+        while active := [s for s in states if not s.done]:
+            rows_per_call.append(sum(s.rows for s in active))
+            pipeline.step(active)
+        together = [pipeline.decode([s])[0].numpy().copy() for s in states]
+    finally:
+        for state in states:
+            state.close()
+    assert rows_per_call[:3] == [2, 2, 2]  # one row each (embedded guidance), in one call
+    for one, joined in zip(alone, together, strict=True):
+        assert float(np.abs(one - joined).max()) < TOLERANCE
+
+
+def test_sizes_and_true_cfg_are_checked_by_family(flux_folders, sd3_folder) -> None:
+    flux = Pipeline.load(flux_folders["dev"], devices="cpu")
+    with pytest.raises(InvalidRequest) as refused:  # 2x2 packing of a 2x VAE: multiples of 4
+        flux.resolve(GenerationRequest("a red circle", width=30, height=32))
+    assert refused.value.field == "size"
+    assert flux.rows(flux.resolve(GenerationRequest("a red circle", guidance_scale=7.0))) == 1
+    sd3 = Pipeline.load(sd3_folder, devices="cpu")
+    with pytest.raises(InvalidRequest) as refused:
+        sd3.resolve(GenerationRequest("a red circle", true_cfg_scale=3.0))
+    assert refused.value.field == "true_cfg_scale"
+
+
+@pytest.mark.parametrize(("mask", "strength"), [(False, 0.6), (True, 0.75), (True, 1.0)])
+def test_edits_equal_flux_img2img_and_inpaint_pipelines(flux_folders, mask: bool, strength: float) -> None:
+    folder = flux_folders["dev"]
+    pipeline = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+    edit = Edit(source_image(), left_half_mask() if mask else None, strength)
+    request = pipeline.resolve(
+        GenerationRequest("a red circle", seed=4, steps=6, guidance_scale=3.5, edit=edit)
+    )
+    mine = pipeline.generate([request])[0]
+    reference_class = FluxInpaintPipeline if mask else FluxImg2ImgPipeline
+    pipe = reference_class.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(
+        prompt=request.prompt,
+        image=edit.image,
+        strength=strength,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        output_type="np",
+        **({"mask_image": edit.mask} if mask else {}),
+    ).images[0]
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
