@@ -28,6 +28,7 @@ from server.api.requestid import RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings
 from server.engine import Costs, Strategy
+from server.engine.devices import planning_absent_devices
 from server.engine.memory import bound_kernel_cache
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
@@ -125,6 +126,11 @@ def _settings(args: argparse.Namespace, **overrides: object) -> Settings:
 
 
 def plan_command(args: argparse.Namespace) -> None:
+    with planning_absent_devices():  # on the meta device: GPUs this host lacks may be planned for
+        _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> None:
     explicit = args.strategy == Strategy.EXPLICIT
     if args.device_map and not explicit:
         raise PlanError("--device-map is the explicit strategy's map: add --strategy explicit")

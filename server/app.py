@@ -48,7 +48,7 @@ def plan_for(
     settings: Settings, family: Family, *, folder: Path | None = None, **options: object
 ) -> ParallelPlan:
     """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
-    options.setdefault("side", largest_side(family, settings.pixel_limit(family.native_size)))
+    options.setdefault("side", largest_side(family, settings.pixel_limit(family)))
     return plan_model(
         family,
         settings.devices,
@@ -101,7 +101,7 @@ def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Servic
         threads,
         f"; each lane runs {lanes}" if lanes is not None else "",
     )
-    limits = settings.limits(pipeline.family.native_size)
+    limits = settings.limits(pipeline.family)
     bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
         pipeline,
@@ -222,7 +222,7 @@ def create_app(
 def _bounds(settings: Settings, keyed: bool) -> Bounds:
     """What the OpenAPI document says of request bodies: these settings on this model."""
     family = read_family(settings.model)
-    limits = settings.limits(family.native_size)
+    limits = settings.limits(family)
     return Bounds(
         served_name=settings.served_name,
         max_n=limits.max_n,

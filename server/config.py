@@ -19,7 +19,7 @@ from server.engine.cache import default_cache_dir
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.engine.pool import ANY_DEVICE
 from server.errors import ConfigError
-from server.pipeline.families import pipeline_classes
+from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import read_family
 from server.serving import Limits
 
@@ -253,21 +253,23 @@ class Settings(BaseSettings):
             return self.model_name
         return BUILT_IN_NAME if self.model.resolve() == MODEL_DIR.resolve() else self.model.resolve().name
 
-    def pixel_limit(self, native_size: int) -> int:
-        """`max_pixels`, or by default 4x the model's native area (SD-1.5: 1024², the built-in: 128²)."""
-        return self.max_pixels or 4 * native_size * native_size
+    def pixel_limit(self, family: Family) -> int:
+        """`max_pixels`, or by default the family's multiple of the model's native area (4x for SD:
+        SD-1.5 1024², the built-in 128²; FLUX.1 less, so two 24 GiB GPUs hold its default plan)."""
+        return self.max_pixels or int(family.default_area * family.native_size**2)
 
-    def limits(self, native_size: int) -> Limits:
+    def limits(self, family: Family) -> Limits:
+        native_size = family.native_size
         return Limits(
             max_n=self.max_n,
             max_steps=self.max_steps,
-            max_pixels=self.pixel_limit(native_size),
+            max_pixels=self.pixel_limit(family),
             max_prompt_chars=self.max_prompt_chars,
             max_work=self.max_work,
             native_pixels=native_size * native_size,
             request_timeout_s=self.request_timeout_s,
             max_image_bytes=self.max_image_bytes,
-            max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(native_size),
+            max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(family),
             max_edit_images=self.max_edit_images,
         )
 

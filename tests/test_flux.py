@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from PIL import Image
 from server.errors import InvalidRequest
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from tests.live import live_server
+from tests.test_cli import run_cli
 from tests.test_edits import left_half_mask, source_image
 from tests.tiny_pipelines import build_flux_folder
 
@@ -153,3 +156,27 @@ def test_the_openai_sdk_generates_and_streams_from_a_tiny_flux_folder(flux_folde
     request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
     reference = (theirs(folder, request) * 255).round().astype(int)
     assert int(np.abs(served - reference).max()) <= 2  # the PNG within 2/255 of diffusers
+
+
+FLUX_PLAN = ("plan", "--config", "flux-dev", "--dtype", "bfloat16")
+TWO_4090S = ("--devices", "cuda:0,cuda:1", "--max-memory", "cuda:0=24GiB,cuda:1=24GiB")
+
+
+def test_flux_dev_plans_for_two_24_gib_gpus_without_one_and_refuses_one_naming_the_shortfall() -> None:
+    started = time.monotonic()
+    done = run_cli(*FLUX_PLAN, *TWO_4090S, "--json")
+    seconds = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert seconds < 20
+    plan = json.loads(done.stdout)
+    assert len(plan["stages"]) == 2 and all(len(stage["blocks"]) > 1 for stage in plan["stages"])
+    assert sum(len(stage["blocks"]) for stage in plan["stages"]) == 1 + 19 + 38 + 1
+    for device in plan["devices"]:  # weights, activations and (cuda:0) T5, CLIP and the VAE within budget
+        used = device["param_bytes"] + device["activation_reserve"] + device["other_bytes"]
+        assert used <= device["budget"], device
+    assert plan["devices"][0]["other_bytes"] > 9e9  # T5-XXL's encoder (9.5 GB) sits with the first stage
+    assert plan["boundaries"][0]["tensors"] == 5 and plan["boundaries"][0]["bytes"] > 0
+    one = run_cli(*FLUX_PLAN, "--devices", "cuda:0", "--max-memory", "cuda:0=24GiB")
+    assert one.returncode == 2 and "GiB short" in one.stderr and "cuda:0" in one.stderr
+    unbudgeted = run_cli(*FLUX_PLAN, "--devices", "cuda:0,cuda:1")
+    assert unbudgeted.returncode == 2 and "--max-memory cuda:0=" in unbudgeted.stderr

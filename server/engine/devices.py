@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -21,6 +24,28 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+# Set while only planning (`python -m server plan`): GPUs this host lacks may be named, since a
+# plan on the meta device needs none; serving never sets it.
+_ABSENT_OK: ContextVar[bool] = ContextVar("plan_absent_devices", default=False)
+
+
+@contextmanager
+def planning_absent_devices() -> Iterator[None]:
+    """While planning only: CUDA devices this host lacks are accepted (their budgets and the
+    dtype must then be given), so a plan for two GPUs can be read before buying them."""
+    token = _ABSENT_OK.set(True)
+    try:
+        yield
+    finally:
+        _ABSENT_OK.reset(token)
+
+
+def absent(device: str) -> bool:
+    """A CUDA device named for a plan that this host does not have."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count()
+
+
 def normalize_device(name: str) -> str:
     """`'cuda'` → `'cuda:0'`; raises DeviceError for a device this host does not have."""
     try:
@@ -32,7 +57,7 @@ def normalize_device(name: str) -> str:
     if device.type == "cuda":
         index = device.index or 0
         count = torch.cuda.device_count()
-        if index >= count:
+        if index >= count and not _ABSENT_OK.get():
             raise DeviceError(f"unknown device {name!r}: this host has {count} CUDA device(s)")
         return f"cuda:{index}"
     raise DeviceError(f"unsupported device {name!r}: use cpu or cuda:N")
@@ -88,6 +113,8 @@ def default_budget(device: str) -> int | None:
     dev = torch.device(device)
     if dev.type != "cuda":
         return None
+    if absent(device):
+        raise DeviceError(f"{device} is not on this host: give its budget, e.g. --max-memory {device}=24GiB")
     free, total = torch.cuda.mem_get_info(dev)
     return max(0, int(free - CUDA_MARGIN * total))
 
@@ -97,6 +124,8 @@ def auto_dtype(devices: list[str]) -> torch.dtype:
     float32 as soon as one stage runs on the CPU (one dtype for the whole model)."""
     if any(torch.device(d).type != "cuda" for d in devices):
         return torch.float32
+    if missing := [d for d in devices if absent(d)]:
+        raise DeviceError(f"{', '.join(missing)} not on this host: give --dtype (e.g. bfloat16)")
     if all(torch.cuda.get_device_capability(torch.device(d)) >= (8, 0) for d in devices):
         return torch.bfloat16
     return torch.float16

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
-from server.pipeline.families import Family, meta_denoiser
+from server.pipeline.families import Family, meta_denoiser, reference_bytes
 from server.pipeline.loader import part_bytes
 
 
@@ -50,7 +50,7 @@ def plan_model(
     the native size: the typical request; measured ones and calibrations kept in `cache_dir`);
     `threads` is the CPU's intra-op threads in all (a lone CPU worker runs the count predicted
     fastest up to it, or all of them without `pick_threads`)."""
-    resident = 0
+    resident = reference_bytes(family, dtype)  # a reference architecture's, without a folder
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.engine.blocks import tensor_bytes
 from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
@@ -45,8 +46,18 @@ def reference_family(name: str) -> Family:
             with torch.device("meta"):  # a config with every default filled in
                 model = family.denoiser_class.from_config(family.reference_configs[name])
             index = {"_class_name": family.pipeline_classes[0]}
-            return family(ModelConfig(index, dict(model.config), SD_VAE))
+            return family(ModelConfig(index, dict(model.config), family.reference_vae or SD_VAE))
     raise PlanError(f"unknown architecture {name!r}: choose one of {', '.join(reference_names())}")
+
+
+def reference_bytes(family: Family, dtype: torch.dtype) -> int:
+    """Bytes of a reference architecture's encoders and VAE in `dtype`, built on the meta device
+    (seconds, no weights); 0 for a family that declares none."""
+    total = 0
+    for build in family.reference_parts.values():
+        with torch.device("meta"):
+            total += tensor_bytes(build(), dtype)
+    return total
 
 
 def meta_denoiser(family: Family) -> nn.Module:

@@ -64,6 +64,11 @@ class Family:
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
+    default_area: ClassVar[float] = 4.0  # the default pixel limit, in native areas (--max-pixels)
+    # `plan --config`'s other parts, built on the meta device to count their bytes: name → a
+    # builder; a family without them plans its denoiser alone
+    reference_parts: ClassVar[dict[str, Any]] = {}
+    reference_vae: ClassVar[dict[str, Any] | None] = None  # its VAE's config, if not SD's 8x one
     # Architectures `python -m server plan --config NAME` can plan: the reference checkpoints'
     # denoiser configs, trimmed to what differs from the class defaults.
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}

@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 from torch import nn
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from server.engine.flux import NATIVE_LATENT, T5_TOKENS
 from server.errors import ModelFolderError
@@ -35,6 +36,41 @@ FLUX1 = {
     "pooled_projection_dim": 768,
     "axes_dims_rope": (16, 56, 56),
 }
+# The other parts of the FLUX.1 folders, for `plan --config` to count: text_encoder_2/config.json
+# (T5 v1.1 XXL's encoder), text_encoder/config.json (CLIP ViT-L/14's text tower), vae/config.json
+T5_XXL_ENCODER = {
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "vocab_size": 32128,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+    "tie_word_embeddings": False,
+}
+CLIP_L = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+    "projection_dim": 768,
+    "hidden_act": "quick_gelu",
+}
+FLUX_VAE = {
+    "block_out_channels": (128, 256, 512, 512),
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "layers_per_block": 2,
+    "latent_channels": 16,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
 
 
 class Flux(Family):
@@ -52,6 +88,15 @@ class Flux(Family):
     default_steps: ClassVar[int] = 28  # FluxPipeline's
     default_guidance: ClassVar[float] = 3.5  # FluxPipeline's
     takes_true_cfg: ClassVar[bool] = True
+    # 1.5 megapixels: 16 rows of it reserve activations that leave both stages of a 2x24 GiB split
+    # room beside the 22 GiB of transformer and 9 GiB of T5 (plan --config flux-dev)
+    default_area: ClassVar[float] = 1.5
+    reference_parts: ClassVar[dict[str, Any]] = {
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+        "text_encoder_2": lambda: T5EncoderModel(T5Config(**T5_XXL_ENCODER)),
+        "vae": lambda: AutoencoderKL.from_config(FLUX_VAE),
+    }
+    reference_vae: ClassVar[dict[str, Any] | None] = FLUX_VAE
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "flux-dev": {**FLUX1, "guidance_embeds": True},  # black-forest-labs/FLUX.1-dev
         "flux-schnell": {**FLUX1, "guidance_embeds": False},  # black-forest-labs/FLUX.1-schnell
