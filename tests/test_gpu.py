@@ -23,6 +23,7 @@ from server.engine import (
     spec_for,
 )
 from server.pipeline import GenerationRequest, Pipeline
+from tests.tiny_pipelines import build_flux_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -124,3 +125,14 @@ def test_a_lone_step_split_over_two_gpu_replicas_takes_at_most_065_of_one_gpu() 
     split, out = step_s(lambda: run_micro_batches(shards, inputs, 2))
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=0)
     assert split <= 0.65 * one, f"split {split * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
+
+
+@two_gpus
+def test_a_tiny_flux_split_over_two_gpus_equals_one_gpu(tmp_path: Path) -> None:
+    """FLUX.1's two streams, temb and rotary embeddings cross from cuda:0 to cuda:1 (issue 25)."""
+    folder = build_flux_folder(tmp_path / "flux")
+    request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
+    one = Pipeline.load(folder, devices="cuda:0").generate([request])[0]
+    split = Pipeline.load(folder, devices="cuda:0,cuda:1", strategy="even")
+    assert [stage.device for stage in split.shard.plan.stages] == ["cuda:0", "cuda:1"]
+    assert float(np.abs(split.generate([request])[0] - one).max()) < 1e-3
