@@ -44,17 +44,18 @@ def plan_model(
     cache_dir: Path | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
-    activations for `batch` rows of `side`² images; with `folder`, its encoders and VAE count
-    on the first stage's device. `parallel` chooses replicas, pipelined stages or both
+    activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
+    reference architecture's published ones) count on the first stage's device. `parallel` chooses replicas, pipelined stages or both
     (`server.engine.plan_parallel`) from block costs `costs` (counted or measured, at 2 rows of
     the native size: the typical request; measured ones and calibrations kept in `cache_dir`);
     `threads` is the CPU's intra-op threads in all (a lone CPU worker runs the count predicted
     fastest up to it, or all of them without `pick_threads`)."""
-    resident = reference_bytes(family, dtype)  # a reference architecture's, without a folder
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
         resident = part_bytes(folder, parts, dtype)
+    else:  # a reference architecture's, built on the meta device (none for most)
+        resident = reference_bytes(family, dtype)
     model = meta_denoiser(family)
     latent = family.native_size // family.vae_scale_factor  # the typical request
 
