@@ -41,6 +41,7 @@ from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
 from tests.live import LiveServer, live_server
 from tests.test_lora import RANK, random_lora
+from tests.tiny_pipelines import build_flux_folder
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 DEADLINE_S = 60
@@ -331,3 +332,17 @@ def test_the_api_reference_renders_offline(browser: WebDriver, server: LiveServe
     assert not errors  # a CSP refusal or a missing file would be here
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(url.startswith(f"{server.url}/") for url in loaded), loaded
+
+
+def test_a_flux_model_streams_in_the_page_as_the_others_do(browser: WebDriver, tmp_path: Path) -> None:
+    """FLUX.1 (issue 25): the page needs nothing family-specific; a tiny dev-shaped folder."""
+    folder = build_flux_folder(tmp_path / "flux")
+    with live_server("--model", str(folder)) as flux:
+        open_page(browser, flux.url)
+        fill(browser, prompt="a red circle", seed="7", size="32x32", num_inference_steps="4")
+        browser.find_element(By.ID, "go").click()
+        [image] = final_images(browser, 1)
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".strip img")) == 3  # its previews
+        shown = shown_pixels(browser, image)
+        plain = api_pixels(flux, prompt="a red circle", seed=7, size="32x32", num_inference_steps=4)
+    np.testing.assert_array_equal(shown, plain)

@@ -45,11 +45,12 @@ def plan_model(
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
-    reference architecture's published ones) count on the first stage's device. `parallel` chooses replicas, pipelined stages or both
-    (`server.engine.plan_parallel`) from block costs `costs` (counted or measured, at 2 rows of
-    the native size: the typical request; measured ones and calibrations kept in `cache_dir`);
-    `threads` is the CPU's intra-op threads in all (a lone CPU worker runs the count predicted
-    fastest up to it, or all of them without `pick_threads`)."""
+    reference architecture's published ones) count on the first stage's device. `parallel`
+    chooses replicas, pipelined stages or both (`server.engine.plan_parallel`) from block costs
+    `costs` (counted or measured, at 2 rows of the native size: the typical request; measured
+    ones and calibrations kept in `cache_dir`); `threads` is the CPU's intra-op threads in all
+    (a lone CPU worker runs the count predicted fastest up to it, or all of them without
+    `pick_threads`)."""
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
