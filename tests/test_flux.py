@@ -23,7 +23,7 @@ from server.pipeline import Edit, GenerationRequest, Pipeline
 from tests.live import live_server
 from tests.test_cli import run_cli
 from tests.test_edits import left_half_mask, source_image
-from tests.tiny_pipelines import build_flux_folder
+from tests.tiny_pipelines import build_flux_folder, diffusers_image
 
 TOLERANCE = 1e-3
 
@@ -40,17 +40,7 @@ def flux_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def theirs(folder: Path, request: GenerationRequest) -> np.ndarray:
     pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        true_cfg_scale=request.true_cfg_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
-        height=request.height,
-        width=request.width,
-        output_type="np",
-    ).images[0]
+    return diffusers_image(pipe, request, true_cfg_scale=request.true_cfg_scale)
 
 
 CASES = {

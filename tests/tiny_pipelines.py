@@ -216,18 +216,7 @@ def build_flux_folder(folder: Path, guidance: bool = True) -> Path:
         scheduler=FlowMatchEulerDiscreteScheduler(
             **(FLUX_DEV_SCHEDULE if guidance else FLUX_SCHNELL_SCHEDULE)
         ),
-        vae=AutoencoderKL(
-            block_out_channels=(16, 16),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            latent_channels=FLUX_LATENT_CHANNELS,
-            norm_num_groups=8,
-            sample_size=IMAGE_SIZE,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
+        vae=_flow_vae(FLUX_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159),  # FLUX.1's
         text_encoder=CLIPTextModel(_text_config(tokenizer)),
         tokenizer=tokenizer,
         text_encoder_2=_t5(t5_tokenizer),
@@ -260,24 +249,28 @@ def _sd3_transformer(**extra) -> SD3Transformer2DModel:
     return SD3Transformer2DModel(**{**config, **extra})
 
 
+def _flow_vae(channels: int, **factors: float) -> AutoencoderKL:
+    """The tiny VAE with more latent channels, scaled and shifted, without quant convs (SD3, FLUX)."""
+    return AutoencoderKL(
+        block_out_channels=(16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=channels,
+        norm_num_groups=8,
+        sample_size=IMAGE_SIZE,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        **factors,
+    )
+
+
 def build_sd3_folder(folder: Path) -> Path:
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     StableDiffusion3Pipeline(
         transformer=_sd3_transformer(),
         scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULE),
-        vae=AutoencoderKL(
-            block_out_channels=(16, 16),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            latent_channels=SD3_LATENT_CHANNELS,
-            norm_num_groups=8,
-            sample_size=IMAGE_SIZE,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
+        vae=_flow_vae(SD3_LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609),  # SD3-medium's
         text_encoder=CLIPTextModelWithProjection(_text_config(tokenizer, projection_dim=TEXT_DIM)),
         tokenizer=tokenizer,
         text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, projection_dim=TEXT_DIM)),
@@ -288,7 +281,7 @@ def build_sd3_folder(folder: Path) -> Path:
     return folder
 
 
-def diffusers_image(pipe, request) -> np.ndarray:
+def diffusers_image(pipe, request, **extra) -> np.ndarray:
     """What a diffusers pipeline makes for a (resolved) GenerationRequest: the reference image."""
     return pipe(
         prompt=request.prompt,
@@ -299,4 +292,5 @@ def diffusers_image(pipe, request) -> np.ndarray:
         height=request.height,
         width=request.width,
         output_type="np",
+        **extra,
     ).images[0]
