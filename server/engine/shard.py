@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from server.engine.blocks import DenoiserInputs, block_modules, tensor_bytes
+from server.engine.compile import CompiledDenoiser, CompileMode, GraphStore
 from server.engine.devices import format_bytes
 from server.engine.gates import StageGates, worker_names
 from server.engine.memory import DeviceMemory, read_memory
@@ -101,6 +102,7 @@ class ModelShard:
         self._local = threading.local()  # each calling thread's transfer cache
         self._handles: list[RemovableHandle] = []
         self.gates = StageGates(workers or worker_names([stage.device for stage in plan.stages]))
+        self.compiled: CompiledDenoiser | None = None  # set by `compile`
 
         # 2. Place every block; with several stages, hook their blocks: a forward reaching a
         # stage takes its gate, and (after the first) moves its inputs to the stage's device.
@@ -154,9 +156,38 @@ class ModelShard:
                 move(context, self.device),
                 move(conditioning, self.device),
             )
-            with torch.inference_mode():
-                out = self._spec.forward(self.model, inputs)
+            out = self.compiled.run(inputs) if self.compiled is not None else None
+            if out is None:  # not compiled, or no bucket holds this call
+                with torch.inference_mode():
+                    out = self._spec.forward(self.model, inputs)
             return out.to(self.device)
+        finally:
+            self.gates.end()
+            self._cache.clear()
+
+    def compile(self, mode: CompileMode, store: GraphStore, shared: CompiledDenoiser | None = None) -> None:
+        """Run calls through graphs compiled per bucket (`warm` makes each ready); replicas that
+        share one model share its `shared` graphs."""
+        if mode == CompileMode.OFF:
+            self.compiled = None
+        elif shared is not None and shared.model is self.model:
+            self.compiled = shared
+        else:
+            self.compiled = CompiledDenoiser(
+                self.model, self._spec, self._layout, mode, len(self.plan.stages), store
+            )
+
+    def warm(self, inputs: DenoiserInputs, rows: int) -> None:
+        """Compile (or load from the cache) the bucket of these inputs padded to `rows` rows."""
+        if self.compiled is None:
+            raise ValueError("the shard is not compiled: call compile() first")
+        move = self._cache.move
+        inputs = DenoiserInputs(*(move(x, self.device) for x in vars(inputs).values()))
+        self.gates.begin()
+        try:
+            if len(self.plan.stages) == 1:  # a split's stage hooks take their gates
+                self.gates.enter(0)
+            self.compiled.warm(inputs, rows)
         finally:
             self.gates.end()
             self._cache.clear()

@@ -14,9 +14,11 @@ guidance scales, share the forward.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ from server.engine import (
     run_micro_batches,
 )
 from server.engine.blocks import DenoiserInputs
+from server.engine.compile import eager_calls, run_decoder
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
@@ -84,6 +87,7 @@ class Pipeline:
         self.splits_lone = False  # the plan predicts splitting a lone request's rows pays
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
+        self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
 
     @classmethod
     def load(
@@ -258,34 +262,14 @@ class Pipeline:
         if any(s.done or s.closed for s in states):
             raise ValueError("a finished or closed request cannot take another step")
         check_group(states)
-        first, rows = states[0], sum(s.rows for s in states)
         with self.pool.scope() as batch:
-            # 1. Stack every state's rows: [rows, C, h, w] samples, [rows] timesteps, [rows, T, D] context.
-            channels = first.latents.shape[1]
-            extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
-            shape = (rows, channels + extra, *first.latents.shape[2:])
-            sample = batch.rent(shape, self.denoiser_dtype, self.device)
-            timesteps = batch.rent((rows,), torch.float32, self.device)
-            context = batch.rent((rows, *first.context.shape[1:]), self.denoiser_dtype, self.device)
-            extras = {
-                name: batch.rent((rows, *value.shape[1:]), value.dtype, self.device)
-                for name, value in first.extras.items()
-            }
-            for state, span in zip(states, spans(states), strict=True):
-                sample[span, :channels] = self.family.model_input(
-                    state.scheduler, state.latents, state.timestep
-                )
-                if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
-                    sample[span, channels:] = state.conditioning
-                timesteps[span] = state.timestep
-                context[span] = state.context
-                for name, value in extras.items():
-                    value[span] = state.extras[name]
-            # 2. One forward through the shard (and any idle replicas, a share of the rows each).
-            inputs = DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
+            # 1. Stack every state's rows; 2. one forward through the shard (and any idle
+            # replicas, a share of the rows each).
+            inputs = self.stacked(states, batch)
             asking = [s.request.lora for s in states for _ in range(s.rows)]
             alone = any(s.request.deterministic or s.request.lora for s in states)
-            with rows_asking(asking):  # adapters' rows: not split over replicas (their threads)
+            hooked = eager_calls() if any(asking) else contextlib.nullcontext()  # graphs skip hooks
+            with rows_asking(asking), hooked:  # adapters' rows: not split over replicas (their threads)
                 out = self._forward(inputs, split=not alone)
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
@@ -320,6 +304,30 @@ class Pipeline:
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
                         state.preview = (index, image.permute(1, 2, 0).float().cpu())
 
+    def stacked(self, states: Sequence[RequestState], batch: PoolScope) -> DenoiserInputs:
+        """The denoiser's inputs for every state's rows, in buffers `batch` rents: [rows, C, h, w]
+        samples, [rows] timesteps, [rows, T, D] context, the family's extras."""
+        first, rows = states[0], sum(s.rows for s in states)
+        channels = first.latents.shape[1]
+        extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
+        shape = (rows, channels + extra, *first.latents.shape[2:])
+        sample = batch.rent(shape, self.denoiser_dtype, self.device)
+        timesteps = batch.rent((rows,), torch.float32, self.device)
+        context = batch.rent((rows, *first.context.shape[1:]), self.denoiser_dtype, self.device)
+        extras = {
+            name: batch.rent((rows, *value.shape[1:]), value.dtype, self.device)
+            for name, value in first.extras.items()
+        }
+        for state, span in zip(states, spans(states), strict=True):
+            sample[span, :channels] = self.family.model_input(state.scheduler, state.latents, state.timestep)
+            if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
+                sample[span, channels:] = state.conditioning
+            timesteps[span] = state.timestep
+            context[span] = state.context
+            for name, value in extras.items():
+                value[span] = state.extras[name]
+        return DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
+
     def _forward(self, inputs: DenoiserInputs, split: bool = True) -> torch.Tensor:
         """The denoiser on `inputs`; its rows split over idle replicas where allowed (not for a
         deterministic request: its rows' shapes must not depend on what else runs)."""
@@ -344,7 +352,7 @@ class Pipeline:
     def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] images in [0, 1] from the denoiser's latents, in one VAE call."""
         latents = self.family.unscale_latents(latents.to(self.encoder_device, self.vae.dtype))
-        return (self.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+        return (self.decoder(latents) / 2 + 0.5).clamp(0, 1)
 
     def _decode(self, states: Sequence[RequestState]) -> None:
         pixels = self._pixels(torch.cat([s.latents for s in states]))

@@ -1,0 +1,376 @@
+"""Compiled denoisers: `torch.compile` per shape bucket, precompiled once and loaded warm from disk.
+
+A shape bucket is a latent size and a row count. A call's rows are padded up to the smallest
+bucket that holds them (rows are independent in every denoiser we serve: padding changes no
+row's result), so a handful of compiled shapes serve every batch the step loop makes; a call
+that fits no bucket runs eagerly and is counted, never fails, and never compiles on the
+serving path.
+
+Two units (`--compile`):
+- `full`: the whole denoiser, one graph per bucket (one stage only: a split's stage hooks
+  sit between blocks).
+- `blocks` (regional compilation): every module of every engine block, one graph per module
+  kind and input shape, so blocks that repeat (a DiT's) share one, and a ModelShard's stage
+  hooks, which run between blocks, stay eager: sharding and compilation compose.
+
+Warm starts. Each graph is compiled ahead of time (`torch.compile(...).aot_compile`,
+fullgraph) and saved as a precompiled function under the cache directory, keyed by the graph's
+code, its input signature, the torch version and the device kind; inductor's compiled kernels
+live beside it (`TORCHINDUCTOR_CACHE_DIR`). The next start loads both and traces nothing: on
+the 2-core CPU image the built-in model's 2-row bucket loads in ~2 s where tracing and
+compiling it takes ~60 s. A precompiled file that cannot be read or no longer fits is
+ignored with a warning and compiled again.
+
+The loaded functions run without dynamo's guards: this module checks the exact signature (the
+shape, dtype and device of every input tensor, every other input's value) before it calls one,
+which is the check the guards would make. Adapters' rows (LoRA hooks on layers, which a
+compiled graph never calls) run eagerly: `eager_calls()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from server.engine.blocks import DenoiserInputs, Layout
+
+log = logging.getLogger("diffshard")
+_local = threading.local()  # .eager: this thread's calls run eagerly; .bucket: the bucket of a call in flight
+
+
+class CompileMode(enum.StrEnum):
+    OFF = "off"
+    BLOCKS = "blocks"
+    FULL = "full"
+
+
+@contextlib.contextmanager
+def eager_calls() -> Iterator[None]:
+    """Within: denoiser calls on this thread run eagerly (rows with adapters: hooks to call)."""
+    before = getattr(_local, "eager", False)
+    _local.eager = True
+    try:
+        yield
+    finally:
+        _local.eager = before
+
+
+def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
+    """`smallest`, doubled while below `max_rows`, then `max_rows`: a call pads by less than 2x."""
+    rows, out = smallest, []
+    while rows < max_rows:
+        out.append(rows)
+        rows *= 2
+    return (*out, max_rows)
+
+
+def device_kind(device: torch.device) -> str:
+    """What compiled code is specific to: the GPU's name and capability, or the CPU's ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def signature(args: Any) -> tuple:
+    """What a compiled graph is specialised to: every tensor's shape, dtype and device, every other
+    input's value, and the nesting."""
+    leaves, spec = tree_flatten(args)
+
+    def describe(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return (tuple(leaf.shape), str(leaf.dtype), str(leaf.device))
+        return repr(leaf)
+
+    return (str(spec), *(describe(leaf) for leaf in leaves))
+
+
+# The functions compiled: module level, so a precompiled file can name them.
+def run_denoiser(spec: Any, model: nn.Module, *inputs: Any) -> torch.Tensor:
+    return spec.forward(model, DenoiserInputs(*inputs))
+
+
+def run_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return type(module).forward(module, *args, **kwargs)
+
+
+def run_decoder(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    return vae.decode(latents, return_dict=False)[0]
+
+
+@dataclass
+class CompileStats:
+    """Progress while warming, then which path calls took."""
+
+    mode: str
+    graphs_total: int = 0
+    graphs_ready: int = 0
+    loaded: int = 0  # from the cache
+    compiled: int = 0  # traced and compiled here
+    seconds: float = 0.0
+    calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "graphs": {"ready": self.graphs_ready, "total": self.graphs_total},
+            "loaded": self.loaded,
+            "compiled": self.compiled,
+            "seconds": round(self.seconds, 2),
+            "calls": dict(self.calls),
+        }
+
+
+class GraphStore:
+    """Precompiled functions on disk and in memory, by a key of what they were compiled from."""
+
+    def __init__(self, folder: Path | None, device: torch.device, stats: CompileStats) -> None:
+        self.folder = folder
+        self.device_kind = device_kind(device)
+        self.stats = stats
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        if folder is not None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")  # compiled kernels
+
+    def key(self, what: dict[str, Any]) -> str:
+        described = {**what, "torch": torch.__version__, "device": self.device_kind}
+        return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def get(self, key: str, fn: Callable, example: tuple, external: dict[str, Any]) -> Any:
+        """The function compiled for `example` (its args): in memory, from disk, or compiled now."""
+        with self._lock:
+            if key in self._loaded:
+                return self._loaded[key]
+            compiled = self._read(key, external)
+            if compiled is None:
+                compiled = self._compile(fn, example)
+                self._write(key, compiled, external)
+                self.stats.compiled += 1
+            else:
+                self.stats.loaded += 1
+            compiled.disable_guard_check()  # `signature` is checked before every call instead
+            self._loaded[key] = compiled
+            return compiled
+
+    def _path(self, key: str) -> Path | None:
+        return None if self.folder is None else self.folder / "compiled" / f"{key}.bin"
+
+    def _read(self, key: str, external: dict[str, Any]) -> Any | None:
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            with path.open("rb") as file:
+                return torch.compiler.load_compiled_function(file, external_data=external)
+        except Exception as err:  # stale (another torch or machine) or corrupt: compile again
+            kind = type(err).__name__
+            log.warning("compile cache %s is unusable (%s: %s); compiling again", path, kind, err)
+            return None
+
+    @staticmethod
+    def _compile(fn: Callable, example: tuple) -> Any:
+        compiled = torch.compile(
+            fn,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe},
+        )
+        with torch.inference_mode():
+            return compiled.aot_compile((example, {}))
+
+    def _write(self, key: str, compiled: Any, external: dict[str, Any]) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(path), external_data=external)
+        except Exception as err:
+            log.warning("cannot keep the compiled graph %s (%s): it is compiled again next start", path, err)
+
+
+def pad_rows(obj: Any, rows: int, bucket: int) -> Any:
+    """Every tensor whose first dimension is `rows`, padded to `bucket` rows by repeating its last."""
+    if bucket == rows:
+        return obj
+
+    def pad(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
+            return torch.cat([leaf, leaf[-1:].expand(bucket - rows, *leaf.shape[1:])])
+        return leaf
+
+    return tree_map(pad, obj)
+
+
+def _flat(inputs: DenoiserInputs) -> tuple:
+    """A call's inputs as the graphs take them, a scalar timestep as one per row."""
+    timestep, rows = inputs.timestep, inputs.sample.shape[0]
+    if not isinstance(timestep, torch.Tensor) or timestep.dim() == 0:
+        timestep = torch.full((rows,), float(timestep), device=inputs.sample.device)
+    return inputs.sample, timestep, inputs.context, inputs.conditioning
+
+
+class CompiledDenoiser:
+    """A ModelShard's model compiled per bucket; `run` pads a call to a bucket or returns None."""
+
+    def __init__(
+        self, model: nn.Module, spec: Any, layout: Layout, mode: CompileMode, stages: int, store: GraphStore
+    ) -> None:
+        if mode == CompileMode.FULL and stages > 1:
+            raise ValueError("--compile full needs a plan of one stage; --compile blocks compiles a split")
+        self.model, self.spec, self.layout, self.mode, self.store = model, spec, layout, mode, store
+        self.stats = store.stats
+        self._buckets: dict[tuple, Any] = {}  # padded inputs' signature → graph (full) or bucket index
+        self._rows: list[int] = []  # the buckets' row counts, ascending
+        self._count = threading.Lock()
+        self._modules: dict[str, dict[int, tuple[tuple, Any]]] = {}  # path → bucket → (signature, graph)
+        self._originals: dict[str, Callable] = {}
+
+    # Warming: compile or load a bucket from a real call's inputs.
+
+    def warm(self, inputs: DenoiserInputs, rows: int) -> None:
+        """Make ready the bucket of `inputs` padded to `rows` rows."""
+        flat = _flat(inputs)
+        padded = pad_rows(flat, flat[0].shape[0], rows)
+        key = signature(padded)
+        if key in self._buckets:
+            return
+        if self.mode == CompileMode.FULL:
+            what = {"graph": "denoiser", "class": type(self.model).__name__, "config": self.model.config}
+            graph = self.store.get(
+                self.store.key({**what, "inputs": key}),
+                run_denoiser,
+                (self.spec, self.model, *padded),
+                {"model": self.model, "spec": self.spec},
+            )
+            self.stats.graphs_ready += 1
+        else:
+            graph = len(self._buckets)
+            self._warm_modules(padded, graph)
+        self._buckets[key] = graph
+        self._rows = sorted({*self._rows, rows})
+
+    def _warm_modules(self, padded: tuple, bucket: int) -> None:
+        captured: dict[str, tuple[tuple, dict]] = {}
+        hooks = []
+        for path in (path for block in self.layout.blocks for path in block.modules):
+
+            def capture(_m: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
+                captured.setdefault(path, (args, kwargs))
+
+            hooks.append(self.model.get_submodule(path).register_forward_pre_hook(capture, with_kwargs=True))
+        try:
+            with torch.inference_mode():
+                self.spec.forward(self.model, DenoiserInputs(*padded))  # eager: what each module sees
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for path, (args, kwargs) in captured.items():
+            module = self.model.get_submodule(path)
+            inputs = signature((args, kwargs))
+            what = {"graph": "module", "class": type(module).__qualname__, "structure": repr(module)}
+            graph = self.store.get(
+                self.store.key({**what, "inputs": inputs}),
+                run_module,
+                (module, args, kwargs),
+                {"module": module},
+            )
+            self._install(path, module)
+            self._modules[path][bucket] = (inputs, graph)
+            self.stats.graphs_ready += 1
+
+    def _install(self, path: str, module: nn.Module) -> None:
+        """The module's forward: its bucket's graph while a compiled call is in flight, else eager."""
+        if path in self._originals:
+            return
+        original = self._originals[path] = module.forward
+        graphs = self._modules[path] = {}
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            bucket = getattr(_local, "bucket", None)
+            if bucket is not None and bucket in graphs:
+                expected, graph = graphs[bucket]
+                if signature((args, kwargs)) == expected:
+                    return graph(module, args, kwargs)
+            return original(*args, **kwargs)
+
+        module.forward = forward
+
+    # Serving.
+
+    def run(self, inputs: DenoiserInputs) -> torch.Tensor | None:
+        """The denoiser's output through a bucket's graph, or None (the caller runs it eagerly)."""
+        path, out = "eager", None
+        if not getattr(_local, "eager", False):
+            flat = _flat(inputs)
+            rows = flat[0].shape[0]
+            for bucket_rows in (r for r in self._rows if r >= rows):
+                padded = pad_rows(flat, rows, bucket_rows)
+                graph = self._buckets.get(signature(padded))
+                if graph is not None:
+                    path = "padded" if bucket_rows > rows else "compiled"
+                    out = self._call(graph, padded)[:rows]
+                    break
+        with self._count:
+            self.stats.calls[path] += 1
+        return out
+
+    def _call(self, graph: Any, padded: tuple) -> torch.Tensor:
+        with torch.inference_mode():
+            if self.mode == CompileMode.FULL:
+                return graph(self.spec, self.model, *padded)
+            _local.bucket = graph
+            try:
+                return self.spec.forward(self.model, DenoiserInputs(*padded))
+            finally:
+                _local.bucket = None
+
+    def remove(self) -> None:
+        """Every module's own forward back."""
+        for path, original in self._originals.items():
+            self.model.get_submodule(path).forward = original
+        self._originals.clear()
+
+
+class CompiledDecoder:
+    """A VAE's decode compiled per latent shape (one image per bucket row count)."""
+
+    def __init__(self, vae: nn.Module, store: GraphStore) -> None:
+        self.vae, self.store = vae, store
+        self._graphs: dict[tuple, Any] = {}
+        self._counts: list[int] = []
+
+    def warm(self, latents: torch.Tensor) -> None:
+        key = signature(latents)
+        if key in self._graphs:
+            return
+        what = {"graph": "decoder", "class": type(self.vae).__name__, "config": self.vae.config, "in": key}
+        graph = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})
+        self._graphs[key] = graph
+        self._counts = sorted({*self._counts, latents.shape[0]})
+        self.store.stats.graphs_ready += 1
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        count = latents.shape[0]
+        for bucket in self._counts:
+            if bucket >= count:
+                padded = pad_rows(latents, count, bucket)
+                graph = self._graphs.get(signature(padded))
+                if graph is not None:
+                    return graph(self.vae, padded)[:count]
+        return run_decoder(self.vae, latents)

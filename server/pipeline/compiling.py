@@ -1,0 +1,114 @@
+"""A pipeline's compiled graphs made ready before it serves: every shape bucket (an image size ×
+a row count) from a real request's inputs, so the graphs are exactly what the step loop calls.
+
+    stats = compile_pipeline(pipeline, CompileMode.BLOCKS, sizes=[64], max_rows=16, cache_dir=...)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_map
+
+from server.engine import layout_of
+from server.engine.blocks import DenoiserInputs
+from server.engine.compile import CompiledDecoder, CompileMode, CompileStats, GraphStore, row_buckets
+from server.pipeline.denoise import Pipeline
+from server.pipeline.requests import GenerationRequest
+
+log = logging.getLogger("diffshard")
+
+
+def compile_pipeline(
+    pipeline: Pipeline,
+    mode: CompileMode,
+    sizes: Sequence[int],
+    max_rows: int,
+    cache_dir: Path | None,
+    stats: CompileStats | None = None,
+    on_progress: Callable[[CompileStats], None] | None = None,
+) -> CompileStats:
+    """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
+    row bucket up to `max_rows`, and the VAE's decoder for up to half as many images.
+
+    Call it before adapters are added: a graph is traced through the model as it is, and the
+    adapters' hooks must not be part of it (their rows run eagerly)."""
+    stats = stats or CompileStats(str(mode))
+    if mode == CompileMode.OFF:
+        return stats
+    started = time.perf_counter()
+    store = GraphStore(cache_dir, pipeline.device, stats)
+    shards, shared = [], None
+    for shard in pipeline.replicas:
+        shard.compile(mode, store, shared)
+        if shard.compiled is not shared:
+            shards.append(shard)
+        shared = shard.compiled
+    rows = row_buckets(max_rows, smallest=min(2, max_rows))
+    images = row_buckets(max(1, max_rows // 2), smallest=1)
+    decoder = CompiledDecoder(pipeline.vae, store)
+    per_bucket = (
+        1 if mode == CompileMode.FULL else sum(len(b.modules) for b in layout_of(shards[0].model).blocks)
+    )
+    stats.graphs_total = len(sizes) * (len(shards) * len(rows) * per_bucket + len(images))
+    for size in sizes:
+        request = pipeline.resolve(pipeline.with_defaults(GenerationRequest("warm", width=size, height=size)))
+        (state,) = pipeline.start([request])
+        try:
+            with pipeline.pool.scope() as batch, torch.inference_mode():
+                one = pipeline.stacked([state], batch)
+                for count in rows:
+                    inputs = _rows_of(one, count)
+                    for shard in shards:
+                        shard.warm(inputs, count)
+                    _said(stats, f"{size}px × {count} rows", started, on_progress)
+            latents = pipeline.family.unscale_latents(
+                state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
+            )
+            for count in images:
+                decoder.warm(latents.expand(count, *latents.shape[1:]).contiguous())
+                _said(stats, f"decoder {size}px × {count}", started, on_progress)
+        finally:
+            state.close()
+    pipeline.decoder = decoder
+    log.info(
+        "compiled (%s): %d graphs in %.1f s, %d loaded from the cache, %d compiled",
+        mode,
+        stats.graphs_ready,
+        stats.seconds,
+        stats.loaded,
+        stats.compiled,
+    )
+    return stats
+
+
+def _rows_of(one: DenoiserInputs, count: int) -> DenoiserInputs:
+    """`one` request's rows repeated (or cut) to `count` rows."""
+    rows = one.sample.shape[0]
+
+    def fit(leaf: object) -> object:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
+            return leaf.repeat(math.ceil(count / rows), *[1] * (leaf.dim() - 1))[:count]
+        return leaf
+
+    return DenoiserInputs(*(tree_map(fit, value) for value in vars(one).values()))
+
+
+def _said(
+    stats: CompileStats, what: str, started: float, on_progress: Callable[[CompileStats], None] | None
+) -> None:
+    stats.seconds = time.perf_counter() - started
+    log.info(
+        "compile: %s ready (%d/%d graphs, %.1f s)",
+        what,
+        stats.graphs_ready,
+        stats.graphs_total,
+        stats.seconds,
+    )
+    if on_progress is not None:
+        on_progress(stats)
