@@ -28,11 +28,13 @@ from server.api.requestid import RequestContext
 from server.api.uploads import bound_decoder
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
+from server.engine.compile import CompileStats
 from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
 from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
 from server.engine.threads import cpu_quota, fit_threads
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
+from server.pipeline.compiling import compile_pipeline
 from server.pipeline.families import Family
 from server.pipeline.loader import read_family
 from server.pipeline.lora import read_adapter
@@ -75,14 +77,19 @@ def pool_budgets(settings: Settings) -> dict[str, int]:
     return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
 
 
-def load_service(settings: Settings, plan: ParallelPlan | None = None) -> Service:
-    """Load the model placed by `plan` (or by `plan_for` the settings) behind a step loop."""
+def load_service(
+    settings: Settings, plan: ParallelPlan | None = None, compiling: CompileStats | None = None
+) -> Service:
+    """Load the model placed by `plan` (or by `plan_for` the settings), compile it (`compiling`
+    shows the progress), and put it behind a step loop."""
     retain_freed_host_memory()
     bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
     threads = fit_threads(settings.threads)
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
+    sizes = settings.compile_sizes or (pipeline.defaults.size,)
+    compile_pipeline(pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling)
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))
         log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
@@ -123,7 +130,7 @@ async def _load(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     started = time.perf_counter()
     try:
-        service = await asyncio.to_thread(load_service, settings, app.state.plan)
+        service = await asyncio.to_thread(load_service, settings, app.state.plan, runtime.compiling)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         # the cause is in the log (here, and as serve's last line); its traceback only with --debug
@@ -196,6 +203,7 @@ def create_app(
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")
     app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue)
+    runtime.compiling = CompileStats(str(settings.compile))
     app.state.metrics = metrics = Metrics(
         registry or CollectorRegistry(), runtime.snapshot, inject_faults=settings.inject_faults
     )

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
 from server.engine.cache import default_cache_dir
+from server.engine.compile import CompileMode
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
 from server.engine.pool import ANY_DEVICE
 from server.errors import ConfigError
@@ -67,6 +68,17 @@ def _adapter_file(path: Path) -> Path:
 Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(_loras)]
 
 
+def _sizes(value: object) -> tuple[int, ...]:
+    items = value if isinstance(value, list | tuple) else str(value or "").split(",")
+    sizes = tuple(int(str(item).strip()) for item in items if str(item).strip())
+    if any(size < 8 or size % 8 for size in sizes):
+        raise ValueError(f"image sides must be multiples of 8, got {list(sizes)}")
+    return sizes
+
+
+CompileSizes = Annotated[tuple[int, ...], NoDecode, BeforeValidator(_sizes)]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="DIFFSHARD_", frozen=True, protected_namespaces=(), validate_default=True
@@ -100,6 +112,14 @@ class Settings(BaseSettings):
         default_factory=default_cache_dir,
         description="where calibrations and measured costs are kept ($XDG_CACHE_HOME/diffshard); "
         "unwritable: a warning, and they are timed again",
+    )
+    compile: CompileMode = Field(
+        CompileMode.OFF,
+        description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "
+        "stages); compiled per shape bucket while loading, kept in cache_dir for the next start",
+    )
+    compile_sizes: CompileSizes = Field(
+        None, description="image sides to compile, e.g. 64,128 (default: the model's default size)"
     )
     max_memory: Budgets = Field(
         None,

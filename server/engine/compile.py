@@ -239,7 +239,6 @@ class CompiledDenoiser:
         self._rows: list[int] = []  # the buckets' row counts, ascending
         self._count = threading.Lock()
         self._modules: dict[str, dict[int, tuple[tuple, Any]]] = {}  # path → bucket → (signature, graph)
-        self._originals: dict[str, Callable] = {}
 
     # Warming: compile or load a bucket from a real call's inputs.
 
@@ -266,6 +265,25 @@ class CompiledDenoiser:
         self._rows = sorted({*self._rows, rows})
 
     def _warm_modules(self, padded: tuple, bucket: int) -> None:
+        self._detach()  # traced and captured as they are: no dispatcher (and its graphs) inside
+        try:
+            for path, (args, kwargs) in self._captured(padded).items():
+                module = self.model.get_submodule(path)
+                inputs = signature((args, kwargs))
+                what = {"graph": "module", "class": type(module).__qualname__, "structure": repr(module)}
+                graph = self.store.get(
+                    self.store.key({**what, "inputs": inputs}),
+                    run_module,
+                    (module, args, kwargs),
+                    {"module": module},
+                )
+                self._modules.setdefault(path, {})[bucket] = (inputs, graph)
+                self.stats.graphs_ready += 1
+        finally:
+            self._attach()
+
+    def _captured(self, padded: tuple) -> dict[str, tuple[tuple, dict]]:
+        """The arguments each block's modules are called with in an eager forward of `padded`."""
         captured: dict[str, tuple[tuple, dict]] = {}
         hooks = []
         for path in (path for block in self.layout.blocks for path in block.modules):
@@ -276,40 +294,32 @@ class CompiledDenoiser:
             hooks.append(self.model.get_submodule(path).register_forward_pre_hook(capture, with_kwargs=True))
         try:
             with torch.inference_mode():
-                self.spec.forward(self.model, DenoiserInputs(*padded))  # eager: what each module sees
+                self.spec.forward(self.model, DenoiserInputs(*padded))
         finally:
             for hook in hooks:
                 hook.remove()
-        for path, (args, kwargs) in captured.items():
+        return captured
+
+    def _attach(self) -> None:
+        """Each compiled module's forward: its bucket's graph while a compiled call is in flight
+        (and the module is called as the bucket calls it), else its own."""
+        for path, graphs in self._modules.items():
             module = self.model.get_submodule(path)
-            inputs = signature((args, kwargs))
-            what = {"graph": "module", "class": type(module).__qualname__, "structure": repr(module)}
-            graph = self.store.get(
-                self.store.key({**what, "inputs": inputs}),
-                run_module,
-                (module, args, kwargs),
-                {"module": module},
-            )
-            self._install(path, module)
-            self._modules[path][bucket] = (inputs, graph)
-            self.stats.graphs_ready += 1
+            original = type(module).forward.__get__(module)
 
-    def _install(self, path: str, module: nn.Module) -> None:
-        """The module's forward: its bucket's graph while a compiled call is in flight, else eager."""
-        if path in self._originals:
-            return
-        original = self._originals[path] = module.forward
-        graphs = self._modules[path] = {}
+            def forward(*args: Any, module=module, graphs=graphs, original=original, **kwargs: Any) -> Any:
+                bucket = getattr(_local, "bucket", None)
+                if bucket is not None and bucket in graphs:
+                    expected, graph = graphs[bucket]
+                    if signature((args, kwargs)) == expected:
+                        return graph(module, args, kwargs)
+                return original(*args, **kwargs)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            bucket = getattr(_local, "bucket", None)
-            if bucket is not None and bucket in graphs:
-                expected, graph = graphs[bucket]
-                if signature((args, kwargs)) == expected:
-                    return graph(module, args, kwargs)
-            return original(*args, **kwargs)
+            module.forward = forward
 
-        module.forward = forward
+    def _detach(self) -> None:
+        for path in self._modules:
+            self.model.get_submodule(path).__dict__.pop("forward", None)
 
     # Serving.
 
@@ -342,9 +352,8 @@ class CompiledDenoiser:
 
     def remove(self) -> None:
         """Every module's own forward back."""
-        for path, original in self._originals.items():
-            self.model.get_submodule(path).forward = original
-        self._originals.clear()
+        self._detach()
+        self._modules.clear()
 
 
 class CompiledDecoder:

@@ -148,6 +148,14 @@ CATALOG = (
         ("kind",),
         "images admitted to the step loop, by kind: generation, img2img or inpainting",
     ),
+    MetricSpec(
+        "denoiser_calls_total",
+        "counter",
+        "calls",
+        ("path",),
+        "with --compile on, denoiser calls by path: compiled (a bucket's shape), padded (up to a "
+        "bucket) or eager (no bucket holds it, or adapters' rows)",
+    ),
     MetricSpec("ready", "gauge", "", (), "1 while /readyz answers 200, else 0"),
     MetricSpec(
         "last_step_timestamp_seconds", "gauge", "seconds", (), "unix time the step loop last finished a call"

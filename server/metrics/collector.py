@@ -132,6 +132,11 @@ class _Collector:
         for kind in KINDS:
             kinds.add_metric([kind], stats.images_by_kind[kind])
         yield kinds
+        calls = help_of("denoiser_calls_total")
+        paths = CounterMetricFamily(f"{PREFIX}_denoiser_calls", calls, labels=["path"])
+        for path in ("compiled", "padded", "eager"):
+            paths.add_metric([path], snapshot.denoiser_calls.get(path, 0))
+        yield paths
         if snapshot.loop is not None:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)

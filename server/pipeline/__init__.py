@@ -2,6 +2,7 @@
 What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
 from server.engine import DeviceMemory
+from server.engine.compile import CompileStats
 from server.engine.pool import PoolStats
 from server.pipeline.denoise import Pipeline
 from server.pipeline.edits import Edit
@@ -9,6 +10,7 @@ from server.pipeline.requests import Defaults, GenerationRequest
 from server.pipeline.state import RequestState, group_states
 
 __all__ = [
+    "CompileStats",
     "Defaults",
     "DeviceMemory",
     "Edit",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from server.errors import NotReady
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import CompileStats, GenerationRequest, Pipeline
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
@@ -239,6 +239,7 @@ class Runtime:
     status: str = "loading"  # loading → ready → draining, or loading → failed
     error: str | None = None
     load_seconds: float | None = None
+    compiling: CompileStats | None = None  # the compiled graphs: progress while loading, then calls
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -294,5 +295,6 @@ class Runtime:
             last_step_at=service.last_step_at if service else None,
             adapters=tuple(service.pipeline.adapters.loaded) if service else (),
             adapter_bytes=service.pipeline.adapters.bytes_on() if service else {},
+            denoiser_calls=dict(self.compiling.calls) if self.compiling else {},
             **(service.busy() if service else {}),
         )

@@ -151,3 +151,4 @@ class Snapshot:
     micro_batches_in_flight: int = 0
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (their counters start at 0)
     adapter_bytes: dict[str, int] = field(default_factory=dict)  # per device: the adapters' weights
+    denoiser_calls: dict[str, int] = field(default_factory=dict)  # compiled, padded (to a bucket), eager
