@@ -28,7 +28,7 @@ from server.api.requestid import RequestContext
 from server.api.uploads import bound_decoder
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
-from server.engine.compile import CompileStats
+from server.engine.compile import CompileMode, CompileStats, prepare_compiler
 from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
 from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
 from server.engine.threads import cpu_quota, fit_threads
@@ -83,6 +83,8 @@ def load_service(
     """Load the model placed by `plan` (or by `plan_for` the settings), compile it (`compiling`
     shows the progress), and put it behind a step loop."""
     retain_freed_host_memory()
+    if settings.compile != CompileMode.OFF:
+        prepare_compiler()  # beside planning and loading
     bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
     threads = fit_threads(settings.threads)
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)

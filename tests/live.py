@@ -64,7 +64,10 @@ def _pump(stream, lines: queue.Queue, log: list[str]) -> None:
 
 @contextmanager
 def live_server(
-    *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    *args: str,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+    startup_deadline_s: float = STARTUP_DEADLINE_S,
 ) -> Iterator[LiveServer]:
     """`python -m server serve *args` on a free loopback port; `prefix` runs it under another
     command (e.g. `taskset -c 0`)."""
@@ -94,7 +97,7 @@ def live_server(
     pump = threading.Thread(target=_pump, args=(process.stderr, lines, server.log), daemon=True)
     pump.start()
     try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        deadline = time.monotonic() + startup_deadline_s
         while True:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             if line is None:

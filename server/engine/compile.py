@@ -44,9 +44,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.utils._pytree import tree_flatten, tree_map
 
 from server.engine.blocks import DenoiserInputs, Layout
+from server.engine.calibrate import device_kind
 
 log = logging.getLogger("diffshard")
 _local = threading.local()  # .eager: this thread's calls run eagerly; .bucket: the bucket of a call in flight
@@ -78,12 +80,26 @@ def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
     return (*out, max_rows)
 
 
-def device_kind(device: torch.device) -> str:
-    """What compiled code is specific to: the GPU's name and capability, or the CPU's ISA."""
+def compiled_for(device: torch.device) -> str:
+    """What compiled code is specific to: the GPU model and capability, or the CPU and its ISA."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
-    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+        return f"{device_kind(str(device))} sm{major}{minor}"
+    return f"{device_kind(str(device))} {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def prepare_compiler() -> threading.Thread:
+    """Start what every compile or load waits for first, in the background: inductor's probe of
+    the CPU's vector ISA (it builds and runs test programs: ~1 s) and its imports."""
+
+    def prepare() -> None:
+        from torch._inductor import codecache, cpu_vec_isa  # noqa: F401  (imports: the point)
+
+        cpu_vec_isa.valid_vec_isa_list()  # cached for the process
+
+    thread = threading.Thread(target=prepare, name="prepare-compiler", daemon=True)
+    thread.start()
+    return thread
 
 
 def signature(args: Any) -> tuple:
@@ -140,15 +156,17 @@ class GraphStore:
 
     def __init__(self, folder: Path | None, device: torch.device, stats: CompileStats) -> None:
         self.folder = folder
-        self.device_kind = device_kind(device)
+        self.device_kind = compiled_for(device)
         self.stats = stats
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
-        if folder is not None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")  # compiled kernels
+        # Compiled kernels beside the graphs (one volume keeps both), unless the operator chose a
+        # place: inductor writes its default into the environment when first imported.
+        if folder is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
 
     def key(self, what: dict[str, Any]) -> str:
-        described = {**what, "torch": torch.__version__, "device": self.device_kind}
+        described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None}
         return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def get(self, key: str, fn: Callable, example: tuple, external: dict[str, Any]) -> Any:
@@ -188,7 +206,7 @@ class GraphStore:
             fn,
             fullgraph=True,
             dynamic=False,
-            options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe},
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},  # `signature` instead
         )
         with torch.inference_mode():
             return compiled.aot_compile((example, {}))

@@ -1,0 +1,99 @@
+"""Compiled denoisers: every family's images through compiled buckets equal the eager ones
+within 1e-3 (float32), on one stage (`full`) and split over two (`blocks`); a call no bucket
+holds runs eagerly and is counted; a second start loads the graphs from the cache, and a
+corrupt cache file is compiled again with a warning, never fatal.
+
+Compiling is slow on a CPU (seconds per graph even for these tiny models), so each test warms
+one or two buckets; the inductor kernel cache the first test fills is shared by the rest."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.engine.compile import CompileMode, eager_calls
+from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.compiling import compile_pipeline
+from tests.tiny_pipelines import IMAGE_SIZE
+
+TOLERANCE = 1e-3
+GUIDED = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compiled")
+
+
+def _images(pipeline: Pipeline, requests: list[GenerationRequest]) -> list[np.ndarray]:
+    return pipeline.generate(requests)
+
+
+@pytest.mark.parametrize(
+    ("family", "devices", "mode"),
+    [("sd15", "cpu", "full"), ("sdxl", "cpu", "full"), ("sd3", "cpu,cpu", "blocks")],
+)
+def test_compiled_images_equal_eager_ones(
+    family: str, devices: str, mode: str, folders: dict[str, Path], sd3_folder: Path, cache_dir: Path
+) -> None:
+    folder = sd3_folder if family == "sd3" else folders[family]
+    pipeline = Pipeline.load(folder, devices=devices, strategy="even")
+    assert len(pipeline.shard.plan.stages) == len(devices.split(","))
+    two = [GUIDED, GenerationRequest("a green square", seed=5, steps=3, guidance_scale=6.0)]
+    eager = _images(pipeline, two)
+    stats = compile_pipeline(pipeline, CompileMode(mode), [IMAGE_SIZE], 4, cache_dir)
+    assert stats.graphs_ready == stats.graphs_total > 0
+    compiled = _images(pipeline, two)  # 4 rows: the 4-row bucket
+    alone = _images(pipeline, [GUIDED])  # 2 rows: the 2-row bucket
+    for ours, theirs in zip([*compiled, *alone], [*eager, eager[0]], strict=True):
+        assert np.abs(ours - theirs).max() < TOLERANCE
+    assert stats.calls["compiled"] == 2 * 3 and stats.calls["eager"] == 0, stats.calls
+
+
+def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(
+    folders: dict[str, Path], cache_dir: Path
+) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 4, cache_dir)
+    unguided = GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=1.0)  # one row
+    other_size = GenerationRequest("a blue square", seed=2, steps=2, width=IMAGE_SIZE + 16, height=IMAGE_SIZE)
+    three = [GUIDED, GUIDED, unguided]  # five rows: more than the largest bucket (4)
+    before = dict(stats.calls)
+    _images(pipeline, [unguided])  # 1 row, padded to the 2-row bucket: 3 steps
+    _images(pipeline, [other_size])  # 2 steps
+    _images(pipeline, three)  # 3 steps
+    with eager_calls():
+        _images(pipeline, [GUIDED])
+    calls = {path: stats.calls[path] - before[path] for path in before}
+    assert calls == {"compiled": 0, "padded": 3, "eager": 2 + 3 + 3}, calls
+
+
+def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(
+    folders: dict[str, Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = compile_pipeline(
+        Pipeline.load(folders["sd15"], devices="cpu"), CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir
+    )
+    assert first.graphs_ready == first.loaded + first.compiled == first.graphs_total
+    again = compile_pipeline(
+        Pipeline.load(folders["sd15"], devices="cpu"), CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir
+    )
+    assert (again.loaded, again.compiled) == (again.graphs_total, 0)
+    for file in (cache_dir / "compiled").glob("*.bin"):
+        file.write_bytes(b"not a graph")
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    eager = _images(pipeline, [GUIDED])[0]
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        rebuilt = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
+    assert (rebuilt.loaded, rebuilt.compiled) == (0, rebuilt.graphs_total)
+    assert "is unusable" in caplog.text and "compiling again" in caplog.text
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+
+
+def test_full_refuses_a_split(folders: dict[str, Path], cache_dir: Path) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu,cpu", strategy="even")
+    with pytest.raises(ValueError, match="--compile blocks compiles a split"):
+        compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
