@@ -82,15 +82,21 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def client_loop(
-    server: LiveServer, requests: int, seed: int, stream: bool = False, edits: bool = False
+    server: LiveServer,
+    requests: int,
+    seed: int,
+    stream: bool = False,
+    edits: bool = False,
+    size: int | None = None,
 ) -> list[float]:
-    """Send `requests` one after another (with `edits`, edits: img2img and inpainting in turn);
-    the latency of each (to the last event, streamed)."""
+    """Send `requests` one after another (with `edits`, edits: img2img and inpainting in turn;
+    `size`: images of that side); the latency of each (to the last event, streamed)."""
     latencies = []
     with httpx.Client(base_url=server.url, timeout=300) as client:
         for i in range(requests):
             body = {"prompt": "a red circle", "seed": seed * 1000 + i, "num_inference_steps": STEPS}
             body |= STREAM if stream else {}
+            body |= {"size": f"{size}x{size}"} if size else {}
             if edits:
                 form = {k: str(v) for k, v in body.items()} | {
                     "prompt": "a blue circle",

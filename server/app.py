@@ -38,7 +38,7 @@ from server.pipeline.compiling import compile_pipeline
 from server.pipeline.families import Family
 from server.pipeline.loader import read_family
 from server.pipeline.lora import read_adapter
-from server.pipeline.planning import largest_side, plan_model
+from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
@@ -111,6 +111,7 @@ def load_service(
         f"; each lane runs {lanes}" if lanes is not None else "",
     )
     limits = settings.limits(pipeline.family)
+    budget = step_budget(settings, pipeline, threads)
     bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
         pipeline,
@@ -119,12 +120,35 @@ def load_service(
         max_queue=settings.max_queue,
         max_queue_per_key=settings.key_queue_limit,
         max_batch=settings.max_batch,
+        step_budget=budget,
         step_timeout_s=settings.step_timeout_s,
         failures_unready=settings.failures_unready,
         inject_faults=settings.inject_faults,
         tidy=housekeeping,
         threads=threads,
     )
+
+
+def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float | None:
+    """`--step-budget` in native rows; auto: the knee at the native size, said with where it falls
+    at larger sides (and how many rows the budget lets in there)."""
+    if settings.step_budget != "auto":
+        return None if settings.step_budget == "off" else float(settings.step_budget)
+    family = pipeline.family
+    native = family.native_size
+    sides = [s for s in (native, 2 * native, 4 * native) if s * s <= settings.pixel_limit(family)] or [native]
+    device = pipeline.shard.devices[0]
+    lane_threads = pipeline.lane_threads or threads
+    knees = step_knees(
+        family, settings.torch_dtype, device, lane_threads, sides, settings.max_batch, settings.cache_dir
+    )
+    budget = float(knees[native])
+    where = ", ".join(
+        f"{side} px: knee {knee} rows, budget {max(1, int(budget * native**2 / side**2))}"
+        for side, knee in knees.items()
+    )
+    log.info("step budget: %g native rows (the knee at %d px; --step-budget); %s", budget, native, where)
+    return budget
 
 
 async def _load(app: FastAPI) -> None:

@@ -175,6 +175,12 @@ class Settings(BaseSettings):
     max_batch: int = Field(
         16, ge=1, le=1024, description="denoiser rows per batched step (2 per guided image)"
     )
+    step_budget: Annotated[float, Field(gt=0)] | Literal["auto", "off"] = Field(
+        "auto",
+        description="work one batched step may take, in rows of the model's native size (rows x "
+        "pixels / native pixels; a larger request runs alone); auto: the knee the planner's costs "
+        "predict (where doubling rows adds < 10% rows/s); off: only --max-batch",
+    )
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     max_queue_per_key: int | None = Field(
         None,

@@ -24,6 +24,10 @@ def job(owner: str | None, rows: int = 2) -> Job:
     return Job([GenerationRequest("a")], rows, 60.0, owner=owner)
 
 
+def sized(side: int, rows: int = 2) -> Job:
+    return Job([GenerationRequest("a", width=side, height=side)], rows, 60.0)
+
+
 def line_of(*jobs: Job) -> Lineup:
     lineup = Lineup()
     for queued in jobs:
@@ -154,3 +158,21 @@ def test_one_key_cannot_take_the_whole_line(tmp_path: Path) -> None:
             assert mine.status_code == 200, mine.text
             assert running.result(timeout=120).status_code == 200
             assert sorted(a.status_code for a in answers) == [200, 200, 429, 429, 429]
+
+
+def test_a_step_budget_admits_by_work_and_a_large_request_runs_alone_in_its_turn() -> None:
+    """16 native rows of 64² work: eight small guided requests fill it; a 256² one (16x the
+    pixels) runs alone, and the small ones behind it wait their turn instead of jumping it."""
+    budget = 16 * 64 * 64
+    small = [sized(64) for _ in range(9)]
+    assert line_of(*small).pick([], max_rows=16, max_work=budget) == ([], small[:8])
+    large = sized(256)
+    lineup = line_of(small[0], large, small[1])
+    assert lineup.pick([], max_rows=16, max_work=budget) == ([], [small[0]])  # large would not fit beside it
+    assert lineup.pick([small[0]], max_rows=16, max_work=budget) == (
+        [small[0]],
+        [],
+    )  # first come, first served
+    assert lineup.pick([], max_rows=16, max_work=budget) == ([], [large])  # alone: it runs
+    assert lineup.pick([large], max_rows=16, max_work=budget) == ([large], [])
+    assert lineup.pick([], max_rows=16, max_work=budget) == ([], [small[1]])

@@ -80,6 +80,34 @@ def plan_model(
     )
 
 
+KNEE_GAIN = 1.1  # doubling a step's rows must raise rows/s by 10% to be worth its latency
+
+
+def step_knees(
+    family: Family,
+    dtype: torch.dtype,
+    device: str,
+    threads: int,
+    sides: Sequence[int],
+    max_rows: int,
+    cache_dir: Path | None = None,
+) -> dict[int, int]:
+    """Per image side, the rows of a step past which doubling them raises the predicted rows/s
+    (counted costs, the planner's) by less than `KNEE_GAIN`: where batching stops paying."""
+    model = meta_denoiser(family)
+    knees = {}
+    for side in sides:
+        costs = CostModel(model, 2, side // family.vae_scale_factor, dtype, Costs.COUNTED, cache_dir)
+        rate = {}  # rows → predicted rows/s
+        for rows in (2**k for k in range(max_rows.bit_length())):
+            rate[rows] = rows / sum(costs.costs(device, threads, rows=rows).values())
+        knee = 1
+        while knee * 2 in rate and rate[knee * 2] >= KNEE_GAIN * rate[knee]:
+            knee *= 2
+        knees[side] = knee
+    return knees
+
+
 def compare_costs(
     family: Family, device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None
 ) -> dict[str, dict[str, float]]:

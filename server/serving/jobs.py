@@ -34,6 +34,12 @@ class Job:
     on_progress: Callable[[], None] | None = None
 
     @property
+    def pixel_rows(self) -> int:
+        """The work of its step: each request's rows × its image's pixels."""
+        per_request = self.rows // max(1, len(self.requests))
+        return sum(per_request * r.width * r.height for r in self.requests)
+
+    @property
     def deterministic(self) -> bool:
         """Its calls run alone, so its bytes do not depend on what else is batched."""
         return any(r.deterministic for r in self.requests)

@@ -9,6 +9,7 @@ go on once the others' work ends. A lone owner gets every row, as without keys.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 
@@ -58,9 +59,12 @@ class Lineup:
         self._lines.clear()
         return jobs
 
-    def pick(self, active: Sequence[Job], max_rows: int) -> tuple[list[Job], list[Job]]:
+    def pick(
+        self, active: Sequence[Job], max_rows: int, max_work: float = math.inf
+    ) -> tuple[list[Job], list[Job]]:
         """The admitted jobs to step this turn and the waiting jobs to admit now, at most
-        `max_rows` rows in all (a job bigger than that runs alone) and, while several owners have
+        `max_rows` rows and `max_work` pixel-rows (rows × their images' pixels) in all (a job
+        bigger than either runs alone) and, while several owners have
         work, at most an equal share each (at least one job each). Each owner's admitted jobs
         come before its waiting ones, in order; an owner whose next job does not fit stops there."""
         owners = list(dict.fromkeys([*(j.owner for j in active), *self._lines]))
@@ -70,16 +74,17 @@ class Lineup:
         pending = {o: deque(j for j in active if j.owner == o) for o in owners}
         for owner, line in self._lines.items():
             pending[owner].extend(line)
-        run, admit, rows, taken = [], [], 0, Counter()
+        run, admit, rows, work, taken = [], [], 0, 0, Counter()
         while pending:
             for owner in list(pending):
                 job = pending[owner][0]
-                fits = rows == 0 or rows + job.rows <= max_rows
+                cost = job.pixel_rows if max_work < math.inf else 0
+                fits = rows == 0 or (rows + job.rows <= max_rows and work + cost <= max_work)
                 if not fits or (taken[owner] and taken[owner] + job.rows > share):
                     del pending[owner]
                     continue
                 (run if job in active else admit).append(job)
-                rows, taken[owner] = rows + job.rows, taken[owner] + job.rows
+                rows, work, taken[owner] = rows + job.rows, work + cost, taken[owner] + job.rows
                 pending[owner].popleft()
                 if not pending[owner]:
                     del pending[owner]

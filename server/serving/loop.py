@@ -48,6 +48,7 @@ class StepLoop:
         max_queue: int = 64,
         max_queue_per_key: int | None = None,
         max_batch: int = 16,
+        step_budget: float | None = None,
         step_timeout_s: float = 120.0,
         native_pixels: int = 1,
         inject_faults: bool = False,
@@ -59,6 +60,8 @@ class StepLoop:
         self.max_queue = max_queue
         self.max_queue_per_key = max_queue_per_key or max_queue  # jobs one API key may have waiting
         self.max_batch = max_batch
+        # Work a step may take, in pixel-rows: `step_budget` rows of the native size (None: no bound).
+        self.max_work = step_budget * native_pixels if step_budget is not None else math.inf
         self.idle_since: float | None = time.monotonic()  # when the loop last ran out of work
         self._lineup = Lineup()
         self._active: list[Job] = []  # admitted: their states are open (some may be parked)
@@ -201,7 +204,7 @@ class StepLoop:
             # 1. Leavers first: they take no place and no encoding.
             self._drop_leavers()
             # 2. Who steps this turn, and who is admitted to.
-            running, admitted = self._lineup.pick(self._active, self.max_batch)
+            running, admitted = self._lineup.pick(self._active, self.max_batch, self.max_work)
             self._admitted(admitted)
         if self._clear_caches:
             self._free_device_memory()

@@ -50,6 +50,7 @@ class Service:
         max_queue: int = 64,
         max_queue_per_key: int | None = None,
         max_batch: int = 16,
+        step_budget: float | None = None,
         step_timeout_s: float = 120.0,
         failures_unready: int = 3,
         inject_faults: bool = False,
@@ -66,12 +67,16 @@ class Service:
         lanes = pipeline.lanes()
         # Lanes feeding one replica share its devices' memory, planned for max_batch rows.
         lane_batch = max(2, max_batch // pipeline.lanes_per_replica) if len(lanes) > 1 else max_batch
+        lane_budget = (
+            step_budget / pipeline.lanes_per_replica if step_budget and len(lanes) > 1 else step_budget
+        )
         self.loops = [
             StepLoop(
                 lane,
                 max_queue=math.ceil(max_queue / len(lanes)),
                 max_queue_per_key=math.ceil((max_queue_per_key or max_queue) / len(lanes)),
                 max_batch=lane_batch,
+                step_budget=lane_budget,
                 step_timeout_s=step_timeout_s,
                 native_pixels=self.limits.native_pixels,
                 inject_faults=inject_faults,
