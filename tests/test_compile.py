@@ -4,7 +4,7 @@ holds runs eagerly and is counted; a second start loads the graphs from the cach
 corrupt cache file is compiled again with a warning, never fatal.
 
 Compiling is slow on a CPU (seconds per graph even for these tiny models), so each test warms
-one or two buckets; the inductor kernel cache the first test fills is shared by the rest."""
+one bucket (2 rows, one image); the inductor kernel cache the first test fills is shared."""
 
 from __future__ import annotations
 
@@ -42,25 +42,21 @@ def test_compiled_images_equal_eager_ones(
     folder = sd3_folder if family == "sd3" else folders[family]
     pipeline = Pipeline.load(folder, devices=devices, strategy="even")
     assert len(pipeline.shard.plan.stages) == len(devices.split(","))
-    two = [GUIDED, GenerationRequest("a green square", seed=5, steps=3, guidance_scale=6.0)]
-    eager = _images(pipeline, two)
-    stats = compile_pipeline(pipeline, CompileMode(mode), [IMAGE_SIZE], 4, cache_dir)
+    eager = _images(pipeline, [GUIDED])[0]
+    stats = compile_pipeline(pipeline, CompileMode(mode), [IMAGE_SIZE], 2, cache_dir)  # one bucket: 2 rows
     assert stats.graphs_ready == stats.graphs_total > 0
-    compiled = _images(pipeline, two)  # 4 rows: the 4-row bucket
-    alone = _images(pipeline, [GUIDED])  # 2 rows: the 2-row bucket
-    for ours, theirs in zip([*compiled, *alone], [*eager, eager[0]], strict=True):
-        assert np.abs(ours - theirs).max() < TOLERANCE
-    assert stats.calls["compiled"] == 2 * 3 and stats.calls["eager"] == 0, stats.calls
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert stats.calls == {"compiled": GUIDED.steps, "padded": 0, "eager": 0}, stats.calls
 
 
 def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
-    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 4, cache_dir)
+    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
     unguided = GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=1.0)  # one row
     other_size = GenerationRequest("a blue square", seed=2, steps=2, width=IMAGE_SIZE + 16, height=IMAGE_SIZE)
-    three = [GUIDED, GUIDED, unguided]  # five rows: more than the largest bucket (4)
+    three = [GUIDED, unguided]  # three rows: more than the largest bucket (2)
     before = dict(stats.calls)
     _images(pipeline, [unguided])  # 1 row, padded to the 2-row bucket: 3 steps
     _images(pipeline, [other_size])  # 2 steps
@@ -72,8 +68,9 @@ def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(
 
 
 def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(
-    folders: dict[str, Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
+    folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    cache_dir = tmp_path  # its own: every file in it is this pipeline's (inductor's kernels stay warm)
     first = compile_pipeline(
         Pipeline.load(folders["sd15"], devices="cpu"), CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir
     )
@@ -82,13 +79,13 @@ def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(
         Pipeline.load(folders["sd15"], devices="cpu"), CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir
     )
     assert (again.loaded, again.compiled) == (again.graphs_total, 0)
-    for file in (cache_dir / "compiled").glob("*.bin"):
-        file.write_bytes(b"not a graph")
+    newest = max((cache_dir / "compiled").glob("*.bin"), key=lambda file: file.stat().st_mtime)
+    newest.write_bytes(b"not a graph")  # one file: compiling them all again takes minutes
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
     eager = _images(pipeline, [GUIDED])[0]
     with caplog.at_level(logging.WARNING, logger="diffshard"):
         rebuilt = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
-    assert (rebuilt.loaded, rebuilt.compiled) == (0, rebuilt.graphs_total)
+    assert (rebuilt.loaded, rebuilt.compiled) == (rebuilt.graphs_total - 1, 1)
     assert "is unusable" in caplog.text and "compiling again" in caplog.text
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
 

@@ -121,7 +121,7 @@ def run_denoiser(spec: Any, model: nn.Module, *inputs: Any) -> torch.Tensor:
 
 
 def run_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    return type(module).forward(module, *args, **kwargs)
+    return module.forward(*args, **kwargs)  # its own: dispatchers are detached while compiling
 
 
 def run_decoder(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
