@@ -51,15 +51,16 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # ---- the image ----
 FROM deps
 # Kubernetes runs this with a read-only root filesystem and a writable /tmp: every cache goes there,
-# but for the planner's calibration (DIFFSHARD_CACHE_DIR, a few KB): mount a volume at
-# /var/cache/diffshard to keep it across restarts (compose and deploy/k8s do). Unwritable, it only
-# warns and the calibration is timed again (a few seconds).
+# but for the planner's calibration and the compiled graphs with inductor's kernels
+# (DIFFSHARD_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR): mount a volume at /var/cache/diffshard to keep
+# them across restarts (compose and deploy/k8s do). Unwritable, it only warns: the calibration
+# is timed again (a few seconds), and with --compile the graphs are compiled again (minutes).
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
     XDG_CACHE_HOME=/tmp/.cache \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/diffshard/inductor \
     TRITON_CACHE_DIR=/tmp/triton \
     MPLCONFIGDIR=/tmp/matplotlib \
     DIFFSHARD_HOST=0.0.0.0 \

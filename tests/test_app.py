@@ -34,6 +34,12 @@ def test_while_loading_livez_answers_and_readyz_and_generation_say_503() -> None
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "loading"
     generation = request(app, "POST", "/v1/images/generations", json={"prompt": "a red circle"})
     assert generation.status_code == 503 and "loading" in generation.json()["error"]["message"]
+    stats = request(app, "GET", "/v1/stats")  # the compile's progress, while loading
+    assert stats.status_code == 200 and stats.json()["status"] == "loading"
+    assert stats.json()["compile"]["mode"] == "off" and stats.json()["compile"]["graphs"] == {
+        "ready": 0,
+        "total": 0,
+    }
 
 
 def test_a_failed_load_says_failed_without_its_text_or_paths() -> None:

@@ -137,3 +137,28 @@ def test_a_load_that_fails_after_validation_also_ends_with_one_line(tmp_path: Pa
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: cannot serve {folder}: ")
     assert "Traceback" not in done.stderr and "ready:" not in done.stderr
+
+
+def test_compile_and_step_budget_settings_say_what_to_fix() -> None:
+    done = run_cli("serve", "--compile", "fast")
+    assert done.returncode == 2 and done.stderr.startswith("error: --compile (DIFFSHARD_COMPILE)")
+    assert "'off', 'blocks' or 'full'" in done.stderr
+    done = run_cli("serve", "--compile-sizes", "64,60")
+    assert done.returncode == 2 and "multiples of 8, got [64, 60]" in done.stderr
+    done = run_cli("serve", "--step-budget", "0")
+    assert done.returncode == 2 and done.stderr.startswith("error: --step-budget (DIFFSHARD_STEP_BUDGET)")
+    port = str(free_port())  # validated, then refused at load: full cannot compile a split
+    done = run_cli(
+        "serve",
+        "--port",
+        port,
+        "--metrics-port",
+        "0",
+        "--devices",
+        "cpu,cpu",
+        "--parallel",
+        "pipeline",
+        "--compile",
+        "full",
+    )
+    assert done.returncode != 0 and "--compile full needs a plan of one stage" in done.stderr

@@ -49,7 +49,9 @@ def compile_pipeline(
         if shard.compiled is not shared:
             shards.append(shard)
         shared = shard.compiled
-    rows = row_buckets(max_rows, smallest=min(2, max_rows))
+    # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
+    # double their work).
+    rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
     images = row_buckets(max(1, max_rows // 2), smallest=1)
     decoder = CompiledDecoder(pipeline.vae, store)
     per_bucket = (
