@@ -8,6 +8,7 @@ of the device they will sit on (the first stage's).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 
 from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
+from server.engine.cache import lookup, store
+from server.engine.calibrate import device_kind
 from server.pipeline.families import Family, meta_denoiser, reference_bytes
 from server.pipeline.loader import part_bytes
 
@@ -95,6 +98,19 @@ def step_knees(
     """Per image side, the rows of a step past which doubling them raises the predicted rows/s
     (counted costs, the planner's) by less than `KNEE_GAIN`: where batching stops paying."""
     model = meta_denoiser(family)
+    key = {  # counting a model's work takes ~0.3 s a size: every start would pay it
+        "knees": dict(model.config),
+        "dtype": str(dtype),
+        "device": device_kind(device),
+        "threads": threads,
+        "sides": list(sides),
+        "max_rows": max_rows,
+        "gain": KNEE_GAIN,
+    }
+    key = json.loads(json.dumps(key, default=str))  # as read back: tuples are lists
+    path = cache_dir / "knees.json" if cache_dir is not None else None
+    if (known := lookup(path, key)) is not None:
+        return {int(side): int(knee) for side, knee in known.items()}
     knees = {}
     for side in sides:
         costs = CostModel(model, 2, side // family.vae_scale_factor, dtype, Costs.COUNTED, cache_dir)
@@ -105,6 +121,7 @@ def step_knees(
         while knee * 2 in rate and rate[knee * 2] >= KNEE_GAIN * rate[knee]:
             knee *= 2
         knees[side] = knee
+    store(path, key, knees)
     return knees
 
 
