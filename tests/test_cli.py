@@ -141,12 +141,12 @@ def test_a_load_that_fails_after_validation_also_ends_with_one_line(tmp_path: Pa
 
 def test_compile_and_step_budget_settings_say_what_to_fix() -> None:
     done = run_cli("serve", "--compile", "fast")
-    assert done.returncode == 2 and done.stderr.startswith("error: --compile (DIFFSHARD_COMPILE)")
+    assert done.returncode == 2 and "error: --compile (DIFFSHARD_COMPILE)" in done.stderr
     assert "'off', 'blocks' or 'full'" in done.stderr
     done = run_cli("serve", "--compile-sizes", "64,60")
     assert done.returncode == 2 and "multiples of 8, got [64, 60]" in done.stderr
     done = run_cli("serve", "--step-budget", "0")
-    assert done.returncode == 2 and done.stderr.startswith("error: --step-budget (DIFFSHARD_STEP_BUDGET)")
+    assert done.returncode == 2 and "error: --step-budget (DIFFSHARD_STEP_BUDGET)" in done.stderr
     port = str(free_port())  # validated, then refused at load: full cannot compile a split
     done = run_cli(
         "serve",
