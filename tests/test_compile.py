@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from server.engine.compile import CompileMode, eager_calls
+from server.engine.compile import CompileMode, CompileStats, GraphStore, eager_calls
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
 from tests.tiny_pipelines import IMAGE_SIZE
@@ -94,3 +95,14 @@ def test_full_refuses_a_split(folders: dict[str, Path], cache_dir: Path) -> None
     pipeline = Pipeline.load(folders["sd15"], devices="cpu,cpu", strategy="even")
     with pytest.raises(ValueError, match="--compile blocks compiles a split"):
         compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
+
+
+def test_an_unwritable_cache_dir_warns_and_keeps_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("a file where the cache dir should be")
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        store = GraphStore(not_a_folder, torch.device("cpu"), CompileStats("full"))
+    assert store.folder is None and store._path("any") is None
+    assert "cannot keep compiled graphs" in caplog.text and "compiled again at every start" in caplog.text

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -155,15 +156,18 @@ class GraphStore:
     """Precompiled functions on disk and in memory, by a key of what they were compiled from."""
 
     def __init__(self, folder: Path | None, device: torch.device, stats: CompileStats) -> None:
-        self.folder = folder
+        self.folder = folder if folder is None else _writable(folder / "compiled")
         self.device_kind = compiled_for(device)
         self.stats = stats
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
         # Compiled kernels beside the graphs (one volume keeps both), unless the operator chose a
-        # place: inductor writes its default into the environment when first imported.
-        if folder is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+        # writable place: inductor writes its default into the environment when first imported.
+        kernels = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if self.folder is not None and kernels in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder / "inductor")
+        elif self.folder is None and folder is not None and kernels and Path(kernels).is_relative_to(folder):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "torchinductor")
 
     def key(self, what: dict[str, Any]) -> str:
         described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None}
@@ -187,6 +191,20 @@ class GraphStore:
 
     def _path(self, key: str) -> Path | None:
         return None if self.folder is None else self.folder / "compiled" / f"{key}.bin"
+
+
+def _writable(folder: Path) -> Path | None:
+    """`folder`'s parent (the cache dir) if graphs can be kept there, else None, with a warning."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        log.warning(
+            "cannot keep compiled graphs in %s (%s): they are compiled again at every start", folder, err
+        )
+        return None
+    return folder.parent
 
     def _read(self, key: str, external: dict[str, Any]) -> Any | None:
         path = self._path(key)
