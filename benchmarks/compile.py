@@ -35,7 +35,8 @@ from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.serving import client_loop, measure
-from server.engine.compile import CompileMode, CompileStats, GraphStore
+from server.engine.compile import CompileMode
+from server.engine.graphs import CompileStats, GraphStore
 from server.engine.plan import plan_shards
 from server.engine.shard import ModelShard
 from server.engine.specs import spec_for

@@ -28,7 +28,8 @@ from server.api.requestid import RequestContext
 from server.api.uploads import bound_decoder
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
-from server.engine.compile import CompileMode, CompileStats, prepare_compiler
+from server.engine.compile import CompileMode
+from server.engine.graphs import CompileStats, prepare_compiler
 from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
 from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
 from server.engine.threads import cpu_quota, fit_threads

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.compile import CompileMode, CompileStats, GraphStore, eager_calls
+from server.engine.compile import CompileMode, eager_calls
+from server.engine.graphs import CompileStats, GraphStore
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
 from tests.tiny_pipelines import IMAGE_SIZE

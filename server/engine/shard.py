@@ -25,9 +25,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from server.engine.blocks import DenoiserInputs, block_modules, tensor_bytes
-from server.engine.compile import CompiledDenoiser, CompileMode, GraphStore
+from server.engine.compile import CompiledDenoiser, CompileMode
 from server.engine.devices import format_bytes
 from server.engine.gates import StageGates, worker_names
+from server.engine.graphs import GraphStore
 from server.engine.memory import DeviceMemory, read_memory
 from server.engine.plan import ShardPlan
 from server.engine.specs import layout_of, spec_for

@@ -2,7 +2,7 @@
 What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
 from server.engine import DeviceMemory
-from server.engine.compile import CompileStats
+from server.engine.graphs import CompileStats
 from server.engine.pool import PoolStats
 from server.pipeline.denoise import Pipeline
 from server.pipeline.edits import Edit

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_map
 
 from server.engine import layout_of
 from server.engine.blocks import DenoiserInputs
-from server.engine.compile import CompiledDecoder, CompileMode, CompileStats, GraphStore, row_buckets
+from server.engine.compile import CompiledDecoder, CompileMode, row_buckets
+from server.engine.graphs import CompileStats, GraphStore
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
 
