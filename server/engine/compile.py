@@ -71,17 +71,30 @@ def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
     return (*out, max_rows)
 
 
-def signature(args: Any) -> tuple:
+def signature(args: Any, resized: tuple[int, int] | None = None) -> tuple:
     """What a compiled graph is specialised to: every tensor's shape, dtype and device, every other
-    input's value, and the nesting."""
+    input's value, and the nesting. `resized=(rows, bucket)`: as if `pad_rows` had padded `args`
+    to `bucket` rows (nothing is copied)."""
     leaves, spec = tree_flatten(args)
 
     def describe(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return (tuple(leaf.shape), str(leaf.dtype), str(leaf.device))
+            shape = tuple(leaf.shape)
+            if resized is not None and shape and shape[0] == resized[0]:
+                shape = (resized[1], *shape[1:])
+            return (shape, str(leaf.dtype), str(leaf.device))
         return repr(leaf)
 
     return (str(spec), *(describe(leaf) for leaf in leaves))
+
+
+def find_bucket(args: Any, rows: int, buckets: list[int], graphs: dict[tuple, Any]) -> tuple[int, Any] | None:
+    """The smallest bucket of at least `rows` rows with a graph for `args` padded to it, and that
+    graph; None if there is none. Only the found bucket's inputs are then padded."""
+    for bucket in buckets:
+        if bucket >= rows and (graph := graphs.get(signature(args, (rows, bucket)))) is not None:
+            return bucket, graph
+    return None
 
 
 # The functions compiled: module level, so a precompiled file can name them.
@@ -222,13 +235,11 @@ class CompiledDenoiser:
         if not getattr(_local, "eager", False):
             flat = _flat(inputs)
             rows = flat[0].shape[0]
-            for bucket_rows in (r for r in self._rows if r >= rows):
-                padded = pad_rows(flat, rows, bucket_rows)
-                graph = self._buckets.get(signature(padded))
-                if graph is not None:
-                    path = "padded" if bucket_rows > rows else "compiled"
-                    out = self._call(graph, padded)[:rows]
-                    break
+            found = find_bucket(flat, rows, self._rows, self._buckets)
+            if found is not None:
+                bucket, graph = found
+                path = "padded" if bucket > rows else "compiled"
+                out = self._call(graph, pad_rows(flat, rows, bucket))[:rows]
         with self._count:
             self.stats.calls[path] += 1
         return out
@@ -269,10 +280,8 @@ class CompiledDecoder:
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         count = latents.shape[0]
-        for bucket in self._counts:
-            if bucket >= count:
-                padded = pad_rows(latents, count, bucket)
-                graph = self._graphs.get(signature(padded))
-                if graph is not None:
-                    return graph(self.vae, padded)[:count]
-        return run_decoder(self.vae, latents)
+        found = find_bucket(latents, count, self._counts, self._graphs)
+        if found is None:
+            return run_decoder(self.vae, latents)
+        bucket, graph = found
+        return graph(self.vae, pad_rows(latents, count, bucket))[:count]
