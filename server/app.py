@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -91,6 +92,7 @@ def load_service(
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
+    pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
     sizes = settings.compile_sizes or (pipeline.defaults.size,)
     compile_pipeline(pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling)
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it

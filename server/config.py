@@ -22,6 +22,7 @@ from server.engine.pool import ANY_DEVICE
 from server.errors import ConfigError
 from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import read_family
+from server.pipeline.stepcache import StepCache, parse_step_cache
 from server.serving import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +78,10 @@ def _sizes(value: object) -> tuple[int, ...]:
 
 
 CompileSizes = Annotated[tuple[int, ...], NoDecode, BeforeValidator(_sizes)]
+
+
+# parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
+StepCacheSetting = Annotated[StepCache, NoDecode, BeforeValidator(parse_step_cache)]
 
 
 class Settings(BaseSettings):
@@ -181,6 +186,11 @@ class Settings(BaseSettings):
         "pixels / native pixels; a larger request runs alone); auto: the knee the planner's costs "
         "predict (where doubling rows adds < 10% rows/s); off: only --max-batch",
     )
+    step_cache: StepCacheSetting = Field(
+        StepCache(),
+        description="a request's step_cache when it sends none: off, deep (UNets), first_block "
+        '(SD3), or JSON, e.g. {"policy": "deep", "interval": 3}; off keeps diffusers\' images',
+    )
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     max_queue_per_key: int | None = Field(
         None,
@@ -223,6 +233,16 @@ class Settings(BaseSettings):
     def _model_folder(cls, folder: Path) -> Path:
         read_family(folder)  # a ModelFolderError (a ValueError) says what is wrong with it
         return folder
+
+    @field_validator("step_cache")
+    @classmethod
+    def _step_cache_fits(cls, policy: StepCache, info) -> StepCache:
+        model = info.data.get("model")
+        family = read_family(model) if model is not None else None
+        if family is not None and policy.policy not in family.step_caches:
+            served = ", ".join(family.step_caches)
+            raise ValueError(f"{policy.policy!r} does not fit a {family.name} model: use one of {served}")
+        return policy
 
     @field_validator("strategy")
     @classmethod

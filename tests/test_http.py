@@ -20,11 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
 from PIL import Image
 
+from server.demo.evaluate import Verdict, classify
 from tests.live import LiveServer, live_server
 from tests.waiting import wait_until
 
@@ -131,6 +133,26 @@ def test_a_deterministic_request_gives_the_same_bytes_alone_and_in_a_mixed_batch
     assert batched[: len(mine)] == alone
 
 
+def test_step_cache_through_the_openai_sdk_reuses_rows_and_stays_close(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+    def generate(step_cache) -> np.ndarray:
+        extra = {"seed": 3, "num_inference_steps": 12, "step_cache": step_cache}
+        result = client.images.generate(prompt="a blue square", size="64x64", extra_body=extra)
+        return np.asarray(Image.open(io.BytesIO(pngs(result)[0]))).astype(int)
+
+    def reused() -> int:
+        return httpx.get(f"{server.url}/v1/stats", timeout=10).json()["engine"]["step_cache_rows"]["reused"]
+
+    before = reused()
+    cached = generate({"policy": "deep", "interval": 3})
+    assert reused() - before == 8 * 2  # 12 steps: 4 refresh, 8 reuse, 2 guided rows each
+    plain = generate("off")
+    assert reused() - before == 16
+    assert np.abs(cached - plain).mean() > 0  # a little different: the same picture
+    assert classify(cached.astype(np.uint8)) == classify(plain.astype(np.uint8)) == Verdict("blue", "square")
+
+
 def test_openai_sdk_raises_bad_request_for_a_bad_size(server: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="multiples of 8") as caught:
@@ -186,7 +208,11 @@ BAD_BODIES = [
     ({**GOOD, "model": "dall-e-3"}, "model", ["diffshard-shapes"]),
     ({"n": 1}, "prompt", ["Field required"]),
     ({**GOOD, "num_inference_step": 5}, "num_inference_step", ["unknown field", "'num_inference_steps'"]),
-    ({**GOOD, "step_cahce": "deep"}, "step_cahce", ["unknown field", "/openapi.json"]),
+    ({**GOOD, "step_cahce": "deep"}, "step_cahce", ["unknown field", "did you mean 'step_cache'"]),
+    ({**GOOD, "turbo": True}, "turbo", ["unknown field", "/openapi.json"]),
+    ({**GOOD, "step_cache": "fast"}, "step_cache.policy", ["one of off, deep, first_block", "'fast'"]),
+    ({**GOOD, "step_cache": {"policy": "deep", "interval": 11}}, "step_cache.interval", ["from 1 to 10"]),
+    ({**GOOD, "step_cache": "first_block"}, "step_cache", ["does not fit this model", "off, deep"]),
     ({**GOOD, "frame_count": 4}, "frame_count", ["gif output is not served"]),
     ({**GOOD, "svg": {"model": "x"}}, "svg", ["svg output is not served"]),
     ({**GOOD, "complexity": "high"}, "complexity", ["must be low"]),
@@ -311,6 +337,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
             ["--max-steps (DIFFSHARD_MAX_STEPS)", "greater than or equal to 1"],
         ),
         (["--api-key-file", "/nonexistent"], {}, ["--api-key-file", "cannot read /nonexistent"]),
+        (["--step-cache", "first_block"], {}, ["--step-cache", "'first_block' does not fit a sd model"]),
     ],
 )
 def test_bad_settings_fail_fast_saying_what_to_fix(args, env, words, tmp_path: Path) -> None:

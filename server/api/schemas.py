@@ -3,7 +3,7 @@
 The body follows OpenAI's `POST /v1/images/generations` (and, as multipart form fields beside
 the files, `POST /v1/images/edits`: `ImageEditRequest`); diffshard's extensions
 (negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, scheduler, stream_progress,
-deterministic, lora) sit beside the standard fields, where the SDKs put `extra_body`. Types are
+deterministic, lora, step_cache) sit beside the standard fields, where the SDKs put `extra_body`. Types are
 checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
 can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
 the model's own settings; `background` auto or opaque; `moderation` low: none is done;
@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import InvalidRequest
-from server.serving import FORMATS, SEED_LIMIT, Edit, GenerationRequest
+from server.serving import FORMATS, SEED_LIMIT, Edit, GenerationRequest, parse_step_cache
 
 MAX_GUIDANCE = 100.0
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
@@ -96,6 +96,13 @@ class ImageGenerationRequest(BaseModel):
         False,
         description="its rows run in calls of their own, so the same seed gives the same bytes "
         "whatever else is batched (slower under load)",
+    )
+    step_cache: str | dict[str, str | int | float] | None = Field(
+        None,
+        description='reuse the last steps\' deep features: "off", "deep" (UNets) or "first_block" '
+        '(SD3) at their defaults, or {"policy": "deep", "interval": 1-10} / {"policy": '
+        '"first_block", "threshold": 0-1}; faster, images change a little; default: the server\'s '
+        "--step-cache",
     )
 
 
@@ -212,6 +219,7 @@ def generation_requests(
                 f"{name}: scale must be between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {scale}",
             )
     seed = secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed
+    step_cache = None if body.step_cache is None else parse_step_cache(body.step_cache)
     return [
         GenerationRequest(
             prompt=body.prompt,
@@ -227,6 +235,7 @@ def generation_requests(
             lora=tuple(lora.items()),
             edit=edit,
             true_cfg_scale=1.0 if true_cfg is None else true_cfg,
+            step_cache=step_cache,
         )
         for i, edit in enumerate(edit for edit in sources for _ in range(body.n))
     ]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from server.engine.graphs import GraphStore
 from server.engine.memory import DeviceMemory, read_memory
 from server.engine.plan import ShardPlan
 from server.engine.specs import layout_of, spec_for
+from server.engine.stepcache import RowGroup, Subset, no_subset, walk_for
 from server.errors import PlanError
 
 log = logging.getLogger("diffshard")
@@ -146,22 +148,35 @@ class ModelShard:
         if len(self.devices) > 1 and any(conditioning.get(k) is not None for k in _CROSS_BLOCK_RESIDUALS):
             names = ", ".join(_CROSS_BLOCK_RESIDUALS)
             raise ValueError(f"{names} need a plan on one device; this one spans {self.devices}")
-        move = self._cache.move
-        self.gates.begin()
-        try:  # the cache is cleared and the gate let go on every path, a failed input move included
-            if len(self.plan.stages) == 1:
-                self.gates.enter(0)
-            inputs = DenoiserInputs(
-                move(sample, self.device),
-                move(timestep, self.device),
-                move(context, self.device),
-                move(conditioning, self.device),
-            )
+        with self._forward(DenoiserInputs(sample, timestep, context, conditioning)) as inputs:
             out = self.compiled.run(inputs) if self.compiled is not None else None
             if out is None:  # not compiled, or no bucket holds this call
                 with torch.inference_mode():
                     out = self._spec.forward(self.model, inputs)
             return out.to(self.device)
+
+    def cached(
+        self, inputs: DenoiserInputs, groups: Sequence[RowGroup], subset: Subset = no_subset
+    ) -> torch.Tensor | None:
+        """One forward with step caching (`stepcache.py`): each group of rows refreshes or reuses
+        what it kept; eager, whatever `compile` set. None where the model or these inputs have no
+        cached walk: call the shard plainly then."""
+        walk = walk_for(self.model, inputs)
+        if walk is None:
+            return None
+        with self._forward(inputs) as moved, torch.inference_mode():
+            return walk(self.model, moved, groups, subset).to(self.device)
+
+    @contextmanager
+    def _forward(self, inputs: DenoiserInputs) -> Iterator[DenoiserInputs]:
+        """One forward's bracket: the inputs moved to the first stage, the gates' books, and the
+        transfer cache cleared and the gate let go on every path (a failed input move included)."""
+        move = self._cache.move
+        self.gates.begin()
+        try:
+            if len(self.plan.stages) == 1:
+                self.gates.enter(0)
+            yield DenoiserInputs(*(move(x, self.device) for x in vars(inputs).values()))
         finally:
             self.gates.end()
             self._cache.clear()
@@ -182,16 +197,8 @@ class ModelShard:
         """Compile (or load from the cache) the bucket of these inputs padded to `rows` rows."""
         if self.compiled is None:
             raise ValueError("the shard is not compiled: call compile() first")
-        move = self._cache.move
-        inputs = DenoiserInputs(*(move(x, self.device) for x in vars(inputs).values()))
-        self.gates.begin()
-        try:
-            if len(self.plan.stages) == 1:  # a split's stage hooks take their gates
-                self.gates.enter(0)
-            self.compiled.warm(inputs, rows)
-        finally:
-            self.gates.end()
-            self._cache.clear()
+        with self._forward(inputs) as moved:
+            self.compiled.warm(moved, rows)
 
     # Introspection: where every block and byte lives.
 

@@ -142,6 +142,17 @@ CATALOG = (
     ),
     MetricSpec("lora_bytes", "gauge", "bytes", ("device",), "LoRA adapter weights placed on the device"),
     MetricSpec(
+        "step_cache_rows_total",
+        "counter",
+        "rows",
+        ("outcome",),
+        "denoiser rows of requests with step caching on, by outcome: refreshed (ran every block) or "
+        "reused (ran the shallow blocks on kept features)",
+    ),
+    MetricSpec(
+        "step_cache_bytes", "gauge", "bytes", (), "features running requests keep for step caching (pooled)"
+    ),
+    MetricSpec(
         "images_admitted_total",
         "counter",
         "images",

@@ -23,7 +23,7 @@ from server.engine.memory import resident_bytes
 from server.engine.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, REASONS, help_of
 from server.serving import KINDS
-from server.serving.stats import DeviceView, Distribution, LoopStats, Snapshot
+from server.serving.stats import CACHE_OUTCOMES, DeviceView, Distribution, LoopStats, Snapshot
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
@@ -132,6 +132,13 @@ class _Collector:
         for kind in KINDS:
             kinds.add_metric([kind], stats.images_by_kind[kind])
         yield kinds
+        cached = CounterMetricFamily(
+            f"{PREFIX}_step_cache_rows", help_of("step_cache_rows_total"), labels=["outcome"]
+        )
+        for outcome in CACHE_OUTCOMES:
+            cached.add_metric([outcome], stats.cache_rows[outcome])
+        yield cached
+        yield GaugeMetricFamily(f"{PREFIX}_step_cache_bytes", help_of("step_cache_bytes"), stats.cached_bytes)
         calls = help_of("denoiser_calls_total")
         paths = CounterMetricFamily(f"{PREFIX}_denoiser_calls", calls, labels=["path"])
         for path in ("compiled", "padded", "eager"):

@@ -39,6 +39,7 @@ from server.engine.compile import eager_calls, run_decoder
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
+from server.pipeline.cachedstep import cached_forward
 from server.pipeline.edits import blend, first_latents
 from server.pipeline.loader import Components, load_components
 from server.pipeline.lora import Adapter, Adapters, rows_asking
@@ -270,7 +271,8 @@ class Pipeline:
             alone = any(s.request.deterministic or s.request.lora for s in states)
             hooked = eager_calls() if any(asking) else contextlib.nullcontext()  # graphs skip hooks
             with rows_asking(asking), hooked:  # adapters' rows: not split over replicas (their threads)
-                out = self._forward(inputs, split=not alone)
+                out = cached_forward(self.shard, states, inputs, asking)  # None: no row caches
+                out = self._forward(inputs, split=not alone) if out is None else out
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []

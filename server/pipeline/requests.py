@@ -16,6 +16,7 @@ from pathlib import Path
 from server.errors import InvalidRequest
 from server.pipeline.edits import Edit
 from server.pipeline.families import Family
+from server.pipeline.stepcache import OFF, StepCache
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
 MAX_MODEL_STEPS = 1000  # diffusers' schedulers train on 1000 timesteps
@@ -39,6 +40,7 @@ class GenerationRequest:
     lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
     edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
     true_cfg_scale: float = 1.0  # guidance-distilled models (FLUX.1): CFG with negative_prompt when > 1
+    step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
 
     @property
     def kind(self) -> str:
@@ -49,7 +51,8 @@ class GenerationRequest:
 
     @property
     def resolved(self) -> bool:
-        return None not in (self.steps, self.guidance_scale, self.scheduler, self.width, self.height)
+        fields = (self.steps, self.guidance_scale, self.scheduler, self.width, self.height, self.step_cache)
+        return None not in fields
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Defaults:
     scheduler: str
     size: int  # native image side in pixels
     size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
+    step_cache: StepCache = OFF  # --step-cache
 
 
 def read_defaults(folder: Path, family: Family) -> Defaults:
@@ -96,6 +100,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         scheduler=request.scheduler or d.scheduler,
         width=width if request.width is None else request.width,
         height=height if request.height is None else request.height,
+        step_cache=d.step_cache if request.step_cache is None else request.step_cache,
     )
 
 
@@ -127,6 +132,11 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("size", f"width and height must be at most {largest} for this model, got {size}")
     if not 0 <= request.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {request.seed}")
+    if request.step_cache.policy not in family.step_caches:
+        served = ", ".join(family.step_caches)
+        raise InvalidRequest(
+            "step_cache", f"policy {request.step_cache.policy!r} does not fit this model; it takes {served}"
+        )
     if request.edit is not None:
         _check_edit(request, request.edit, family)
 

@@ -11,6 +11,7 @@ import torch
 from server.engine.pool import PoolScope
 from server.pipeline.edits import Inpainting
 from server.pipeline.requests import GenerationRequest
+from server.pipeline.stepcache import RowCache
 
 
 @dataclass
@@ -32,6 +33,7 @@ class RequestState:
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
     preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
+    cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (stepcache.py)
 
     @property
     def previews(self) -> dict[int, int]:

@@ -4,6 +4,7 @@ What the HTTP layer needs of the pipeline (request values, image encoding) it ge
 from server.pipeline import Edit, GenerationRequest
 from server.pipeline.images import FORMATS, encode_async, to_uint8
 from server.pipeline.requests import KINDS, MAX_MODEL_STEPS, SEED_LIMIT
+from server.pipeline.stepcache import parse_step_cache
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
@@ -26,5 +27,6 @@ __all__ = [
     "Snapshot",
     "StepLoop",
     "encode_async",
+    "parse_step_cache",
     "to_uint8",
 ]

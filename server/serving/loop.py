@@ -130,6 +130,7 @@ class StepLoop:
             stats.progress = {j.id: j.progress() for j in self._active}
             stats.owners = {j.id: j.owner for j in [*self._active, *self._lineup]}
             stats.slow_calls, stats.stuck_calls = self._call.slow_calls, self._call.stuck_calls
+            stats.cached_bytes = sum(s.cache.nbytes for j in self._active for s in j.states if not s.closed)
             return stats.copy()
 
     def problem(self) -> str | None:
@@ -301,7 +302,7 @@ class StepLoop:
                 self._stats.step_seconds.observe(seconds)
                 self._stats.batch_rows[rows] += 1
                 self._stats.rows_per_step.observe(rows)
-                self._stats.count_adapter_rows(states)
+                self._stats.count_rows(states)
 
         self._isolated(self._jobs_of(chunk), step)
 

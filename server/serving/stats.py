@@ -14,6 +14,7 @@ from server.pipeline import DeviceMemory, PoolStats
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CACHE_OUTCOMES = ("refreshed", "reused")
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -64,6 +65,8 @@ class LoopStats:
     images_by_kind: Counter = field(
         default_factory=Counter
     )  # generation, img2img, inpainting → images admitted
+    cache_rows: Counter = field(default_factory=Counter)  # step caching: refreshed, reused → rows
+    cached_bytes: int = 0  # what running requests keep for step caching
     slow_calls: int = 0  # calls that ran past their deadline
     stuck_calls: int = 0  # calls that ran far past it
 
@@ -106,15 +109,20 @@ class LoopStats:
             "jobs_completed": self.jobs_completed,
             "images_completed": self.images_completed,
             "rejected": dict(self.rejected),
+            "step_cache_rows": {outcome: self.cache_rows[outcome] for outcome in CACHE_OUTCOMES},
+            "step_cache_bytes": self.cached_bytes,
             "slow_calls": self.slow_calls,
             "stuck_calls": self.stuck_calls,
             "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
         }
 
-    def count_adapter_rows(self, states: Any) -> None:
-        """The rows each LoRA adapter was applied to in one step of `states`."""
+    def count_rows(self, states: Any) -> None:
+        """One step of `states`: the rows each LoRA adapter was applied to, and the rows that
+        refreshed or reused their step cache."""
         for state in states:
             self.adapter_rows.update(dict.fromkeys((name for name, _ in state.request.lora), state.rows))
+            if state.cache.last is not None:
+                self.cache_rows[state.cache.last] += state.rows
 
     def seen_by(self, owner: str | None) -> LoopStats:
         """These counters with only `owner`'s jobs in `progress` (None: the operator sees all)."""

@@ -64,6 +64,7 @@ class Family:
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
+    step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
     default_area: ClassVar[float] = 4.0  # the default pixel limit, in native areas (--max-pixels)
     # `plan --config`'s other parts, built on the meta device to count their bytes: name → a
     # builder; a family without them plans its denoiser alone

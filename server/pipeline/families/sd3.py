@@ -29,6 +29,7 @@ class SD3(Family):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2", "tokenizer_3")
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
+    step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
     default_steps: ClassVar[int] = 28
     default_guidance: ClassVar[float] = 7.0
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
