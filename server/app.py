@@ -272,4 +272,6 @@ def _bounds(settings: Settings, keyed: bool) -> Bounds:
         max_side=family.max_size,
         schedulers=tuple(family.schedulers),
         keyed=keyed,
+        step_caches=tuple(family.step_caches),
+        step_cache=settings.step_cache.wire(),
     )

@@ -189,7 +189,7 @@ class Settings(BaseSettings):
     step_cache: StepCacheSetting = Field(
         StepCache(),
         description="a request's step_cache when it sends none: off, deep (UNets), first_block "
-        '(SD3), or JSON, e.g. {"policy": "deep", "interval": 3}; off keeps diffusers\' images',
+        '(MMDiTs), or JSON, e.g. {"policy": "deep", "interval": 3}; off keeps diffusers\' images',
     )
     max_queue: int = Field(64, ge=1, description="requests waiting for a place; beyond it: 503")
     max_queue_per_key: int | None = Field(

@@ -118,7 +118,9 @@ def openapi(settings: Settings) -> dict:
 
 
 def test_openapi_states_the_limits_of_every_field_from_the_settings() -> None:
-    document = openapi(Settings(max_n=3, max_steps=7, max_prompt_chars=50, max_pixels=4096))
+    document = openapi(
+        Settings(max_n=3, max_steps=7, max_prompt_chars=50, max_pixels=4096, step_cache="deep")
+    )
     body = document["components"]["schemas"]["ImageGenerationRequest"]["properties"]
 
     def bounds(name: str) -> dict:
@@ -134,6 +136,7 @@ def test_openapi_states_the_limits_of_every_field_from_the_settings() -> None:
     assert bounds("size")["pattern"] == r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
     assert "4096" in body["size"]["description"] and "multiples of 8" in body["size"]["description"]
     assert bounds("scheduler")["enum"] == ["default", "ddim", "euler", "euler_a", "dpmpp_2m"]
+    assert bounds("step_cache")["enum"] == ["off", "deep"] and body["step_cache"]["default"] == "deep"
     assert bounds("model")["enum"] == ["diffshard-shapes"]
     assert bounds("response_format")["enum"] == ["b64_json"]
 

@@ -4,9 +4,11 @@ downloaded at test time), which resolves no host name: only this server can answ
 
 Type "a red circle", press Generate: a partial preview appears, then the image, which the
 built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
-image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. Also: the key
-field and errors in plain words on a server with keys, Stop cancelling the request, and a server's LoRA
-adapters listed with a scale slider each, the one switched on sent with the request.
+image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. The
+step caches the OpenAPI document lists for the model are offered, the one chosen sent with a
+generation and an edit. Also: the key field and errors in plain words on a server with keys, Stop
+cancelling the request, and a server's LoRA adapters listed with a scale slider each, the one
+switched on sent with the request.
 
 The API reference is Swagger UI, offline and under the playground's policy: it lists the
 operations of /openapi.json with no error in the browser's console.
@@ -33,7 +35,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.expected_conditions import staleness_of
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from server.api import docs
 from server.api.playground import FILES, HEADERS
@@ -69,12 +71,17 @@ new MutationObserver((changes) => {
   }
 }).observe(document.getElementById("images"), {subtree: true, attributeFilter: ["data-kind"]});
 """
-# Records, in the page, the body of each request it POSTs (the generations), as sent.
+# Records, in the page, the body of each request it POSTs, as sent: a generation's JSON, or an
+# edit's text fields.
 RECORD_REQUESTS = """
 window.sent = [];
 const send = window.fetch;
 window.fetch = (path, init = {}) => {
-  if (init.method === "POST") window.sent.push(JSON.parse(init.body));
+  if (init.method === "POST") {
+    window.sent.push(init.body instanceof FormData
+      ? Object.fromEntries([...init.body].filter(([, value]) => typeof value === "string"))
+      : JSON.parse(init.body));
+  }
   return send(path, init);
 };
 """
@@ -210,6 +217,26 @@ def test_a_red_circle_streams_its_previews_then_the_image(
     wanted = os.environ.get("DIFFSHARD_SCREENSHOT")  # make screenshot: for the README
     browser.save_screenshot(Path(wanted).resolve() if wanted else tmp_path / "playground.png")
 
+    # The step caches the OpenAPI document lists for the model; one chosen is sent, generating
+    # and editing alike, and the server reuses deep features for it.
+    step_cache = Select(browser.find_element(By.ID, "step_cache"))
+    assert [o.get_attribute("value") for o in step_cache.options] == ["", "off", "deep"]
+    assert step_cache.first_selected_option.text == "server default: off"  # sends nothing
+    browser.execute_script(RECORD_REQUESTS)
+    step_cache.select_by_value("deep")
+    fill(browser, num_inference_steps="4")
+    for press in ("#go", ".card .edit-this"):  # generate, then edit that image (in edit mode)
+        reused = server.stats()["engine"]["step_cache_rows"]["reused"]
+        browser.find_element(By.CSS_SELECTOR, press).click()
+        if press != "#go":
+            browser.find_element(By.ID, "go").click()  # Edit
+        until(browser, staleness_of(image), "the next card")
+        [image] = final_images(browser, 1)
+        server.wait_for(lambda s, before=reused: s["engine"]["step_cache_rows"]["reused"] > before)
+    generated, edited = browser.execute_script("return window.sent")
+    assert generated["step_cache"] == "deep" and generated["num_inference_steps"] == 4
+    assert edited["step_cache"] == "deep" and "strength" in edited  # a form field, as text
+
 
 def test_stop_cancels_the_request_on_the_server(browser: WebDriver, server: LiveServer) -> None:
     open_page(browser, server.url)
@@ -343,6 +370,7 @@ def test_a_flux_model_streams_in_the_page_as_the_others_do(browser: WebDriver, t
         browser.find_element(By.ID, "go").click()
         [image] = final_images(browser, 1)
         assert len(browser.find_elements(By.CSS_SELECTOR, ".strip img")) == 3  # its previews
+        assert not browser.find_element(By.ID, "step_cache").is_displayed()  # it takes no step cache
         shown = shown_pixels(browser, image)
         plain = api_pixels(flux, prompt="a red circle", seed=7, size="32x32", num_inference_steps=4)
     np.testing.assert_array_equal(shown, plain)

@@ -11,6 +11,7 @@ documented answer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN, ImageEditRequest
-from server.serving import FORMATS, MAX_MODEL_STEPS, SEED_LIMIT
+from server.serving import (
+    DEFAULT_INTERVAL,
+    DEFAULT_THRESHOLD,
+    FORMATS,
+    MAX_INTERVAL,
+    MAX_MODEL_STEPS,
+    SEED_LIMIT,
+)
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -59,6 +67,28 @@ OPERATION_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/readyz"): (503,),
 }
 DEFAULT_ERRORS = (503,)  # any operation, once the connection cap is reached
+# Each step-caching policy's parameters, as an object's properties (stepcache.parse_step_cache).
+STEP_CACHE_PARAMETERS: dict[str, dict[str, Any]] = {
+    "off": {},
+    "deep": {
+        "interval": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_INTERVAL,
+            "default": DEFAULT_INTERVAL,
+            "description": "the whole UNet every `interval` steps, only its shallow blocks between",
+        }
+    },
+    "first_block": {
+        "threshold": {
+            "type": "number",
+            "minimum": 0,
+            "maximum": 1,
+            "default": DEFAULT_THRESHOLD,
+            "description": "skip the other blocks while the first block's output changes less than this",
+        }
+    },
+}
 REQUEST_ID = {
     "x-request-id": {
         "description": "the request's id: the client's x-request-id if short and plain, else a new one",
@@ -82,6 +112,8 @@ class Bounds:
     max_side: int | None
     schedulers: tuple[str, ...]
     keyed: bool
+    step_caches: tuple[str, ...] = ("off",)  # the family's step-caching policies
+    step_cache: str | dict[str, Any] = "off"  # the server's --step-cache, as a request sends it
 
 
 def install_openapi(app: FastAPI, bounds: Bounds) -> None:
@@ -177,6 +209,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     _nullable(props["true_cfg_scale"], minimum=0, maximum=MAX_GUIDANCE)
     _nullable(props["seed"], minimum=0, maximum=SEED_LIMIT - 1)
     _nullable(props["scheduler"], enum=list(b.schedulers))
+    props["step_cache"] = _step_cache(b)
     schema["description"] = (
         f"OpenAI's image generation body plus diffshard's extensions. One request's work, "
         f"n x num_inference_steps x width x height / {b.native_size}², is at most {b.max_work:g} "
@@ -213,9 +246,44 @@ def _edit_form(b: Bounds) -> dict[str, Any]:
         "type": "string",
         "description": 'a JSON object of adapters and scales, e.g. {"style": 0.8}',
     }
+    step_cache = props["step_cache"]
+    default = step_cache.get("default")
+    props["step_cache"] = {  # a form's fields are text: the policy's name, or its object as JSON
+        "anyOf": [
+            step_cache["anyOf"][0],
+            {"type": "string", "contentMediaType": "application/json", "pattern": r"^\s*\{"},
+        ],
+        "description": step_cache["description"] + "; the object as JSON text",
+        **({"default": default if isinstance(default, str) else json.dumps(default)} if default else {}),
+    }
     schema["required"] = ["prompt", "image"]
     schema["description"] = "OpenAI's image edit form plus diffshard's extensions, as text fields."
     return schema
+
+
+def _step_cache(b: Bounds) -> dict[str, Any]:
+    """`step_cache`: the served family's policies, by name (their default parameters) or as an
+    object with its parameter; absent, the server's --step-cache."""
+    policies = list(b.step_caches)
+    objects = [
+        {
+            "type": "object",
+            "properties": {
+                "policy": {"type": "string", "const": policy},
+                **STEP_CACHE_PARAMETERS.get(policy, {}),
+            },
+            "required": ["policy"],
+            "additionalProperties": False,
+        }
+        for policy in policies
+    ]
+    prop: dict[str, Any] = {
+        "anyOf": [{"type": "string", "enum": policies}, *objects, {"type": "null"}],
+        "description": "step caching: reuse the last steps' deep features, faster but the images change a "
+        f"little. This model takes {', '.join(policies)}: by name at its defaults, or as an object with "
+        f"its parameter; absent, the server's --step-cache, here {json.dumps(b.step_cache)}",
+    }
+    return {**prop, "default": b.step_cache}
 
 
 def _nullable(prop: dict[str, Any], *, description: str | None = None, **bounds: Any) -> None:

@@ -100,7 +100,7 @@ class ImageGenerationRequest(BaseModel):
     step_cache: str | dict[str, str | int | float] | None = Field(
         None,
         description='reuse the last steps\' deep features: "off", "deep" (UNets) or "first_block" '
-        '(SD3) at their defaults, or {"policy": "deep", "interval": 1-10} / {"policy": '
+        '(MMDiTs) at their defaults, or {"policy": "deep", "interval": 1-10} / {"policy": '
         '"first_block", "threshold": 0-1}; faster, images change a little; default: the server\'s '
         "--step-cache",
     )

@@ -10,8 +10,9 @@ ModelShard stage that holds only deep blocks.
 
 - UNet, `deep` (DeepCache, arXiv:2312.00858, its shallowest branch): shallow = embeddings,
   conv_in, down_blocks[0], up_blocks[-1], out; kept = up_blocks[-2]'s output.
-- SD3 MMDiT, `first_block` (First-Block-Cache): shallow = embeddings, transformer_blocks[0], out;
-  kept = the first block's residual (to measure change against) and the rest's residual.
+- MMDiT (`SD3Transformer2DModel`), `first_block` (First-Block-Cache): shallow = embeddings,
+  transformer_blocks[0], out; kept = the first block's residual (to measure change against) and
+  the rest's residual.
 
 Both walks replay diffusers' forward for the inputs the families pass; anything else (masks,
 controlnet residuals, skip layers, IP adapters) makes `walk_for` return None and the caller runs
@@ -193,7 +194,7 @@ def unet_deep(
     return model.conv_out(h)
 
 
-# SD3 MMDiT: First-Block-Cache.
+# MMDiT (SD3Transformer2DModel): First-Block-Cache.
 
 
 def _sd3_supported(model: nn.Module, conditioning: dict[str, Any]) -> bool:

@@ -45,6 +45,14 @@ class StepCache:
     def on(self) -> bool:
         return self.policy != "off"
 
+    def wire(self) -> str | dict[str, Any]:
+        """As a request sends it: the policy's name at its default parameter, else its object."""
+        if self.policy == "deep" and self.interval != DEFAULT_INTERVAL:
+            return {"policy": "deep", "interval": self.interval}
+        if self.policy == "first_block" and self.threshold != DEFAULT_THRESHOLD:
+            return {"policy": "first_block", "threshold": self.threshold}
+        return self.policy
+
     def __str__(self) -> str:
         if self.policy == "deep":
             return f"deep (interval {self.interval})"

@@ -4,7 +4,7 @@ What the HTTP layer needs of the pipeline (request values, image encoding) it ge
 from server.pipeline import Edit, GenerationRequest
 from server.pipeline.images import FORMATS, encode_async, to_uint8
 from server.pipeline.requests import KINDS, MAX_MODEL_STEPS, SEED_LIMIT
-from server.pipeline.stepcache import parse_step_cache
+from server.pipeline.stepcache import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_INTERVAL, parse_step_cache
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
@@ -12,8 +12,11 @@ from server.serving.service import Runtime, Service
 from server.serving.stats import Distribution, LoopStats, Snapshot
 
 __all__ = [
+    "DEFAULT_INTERVAL",
+    "DEFAULT_THRESHOLD",
     "FORMATS",
     "KINDS",
+    "MAX_INTERVAL",
     "MAX_MODEL_STEPS",
     "SEED_LIMIT",
     "Distribution",

@@ -10,7 +10,7 @@ const CLEAR = [0, 0, 0, 0];
 // The fields /v1/images/edits takes, until its OpenAPI document says (readEditFields).
 let fields = new Set([
   "image", "mask", "prompt", "n", "size", "stream", "partial_images", "strength", "seed",
-  "num_inference_steps", "guidance_scale", "negative_prompt", "scheduler", "lora",
+  "num_inference_steps", "guidance_scale", "negative_prompt", "scheduler", "lora", "step_cache",
 ]);
 
 const sources = new Map(); // id → {blob, url, description}

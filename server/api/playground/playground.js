@@ -9,8 +9,14 @@ import { chosenAdapters, showAdapters } from "./lora.js";
 const $ = (id) => document.getElementById(id);
 const KEY = "diffshard.apiKey"; // session storage only: gone when the tab closes
 const REFRESH_MS = 5000;
-const OPTIONAL = ["negative_prompt", "size", "scheduler"]; // sent only when filled in
+const OPTIONAL = ["negative_prompt", "size", "scheduler", "step_cache"]; // sent only when filled in
 const NUMBERS = ["num_inference_steps", "guidance_scale", "seed"]; // likewise
+// The step-caching policies in words; the OpenAPI document lists those the served model takes.
+const STEP_CACHES = {
+  off: "off (every step in full)",
+  deep: "deep (reuses deep features: faster)",
+  first_block: "first_block (skips blocks: faster)",
+};
 
 let running = null; // the AbortController of the generation in flight
 let urls = []; // object URLs of the shown images, revoked when the next generation starts
@@ -91,7 +97,8 @@ function showError(problem) {
   const box = $("error");
   box.textContent = problem.text;
   box.hidden = false;
-  const field = problem.param && document.querySelector(`#generate [name="${CSS.escape(problem.param)}"]`);
+  const name = problem.param?.split(".")[0]; // step_cache.interval: the step_cache field
+  const field = name && document.querySelector(`#generate [name="${CSS.escape(name)}"]`);
   if (field) {
     field.setAttribute("aria-invalid", "true");
     (field.matches("fieldset") ? field.querySelector("input") : field).focus(); // lora: its first switch
@@ -443,13 +450,15 @@ async function refreshDevices() {
 
 // Start: the limits from the OpenAPI document, the adapters, the server's state, the devices.
 
+// An optional field's schema in the OpenAPI document: its branch that is not null.
+const branch = (field) => (field.anyOf || [field]).find((b) => b.type !== "null");
+
 async function readLimits() {
   const response = await fetch("/openapi.json");
   if (!response.ok) return;
   const openapi = await response.json();
   readEditFields(openapi);
   const fields = openapi.components.schemas.ImageGenerationRequest.properties;
-  const branch = (field) => (field.anyOf || [field]).find((b) => b.type !== "null");
   const form = $("generate").elements;
   form.n.max = fields.n.maximum;
   form.prompt.maxLength = fields.prompt.maxLength;
@@ -463,6 +472,22 @@ async function readLimits() {
   for (const name of branch(fields.scheduler).enum || []) {
     if (name !== "default") form.scheduler.add(new Option(name, name));
   }
+  readStepCaches(fields.step_cache, form.step_cache);
+}
+
+// The step-caching policies the model takes, and the server's default (sent: nothing). A model
+// that takes none but off shows no choice.
+function readStepCaches(field, select) {
+  const policies = (field && branch(field).enum) || [];
+  if (!policies.some((name) => name !== "off")) return;
+  const fallback = field.default;
+  if (fallback) {
+    const { policy, ...parameters } = typeof fallback === "string" ? { policy: fallback } : fallback;
+    const words = Object.entries(parameters).map(([name, value]) => `${name} ${value}`);
+    select.options[0].text = `server default: ${policy}${words.length ? ` (${words.join(", ")})` : ""}`;
+  }
+  for (const name of policies) select.add(new Option(STEP_CACHES[name] || name, name));
+  $("step-cache-field").hidden = false;
 }
 
 async function readAdapters() {
