@@ -64,15 +64,6 @@ def walk_for(model: nn.Module, inputs: DenoiserInputs) -> Callable[..., torch.Te
     return None
 
 
-def policy_of(model: nn.Module) -> str | None:
-    """The step-cache policy this model's walk serves."""
-    if isinstance(model, UNet2DConditionModel):
-        return "deep"
-    if isinstance(model, SD3Transformer2DModel):
-        return "first_block"
-    return None
-
-
 def _refreshing(groups: Sequence[RowGroup]) -> list[int]:
     return [row for g in groups if g.refresh for row in range(g.rows.start, g.rows.stop)]
 
