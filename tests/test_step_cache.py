@@ -157,13 +157,20 @@ def test_batched_equals_alone_with_caching_on(folders, sd3_folder, kind: str, po
         GenerationRequest("a red circle", seed=1, steps=8, guidance_scale=4.0, step_cache=parse_step_cache(p))
         for p in policies
     ]
-    requests[1] = replace(requests[1], prompt="a blue square", seed=2, steps=7)
+    requests[1] = replace(requests[1], prompt="a blue square", seed=2, steps=7, partial_images=2)
     requests[2] = replace(requests[2], prompt="a green star", seed=3, steps=6, guidance_scale=1.0)
+    if kind == "sd15":  # multistep and ancestral schedulers keep their own history beside the cache
+        requests[0], requests[1] = (
+            replace(requests[0], scheduler="dpmpp_2m"),
+            replace(requests[1], scheduler="euler_a"),
+        )
     alone, counts = [], []
     for request in requests:
-        states = pipeline.start([pipeline.resolve(request)])
+        states, previews = pipeline.start([pipeline.resolve(request)]), 0
         while not states[0].done:
             pipeline.step(states)
+            previews += states[0].preview is not None
+        assert previews == request.partial_images
         alone.append(pipeline.decode(states)[0].numpy().copy())
         counts.append((states[0].cache.refreshed, states[0].cache.reused))
         states[0].close()
@@ -187,6 +194,11 @@ def test_a_deep_row_refreshes_every_interval_steps_from_its_first(folders) -> No
     assert outcomes == ["refreshed", "reused", "reused"] * 2 + ["refreshed"]
     assert states[0].cache.nbytes > 0
     states[0].close()
+    cancelled = pipeline.start([pipeline.resolve(request)])
+    pipeline.step(cancelled)
+    assert pipeline.pool.stats()["cpu"].bytes_in_use >= cancelled[0].cache.nbytes > 0
+    cancelled[0].close()  # mid-way, as a client that leaves: what it kept goes back
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
 
 
 def test_adapters_apply_to_the_right_rows_when_only_some_refresh(folders, tmp_path: Path) -> None:
