@@ -86,7 +86,7 @@ def measure(name: str, server: LiveServer, steps: int, rounds: int) -> dict[str,
             row = {"model": name, "round": round_, "way": way, "steps": steps}
             print(
                 json.dumps(
-                    {**row, "lone_s": round(lone[way][-1], 3), "images_per_s": round(rate[way][-1], 3)}
+                    {**row, "lone_s": round(lone[way][-1], 3), "images_per_s": round(rate[way][-1], 4)}
                 )
             )
     engine = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["engine"]
@@ -95,7 +95,7 @@ def measure(name: str, server: LiveServer, steps: int, rounds: int) -> dict[str,
     }
     return {
         "lone_s": {w: round(v, 3) for w, v in median["lone_s"].items()},
-        "images_per_s": {w: round(v, 3) for w, v in median["images_per_s"].items()},
+        "images_per_s": {w: round(v, 4) for w, v in median["images_per_s"].items()},
         "lone_speedup": round(median["lone_s"]["off"] / median["lone_s"]["cached"], 3),
         "clients_speedup": round(median["images_per_s"]["cached"] / median["images_per_s"]["off"], 3),
         "step_cache_rows": engine["step_cache_rows"],
