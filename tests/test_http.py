@@ -213,6 +213,7 @@ BAD_BODIES = [
     ({**GOOD, "step_cache": "fast"}, "step_cache.policy", ["one of off, deep, first_block", "'fast'"]),
     ({**GOOD, "step_cache": {"policy": "deep", "interval": 11}}, "step_cache.interval", ["from 1 to 10"]),
     ({**GOOD, "step_cache": "first_block"}, "step_cache", ["does not fit this model", "off, deep"]),
+    ({**GOOD, "step_cache": [1, 2]}, "step_cache", ["a policy name or an object, got list"]),
     ({**GOOD, "frame_count": 4}, "frame_count", ["gif output is not served"]),
     ({**GOOD, "svg": {"model": "x"}}, "svg", ["svg output is not served"]),
     ({**GOOD, "complexity": "high"}, "complexity", ["must be low"]),

@@ -97,7 +97,8 @@ class ImageGenerationRequest(BaseModel):
         description="its rows run in calls of their own, so the same seed gives the same bytes "
         "whatever else is batched (slower under load)",
     )
-    step_cache: str | dict[str, str | int | float] | None = Field(
+    # any JSON: parse_step_cache checks it, so every bad value gets its one message
+    step_cache: object = Field(
         None,
         description='reuse the last steps\' deep features: "off", "deep" (UNets) or "first_block" '
         '(MMDiTs) at their defaults, or {"policy": "deep", "interval": 1-10} / {"policy": '
