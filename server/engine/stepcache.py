@@ -31,6 +31,7 @@ from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from torch import nn
 
 from server.engine.blocks import DenoiserInputs
+from server.engine.unet import unet_skips
 
 Subset = Callable[[list[int]], AbstractContextManager[Any]]  # wraps the deep part's rows
 
@@ -102,9 +103,8 @@ def _unet_supported(model: nn.Module, conditioning: dict[str, Any]) -> bool:
         return False  # masks, controlnet/adapter residuals, cross_attention_kwargs
     if model.config.addition_embed_type == "image_hint" or len(model.up_blocks) < 2:
         return False
-    first = model.down_blocks[0]
-    shallow = 2 + len(first.resnets) if first.downsamplers is not None else 1 + len(first.resnets)
-    return len(model.up_blocks[-1].resnets) <= shallow  # the last up block's residuals are shallow
+    last = f"up_blocks.{len(model.up_blocks) - 1}"  # its residuals must all be shallow
+    return {edge.source for edge in unet_skips(model) if edge.target == last} <= {"conv_in", "down_blocks.0"}
 
 
 def _down(block: nn.Module, h: torch.Tensor, emb: torch.Tensor, context: torch.Tensor) -> tuple:

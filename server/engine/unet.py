@@ -37,7 +37,7 @@ class UNetSpec:
             blocks.append(Block("mid_block", ("mid_block",)))
         blocks += [Block(f"up_blocks.{i}", (f"up_blocks.{i}",)) for i in range(len(model.up_blocks))]
         blocks.append(Block("out", present(self.OUTPUT)))
-        return Layout(tuple(blocks), _unet_skips(model))
+        return Layout(tuple(blocks), unet_skips(model))
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
@@ -67,7 +67,7 @@ class UNetSpec:
         )[0]
 
 
-def _unet_skips(model: nn.Module) -> tuple[SkipEdge, ...]:
+def unet_skips(model: nn.Module) -> tuple[SkipEdge, ...]:
     """Which block made each residual an up block consumes.
 
     forward stacks conv_in's output, then every down block's per-resnet (and downsampler)
