@@ -34,7 +34,8 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.serving import client_loop, measure
+from benchmarks.clients import client_loop
+from benchmarks.serving import measure
 from server.engine.compile import CompileMode
 from server.engine.graphs import CompileStats, GraphStore
 from server.engine.plan import plan_shards

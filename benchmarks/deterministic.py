@@ -15,38 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
-from benchmarks.serving import percentile
+from benchmarks.clients import at_once, client_loop, medians, rate
 from tests.live import LiveServer, live_server
 
 CLIENTS = 8
 
 
-def client_loop(server: LiveServer, requests: int, seed: int, deterministic: bool) -> list[float]:
-    latencies = []
-    with httpx.Client(base_url=server.url, timeout=300) as client:
-        for i in range(requests):
-            body = {"prompt": "a red circle", "seed": seed * 1000 + i, "deterministic": deterministic}
-            started = time.perf_counter()
-            client.post("/v1/images/generations", json=body).raise_for_status()
-            latencies.append(time.perf_counter() - started)
-    return latencies
-
-
 def round_of(server: LiveServer, per_client: int, deterministic: bool, seed: int) -> dict[str, float]:
-    started = time.perf_counter()
-    with ThreadPoolExecutor(CLIENTS) as pool:
-        runs = list(
-            pool.map(lambda c: client_loop(server, per_client, seed + c, deterministic), range(CLIENTS))
-        )
-    wall = time.perf_counter() - started
-    latencies = [t for run in runs for t in run]
-    return {"images_per_s": len(latencies) / wall, "p50_s": percentile(latencies, 0.5)}
+    fields = {"deterministic": deterministic}
+    return rate(*at_once(CLIENTS, lambda c: client_loop(server, per_client, seed + c, fields=fields)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,25 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     rounds, per_client = (2, 2) if args.quick else (4, 3)
     table: dict[str, list[dict[str, float]]] = {"plain": [], "deterministic": []}
     with live_server() as server:
-        client_loop(server, 1, 0, False)  # warm-up
+        client_loop(server, 1, 0, fields={"deterministic": False})  # warm-up
         for round_ in range(rounds):
             kinds = ["plain", "deterministic"] if round_ % 2 == 0 else ["deterministic", "plain"]
             for kind in kinds:
                 row = round_of(server, per_client, kind == "deterministic", 100 * round_)
                 table[kind].append(row)
                 print(json.dumps({"round": round_, "kind": kind, "clients": CLIENTS, **row}))
-    medians = {
-        kind: {k: round(statistics.median(r[k] for r in rows), 3) for k in ("images_per_s", "p50_s")}
-        for kind, rows in table.items()
-    }
-    ratio = medians["deterministic"]["images_per_s"] / medians["plain"]["images_per_s"]
+    median = medians(table)
+    ratio = median["deterministic"]["images_per_s"] / median["plain"]["images_per_s"]
     print(
         json.dumps(
             {
                 "summary": True,
                 "rounds": rounds,
                 "clients": CLIENTS,
-                "medians": medians,
+                "medians": median,
                 "deterministic_over_plain_images_per_s": round(ratio, 3),
             }
         )

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.serving import percentile
+from benchmarks.clients import at_once, client_loop, medians, rate
 from server.demo import MODEL_DIR
 from tests.live import LiveServer, live_server
 from tests.test_lora import random_lora
@@ -41,42 +39,33 @@ ADAPTERS = ("a", "b", "c")
 TARGET = 0.8
 
 
-def client_loop(server: LiveServer, requests: int, seed: int, adapter: str | None) -> list[float]:
-    latencies = []
-    with httpx.Client(base_url=server.url, timeout=300) as client:
-        for i in range(requests):
-            body: dict[str, Any] = {"prompt": "a red circle", "seed": seed * 1000 + i}
-            if adapter is not None:
-                body["lora"] = {adapter: 1.0}
-            started = time.perf_counter()
-            client.post("/v1/images/generations", json=body).raise_for_status()
-            latencies.append(time.perf_counter() - started)
-    return latencies
+def asking(adapter: str | None) -> dict[str, Any]:
+    """A request's fields asking for `adapter` at scale 1 (None: none)."""
+    return {} if adapter is None else {"lora": {adapter: 1.0}}
 
 
 def clients_at_once(
     server: LiveServer, adapters: list[str | None], per_client: int, seed: int
-) -> list[float]:
-    with ThreadPoolExecutor(len(adapters)) as pool:
-        runs = pool.map(
-            lambda c: client_loop(server, per_client, seed + c, adapters[c]), range(len(adapters))
-        )
-        return [t for run in runs for t in run]
+) -> list[list[float]]:
+    """A client per adapter (None: plain), started together; each client's latencies."""
+    runs, _ = at_once(
+        len(adapters), lambda c: client_loop(server, per_client, seed + c, fields=asking(adapters[c]))
+    )
+    return runs
 
 
 def way(server: LiveServer, name: str, per_client: int, seed: int) -> dict[str, float]:
     started = time.perf_counter()
     if name == "plain":
-        latencies = clients_at_once(server, [None] * CLIENTS, per_client, seed)
+        runs = clients_at_once(server, [None] * CLIENTS, per_client, seed)
     elif name == "mixed":
-        latencies = clients_at_once(server, [ADAPTERS[c % 3] for c in range(CLIENTS)], per_client, seed)
-    else:  # grouped: one adapter's clients at a time
-        latencies = []
+        runs = clients_at_once(server, [ADAPTERS[c % 3] for c in range(CLIENTS)], per_client, seed)
+    else:  # grouped: one adapter's clients at a time, the wall time over all three groups
+        runs = []
         for adapter in ADAPTERS:
             group = [adapter] * sum(1 for c in range(CLIENTS) if ADAPTERS[c % 3] == adapter)
-            latencies += clients_at_once(server, group, per_client, seed)
-    wall = time.perf_counter() - started
-    return {"images_per_s": len(latencies) / wall, "p50_s": percentile(latencies, 0.5)}
+            runs += clients_at_once(server, group, per_client, seed)
+    return rate(runs, time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,26 +83,23 @@ def main(argv: list[str] | None = None) -> int:
             path = random_lora(MODEL_DIR, Path(tmp) / f"{name}.safetensors", seed, "sd15", rank=8)
             flags += ["--lora", f"{name}={path}"]
         with live_server(*flags) as server:
-            client_loop(server, 1, 0, "a")  # warm-up
+            client_loop(server, 1, 0, fields=asking("a"))  # warm-up
             for round_ in range(rounds):
                 for name in ways[round_ % 3 :] + ways[: round_ % 3]:
                     row = way(server, name, per_client, 100 * round_)
                     table[name].append(row)
                     print(json.dumps({"round": round_, "way": name, "clients": CLIENTS, **row}))
             rows = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["engine"]["batch_rows"]
-    medians = {
-        name: {k: round(statistics.median(r[k] for r in rows_), 3) for k in ("images_per_s", "p50_s")}
-        for name, rows_ in table.items()
-    }
-    mixed_over_plain = medians["mixed"]["images_per_s"] / medians["plain"]["images_per_s"]
-    mixed_over_grouped = medians["mixed"]["images_per_s"] / medians["grouped"]["images_per_s"]
+    median = medians(table)
+    mixed_over_plain = median["mixed"]["images_per_s"] / median["plain"]["images_per_s"]
+    mixed_over_grouped = median["mixed"]["images_per_s"] / median["grouped"]["images_per_s"]
     print(
         json.dumps(
             {
                 "summary": True,
                 "rounds": rounds,
                 "clients": CLIENTS,
-                "medians": medians,
+                "medians": median,
                 "mixed_over_plain": round(mixed_over_plain, 3),
                 "mixed_over_grouped": round(mixed_over_grouped, 3),
                 "rows_per_call": rows,

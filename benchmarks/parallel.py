@@ -74,7 +74,7 @@ import httpx
 import torch
 from torch import nn
 
-from benchmarks.serving import client_loop, summary
+from benchmarks.clients import at_once, client_loop, summary
 from benchmarks.shard import build_unet
 from server.engine import CostModel, ParallelPlan, build_shards
 from server.engine.blocks import DenoiserInputs
@@ -147,11 +147,8 @@ def busy_seconds(server: LiveServer) -> dict[str, float]:
 def measure(server: LiveServer, clients: int, per_client: int, seed: int) -> dict[str, Any]:
     """`clients` clients at once, `per_client` requests each: throughput, latency, busy fractions."""
     before = busy_seconds(server)
-    started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        # client c's requests take seeds (seed + c) * 1000, +1, ...: distinct across clients and rounds
-        runs = list(pool.map(lambda c: client_loop(server, per_client, seed + c), range(clients)))
-    wall = time.perf_counter() - started
+    # client c's requests take seeds (seed + c) * 1000, +1, ...: distinct across clients and rounds
+    runs, wall = at_once(clients, lambda c: client_loop(server, per_client, seed + c))
     after = busy_seconds(server)
     busy = {w: round((after[w] - before.get(w, 0.0)) / wall, 3) for w in after}
     return summary(runs, wall) | {"busy_fraction": busy}

@@ -25,18 +25,12 @@ most 4x a lone request; streaming and mixed at least 0.9x plain throughput at 8 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-import httpx
-import numpy as np
-from PIL import Image
-
+from benchmarks.clients import EDIT_STEPS, STEPS, at_once, client_loop, summary
 from tests.live import LiveServer, live_server
 
 CLIENTS = (1, 4, 8, 16)
@@ -47,103 +41,20 @@ COLUMNS = {  # → server
     "streaming": "batched",
     "mixed": "batched",
 }
-STEPS = 25  # the built-in model's recommended steps, asked for explicitly so steps can be counted
-STREAM = {"stream": True, "partial_images": 2, "stream_progress": True}
-STRENGTH = 0.8
-EDIT_STEPS = int(STEPS * STRENGTH)  # what an edit at STRENGTH runs (diffusers' get_timesteps)
 TARGET_SPEEDUP_AT_8 = 3.0
 TARGET_STREAMING_AT_8 = 0.9
 TARGET_MIXED_AT_8 = 0.9
 TARGET_P95_OVER_LONE_AT_8 = 4.0
 
 
-def _png(pixels: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def edit_files(inpaint: bool) -> dict[str, tuple[str, bytes, str]]:
-    """A 64x64 red disc on a dark ground; with `inpaint`, a mask transparent on its left half."""
-    yy, xx = np.mgrid[:64, :64]
-    image = np.full((64, 64, 3), 14, np.uint8)
-    image[(yy - 32) ** 2 + (xx - 32) ** 2 <= 18**2] = (225, 35, 35)
-    files = {"image": ("image.png", _png(image), "image/png")}
-    if inpaint:
-        mask = np.zeros((64, 64, 4), np.uint8)
-        mask[:, 32:, 3] = 255
-        files["mask"] = ("mask.png", _png(mask), "image/png")
-    return files
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def client_loop(
-    server: LiveServer,
-    requests: int,
-    seed: int,
-    stream: bool = False,
-    edits: bool = False,
-    size: int | None = None,
-) -> list[float]:
-    """Send `requests` one after another (with `edits`, edits: img2img and inpainting in turn;
-    `size`: images of that side); the latency of each (to the last event, streamed)."""
-    latencies = []
-    with httpx.Client(base_url=server.url, timeout=300) as client:
-        for i in range(requests):
-            body = {"prompt": "a red circle", "seed": seed * 1000 + i, "num_inference_steps": STEPS}
-            body |= STREAM if stream else {}
-            body |= {"size": f"{size}x{size}"} if size else {}
-            if edits:
-                form = {k: str(v) for k, v in body.items()} | {
-                    "prompt": "a blue circle",
-                    "strength": str(STRENGTH),
-                }
-                post = {"url": "/v1/images/edits", "data": form, "files": edit_files(inpaint=i % 2 == 1)}
-            else:
-                post = {"url": "/v1/images/generations", "json": body}
-            started = time.perf_counter()
-            with client.stream("POST", **post) as response:
-                response.raise_for_status()
-                events = sum(line.startswith("event: image_") for line in response.iter_lines())
-            latencies.append(time.perf_counter() - started)
-            if stream and events != 3:  # two partial images and the completed one (and progress)
-                raise RuntimeError(f"{events} image events, not 3")
-    return latencies
-
-
 def measure(server: LiveServer, clients: int, per_client: int, column: str = "batched") -> dict[str, Any]:
     """`clients` clients' requests on `server` as `column` sends them (mixed: odd clients edit)."""
-    started = time.perf_counter()
     editing = [column == "mixed" and c % 2 == 1 for c in range(clients)]
-    with ThreadPoolExecutor(clients) as pool:
-        runs = list(
-            pool.map(
-                lambda c: client_loop(server, per_client, c, column == "streaming", editing[c]),
-                range(clients),
-            )
-        )
+    runs, wall = at_once(
+        clients, lambda c: client_loop(server, per_client, c, column == "streaming", editing[c])
+    )
     steps = sum(len(run) * (EDIT_STEPS if edit else STEPS) for run, edit in zip(runs, editing, strict=True))
-    return summary(runs, time.perf_counter() - started, steps)
-
-
-def summary(runs: list[list[float]], wall: float, steps: int | None = None) -> dict[str, Any]:
-    """Images, wall time, images/s (and denoising steps/s, given `steps`) and latency percentiles
-    of the clients' `runs` (latencies)."""
-    latencies = [seconds for run in runs for seconds in run]
-    figures = {
-        "images": len(latencies),
-        "wall_s": round(wall, 3),
-        "images_per_s": round(len(latencies) / wall, 3),
-        "p50_s": round(percentile(latencies, 0.5), 3),
-        "p95_s": round(percentile(latencies, 0.95), 3),
-    }
-    if steps is not None:
-        figures["steps_per_s"] = round(steps / wall, 3)
-    return figures
+    return summary(runs, wall, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-from benchmarks.serving import client_loop, percentile
+from benchmarks.clients import at_once, client_loop, percentile
 from tests.live import LiveServer, live_server
 
 CLIENTS = 8
@@ -32,11 +30,8 @@ SERVERS = {"fixed_max_batch": ("--step-budget", "off"), "budget": ()}
 
 
 def run_case(server: LiveServer, sizes: tuple[int, int], per_client: int) -> dict[str, Any]:
-    started = time.perf_counter()
     size_of = [sizes[c % 2] for c in range(CLIENTS)]
-    with ThreadPoolExecutor(CLIENTS) as pool:
-        runs = list(pool.map(lambda c: client_loop(server, per_client, c, size=size_of[c]), range(CLIENTS)))
-    wall = time.perf_counter() - started
+    runs, wall = at_once(CLIENTS, lambda c: client_loop(server, per_client, c, size=size_of[c]))
     figures: dict[str, Any] = {"images_per_s": round(sum(map(len, runs)) / wall, 3), "wall_s": round(wall, 2)}
     for size in sorted(set(sizes)):
         latencies = [s for run, side in zip(runs, size_of, strict=True) if side == size for s in run]

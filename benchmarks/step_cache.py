@@ -28,8 +28,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ import httpx
 import torch
 from diffusers import UNet2DConditionModel
 
+from benchmarks.clients import at_once, lone
 from benchmarks.lone_split import build_folder
 from server.demo import MODEL_DIR
 from server.engine.work import count_work
@@ -58,18 +57,13 @@ def shallow_share(folder: Path, latent: int) -> float:
 
 
 def generate(server: LiveServer, body: dict[str, Any]) -> float:
-    started = time.perf_counter()
-    answer = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=1200)
-    answer.raise_for_status()
-    return time.perf_counter() - started
+    """One request's seconds; 8 SD-1.5 clients at once take minutes, past a client's usual wait."""
+    return lone(server, body, timeout=1200)
 
 
-def at_once(server: LiveServer, bodies: list[dict[str, Any]]) -> float:
+def together(server: LiveServer, bodies: list[dict[str, Any]]) -> float:
     """Wall seconds for `bodies` sent together."""
-    started = time.perf_counter()
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        list(pool.map(lambda body: generate(server, body), bodies))
-    return time.perf_counter() - started
+    return at_once(len(bodies), lambda c: generate(server, bodies[c]))[1]
 
 
 def measure(name: str, server: LiveServer, steps: int, rounds: int) -> dict[str, Any]:
@@ -82,7 +76,7 @@ def measure(name: str, server: LiveServer, steps: int, rounds: int) -> dict[str,
         for way in list(ways)[round_ % 2 :] + list(ways)[: round_ % 2]:
             lone[way].append(generate(server, {**base, **ways[way], "seed": round_}))
             bodies = [{**base, **ways[way], "seed": 100 * round_ + c} for c in range(CLIENTS)]
-            rate[way].append(CLIENTS / at_once(server, bodies))
+            rate[way].append(CLIENTS / together(server, bodies))
             row = {"model": name, "round": round_, "way": way, "steps": steps}
             print(
                 json.dumps(

@@ -11,7 +11,7 @@ Three servers of the built-in model (its recommended 25 steps and guidance) run 
 - `new_default`: no flags: the planner's choice (the plan's headline is printed).
 
 For 1 and 8 concurrent clients, each sending requests back to back, all three are measured in
-the same round, in rotating order (benchmarks.serving's client loop): images/s over the round's
+the same round, in rotating order (benchmarks.clients' client loop): images/s over the round's
 wall time, p50/p95 latency. Then readiness: `serve` with `--devices cpu` and with
 `--devices cpu,cpu` (default parallel mode), started alternately, each timed from process start
 to `/readyz` answering 200, with the calibration already cached (a first start warms it).
@@ -30,13 +30,12 @@ import argparse
 import json
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
 import httpx
 
-from benchmarks.serving import client_loop, summary
+from benchmarks.clients import at_once, client_loop, summary
 from server.engine.threads import cpu_quota
 from tests.live import LiveServer, live_server
 
@@ -55,10 +54,7 @@ def servers(quota: int) -> dict[str, tuple[str, ...]]:
 
 
 def measure(server: LiveServer, clients: int, per_client: int, seed: int) -> dict[str, Any]:
-    started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda c: client_loop(server, per_client, seed + c), range(clients)))
-    return summary(runs, time.perf_counter() - started)
+    return summary(*at_once(clients, lambda c: client_loop(server, per_client, seed + c)))
 
 
 def ready_seconds(*args: str) -> float:

@@ -14,10 +14,8 @@ import argparse
 import json
 import shutil
 import statistics
-import time
 
-import httpx
-
+from benchmarks.clients import lone
 from tests.live import live_server
 
 BODY = {"prompt": "a red circle", "size": "64x64", "seed": 1}
@@ -42,14 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         threads = {name: s.stats()["threads"] for name, s in servers.items()}
         times: dict[str, list[float]] = {name: [] for name in servers}
         for server in servers.values():  # warm-up
-            httpx.post(f"{server.url}/v1/images/generations", json=BODY, timeout=300).raise_for_status()
+            lone(server, BODY)
         for round_ in range(rounds):
             order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
             for name in order:
-                started = time.perf_counter()
-                response = httpx.post(f"{servers[name].url}/v1/images/generations", json=BODY, timeout=300)
-                response.raise_for_status()
-                times[name].append(time.perf_counter() - started)
+                times[name].append(lone(servers[name], BODY))
             print(json.dumps({"round": round_, **{f"{n}_s": round(t[-1], 4) for n, t in times.items()}}))
     median = {name: statistics.median(values) for name, values in times.items()}
     ratios = [q / f for q, f in zip(times["quota"], times["threads_2"], strict=True)]
