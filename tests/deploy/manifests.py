@@ -16,6 +16,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
+# The LoRA adapters the image ships: the Dockerfile links this path to the installed package's
+# server/demo/adapters (package data), so a file there is this repository's file of that name.
+IMAGE_ADAPTERS = "/opt/diffshard/adapters"
 KUBECTL = (
     "kubectl ≥ 1.21 (kustomize components), e.g. Debian's `kubectl` from Kubernetes' own apt "
     "repository, https://pkgs.k8s.io (https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/); "
@@ -51,3 +54,14 @@ def settings_env(objects: list[dict]) -> dict[str, str]:
 def container(objects: list[dict]) -> dict:
     (only,) = the(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     return only
+
+
+def in_image(path: str) -> Path | None:
+    """The repository file the image holds at `path` (one of the shipped adapters), else None."""
+    folder, _, name = path.rpartition("/")
+    return ROOT / "server" / "demo" / "adapters" / name if folder == IMAGE_ADAPTERS else None
+
+
+def adapter_paths(value: str) -> dict[str, str]:
+    """DIFFSHARD_LORA's NAME=PATH entries (comma-separated) → {name: path}."""
+    return dict(entry.strip().split("=", 1) for entry in value.split(",") if entry.strip())

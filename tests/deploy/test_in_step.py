@@ -17,7 +17,17 @@ from pydantic import TypeAdapter
 from server.app import create_app
 from server.config import Settings
 from server.metrics import CATALOG, PREFIX
-from tests.deploy.manifests import K8S, OVERLAYS, ROOT, container, overlay, settings_env, the
+from tests.deploy.manifests import (
+    K8S,
+    OVERLAYS,
+    ROOT,
+    adapter_paths,
+    container,
+    in_image,
+    overlay,
+    settings_env,
+    the,
+)
 
 DEPLOY = ROOT / "deploy"
 # Files that configure the server from outside, and files that hold PromQL.
@@ -82,12 +92,16 @@ def test_every_diffshard_variable_is_a_setting(path: Path) -> None:
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_configmap_values_are_valid_settings(name: str) -> None:
     """Each value parses as its setting does at startup (type and bounds; the model folder and
-    key file exist only in the pod)."""
+    key file exist only in the pod, the adapters the image ships are this repository's)."""
     for variable, value in settings_env(overlay(name)).items():
         field = Settings.model_fields[variable.removeprefix("DIFFSHARD_").lower()]
         if field.annotation is Path or field.annotation == Path | None:
             assert value.startswith("/"), f"{variable}: {value}"
             continue
+        if variable == "DIFFSHARD_LORA":  # NAME=PATH; an adapter the image ships is this checkout's
+            paths = adapter_paths(value)
+            assert all(p.startswith("/") for p in paths.values()), f"{variable}: {value}"
+            value = ",".join(f"{n}={in_image(p)}" for n, p in paths.items() if in_image(p))
         # a ValidationError names the value and the bound it breaks
         constrained = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
         TypeAdapter(constrained).validate_python(value)
