@@ -1,6 +1,6 @@
 """Every list of fault markers names them all. The markers are server/serving/faults.py's (the
-table in its docstring); the settings, the startup warning, the README, the architecture map
-and the Prometheus alert (three copies) list them too, and had drifted apart."""
+table in its docstring); the settings, the startup warning, the settings page (docs/serving.md),
+the architecture map and the Prometheus alert (three copies) list them too, and had drifted apart."""
 
 from __future__ import annotations
 
@@ -44,6 +44,6 @@ def test_the_docstring_table_lists_exactly_the_markers_the_code_acts_on() -> Non
 def test_every_list_of_fault_markers_names_them_all() -> None:
     known = markers(faults.__doc__ or "")
     found = lists_of_markers()
-    assert len(found) >= 5  # config.py, app.py, README.md, docs/architecture.md, the alerts
+    assert len(found) >= 5  # config.py, app.py, docs/serving.md, docs/architecture.md, the alerts
     missing = {str(path.relative_to(ROOT)): sorted(known - markers(path.read_text())) for path in found}
     assert not {path: lacks for path, lacks in missing.items() if lacks}
