@@ -1,6 +1,8 @@
 # Set-up and everyday commands. Every install goes through constraints.txt, which pins
-# torch==2.13.0. From PyPI's default index that is the CUDA build (GBs, for GPU hosts); on a
-# CPU-only host pass TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU wheel.
+# torch==2.13.0, not its build (docs/install.md, "Which torch"): pip takes a local CPU wheel on its
+# find-links where there is one (our test and CI machines); else PyPI's default index gives the
+# CUDA build on Linux x86_64 (GBs, for GPU hosts). On a CPU-only host without a local wheel, pass
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu: pip then takes that index's 2.13.0+cpu.
 VENV ?= .venv
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
@@ -93,7 +95,7 @@ diamond: $(VENV)/.test
 	$(PY) -m server.demo.train_lora
 	$(PY) -m benchmarks.diamond_lora
 
-# Redraw the README's pictures of the playground (a real Chromium drives it: tests/test_playground*.py).
+# Redraw docs/playground.md's pictures of the playground (a real Chromium drives it: tests/test_playground*.py).
 screenshot: $(VENV)/.test test-tools
 	DIFFSHARD_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k red_circle -q
 	DIFFSHARD_SCREENSHOT=docs/playground-edit.png $(PY) -m pytest tests/test_playground_edit.py -k made_here -q
