@@ -1,7 +1,9 @@
 """Image edits (issue 24) in process on the tiny SD-1.5-, SDXL- and SD3-shaped folders: img2img
 and inpainting through our pipeline give diffusers' `StableDiffusion(XL|3)Img2ImgPipeline` /
 `...InpaintPipeline` image for the same image, mask, strength, seed and scheduler; an edit that
-joins generations mid-way gives the image it gives alone."""
+joins generations mid-way gives the image it gives alone. An inpainting keeps the unmasked pixels
+(issue 36): outside the mask the source image, inside diffusers' image composited with its
+`VaeImageProcessor.apply_overlay`, as its pipelines' `padding_mask_crop` path does, in uint8."""
 
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ from diffusers import (
     StableDiffusionXLImg2ImgPipeline,
     StableDiffusionXLInpaintPipeline,
 )
+from diffusers.image_processor import VaeImageProcessor
 from PIL import Image, ImageDraw
 
 from server.errors import InvalidRequest
 from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline.images import to_uint8
 from server.pipeline.schedulers import make_scheduler
 from tests.tiny_pipelines import IMAGE_SIZE, build_sd15_inpainting_folder
 
 TOLERANCE = 1e-3
+PIXEL_TOLERANCE = 2  # of 255, in the PNG's pixels
 REFERENCE = {
     ("sd15", "img2img"): StableDiffusionImg2ImgPipeline,
     ("sd15", "inpaint"): StableDiffusionInpaintPipeline,
@@ -55,9 +60,10 @@ def left_half_mask(size: int = IMAGE_SIZE) -> Image.Image:
 
 
 def edit_request(
-    mask: bool, strength: float, seed: int = 4, scheduler: str | None = None
+    mask: bool, strength: float, seed: int = 4, scheduler: str | None = None, keep: bool = False
 ) -> GenerationRequest:
-    edit = Edit(source_image(), left_half_mask() if mask else None, strength)
+    """keep=False: the model's whole image, diffusers' pipeline output without `padding_mask_crop`."""
+    edit = Edit(source_image(), left_half_mask() if mask else None, strength, keep_unmasked=keep)
     return GenerationRequest(
         "a red circle",
         negative_prompt="blue",
@@ -99,6 +105,27 @@ def theirs(folder: Path, kind: str, request: GenerationRequest) -> np.ndarray:
     return images[0]
 
 
+def kept(request: GenerationRequest) -> GenerationRequest:
+    return replace(request, edit=replace(request.edit, keep_unmasked=True))
+
+
+def overlaid(request: GenerationRequest, inpainted: np.ndarray | Image.Image) -> np.ndarray:
+    """diffusers' composite: `apply_overlay(mask_image, original_image, image)`, as its inpainting
+    pipelines call it after decoding with `padding_mask_crop` (uint8 pixels)."""
+    processor = VaeImageProcessor()
+    if isinstance(inpainted, np.ndarray):
+        inpainted = processor.numpy_to_pil(inpainted[None])[0]
+    return np.asarray(processor.apply_overlay(request.edit.mask, request.edit.image, inpainted)).astype(int)
+
+
+def assert_keeps_unmasked_pixels(mine: np.ndarray, request: GenerationRequest, reference: np.ndarray) -> None:
+    """Outside the mask the source's pixels, inside diffusers' composited `reference`, within 2/255."""
+    pixels, unmasked = to_uint8(mine).astype(int), np.asarray(request.edit.mask) == 0
+    source = np.asarray(request.edit.image).astype(int)
+    assert np.abs(pixels - source)[unmasked].max() <= PIXEL_TOLERANCE
+    assert np.abs(pixels - reference)[~unmasked].max() <= PIXEL_TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def all_folders(folders: dict[str, Path], sd3_folder: Path) -> dict[str, Path]:
     return {**folders, "sd3": sd3_folder}
@@ -111,12 +138,15 @@ def all_folders(folders: dict[str, Path], sd3_folder: Path) -> dict[str, Path]:
     ids=["img2img", "inpaint", "inpaint-full"],
 )
 def test_edits_give_diffusers_image(all_folders, kind: str, mask: bool, strength: float) -> None:
+    """With a mask, the same request keeping its unmasked pixels (the default) runs beside it."""
     pipeline = Pipeline.load(all_folders[kind], devices="cpu,cpu", strategy="even")
     request = pipeline.resolve(edit_request(mask, strength))
-    mine = pipeline.generate([request])[0]
+    mine, *keeping = pipeline.generate([request, kept(request)] if mask else [request])
     reference = theirs(all_folders[kind], kind, request)
     assert mine.shape == reference.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
     assert float(np.abs(mine - reference).max()) < TOLERANCE
+    if mask:
+        assert_keeps_unmasked_pixels(keeping[0], request, overlaid(request, reference))
 
 
 @pytest.mark.parametrize("scheduler", ["euler_a", "dpmpp_2m"])
@@ -197,8 +227,10 @@ def test_an_inpainting_unet_takes_the_mask_and_masked_image_as_diffusers_gives_t
     pipeline = Pipeline.load(inpainting_folder, devices="cpu,cpu", strategy="even")
     assert pipeline.family.inpainting_channels == 5
     request = pipeline.resolve(edit_request(True, strength, scheduler=scheduler))
-    mine = pipeline.generate([request])[0]
-    assert float(np.abs(mine - theirs(inpainting_folder, "sd15", request)).max()) < TOLERANCE
+    mine, keeping = pipeline.generate([request, kept(request)])
+    reference = theirs(inpainting_folder, "sd15", request)
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+    assert_keeps_unmasked_pixels(keeping, request, overlaid(request, reference))
 
 
 def test_an_inpainting_unet_repaints_everything_without_a_mask_and_generates_from_black(
@@ -215,3 +247,36 @@ def test_an_inpainting_unet_repaints_everything_without_a_mask_and_generates_fro
     mine = pipeline.generate([restyle, generation])  # stepped together
     for image, reference in zip(mine, (as_inpainting, from_black), strict=True):
         assert float(np.abs(image - theirs(inpainting_folder, "sd15", reference)).max()) < TOLERANCE
+
+
+def test_inpainting_keeps_the_unmasked_pixels_by_default_as_diffusers_padding_mask_crop_does(folders) -> None:
+    """The default Edit: diffusers' own `padding_mask_crop` path, its crop the whole image (so it
+    runs on the same image and mask), gives the same pixels. An image of another size than the
+    output is kept resized, as the model saw it."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    request = pipeline.resolve(
+        replace(edit_request(True, 0.75), edit=Edit(source_image(), left_half_mask(), 0.75))
+    )
+    odd = Edit(source_image(IMAGE_SIZE + 4), left_half_mask(IMAGE_SIZE + 4))
+    resized = pipeline.resolve(GenerationRequest("a red circle", seed=1, steps=6, edit=odd))
+    mine, mine_resized = pipeline.generate([request, resized])
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(folders["sd15"], local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = make_scheduler(pipe.scheduler, request.scheduler or "default")
+    theirs_cropped = pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        image=request.edit.image,
+        mask_image=request.edit.mask,
+        strength=request.edit.strength,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        padding_mask_crop=IMAGE_SIZE,  # the mask's box grown by the image's size: all of it
+    ).images[0]
+    assert_keeps_unmasked_pixels(mine, request, np.asarray(theirs_cropped).astype(int))
+    size = (IMAGE_SIZE, IMAGE_SIZE)  # the odd image and mask, resized as the model saw them
+    source = np.asarray(odd.image.resize(size, Image.LANCZOS)).astype(int)
+    unmasked = np.asarray(odd.mask.resize(size, Image.LANCZOS)) == 0
+    assert mine_resized.shape == (*size, 3) and unmasked.mean() > 0.4
+    assert np.abs(to_uint8(mine_resized).astype(int) - source)[unmasked].max() <= PIXEL_TOLERANCE

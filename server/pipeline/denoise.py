@@ -40,7 +40,7 @@ from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
 from server.pipeline.cachedstep import cached_forward
-from server.pipeline.edits import blend, first_latents
+from server.pipeline.edits import blend, first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components
 from server.pipeline.lora import Adapter, Adapters, rows_asking
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
@@ -365,6 +365,8 @@ class Pipeline:
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize(self.encoder_device)
+        for state in states:  # on the CPU, once copied: an inpainting's unmasked pixels, its image's
+            keep_unmasked(state.image, state.request.edit)
 
     def generate(
         self,

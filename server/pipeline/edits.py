@@ -6,7 +6,9 @@ An edit is a generation that starts late: the image is encoded by the VAE (a sam
 posterior, drawn with the request's generator), noised to the timestep `strength` selects, and
 denoised for the remaining steps. Each row carries its own timestep, so an edit shares every
 denoiser call with generations of its size. Inpainting keeps the image's latents, its noise and
-the mask: after each step the unmasked region is put back, noised to the next step's level.
+the mask: after each step the unmasked region is put back, noised to the next step's level. Once
+decoded, the unmasked pixels are the image's own again (`keep_unmasked`), as diffusers'
+`apply_overlay` composites them: the VAE's round trip alone shifts a kept region's colours.
 
 The generator is drawn from in diffusers' order (image posterior, noise, then the masked image's
 posterior, which a 4-channel denoiser never reads: drawn and dropped), so schedulers that draw
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
@@ -36,6 +39,7 @@ class Edit:
     image: Image.Image  # RGB
     mask: Image.Image | None = None  # L, the image's size
     strength: float = 0.8
+    keep_unmasked: bool = True  # with a mask: the decoded image composited over the image (below)
 
 
 @dataclass
@@ -148,3 +152,22 @@ def blend(
     if next_t is not None:
         known = family.noised(scheduler, known, kept.noise, next_t.reshape(1))
     latents.copy_((1 - kept.mask) * known + kept.mask * latents)
+
+
+def keep_unmasked(image: torch.Tensor, edit: Edit | None) -> None:
+    """An inpainting's decoded `image` ([H, W, 3] in [0, 1], in place) with the edit's image put
+    back where the mask keeps it, as diffusers' `VaeImageProcessor.apply_overlay(mask, image,
+    inpainted)` composites: the mask as given weighs the model's pixels (white: the model's, black:
+    the image's). An image of another size than the output is resized first, as the pipeline's
+    preprocessing resized what the model saw (PIL's Lanczos, diffusers' default)."""
+    if edit is None or edit.mask is None or not edit.keep_unmasked:
+        return
+    height, width = image.shape[:2]
+    source, mask = edit.image.convert("RGB"), edit.mask.convert("L")
+    if source.size != (width, height):
+        source = source.resize((width, height), Image.Resampling.LANCZOS)
+        mask = mask.resize((width, height), Image.Resampling.LANCZOS)
+    # made on the decoded image's device; weights exactly 0 and 1 give each side's pixels unchanged
+    kept = torch.as_tensor(np.asarray(source, dtype=np.float32) / 255, device=image.device)
+    weight = torch.as_tensor(np.asarray(mask, dtype=np.float32)[..., None] / 255, device=image.device)
+    image.mul_(weight).add_(kept.mul_(1 - weight))
