@@ -38,7 +38,7 @@ from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
 from server.pipeline.families import Family
-from server.pipeline.loader import read_family
+from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.serving import Runtime, Service
@@ -85,6 +85,7 @@ def load_service(
     """Load the model placed by `plan` (or by `plan_for` the settings), compile it (`compiling`
     shows the progress), and put it behind a step loop."""
     retain_freed_host_memory()
+    quiet_libraries()
     if settings.compile != CompileMode.OFF:
         prepare_compiler()  # beside planning and loading
     bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
@@ -172,13 +173,16 @@ async def _load(app: FastAPI) -> None:
     runtime.service, runtime.load_seconds = service, time.perf_counter() - started
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
-    log.info(
-        "ready: %s loaded in %.1f s (%d step-loop lane%s)\n%s",
+    replicas = service.pipeline.replicas
+    each = f"each of {len(replicas)} replicas" if len(replicas) > 1 else "one replica"
+    log.info("placed (%s):\n%s", each, service.pipeline.shard)
+    lanes = len(service.loops)
+    log.info(  # last: everything above is what is now serving
+        "ready: %s loaded in %.1f s (%d step-loop lane%s)",
         runtime.model_name,
         runtime.load_seconds,
-        len(service.loops),
-        "s" if len(service.loops) > 1 else "",
-        service.pipeline.shard,
+        lanes,
+        "s" if lanes > 1 else "",
     )
 
 
@@ -251,7 +255,7 @@ def create_app(
         read_timeout_s=settings.read_timeout_s,
         by_path={"/v1/images/edits": (settings.edit_body_bytes, image_settings)},
     )
-    app.add_middleware(HttpMetrics, metrics=metrics)  # it sees the 413s and 408s too
+    app.add_middleware(HttpMetrics, metrics=metrics, rejected=runtime.http_rejected)  # it sees the 413s too
     app.add_middleware(RequestContext)  # outermost: every answer carries the request id
     return app
 

@@ -63,12 +63,12 @@ def test_values_equal_the_pool_shard_and_engine_state(served) -> None:
 
 
 def test_rejections_join_engine_and_http_reasons(served) -> None:
-    runtime, registry, metrics = served
+    runtime, registry, _ = served
     service = runtime.service
     service.drain(timeout_s=0)
     with pytest.raises(Exception, match="shutting down"):
         service.submit([GenerationRequest("a red circle", steps=2)])
-    metrics.http_rejections["unauthorized"] += 2  # as HttpMetrics counts a 401
+    runtime.http_rejected["unauthorized"] += 2  # as HttpMetrics counts a 401
     value = registry.get_sample_value
     assert value("diffshard_rejections_total", {"reason": "draining"}) == 1
     assert value("diffshard_rejections_total", {"reason": "unauthorized"}) == 2

@@ -8,8 +8,10 @@ AuthenticationError, ...) and show `message`, so every message names the field a
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import secrets
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -18,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.api.schemas import ImageEditRequest  # the generation body's fields and the edit's
+from server.api.schemas import ImageEditRequest, ImageGenerationRequest  # fields, for did you mean
 from server.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -138,10 +140,27 @@ def _status_code_name(status: int) -> str:
         return f"http_{status}"
 
 
-def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, str | None, str]:
-    """FastAPI's first validation error as (message, param, code), in the API's words."""
+# pydantic's error types → what the field must be, in the API's words (its own text never reaches a client)
+KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "string": "a string",
+    "bool": "true or false",
+    "dict": "a JSON object",
+    "list": "a JSON array",
+}
+
+
+def _validation_message(
+    errors: list[dict[str, Any]], content_type: str, fields: Iterable[str]
+) -> tuple[str, str | None, str]:
+    """FastAPI's validation errors as one (message, param, code), in the API's words. A field the
+    body does not know goes first: a misspelt required field is the cause of its "missing"."""
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    error = (unknown or errors)[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    if error.get("type") == "json_invalid":
+    kind = error.get("type", "")
+    if kind == "json_invalid":
         reason = error.get("ctx", {}).get("error", "parse error")
         return f"the request body is not valid JSON: {reason}", None, "invalid_json"
     if not loc:
@@ -150,13 +169,44 @@ def _validation_message(error: dict[str, Any], content_type: str) -> tuple[str, 
             return message, None, "invalid_content_type"
         return "the request body must be a JSON object with at least a prompt", None, "invalid_body"
     param = ".".join(loc)
-    if error.get("type") == "extra_forbidden":
-        return f"{param}: unknown field{_did_you_mean(loc[-1])}", param, "unknown_parameter"
-    return f"{param}: {error.get('msg', 'invalid value')}", param, "invalid_value"
+    if kind == "extra_forbidden":
+        missing = [e["loc"][-1] for e in errors if e.get("type") == "missing"]
+        return f"{param}: unknown field{_did_you_mean(loc[-1], fields, missing)}", param, "unknown_parameter"
+    if kind == "missing":
+        return f"{param}: is required", param, "missing_parameter"
+    return f"{param}: {_must_be(error)}", param, "invalid_value"
 
 
-def _did_you_mean(field: str) -> str:
-    close = difflib.get_close_matches(field, ImageEditRequest.model_fields, n=1, cutoff=0.75)
+def _must_be(error: dict[str, Any]) -> str:
+    """What a value of the wrong type or form must be, and what came."""
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind == "value_error" and "error" in ctx:  # our own validators' words
+        return str(ctx["error"])
+    if kind == "int_from_float":
+        return f"must be a whole number, got {_shown(error.get('input'))}"
+    expected = KINDS.get(kind.removesuffix("_type").removesuffix("_parsing"))
+    if expected is None:
+        return f"has an invalid value: {_shown(error.get('input'))} (see /openapi.json)"
+    return f"must be {expected}, got {_shown(error.get('input'))}"
+
+
+def _shown(value: object) -> str:
+    """A client's value as JSON would spell it, with its type, cut short."""
+    kinds = {str: "string", bool: "boolean", int: "number", float: "number", dict: "object", list: "array"}
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"{kinds.get(type(value), 'value')} {text}" if value is not None else "null"
+
+
+def _did_you_mean(field: str, fields: Iterable[str], missing: list[str]) -> str:
+    """A hint for an unknown field: the required field it may be meant as, or the closest field."""
+    close = difflib.get_close_matches(field, missing, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}? {close[0]} is required"
+    close = difflib.get_close_matches(field, fields, n=1, cutoff=0.75)
     return f"; did you mean {close[0]!r}?" if close else " (see /openapi.json for the fields)"
 
 
@@ -173,7 +223,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param, code = _validation_message(err.errors()[0], request.headers.get("content-type", ""))
+        edit = request.url.path.endswith("/edits")
+        fields = (ImageEditRequest if edit else ImageGenerationRequest).model_fields
+        content_type = request.headers.get("content-type", "")
+        message, param, code = _validation_message(list(err.errors()), content_type, fields)
         return envelope(400, message, param, code)
 
     @app.exception_handler(HTTPException)

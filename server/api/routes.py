@@ -9,18 +9,25 @@ import contextlib
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
 from server.api.editing import read_edit_form
 from server.api.errors import APIError
-from server.api.schemas import ImageData, ImageGenerationRequest, ImagesResponse, generation_requests
+from server.api.schemas import (
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    generation_requests,
+    quality_of,
+)
 from server.api.streaming import EVENTS, Feed, image_events
 from server.serving import Job, Service, encode_async
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+WARNING_HEADER = "x-diffshard-warning"  # e.g. a size the model was not trained at: said, not refused
 
 
 async def _client_gone(request: Request) -> None:
@@ -64,28 +71,38 @@ STREAMED = {
 
 @router.post("/images/generations", response_model=ImagesResponse, responses=STREAMED)
 async def generate_images(
-    body: ImageGenerationRequest, request: Request, service: ServiceDep
+    body: ImageGenerationRequest, request: Request, response: Response, service: ServiceDep
 ) -> ImagesResponse | StreamingResponse:
     requests = generation_requests(body, service.name, service.limits.max_n)
-    return await _answer(body, requests, request, service, "image_generation")
+    return await _answer(body, requests, request, response, service, "image_generation")
 
 
 @router.post("/images/edits", response_model=ImagesResponse, responses=STREAMED)
-async def edit_images(request: Request, service: ServiceDep) -> ImagesResponse | StreamingResponse:
+async def edit_images(
+    request: Request, response: Response, service: ServiceDep
+) -> ImagesResponse | StreamingResponse:
     """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
     transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask."""
     body, edits = await read_edit_form(request, service.limits)
     requests = generation_requests(body, service.name, service.limits.max_n, edits)
-    return await _answer(body, requests, request, service, "image_edit")
+    return await _answer(body, requests, request, response, service, "image_edit")
 
 
 async def _answer(
-    body: ImageGenerationRequest, requests: list, request: Request, service: Service, kind: str
+    body: ImageGenerationRequest,
+    requests: list,
+    request: Request,
+    response: Response,
+    service: Service,
+    kind: str,
 ) -> ImagesResponse | StreamingResponse:
     request_id = request.state.request_id  # one id in every log line
     if body.stream:
         return _stream(body, requests, request, service, kind)
     job = service.submit(requests, request_id=request_id, owner=request.state.owner)
+    warning = service.size_warning(job.requests[0])
+    if warning is not None:
+        response.headers[WARNING_HEADER] = warning
     images = await _outcome(job, request, service)
     encoded = await asyncio.gather(
         *(encode_async(image, body.output_format, body.output_compression) for image in images)
@@ -93,6 +110,7 @@ async def _answer(
     first = job.requests[0]
     return ImagesResponse(
         created=int(time.time()),
+        quality=quality_of(first.steps, service.recommended_steps),
         data=[
             ImageData(b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed)
             for r, data in zip(job.requests, encoded, strict=True)
@@ -119,7 +137,7 @@ def _stream(
     first = job.requests[0]
     fields = {
         "size": f"{first.width}x{first.height}",
-        "quality": "auto",
+        "quality": quality_of(first.steps, service.recommended_steps),
         "background": "opaque",
         "output_format": body.output_format,
     }
@@ -144,6 +162,9 @@ def _stream(
                 service.cancel(job)
 
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may hold events back
+    warning = service.size_warning(first)
+    if warning is not None:
+        headers[WARNING_HEADER] = warning
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
@@ -176,5 +197,5 @@ async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         return {"status": "loading", "compile": compiled}
     service = runtime.loaded()
     viewer = None if request.state.admin else request.state.owner
-    engine = service.stats().seen_by(viewer).to_dict()
+    engine = service.stats().seen_by(viewer).to_dict() | {"rejected": runtime.rejected()}
     return {"engine": engine, "pool": service.pool(), "threads": service.threads, "compile": compiled}

@@ -29,6 +29,7 @@ from server.errors import InvalidRequest
 from server.serving import FORMATS, SEED_LIMIT, Edit, GenerationRequest, parse_step_cache
 
 MAX_GUIDANCE = 100.0
+RANDOM_SEED = -1  # as A1111's: the server draws one (and answers it with each image)
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
 MAX_LORA_SCALE = 4.0  # beyond it an adapter only saturates the image
 MAX_LORAS = 8  # adapters one request may combine
@@ -36,7 +37,7 @@ MAX_LORAS = 8  # adapters one request may combine
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 # OpenAI fields and the values honoured: each means what this service does anyway.
 HONOURED = {
-    "quality": ("auto", "standard"),  # the model's own steps and guidance; set num_inference_steps
+    "quality": ("auto", "standard", "high"),  # the model's own steps and guidance (its high)
     "background": ("auto", "opaque"),  # every image is opaque
     "moderation": ("low",),  # no moderation is done
     "complexity": ("low",),  # no computation is spent planning the image
@@ -85,7 +86,9 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float | None = Field(
         None, description="guidance-distilled models (FLUX.1): classifier-free guidance with negative_prompt"
     )
-    seed: int | None = Field(None, description="image i uses seed + i; default: random")
+    seed: int | None = Field(
+        None, description="image i uses seed + i; absent or -1: random (each image's seed is answered)"
+    )
     scheduler: str | None = Field(None, description="default, or one the model's family supports")
     lora: dict[str, float] | None = Field(
         None,
@@ -119,7 +122,16 @@ class ImageEditRequest(ImageGenerationRequest):
         description="how far from the image, 0 < s <= 1: its share of the steps run; default 0.8, "
         "with a mask 1.0",
     )
-    input_fidelity: str | None = None  # OpenAI's: "low" only (set strength instead)
+    input_fidelity: str | None = Field(
+        None,
+        description='OpenAI\'s, "low" (default) or "high": with a mask both keep the pixels it leaves '
+        'opaque exactly; "high" needs a mask (without one, a lower strength keeps closer)',
+    )
+    keep_unmasked: bool | None = Field(
+        None,
+        description="with a mask: true (default) returns the pixels it leaves opaque exactly as sent; "
+        "false returns the model's whole image, every pixel decoded by its VAE",
+    )
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -134,10 +146,27 @@ class ImageEditRequest(ImageGenerationRequest):
         return value
 
 
+Quality = Literal["low", "medium", "high"]
+
+
 class ImageData(BaseModel):
     b64_json: str
     revised_prompt: str
-    seed: int
+    seed: int = Field(description="the seed that made this image: send it to make it again")
+
+
+class TokenDetails(BaseModel):
+    image_tokens: int = 0
+    text_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """OpenAI's token usage; diffshard counts no tokens, so every count is 0."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    input_tokens_details: TokenDetails = TokenDetails()
 
 
 class ImagesResponse(BaseModel):
@@ -145,8 +174,17 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     size: str
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    quality: Literal["auto"] = "auto"
+    quality: Quality = Field(description="the quality used: quality_of(steps run)")
     background: Literal["opaque"] = "opaque"
+    usage: Usage = Usage()
+
+
+def quality_of(steps: int, recommended: int) -> Quality:
+    """The quality an image was made at, in OpenAI's words, by its steps against the model's
+    recommended count: high at it or above, medium from half of it, low below."""
+    if steps >= recommended:
+        return "high"
+    return "medium" if 2 * steps >= recommended else "low"
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -201,8 +239,9 @@ def generation_requests(
     true_cfg = body.true_cfg_scale
     if true_cfg is not None and not (math.isfinite(true_cfg) and 0 <= true_cfg <= MAX_GUIDANCE):
         raise InvalidRequest("true_cfg_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
-    if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
-        raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, got {body.seed}")
+    if body.seed is not None and not RANDOM_SEED <= body.seed < SEED_LIMIT:
+        message = f"must be between 0 and {SEED_LIMIT - 1}, or -1 for a random one, got {body.seed}"
+        raise InvalidRequest("seed", message)
     partials = body.partial_images
     if partials is not None and not body.stream:
         raise InvalidRequest("partial_images", "needs stream: true")
@@ -219,7 +258,7 @@ def generation_requests(
                 "lora",
                 f"{name}: scale must be between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {scale}",
             )
-    seed = secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed
+    seed = secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed
     step_cache = None if body.step_cache is None else parse_step_cache(body.step_cache)
     return [
         GenerationRequest(

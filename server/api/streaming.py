@@ -6,8 +6,9 @@
            "image_index": 0, "created_at": ..., "size": "64x64", "quality": "auto",
            "background": "opaque", "output_format": "png"}
 
-then one `image_generation.completed` per image (the same fields, `usage` and its `seed`, no
-partial index).
+then one `image_generation.completed` per image (the same fields and `usage`, no partial index).
+Every event about an image carries its `seed` (an extension), so any image can be made again.
+`quality` is the quality used (`quality_of` the steps run).
 A partial image is the model's own prediction of the finished image at evenly spaced steps.
 With n > 1, `image_index` (diffshard's extension, like `seed`; the SDK keeps unknown fields)
 says which image an event is about. An error after the stream began is an `error` event with OpenAI's
@@ -45,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from server.api.errors import domain_response
+from server.api.schemas import Usage
 from server.errors import Rejected
 from server.serving import Job, encode_async, to_uint8
 
@@ -56,7 +58,7 @@ EVENTS = (
 )
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 # diffshard counts no tokens; the SDK's completed event has a usage object
-USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "input_tokens_details": {}}
+USAGE = Usage().model_dump()
 
 
 class Feed:
@@ -150,6 +152,7 @@ async def image_events(
                         "b64_json": await encoded(frame),
                         "partial_image_index": index,
                         "image_index": image,
+                        "seed": job.requests[image].seed,
                     }
                     yield _stamped(f"{kind}.partial_image", {**data, **fields})
                 changed = asyncio.ensure_future(feed.changed.wait())

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.serving.stats import REASONS
+
 PREFIX = "diffshard"
-# Rejection reasons, always exported (0 until one happens) so dashboards and alerts see them.
-REASONS = (
-    "queue_full",
-    "key_queue_full",
-    "timeout",
-    "cancelled",
-    "oom",
-    "invalid",
-    "unauthorized",
-    "failed",
-    "draining",
-)
 DEVICE_LABELS = ("device", "gpu", "UUID")  # gpu and UUID as DCGM names them (empty on CPU)
 
 

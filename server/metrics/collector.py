@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-from collections import Counter
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 
@@ -21,12 +20,11 @@ from prometheus_client.core import (
 from server import __version__
 from server.engine.memory import resident_bytes
 from server.engine.pool import PoolStats
-from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, REASONS, help_of
+from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.serving import KINDS
 from server.serving.stats import CACHE_OUTCOMES, DeviceView, Distribution, LoopStats, Snapshot
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # step loop stats key → label
 
 
 class Metrics:
@@ -51,8 +49,6 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=registry,
         )
-        # refusals only the HTTP layer sees; keys exist up front so a scrape never copies a growing dict
-        self.http_rejections: Counter[str] = Counter(invalid=0, unauthorized=0)
         registry.register(_Collector(self))
 
 
@@ -113,11 +109,8 @@ class _Collector:
         rejections = CounterMetricFamily(
             f"{PREFIX}_rejections", help_of("rejections_total"), labels=["reason"]
         )
-        counts = Counter(self.metrics.http_rejections)
-        for reason, n in stats.rejected.items():
-            counts[LOOP_REASONS.get(reason, reason)] += n
-        for reason in dict.fromkeys((*REASONS, *counts)):
-            rejections.add_metric([reason], counts[reason])
+        for reason, n in snapshot.rejected.items():
+            rejections.add_metric([reason], n)
         yield rejections
         yield CounterMetricFamily(
             f"{PREFIX}_images_generated", help_of("images_generated_total"), stats.images_completed

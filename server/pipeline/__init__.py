@@ -6,7 +6,7 @@ from server.engine.graphs import CompileStats
 from server.engine.pool import PoolStats
 from server.pipeline.denoise import Pipeline
 from server.pipeline.edits import Edit
-from server.pipeline.requests import Defaults, GenerationRequest
+from server.pipeline.requests import Defaults, GenerationRequest, size_warning
 from server.pipeline.state import RequestState, group_states
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "PoolStats",
     "RequestState",
     "group_states",
+    "size_warning",
 ]

@@ -42,7 +42,7 @@ from server.errors import InvalidRequest
 from server.pipeline.cachedstep import cached_forward
 from server.pipeline.edits import blend, first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components
-from server.pipeline.lora import Adapter, Adapters, rows_asking
+from server.pipeline.lora import Adapter, Adapters, rows_asking, unknown_adapter
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, predicted_clean, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans
@@ -158,8 +158,7 @@ class Pipeline:
         """`request` with every unset field filled in from the defaults, checked against the model."""
         for name, _ in request.lora:
             if name not in self.adapters.loaded:
-                known = ", ".join(sorted(self.adapters.loaded)) or "none is loaded"
-                raise InvalidRequest("lora", f"no adapter named {name!r} ({known})")
+                raise InvalidRequest("lora", unknown_adapter(name, self.adapters.loaded))
         return resolve(request, self.defaults, self.family)
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:

@@ -37,6 +37,16 @@ ALLOWED_BASES: dict[str, tuple[type, ...]] = {
 }
 
 
+def quiet_libraries() -> None:
+    """Keep the libraries' chatter out of the service's log: transformers' progress bars and its
+    notes on backends diffshard never uses (CLIPImageProcessor without torchvision), diffusers'
+    progress bars. Their warnings about real problems still show (errors only for transformers,
+    whose warnings here are all about optional backends)."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
+
+
 @dataclass
 class Components:
     family: Family

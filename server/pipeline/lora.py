@@ -19,6 +19,7 @@ thread runs its own calls, so lanes sharing one copy of the weights do not see e
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import threading
@@ -263,6 +264,15 @@ class Adapters:
             for device, size in adapter_set.bytes_on().items():
                 out[device] = out.get(device, 0) + size
         return out
+
+
+def unknown_adapter(name: str, loaded: Mapping[str, Adapter]) -> str:
+    """What to tell a request asking for an adapter not served: the nearest name, and those loaded."""
+    if not loaded:
+        return f"no adapter named {name!r}: this server loads none (serve --lora NAME=FILE)"
+    close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"no adapter named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"
 
 
 class AdapterSet:

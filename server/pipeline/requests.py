@@ -65,6 +65,24 @@ class Defaults:
     step_cache: StepCache = OFF  # --step-cache
 
 
+# Past this share of the native area (or under its inverse) a model draws what it never trained on:
+# SD-1.5 at 768x768 (2.25x) repeats its subject; SD-1.5 at 768x512 (1.5x) is common practice.
+TRAINED_AREA = 1.5
+
+
+def size_warning(request: GenerationRequest, native: int) -> str | None:
+    """A word for the client when the request's size is far from the model's native one (where
+    images often repeat or lose their subject); None at sizes near it."""
+    assert request.width is not None and request.height is not None  # resolved
+    area = request.width * request.height / native**2
+    if 1 / TRAINED_AREA <= area <= TRAINED_AREA:
+        return None
+    return (
+        f"{request.width}x{request.height} is {area:.3g}x the area this model was trained at "
+        f"({native}x{native}): images may repeat or lose their subject; the native size works best"
+    )
+
+
 def read_defaults(folder: Path, family: Family) -> Defaults:
     """The folder's recommended settings (recommended.json, as the built-in model has), else the family's."""
     settings: dict = {}

@@ -6,10 +6,12 @@ Routes call these and nothing below them: they never touch the pipeline, the sha
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,12 +19,14 @@ from typing import Any
 import torch
 
 from server.errors import NotReady
-from server.pipeline import CompileStats, GenerationRequest, Pipeline
+from server.pipeline import CompileStats, GenerationRequest, Pipeline, size_warning
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
 from server.serving.loop import StepLoop
-from server.serving.stats import DeviceView, LoopStats, Snapshot
+from server.serving.stats import DeviceView, LoopStats, Snapshot, rejections
+
+log = logging.getLogger("diffshard")
 
 STATUS = {
     "loading": "the model is loading; retry shortly",
@@ -130,7 +134,19 @@ class Service:
             taken = request_id in self.stats().owners
             job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
         job.on_partial, job.on_progress = on_partial, on_progress
-        return min(self.loops, key=StepLoop.load).submit(job)
+        queued = min(self.loops, key=StepLoop.load).submit(job)
+        if (warning := self.size_warning(resolved[0])) is not None:
+            log.warning("job %s: %s", job.id, warning)
+        return queued
+
+    @property
+    def recommended_steps(self) -> int:
+        """The model's own step count (its quality `high`)."""
+        return self.pipeline.defaults.steps
+
+    def size_warning(self, request: GenerationRequest) -> str | None:
+        """What to tell the client of a (resolved) request's size the model was not trained at."""
+        return size_warning(request, self.pipeline.defaults.size)
 
     def cancel(self, job: Job) -> None:
         for loop in self.loops:
@@ -245,6 +261,8 @@ class Runtime:
     error: str | None = None
     load_seconds: float | None = None
     compiling: CompileStats | None = None  # the compiled graphs: progress while loading, then calls
+    # refusals only HTTP sees (HttpMetrics counts them); keys exist up front: reads copy no growing dict
+    http_rejected: Counter = field(default_factory=lambda: Counter(invalid=0, unauthorized=0))
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -285,19 +303,25 @@ class Runtime:
             self.status = "draining"
         return True if self.service is None else self.service.drain(timeout_s)
 
+    def rejected(self) -> dict[str, int]:
+        """Requests refused or ended early, by reason (what /v1/stats and /metrics both show)."""
+        return rejections(self.service.stats().rejected if self.service else Counter(), self.http_rejected)
+
     def snapshot(self) -> Snapshot:
         service = self.service
+        loop = service.stats() if service else None
         return Snapshot(
             model=self.model_name,
             dtype=self.dtype,
             queue_capacity=self.queue_capacity,
-            loop=service.stats() if service else None,
+            loop=loop,
             devices=service.devices() if service else {},
             pool=service.pipeline.pool.stats() if service else {},
             load_seconds=self.load_seconds,
             threads=service.threads if service else None,
             ready=self.serving,
             last_step_at=service.last_step_at if service else None,
+            rejected=rejections(loop.rejected if loop else Counter(), self.http_rejected),
             adapters=tuple(service.pipeline.adapters.loaded) if service else (),
             adapter_bytes=service.pipeline.adapters.bytes_on() if service else {},
             denoiser_calls=dict(self.compiling.calls) if self.compiling else {},

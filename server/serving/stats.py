@@ -16,6 +16,29 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CACHE_OUTCOMES = ("refreshed", "reused")
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Why requests were refused or ended early, as /v1/stats and the metrics both name them: always
+# shown (0 until one happens), so dashboards and alerts see them.
+REASONS = (
+    "queue_full",
+    "key_queue_full",
+    "timeout",
+    "cancelled",
+    "oom",
+    "invalid",
+    "unauthorized",
+    "failed",
+    "draining",
+)
+LOOP_REASONS = {"deadline": "timeout", "out_of_memory": "oom"}  # a step loop's outcome → its reason
+
+
+def rejections(loop: Counter, http: Counter) -> dict[str, int]:
+    """Every reason's count: the step loop's refusals and endings, and those only HTTP sees
+    (invalid bodies, missing keys). The one sum both /v1/stats and /metrics show."""
+    counts = Counter(http)
+    for reason, n in loop.items():
+        counts[LOOP_REASONS.get(reason, reason)] += n
+    return {reason: counts[reason] for reason in dict.fromkeys((*REASONS, *counts))}
 
 
 @dataclass
@@ -157,6 +180,7 @@ class Snapshot:
     busy_seconds: dict[str, float] = field(default_factory=dict)  # per worker: stage/replica held
     bubble_seconds: dict[str, float] = field(default_factory=dict)  # per worker: idle, forwards in flight
     micro_batches_in_flight: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # reason → requests: rejections()
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (their counters start at 0)
     adapter_bytes: dict[str, int] = field(default_factory=dict)  # per device: the adapters' weights
     denoiser_calls: dict[str, int] = field(default_factory=dict)  # compiled, padded (to a bucket), eager
