@@ -13,6 +13,7 @@ from torch import nn
 from server.engine import (
     CostModel,
     Costs,
+    Parallel,
     ParallelPlan,
     build_shards,
     plan_parallel,
@@ -22,7 +23,9 @@ from server.engine import (
     spec_for,
     split_rows,
 )
+from server.engine.devices import planning_absent_devices
 from server.engine.gates import StageGates, worker_names
+from server.engine.parallel import Candidate, fill_cores, weighed_shapes
 from server.engine.planner import HTTP_CORES
 from server.errors import PlanError
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
@@ -127,13 +130,16 @@ def test_the_planner_predicts_every_shape_and_picks_the_fastest() -> None:
     one = dict.fromkeys(names, 0.010) | {"mid_block": 0.040}
     measured = {1: one, 2: {block: 0.8 * s for block, s in one.items()}}
     plan = plan_parallel(model, "cpu,cpu", "auto", threads=2, block_costs=lambda _d, t, **_: measured[t])
-    shapes = {(c.replicas, c.stages): c for c in plan.candidates}
+    shapes = {(c.replicas, c.stages, c.threads): c for c in plan.candidates}
     total, full = sum(one.values()), (2 + HTTP_CORES) / 2  # both cores busy: the server's threads share them
-    assert shapes[(2, 1)].rows_per_s == pytest.approx(2 * 2 / (total * full))
-    # the lone worker runs the thread count predicted fastest: 1 thread (total) beats 2 (0.8 × total × 1.25)
-    assert shapes[(1, 1)].threads == 1 and shapes[(1, 1)].rows_per_s == pytest.approx(2 / total)
+    assert shapes[(2, 1, 1)].rows_per_s == pytest.approx(2 * 2 / (total * full))
+    # the lone worker runs the thread count predicted fastest: 1 thread (total) beats 2 (0.8 × total × 1.25);
+    # one worker with every thread is weighed beside it
+    assert plan.candidates[-2].note == "one worker, 1 thread, 1 of 2 cores idle"
+    assert shapes[(1, 1, 1)].rows_per_s == pytest.approx(2 / total)
+    assert shapes[(1, 1, 2)].rows_per_s == pytest.approx(2 / (0.8 * total * full))
     assert (
-        shapes[(1, 2)].rows_per_s < shapes[(2, 1)].rows_per_s
+        shapes[(1, 2, 1)].rows_per_s < shapes[(2, 1, 1)].rows_per_s
     )  # no even cut: the slowest stage sets the pace
     assert (plan.kind, plan.threads, plan.lanes) == ("replicas", 1, 2)
     assert "2 replicas × 1 stage is predicted fastest" in plan.reason and "× one worker" in plan.reason
@@ -158,11 +164,64 @@ def test_one_worker_wins_where_more_workers_do_not_pay() -> None:
 
 
 def test_never_more_busy_cpu_workers_than_cores() -> None:
-    """cpu,cpu,cpu on 2 cores: three 1-thread workers are not 3× one thread; they are not run."""
-    plan = plan_parallel(tiny_sd15_unet(), "cpu,cpu,cpu", "auto", threads=2, latent_size=8)
+    """cpu,cpu,cpu on 2 cores: three 1-thread workers are not 3× one thread; they are not run,
+    two of the three devices are weighed instead, and the plan keeps both cores busy."""
+    model = tiny_sd15_unet()  # costs that no sharing slows: three workers look fastest
+    plan = plan_parallel(
+        model, "cpu,cpu,cpu", "auto", threads=2, block_costs=lambda *_, **__: _unit_costs(model)
+    )
     three = [c for c in plan.candidates if c.replicas * c.stages == 3]
     assert three and all("3 busy workers on 2 cores" in c.note for c in three)  # predicted, never picked
-    assert plan.lanes == 1 and plan.workers == ("cpu",) and plan.threads <= 2
+    assert {(c.replicas, c.stages) for c in plan.candidates} >= {(2, 1), (1, 2), (1, 1)}
+    assert plan.lanes * plan.threads == 2
+
+
+def test_auto_never_leaves_cores_idle_even_where_one_thread_is_predicted_faster() -> None:
+    """A noisy calibration (two threads 3× slower than one, two workers sharing badly) must not
+    leave a core idle: a candidate filling the quota runs, and the reason says what idles."""
+    model = tiny_sd15_unet()
+    unit = _unit_costs(model)
+
+    def costs(_device: str, threads: int, workers: int = 1, **_: object) -> dict[str, float]:
+        return {block: s * (3 if threads > 1 or workers > 1 else 1) for block, s in unit.items()}
+
+    plan = plan_parallel(model, "cpu,cpu,cpu", "auto", threads=2, block_costs=costs)
+    assert plan.lanes * plan.threads == 2
+    assert "one worker, 1 thread, 1 of 2 cores idle) is predicted faster but leaves cores idle" in plan.reason
+
+
+def test_the_shapes_weighed_cover_subsets_of_the_devices() -> None:
+    """For each stage count, as many replicas as the devices hold; CPU workers at most the cores
+    (all the devices' shapes shown beside them); one worker is the baselines' own."""
+    assert weighed_shapes(3, Parallel.AUTO, quota=2) == [(3, 1), (1, 3), (2, 1), (1, 2)]
+    assert weighed_shapes(5, Parallel.AUTO) == [(5, 1), (1, 5), (2, 2), (1, 4), (1, 3)]
+    assert weighed_shapes(4, Parallel.AUTO, quota=4) == [(4, 1), (2, 2), (1, 4), (1, 3)]
+    assert weighed_shapes(2, Parallel.REPLICAS) == [(2, 1)]
+    assert weighed_shapes(2, Parallel.PIPELINE) == [(1, 2)]
+    full, idle, wide = (
+        Candidate(2, 1, 1.0, threads=1),
+        Candidate(1, 1, 2.0, threads=1),
+        Candidate(1, 1, 1, threads=2),
+    )
+    uneven = Candidate(3, 1, 1.0, threads=1)  # 3 workers on 4 cores: one thread each, the most they can run
+    assert fill_cores([full, idle, wide], 2) == [full, wide] and fill_cores([uneven, wide], 4) == [uneven]
+
+
+def test_replicas_of_a_subset_take_only_their_own_budgets() -> None:
+    """Two absent GPUs with a budget each: a subset (one GPU, each replica's) is planned under
+    its own budget, not refused for the other's (flux-dev was said "not to fit one device")."""
+    model = tiny_sd15_unet()
+    with planning_absent_devices():
+        plan = plan_parallel(
+            model,
+            "cuda:14,cuda:15",
+            "auto",
+            block_costs=lambda *_, **__: _unit_costs(model),
+            max_memory="cuda:14=1GiB,cuda:15=1GiB",
+            dtype=torch.bfloat16,
+        )
+    assert (plan.kind, plan.workers) == ("replicas", ("cuda:14", "cuda:15"))
+    assert all(c.rows_per_s and c.lone_step_s for c in plan.candidates)
 
 
 def test_the_planner_counts_block_costs_when_none_are_given() -> None:
@@ -219,7 +278,7 @@ def test_auto_weighs_every_shape_on_four_workers() -> None:
     model = tiny_sd15_unet()
     costs = dict.fromkeys(_unit_costs(model), 0.01)
     plan = plan_parallel(model, ["cpu"] * 4, "auto", threads=4, block_costs=lambda *_, **__: costs)
-    assert {(c.replicas, c.stages) for c in plan.candidates} == {(4, 1), (2, 2), (1, 4), (1, 1)}
+    assert {(c.replicas, c.stages) for c in plan.candidates} == {(4, 1), (2, 2), (1, 4), (1, 3), (1, 1)}
 
 
 def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> None:

@@ -20,6 +20,7 @@ and `cpu:1`; CPU replicas share one copy of the weights, so replicas cost no mem
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -147,3 +148,26 @@ def single(plan: ShardPlan, threads: int | None = None, **details: Any) -> Paral
     """One lane through `plan`: a single device, or the layer split (one stage busy at a time)."""
     workers = tuple(worker_names([s.device for s in plan.stages]))
     return ParallelPlan((plan,), 1, threads, workers=workers, **details)
+
+
+def weighed_shapes(count: int, parallel: Parallel, quota: int | None = None) -> list[tuple[int, int]]:
+    """The replicas × stages weighed over `count` devices, in order: for each stage count, as many
+    replicas as the devices hold (fewer replicas of the same stages are never faster). CPU workers
+    (`quota`: the cores) use at most `quota` of the devices; with more devices than cores, the
+    shapes over all of them are weighed too, to be shown (predicted, never picked by auto)."""
+    if parallel == Parallel.REPLICAS:
+        return [(count, 1)]
+    if parallel == Parallel.PIPELINE:
+        return [(1, count)]
+    usable = min(count, quota) if quota else count
+    shapes = [(usable // s, s) for s in range(1, usable + 1)]
+    if usable < count:  # every divisor shape of all the devices, as the user wrote them
+        shapes += [(r, count // r) for r in range(count, 0, -1) if count % r == 0]
+    shapes = [s for s in dict.fromkeys(shapes) if s[0] * s[1] > 1]  # one worker: the baselines
+    return sorted(shapes, key=lambda s: (-s[0] * s[1], -s[0]))
+
+
+def fill_cores(candidates: Sequence[Candidate], quota: int) -> list[Candidate]:
+    """The CPU candidates that keep every core busy: each worker runs its share of the `quota`
+    cores (an uneven split's remainder aside: threads are the same on every worker)."""
+    return [c for c in candidates if (c.threads or quota) >= quota // (c.replicas * c.stages)]

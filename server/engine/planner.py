@@ -20,6 +20,13 @@ cores from them: predicted times are stretched by (the workers' threads + HTTP_C
 and their per-op overhead is the one timed beside such a thread (`calibrate.shared_overhead`).
 That is why, on 2 cores, a dispatch-bound model runs one thread a lane and an SD-sized one
 gains from two.
+
+Subsets of the devices are weighed too: for every stage count, as many replicas as the devices
+hold (more replicas of the same stages only add throughput), so 5 GPUs weigh 2 replicas × 2
+stages on 4 of them, and `cpu,cpu,cpu` on 2 cores two workers. Auto never leaves CPU cores
+idle: a worker running fewer threads than its share of the quota (a lone worker with fewer
+threads than cores) is chosen only when nothing that fills the quota fits (on a busy host the
+calibration is too noisy to trust an idle core's predicted gain).
 """
 
 from __future__ import annotations
@@ -30,9 +37,17 @@ from typing import Any
 from torch import nn
 
 from server.engine.costs import CostModel
-from server.engine.devices import resolve_devices
+from server.engine.devices import parse_memory_map, resolve_devices
 from server.engine.gates import worker_names
-from server.engine.parallel import PARALLEL_MODES, Candidate, Parallel, ParallelPlan, single
+from server.engine.parallel import (
+    PARALLEL_MODES,
+    Candidate,
+    Parallel,
+    ParallelPlan,
+    fill_cores,
+    single,
+    weighed_shapes,
+)
 from server.engine.plan import ShardPlan, Strategy, plan_shards
 from server.engine.specs import native_latent
 from server.errors import PlanError
@@ -62,6 +77,7 @@ def plan_parallel(
     block_costs: BlockCosts | None = None,
     costs_note: str = "",
     pick_threads: bool = True,
+    timed: bool = False,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
@@ -71,19 +87,27 @@ def plan_parallel(
     it), a lone image's step at 2 rows (split over idle replicas where that is predicted
     quicker), from `block_costs` (seconds per block; default: counted at `rows` rows,
     `CostModel`). A lone CPU worker runs the thread count predicted fastest, or all `threads`
-    without `pick_threads`. `plan_options` go to
-    `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
+    without `pick_threads`. `timed`: `block_costs` time the whole model on a device, so a model
+    that fits no single device cannot be costed. `plan_options` go to `plan_shards` (dtype,
+    latent_size, batch, max_memory, resident, device_map).
     """
     if parallel not in PARALLEL_MODES:
         raise PlanError(f"unknown parallel mode {parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
     device_list = resolve_devices(devices)
+    budgets = parse_memory_map(plan_options.get("max_memory"))
+    for device in budgets:  # subsets get their own devices' budgets: check the whole map once
+        if device not in device_list:
+            raise PlanError(f"max_memory names {device}, which is not among the devices {device_list}")
+    latent = native_latent(model)  # given costs are counted at the native size, as `plan_model`'s
     if block_costs is None:
-        latent = plan_options.get("latent_size") or native_latent(model)
+        latent = plan_options.get("latent_size") or latent
         dtype = plan_options.get("dtype") or next(model.parameters()).dtype
         block_costs = CostModel(model, rows, latent, dtype).costs
         costs_note = costs_note or "counted"
-    search = _Search(model, device_list, strategy, threads, block_costs, plan_options)
-    search.pick_threads = pick_threads
+    search = _Search(
+        model, device_list, strategy, threads, block_costs, plan_options | {"max_memory": budgets}
+    )
+    search.pick_threads, search.latent = pick_threads, latent
 
     # 1. One worker: a single device, or the layer split when the model needs every device. The
     # CPU alone may run several workers (lanes sharing its cores and one copy of the weights),
@@ -91,49 +115,60 @@ def plan_parallel(
     cpu_lanes = device_list == ["cpu"] and parallel == Parallel.AUTO and pick_threads and search.quota > 1
     if parallel == Parallel.OFF or (len(device_list) == 1 and not cpu_lanes):
         return search.one_worker(parallel, costs_note)
-    if not search.fits_one():
-        # Replicas need the whole model on each device; and a model that does not fit one device
-        # cannot have its blocks timed there: lanes through the split keep every stage busy.
-        if parallel == Parallel.REPLICAS:
-            raise PlanError(
-                f"replicas need the whole model on each device, and it does not fit {device_list[0]}"
-            )
+    whole = search.fits_one()
+    if not whole and parallel == Parallel.REPLICAS:
+        raise PlanError(f"replicas need the whole model on each device, and it does not fit {device_list[0]}")
+    if not whole and timed:  # its blocks cannot be timed on one device: a lane per stage of the split
         return search.pipeline_only(costs_note)
 
-    # 2. Every shape of replicas × stages, and today's one worker beside them.
-    count = len(device_list)
-    shapes = {
-        Parallel.REPLICAS: [(count, 1)],
-        Parallel.PIPELINE: [(1, count)],
-        Parallel.AUTO: [(r, count // r) for r in range(count, 0, -1) if count % r == 0],
-    }[Parallel(parallel)]
+    # 2. Every shape of replicas × stages (over subsets of the devices), and one worker beside them.
     if cpu_lanes:  # 2, 4, … and quota workers of one CPU, each a share of its threads
         shapes = [
             (w, 1) for w in sorted({2**k for k in range(1, search.quota.bit_length())} | {search.quota})
         ]
+    else:
+        shapes = weighed_shapes(
+            len(device_list), Parallel(parallel), search.quota if search.all_cpu else None
+        )
     for replicas, stages in shapes:
-        search.add_shape(replicas, stages)
-    baseline = search.add_baseline()
+        if stages == 1 and not whole:
+            search.add(Candidate(replicas, 1, None, "the whole model does not fit one device"))
+        else:
+            search.add_shape(replicas, stages)
+    baselines = search.add_baselines()
 
-    # 3. The fastest that fits (auto may pick the baseline; replicas and pipeline were asked for).
-    choosable = [c for c in search.candidates if c.rows_per_s is not None and c is not baseline]
+    # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
+    base = {id(c) for c in baselines}
+    choosable = [c for c in search.candidates if c.rows_per_s is not None and id(c) not in base]
     if parallel == Parallel.AUTO:  # never more busy CPU workers than cores, unless asked for
         choosable = [c for c in choosable if id(c) not in search.crowded]
-        if baseline is not None and baseline.rows_per_s is not None:
-            choosable.append(baseline)
+        choosable += [c for c in baselines if c.rows_per_s is not None]
     if not choosable:
         notes = "; ".join(f"{c.label}: {c.note}" for c in search.candidates)
         raise PlanError(f"no {parallel} configuration over {device_list} fits: {notes}")
+    idle = ""
+    if search.all_cpu and parallel == Parallel.AUTO:
+        busy = fill_cores(choosable, search.quota)
+        faster = max((c for c in choosable if all(c is not b for b in busy)), key=_rate, default=None)
+        if busy and faster is not None and _rate(faster) > max(map(_rate, busy)):
+            idle = f"; {faster.label} ({faster.note}) is predicted faster but leaves cores idle"
+        choosable = busy or choosable
     # Throughput first; among those within NEAR of the fastest, the quicker lone image.
-    top = max(c.rows_per_s or 0.0 for c in choosable)
-    near = [c for c in choosable if (c.rows_per_s or 0.0) >= top * (1 - NEAR)]
+    top = max(map(_rate, choosable))
+    near = [c for c in choosable if _rate(c) >= top * (1 - NEAR)]
     best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
     tie = " (or as fast, and quicker alone)" if len(near) > 1 else ""
     reason = f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s under load"
+    baseline = baselines[0] if baselines else None
     if best is not baseline and baseline is not None and baseline.rows_per_s:
         reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
+    reason += idle
     reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
     return search.plan_of(best, reason, costs_note)
+
+
+def _rate(candidate: Candidate) -> float:
+    return candidate.rows_per_s or 0.0
 
 
 class _Search:
@@ -147,51 +182,70 @@ class _Search:
         self.candidates: list[Candidate] = []
         self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
         self.pick_threads = True
+        self.latent = 0  # the latent side the block costs were counted at
         self.singles: dict[tuple[str, ...], ShardPlan] = {}  # devices → the one-worker plan
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
 
     # Shapes.
 
     def add_shape(self, replicas: int, stages: int) -> Candidate:
-        devices = self.devices * replicas if self.devices == ["cpu"] else self.devices  # lanes of one CPU
-        groups = [devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         workers = replicas * stages
+        # lanes of one CPU, or the first `workers` devices given
+        devices = self.devices * replicas if self.devices == ["cpu"] else self.devices[:workers]
+        groups = [devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         threads = max(1, self.quota // workers) if self.all_cpu else 1
         rows = self._lane_rows(stages)
         costs = self.block_costs(groups[0][0], threads, rows=rows, **self._sharing(workers, threads))
         try:
             split = tuple(self._split(group, costs, stages) for group in groups)
         except PlanError as err:
-            return self._add(Candidate(replicas, stages, None, str(err)))
-        step_s = self._slowest_stage_s(split[0], costs) * self._stretch(workers, threads)
+            return self.add(Candidate(replicas, stages, None, str(err)))
+        step_s = self._slowest_stage_s(split[0], costs, rows) * self._stretch(workers, threads)
         lone_s, splits = self._lone_step(split[0], replicas, threads)
         crowded = self.all_cpu and workers > self.quota  # run only when asked for by name
-        note = f"{workers} busy workers on {self.quota} cores" if crowded else ""
         cpu_threads = threads if self.all_cpu else None
+        note = self._note(workers, cpu_threads, len(devices))
         candidate = Candidate(replicas, stages, replicas * rows / step_s, note, lone_s, cpu_threads, splits)
         if crowded:
             self.crowded.add(id(candidate))
         self.plans[id(candidate)] = (split, stages)  # a lane per stage keeps every stage busy
-        return self._add(candidate)
+        return self.add(candidate)
 
-    def add_baseline(self) -> Candidate | None:
+    def add_baselines(self) -> list[Candidate]:
         """Today's one worker: on CPU, one lane with the threads that serve it fastest (what
-        `--devices cpu` runs); on GPUs, the layer split with one lane (every stage in turn)."""
-        if self.all_cpu:
-            plan, threads = self._single(["cpu"]), self.best_threads()
-            note = f"one worker, {threads} thread{'s' * (threads != 1)}"
-        else:
-            try:
-                plan = self._single(self.devices)
-            except PlanError:
-                return None
-            threads, note = 1, "one lane through the layer split"
+        `--devices cpu` runs), and one with every thread if that is not the same; on GPUs, the
+        layer split with one lane (every stage in turn)."""
+        try:
+            plan = self._single(["cpu"] if self.all_cpu else self.devices)
+        except PlanError:
+            return []
+        if not self.all_cpu:
+            return [self._baseline(plan, 1, "one lane through the layer split")]
+        best = self.best_threads()
+        return [
+            self._baseline(plan, t, f"one worker, {t} thread{'s' * (t != 1)}")
+            for t in dict.fromkeys((best, self.quota))
+        ]
+
+    def _baseline(self, plan: ShardPlan, threads: int, note: str) -> Candidate:
         seconds = self._step_s(plan, threads, self.batch, workers=1)
         lone_s, _ = self._lone_step(plan, 1, threads)
         cpu_threads = threads if self.all_cpu else None
+        note = ", ".join(filter(None, (note, self._note(1, cpu_threads, len(plan.devices)))))
         candidate = Candidate(1, len(plan.stages), self.batch / seconds, note, lone_s, cpu_threads)
         self.plans[id(candidate)] = ((plan,), 1)
-        return self._add(candidate)
+        return self.add(candidate)
+
+    def _note(self, workers: int, threads: int | None, devices: int) -> str:
+        """What a candidate leaves unused or oversubscribes, said beside its figures."""
+        if threads is not None and workers > self.quota:
+            return f"{workers} busy workers on {self.quota} cores"
+        notes = []
+        if threads is not None and workers * threads < self.quota:
+            notes.append(f"{self.quota - workers * threads} of {self.quota} cores idle")
+        if not self.all_cpu and devices < len(self.devices):  # CPU workers say it by their count
+            notes.append(f"{devices} of the {len(self.devices)} devices")
+        return ", ".join(notes)
 
     def best_threads(self) -> int:
         """A lone CPU worker's threads: the count predicted fastest among 1, powers of two, the
@@ -223,11 +277,11 @@ class _Search:
     def pipeline_only(self, costs_note: str) -> ParallelPlan:
         plan = plan_shards(self.model, self.devices, self.strategy, **self.options)
         reason = (
-            "the model does not fit one device, so no replicas, and its blocks are not costed there: "
+            "the model does not fit one device, so no replicas, and measured costs time it whole on one: "
             f"{len(self.devices)} pipelined stages split by {self.strategy}, a lane per stage"
         )
         threads = max(1, self.quota // len(self.devices)) if self.all_cpu else None
-        candidate = Candidate(1, len(self.devices), None, "not costed")
+        candidate = Candidate(1, len(self.devices), None, "not costed: --costs counted predicts it")
         workers = tuple(worker_names(self.devices))
         return ParallelPlan((plan,), len(plan.stages), threads, (candidate,), reason, workers, costs_note)
 
@@ -247,7 +301,7 @@ class _Search:
             return False
         return True
 
-    def _add(self, candidate: Candidate) -> Candidate:
+    def add(self, candidate: Candidate) -> Candidate:
         self.candidates.append(candidate)
         return candidate
 
@@ -259,15 +313,22 @@ class _Search:
             if self.strategy == Strategy.COST:  # balance the layer split by its blocks' seconds
                 threads = max(1, self.quota // len(devices))
                 costs["block_costs"] = lambda device: self.block_costs(device, threads)
-            self.singles[key] = plan_shards(self.model, list(devices), self.strategy, **costs, **self.options)
+            options = self._options(devices)
+            self.singles[key] = plan_shards(self.model, list(devices), self.strategy, **costs, **options)
         return self.singles[key]
 
     def _split(self, group: list[str], costs: Mapping[str, float], stages: int) -> ShardPlan:
         """One replica's plan over `group`: a pipeline balances its blocks' seconds (its slowest
         stage sets the pace), a single stage just has to fit."""
         if stages > 1:
-            return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **self.options)
-        return plan_shards(self.model, group, self.strategy, **self.options)
+            return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **self._options(group))
+        return plan_shards(self.model, group, self.strategy, **self._options(group))
+
+    def _options(self, devices: Sequence[str]) -> dict[str, Any]:
+        """`plan_shards`' options for a subset of the devices: only their own budgets (a budget
+        naming another device is refused there, which made every subset "not fit")."""
+        budgets = {d: b for d, b in self.options["max_memory"].items() if d in devices}
+        return self.options | {"max_memory": budgets}
 
     def _stretch(self, workers: int, threads: int) -> float:
         """How much slower CPU workers run when, with the server's own threads, they ask for more
@@ -280,9 +341,9 @@ class _Search:
             else 1.0
         )
 
-    def _slowest_stage_s(self, plan: ShardPlan, costs: Mapping[str, float]) -> float:
+    def _slowest_stage_s(self, plan: ShardPlan, costs: Mapping[str, float], rows: int) -> float:
         """Seconds of the slowest stage for one micro-batch, its incoming boundary copy included."""
-        return max(self._stage_seconds(plan, costs))
+        return max(self._stage_seconds(plan, costs, rows))
 
     def _lane_rows(self, lanes: int) -> int:
         """Rows a lane batches under load: its share of `batch`, as `Service` gives it."""
@@ -291,7 +352,7 @@ class _Search:
     def _step_s(self, plan: ShardPlan, threads: int, rows: int, workers: int) -> float:
         """Seconds of one step of `rows` rows through every stage of `plan` in turn."""
         costs = self.block_costs(plan.stages[0].device, threads, rows=rows, **self._sharing(workers, threads))
-        return sum(self._stage_seconds(plan, costs)) * self._stretch(workers, threads)
+        return sum(self._stage_seconds(plan, costs, rows)) * self._stretch(workers, threads)
 
     def _lone_step(self, plan: ShardPlan, replicas: int, threads: int) -> tuple[float, bool]:
         """Seconds of one step of a lone guided image (2 rows), and whether splitting its rows
@@ -308,11 +369,14 @@ class _Search:
             return {}
         return {"workers": workers, "beside_server": workers * threads >= self.quota}
 
-    def _stage_seconds(self, plan: ShardPlan, costs: Mapping[str, float]) -> list[float]:
+    def _stage_seconds(self, plan: ShardPlan, costs: Mapping[str, float], rows: int) -> list[float]:
+        # A plan's boundaries are sized for its reserve (`batch` rows at the largest latent): a
+        # copy moves `rows` rows at the latent the costs were counted at.
+        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
         out = []
         for index, stage in enumerate(plan.stages):
             seconds = sum(costs[block] for block in stage.blocks)
             if index > 0 and plan.stages[index - 1].device != stage.device:
-                seconds += plan.boundaries[index - 1].bytes / BOUNDARY_BYTES_PER_S
+                seconds += plan.boundaries[index - 1].bytes * share / BOUNDARY_BYTES_PER_S
             out.append(seconds)
         return out
