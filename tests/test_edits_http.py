@@ -1,6 +1,8 @@
 """/v1/images/edits over real HTTP on the built-in model, driven by the official openai SDK as
 users drive it (multipart: image, mask, prompt, extensions in extra_body), streamed or not; every
-bad input answers 400 naming its field and the server keeps serving."""
+bad input answers 400 naming its field and the server keeps serving. A masked edit keeps the
+pixels the mask leaves opaque (issue 36): inside the mask, the model's image (diffusers' there,
+as test_edits.py shows on the tiny folders), unless `keep_unmasked` is false."""
 
 from __future__ import annotations
 
@@ -106,6 +108,14 @@ def test_the_sdk_edits_with_a_mask_and_streams_the_same_image(client: openai.Ope
     assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
+    # the opaque (right) half is the image as sent; the repainted one the model's whole image's
+    with open(tmp_path / "circle.png", "rb") as image, open(tmp_path / "mask.png", "rb") as mask:
+        extra = {**EXTRA, "keep_unmasked": False}
+        unkept = client.images.edit(image=image, mask=mask, prompt="a blue circle", extra_body=extra)
+    source, repaint = np.asarray(red_circle()).astype(int), np.asarray(left_half_transparent())[..., 3] == 0
+    kept, whole = pixels(plain.data[0].b64_json), pixels(unkept.data[0].b64_json)
+    assert np.abs(kept - source)[~repaint].max() <= 2 and np.abs(kept - whole)[repaint].max() <= 2
+    assert np.abs(whole - source)[~repaint].mean() > 2  # the VAE's round trip moved the opaque half
 
 
 def test_img2img_without_a_mask_and_several_images(client: openai.OpenAI) -> None:
@@ -164,6 +174,11 @@ def test_bad_inputs_answer_400_naming_the_field_and_the_server_keeps_serving(ser
     refused(edit(server, {"image": image}, strenght="0.5"), "strenght", "strength")
     refused(edit(server, {"image": image}, lora="{not json"), "lora")
     refused(edit(server, {"mask": mask}), "image", "required")
+    refused(edit(server, {"image": image, "mask": mask}, input_fidelity="medium"), "input_fidelity", "high")
+    refused(edit(server, {"image": image}, input_fidelity="high"), "input_fidelity", "mask", "strength")
+    both = {"input_fidelity": "high", "keep_unmasked": "false"}
+    refused(edit(server, {"image": image, "mask": mask}, **both), "keep_unmasked", "input_fidelity")
+    refused(edit(server, {"image": image, "mask": mask}, keep_unmasked="maybe"), "keep_unmasked")
     broken = httpx.post(
         f"{server.url}/v1/images/edits", content=b"x", headers={"content-type": "multipart/form-data"}
     )
@@ -173,7 +188,7 @@ def test_bad_inputs_answer_400_naming_the_field_and_the_server_keeps_serving(ser
     as_json = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": "a red circle"}, timeout=10)
     assert as_json.status_code == 400 and "multipart/form-data" in as_json.json()["error"]["message"]
     # the next request succeeds
-    ok = edit(server, {"image": image, "mask": mask})
+    ok = edit(server, {"image": image, "mask": mask}, input_fidelity="high")
     assert ok.status_code == 200 and len(ok.json()["data"]) == 1
 
 

@@ -1,5 +1,6 @@
 """`POST /v1/images/edits`' multipart form, read into an `ImageEditRequest` and the `Edit`s the
-pipeline runs: files bounded and decoded by uploads.py, off the event loop."""
+pipeline runs: files bounded and decoded by uploads.py, off the event loop. An inpainting keeps
+the pixels its mask leaves opaque unless `keep_unmasked` is false (see `check_fidelity`)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
             body = ImageEditRequest.model_validate(fields)
         except ValidationError as err:
             raise RequestValidationError(err.errors()) from None
-        if body.input_fidelity not in (None, "low"):
-            raise InvalidRequest("input_fidelity", "must be low: set strength to keep closer to the image")
+        fidelity = body.input_fidelity
+        if fidelity not in (None, "low", "high"):
+            raise InvalidRequest("input_fidelity", f"must be low or high, got {fidelity!r}")
         uploads = files.get("image", []) + files.get("image[]", [])
         if not uploads:
             raise InvalidRequest("image", "is required: the PNG, JPEG or WebP file to edit")
@@ -56,6 +58,7 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
         masks = files.get("mask", [])
         if len(masks) > 1:
             raise InvalidRequest("mask", f"one mask a request, got {len(masks)}")
+        check_fidelity(fidelity, body.keep_unmasked, masked=bool(masks))
         bounds = {"max_bytes": limits.max_image_bytes, "max_pixels": limits.max_image_pixels}
         images = [
             await asyncio.to_thread(read_image, await upload.read(), "image", **bounds) for upload in uploads
@@ -71,5 +74,16 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
     for i, image in enumerate(images):
         masked = mask if i == 0 else None
         strength = body.strength if body.strength is not None else (1.0 if masked else DEFAULT_STRENGTH)
-        edits.append(Edit(image.convert("RGB"), masked, strength))
+        edits.append(Edit(image.convert("RGB"), masked, strength, body.keep_unmasked))
     return body, edits
+
+
+def check_fidelity(fidelity: str | None, keep_unmasked: bool, *, masked: bool) -> None:
+    """Both fidelities keep a mask's opaque pixels (pixels cannot match closer): "high" only asks
+    for what is done, so it is refused where it cannot be (no mask) or contradicts keep_unmasked."""
+    if fidelity == "high" and not masked:
+        message = "high keeps the pixels a mask leaves opaque: send a mask, or lower strength to stay closer"
+        raise InvalidRequest("input_fidelity", message)
+    if fidelity == "high" and not keep_unmasked:
+        message = "false repaints every pixel, but input_fidelity high keeps the unmasked ones: send one"
+        raise InvalidRequest("keep_unmasked", message)

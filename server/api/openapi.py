@@ -232,8 +232,9 @@ def _edit_form(b: Bounds) -> dict[str, Any]:
     }
     props["mask"] = {
         **binary,
-        "description": "a PNG of the image's size whose fully transparent pixels mark what to repaint "
-        "(applies to the first image); without it, the whole image is restyled (img2img)",
+        "description": "a PNG of the image's size whose fully transparent pixels mark what to repaint, "
+        "the others coming back as sent unless keep_unmasked is false (applies to the first image); "
+        "without it, the whole image is restyled (img2img)",
     }
     _nullable(
         props["size"],
@@ -241,7 +242,7 @@ def _edit_form(b: Bounds) -> dict[str, Any]:
         description='"WIDTHxHEIGHT" (the image is resized to it) or "auto"; default: the image\'s size',
     )
     _nullable(props["strength"], exclusiveMinimum=0, maximum=1)
-    _nullable(props["input_fidelity"], enum=["low"])
+    _nullable(props["input_fidelity"], enum=["low", "high"])
     props["lora"] = {
         "type": "string",
         "description": 'a JSON object of adapters and scales, e.g. {"style": 0.8}',
