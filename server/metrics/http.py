@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from starlette.routing import Match
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics.collector import Metrics
@@ -49,17 +49,17 @@ class HttpMetrics:
 
 
 def route_template(scope: Scope) -> str:
-    """The template of the route a request is for, also when it was answered before routing (a
-    body refused for its size) or by a route FastAPI adds itself (/openapi.json); "unmatched" for
-    paths no route takes, so clients cannot mint a label value per path."""
+    """The template of the route a request is for. FastAPI names only its own routes in the scope:
+    the routes it adds as Starlette's (/openapi.json) are matched here, and a request answered
+    before routing (a body refused for its size or pace) takes the documented path it asked for
+    (the API's routes take no path parameters). "unmatched" for any other path, so clients
+    cannot mint a label value per path."""
     route = scope.get("route")
-    if route is None:
-        partial = None
-        for candidate in getattr(scope.get("app"), "routes", ()):
-            match, _ = candidate.matches(scope)
-            if match is Match.FULL:
-                route = candidate
-                break
-            partial = partial or (candidate if match is Match.PARTIAL else None)  # another method
-        route = route or partial
-    return getattr(route, "path", "unmatched")
+    if route is not None:
+        return route.path
+    app = scope.get("app")
+    for candidate in getattr(app, "routes", ()):
+        if isinstance(candidate, Route) and candidate.matches(scope)[0] is not Match.NONE:
+            return candidate.path
+    paths = app.openapi().get("paths", {}) if hasattr(app, "openapi") else {}  # built once, cached
+    return scope["path"] if scope["path"] in paths else "unmatched"

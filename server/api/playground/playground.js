@@ -498,8 +498,19 @@ async function readAdapters() {
     return; // the status line says the server is unreachable
   }
   if (!response.ok) return; // 401 until a key is entered: read again on the next refresh
-  showAdapters((await response.json()).data[0].adapters ?? []);
+  const model = (await response.json()).data[0];
+  showAdapters(model.adapters ?? []);
+  showVocabulary(model.vocabulary, model.adapters ?? []);
   adaptersRead = true;
+}
+
+// A model with a closed vocabulary (the built-in one) knows only its words: say which.
+function showVocabulary(words, adapters) {
+  const line = $("vocabulary");
+  line.hidden = !words?.length;
+  if (line.hidden) return;
+  const taught = adapters.length ? `; adapters teach more (${adapters.map((a) => a.name).join(", ")})` : "";
+  line.textContent = `This model knows only these words: ${words.join(", ")}${taught}.`;
 }
 
 async function readStatus() {
