@@ -132,7 +132,7 @@ def test_openapi_states_the_limits_of_every_field_from_the_settings() -> None:
     assert bounds("prompt")["maxLength"] == 50 and bounds("prompt")["minLength"] == 1
     assert bounds("negative_prompt")["maxLength"] == 50
     assert (bounds("guidance_scale")["minimum"], bounds("guidance_scale")["maximum"]) == (0, 100)
-    assert (bounds("seed")["minimum"], bounds("seed")["maximum"]) == (0, SEED_LIMIT - 1)
+    assert (bounds("seed")["minimum"], bounds("seed")["maximum"]) == (-1, SEED_LIMIT - 1)  # -1: a random seed
     assert bounds("size")["pattern"] == r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
     assert "4096" in body["size"]["description"] and "multiples of 8" in body["size"]["description"]
     assert bounds("scheduler")["enum"] == ["default", "ddim", "euler", "euler_a", "dpmpp_2m"]

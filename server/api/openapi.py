@@ -19,7 +19,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.api.schemas import HONOURED, MAX_GUIDANCE, MAX_PARTIAL_IMAGES, SIZE_PATTERN, ImageEditRequest
+from server.api.schemas import (
+    HONOURED,
+    MAX_GUIDANCE,
+    MAX_PARTIAL_IMAGES,
+    RANDOM_SEED,
+    SIZE_PATTERN,
+    ImageEditRequest,
+)
 from server.serving import (
     DEFAULT_INTERVAL,
     DEFAULT_THRESHOLD,
@@ -207,7 +214,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     )
     _nullable(props["guidance_scale"], minimum=0, maximum=MAX_GUIDANCE)
     _nullable(props["true_cfg_scale"], minimum=0, maximum=MAX_GUIDANCE)
-    _nullable(props["seed"], minimum=0, maximum=SEED_LIMIT - 1)
+    _nullable(props["seed"], minimum=RANDOM_SEED, maximum=SEED_LIMIT - 1)
     _nullable(props["scheduler"], enum=list(b.schedulers))
     props["step_cache"] = _step_cache(b)
     schema["description"] = (
