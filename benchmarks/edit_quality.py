@@ -6,7 +6,9 @@
   the other five colors for the record.
 - inpainting: an image with a shape in each half (a red circle left, a blue square right), its
   left half repainted with "a green triangle" at strength 1.0: the mean absolute difference of
-  the kept (right) half to the input, in 0..255 per channel, against that of the repainted half.
+  the kept (right) half to the input, in 0..255 per channel, against that of the repainted half;
+  served as the server serves it (the unmasked pixels kept: 0 by construction) and with
+  keep_unmasked off (the model's whole image: the kept half as its VAE decodes it).
 
     python -m benchmarks.edit_quality [--seeds 12]
 """
@@ -70,19 +72,22 @@ def img2img(pipeline: Pipeline, seeds: int, color: str = "blue") -> dict[str, An
     }
 
 
-def inpainting(pipeline: Pipeline, seeds: int) -> dict[str, Any]:
+def inpainting(pipeline: Pipeline, seeds: int, keep_unmasked: bool = True) -> dict[str, Any]:
     source, mask = two_shapes(), left_half()
-    edit = Edit(source, mask, 1.0)
+    edit = Edit(source, mask, 1.0, keep_unmasked)
     requests = [GenerationRequest("a green triangle", seed=k, edit=edit) for k in range(seeds)]
     given = np.asarray(source).astype(float)
-    kept, repainted = [], []
+    kept, repainted, kept_max = [], [], []
     for image in pipeline.generate(requests):
         diff = np.abs(uint8(image).astype(float) - given)
         kept.append(float(diff[:, 32:].mean()))
+        kept_max.append(float(diff[:, 32:].max()))
         repainted.append(float(diff[:, :32].mean()))
     return {
+        "keep_unmasked": keep_unmasked,
         "kept_half_mean_abs_diff": round(statistics.median(kept), 2),
         "kept_half_worst": round(max(kept), 2),
+        "kept_half_max_abs_diff": max(kept_max),
         "repainted_half_mean_abs_diff": round(statistics.median(repainted), 2),
     }
 
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"img2img": img2img(pipeline, seeds, color), "strength": STRENGTH, "seeds": seeds}))
     kept = inpainting(pipeline, seeds)
     print(json.dumps({"inpainting": kept, "seeds": seeds}))
+    print(json.dumps({"inpainting": inpainting(pipeline, seeds, keep_unmasked=False), "seeds": seeds}))
     summary = {
         "summary": True,
         "blue_circle_judged_right": asked["judged_right"],

@@ -1,6 +1,6 @@
 """Edits on the built-in model, judged by its evaluator (issue 24; the figures are
 `python -m benchmarks.edit_quality`'s): img2img turns a red circle blue, inpainting repaints
-only the masked half."""
+only the masked half and returns the other as sent."""
 
 from __future__ import annotations
 
@@ -13,5 +13,5 @@ def test_img2img_turns_a_dataset_red_circle_blue_and_inpainting_keeps_the_unmask
     pipeline = Pipeline.load(MODEL_DIR, devices="cpu")
     assert img2img(pipeline, seeds=12)["judged_right"] >= TARGET
     kept = inpainting(pipeline, seeds=4)
-    assert kept["kept_half_worst"] < 12  # of 255: the VAE's round trip, not a repaint
+    assert kept["kept_half_max_abs_diff"] <= 2  # of 255: the image's own pixels (issue 36)
     assert kept["repainted_half_mean_abs_diff"] > 3 * kept["kept_half_mean_abs_diff"]
