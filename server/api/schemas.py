@@ -127,9 +127,9 @@ class ImageEditRequest(ImageGenerationRequest):
         description='OpenAI\'s, "low" (default) or "high": with a mask both keep the pixels it leaves '
         'opaque exactly; "high" needs a mask (without one, a lower strength keeps closer)',
     )
-    keep_unmasked: bool | None = Field(
-        None,
-        description="with a mask: true (default) returns the pixels it leaves opaque exactly as sent; "
+    keep_unmasked: bool = Field(
+        True,
+        description="with a mask: true returns the pixels it leaves opaque exactly as sent; "
         "false returns the model's whole image, every pixel decoded by its VAE",
     )
 
