@@ -17,10 +17,14 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tests.waiting import wait_until
 
 STARTUP_DEADLINE_S = 120
+ROOT = Path(__file__).resolve().parents[1]
+# `make run`'s arguments (the Makefile's): the built-in model with the diamond adapter
+MAKE_RUN = ("--lora", f"diamond={ROOT / 'server/demo/adapters/diamond.safetensors'}")
 
 
 def free_port() -> int:

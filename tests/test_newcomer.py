@@ -13,7 +13,6 @@ import io
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,10 +20,8 @@ import pytest
 from openai import types as openai_types
 from PIL import Image
 
-from tests.live import LiveServer, free_port, live_server
+from tests.live import MAKE_RUN, ROOT, LiveServer, free_port, live_server
 
-ROOT = Path(__file__).resolve().parents[1]
-MAKE_RUN = ("--lora", f"diamond={ROOT / 'server/demo/adapters/diamond.safetensors'}")  # the Makefile's
 QUICK = {"prompt": "a red circle", "num_inference_steps": 4, "seed": 1}
 # what pydantic, FastAPI or a library would say: none of it may reach a client
 LIBRARY_WORDS = ("Input should", "Field required", "Value error", "valid integer", "Extra inputs", "pydantic")
@@ -48,6 +45,11 @@ def png_of(item: dict) -> np.ndarray:
     return np.asarray(
         Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB"), dtype=np.int16
     )
+
+
+def test_these_tests_run_what_make_run_runs() -> None:
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    assert "-m server serve " + " ".join(MAKE_RUN).replace(f"{ROOT}/", "") in recipe
 
 
 def test_the_startup_log_is_ours_and_says_ready_last(newcomer) -> None:

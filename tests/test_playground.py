@@ -41,7 +41,7 @@ from server.api import docs
 from server.api.playground import FILES, HEADERS
 from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
-from tests.live import LiveServer, live_server
+from tests.live import MAKE_RUN, LiveServer, live_server
 from tests.test_lora import RANK, random_lora
 from tests.tiny_pipelines import build_flux_folder
 
@@ -116,7 +116,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with live_server() as running:
+    """The page as `make run` serves it: the built-in model with the diamond adapter."""
+    with live_server(*MAKE_RUN) as running:
         yield running
 
 
@@ -205,7 +206,11 @@ def test_a_red_circle_streams_its_previews_then_the_image(
     assert classify(shown) == Verdict("red", "circle")
     plain = api_pixels(server, prompt="a red circle", seed=7)
     np.testing.assert_array_equal(shown, plain)  # the API's image, as is
-    assert not browser.find_element(By.ID, "lora").is_displayed()  # this server has no adapters
+    adapters = browser.find_elements(By.CSS_SELECTOR, "#lora-list li")  # make run's: the diamond
+    assert browser.find_element(By.ID, "lora").is_displayed() and len(adapters) == 1
+    assert "diamond" in adapters[0].text
+    vocabulary = browser.find_element(By.ID, "vocabulary").text  # the built-in model's words
+    assert "red, green, blue" in vocabulary and "circle, square, triangle" in vocabulary
 
     shards = httpx.get(f"{server.url}/v1/shards").json()
     listed = browser.find_elements(By.CSS_SELECTOR, "#device-list li")

@@ -171,7 +171,8 @@ class Pipeline:
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         if not vocab or len(vocab) > CLOSED_VOCABULARY:
             return None
-        words = (token.removesuffix("</w>") for token in vocab if token.endswith("</w>"))
+        tokens = sorted(vocab, key=vocab.__getitem__)  # by id: in the order the vocabulary was made
+        words = (token.removesuffix("</w>") for token in tokens if token.endswith("</w>"))
         return tuple(word for word in words if len(word) > 1 and word.isalpha())
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
