@@ -144,6 +144,8 @@ def plan_parallel(
         choosable = [c for c in choosable if id(c) not in search.crowded]
         choosable += [c for c in baselines if c.rows_per_s is not None]
     if not choosable:
+        if not whole:  # the layer split's own refusal names the device and the shortfall
+            search.one_worker(Parallel.OFF, costs_note)
         notes = "; ".join(f"{c.label}: {c.note}" for c in search.candidates)
         raise PlanError(f"no {parallel} configuration over {device_list} fits: {notes}")
     idle = ""
