@@ -48,6 +48,7 @@ PLAN_SETTINGS = (
     "max_pixels",
     "threads",
     "costs",
+    "device_profile",
     "cache_dir",
 )
 
@@ -145,6 +146,7 @@ def _plan(args: argparse.Namespace) -> None:
                 f"--resolution must be a positive multiple of {family.size_multiple}, got {args.resolution}"
             )
         options["side"] = args.resolution
+    options["device_profile"] = settings.device_profile  # serving has every device: only plans use it
     plan = plan_for(settings, family, folder=None if args.config else settings.model, **options)
     side_by_side = None
     if settings.costs == Costs.MEASURED:  # what counting would have predicted, beside the timings

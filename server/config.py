@@ -18,6 +18,7 @@ from server.engine import Costs, Parallel, Strategy
 from server.engine.cache import default_cache_dir
 from server.engine.compile import CompileMode
 from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
+from server.engine.gpus import DEFAULT_PROFILE, PROFILES, gpu_profile
 from server.engine.pool import ANY_DEVICE
 from server.errors import ConfigError
 from server.pipeline.families import Family, pipeline_classes
@@ -31,6 +32,7 @@ SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
+GpuName = Annotated[str | None, BeforeValidator(lambda v: v and gpu_profile(v).name)]
 
 
 def _pool_budgets(value: object) -> dict[str, int]:
@@ -112,6 +114,11 @@ class Settings(BaseSettings):
         Costs.COUNTED,
         description="what plans are predicted from: counted (FLOPs, bytes and ops on the meta device, "
         "seconds) or measured (every block timed on random weights: minutes on a CPU; cached)",
+    )
+    device_profile: GpuName = Field(
+        None,
+        description=f"the GPU that CUDA devices this host lacks are predicted as, from its published "
+        f"peaks ({', '.join(PROFILES)}; default: {DEFAULT_PROFILE}); this host's own are calibrated",
     )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
@@ -269,7 +276,9 @@ class Settings(BaseSettings):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return auto_dtype(list(self.devices)) if self.dtype == "auto" else DTYPES[self.dtype]
+        if self.dtype == "auto":
+            return auto_dtype(list(self.devices), self.device_profile)
+        return DTYPES[self.dtype]
 
     @field_validator("lora_dir")
     @classmethod

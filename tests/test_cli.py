@@ -1,5 +1,5 @@
 """`python -m server plan` and `serve`: the JSON plan, and failures that end with one line saying
-what to fix, through a real subprocess."""
+what to fix, through a real subprocess (one plan in-process, where imports would cost more than it)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from server.__main__ import main
 from server.demo import MODEL_DIR
 from tests.live import free_port
 
@@ -64,7 +65,7 @@ def test_errors_are_one_line_with_exit_code_2() -> None:
         assert done.returncode == 2
         assert done.stderr.startswith("error: --devices (DIFFSHARD_DEVICES): unknown device 'cuda:3'")
         done = run_cli("plan", "--config", "sd15", "--devices", "cuda:3")
-        assert done.returncode == 2 and "give --dtype" in done.stderr
+        assert done.returncode == 2 and "cuda:3 is not on this host: give its budget" in done.stderr
     done = run_cli(
         "plan", "--config", "sd15", "--devices", "cpu", "--strategy", "memory", "--max-memory", "cpu=1GiB"
     )
@@ -93,6 +94,26 @@ def test_plan_and_serve_share_their_defaults() -> None:
     # the largest allowed side: max_pixels defaults to 4x the native 64x64, so 128, through the 4x VAE
     assert plan["latent_size"] == 128 // 4
     assert plan["devices"][0]["other_bytes"] > 0  # the text encoder and VAE share the first device
+
+
+def test_plan_for_absent_gpus_predicts_every_candidate_from_a_device_profile(capsys) -> None:
+    """Two GPUs this host lacks, a budget each: replicas are weighed (each replica under its own
+    GPU's budget), every candidate is predicted from the chosen profile, which the output names,
+    and auto's dtype is the profile's. In-process: a subprocess would cost seconds of imports."""
+    devices, budgets = "cuda:14,cuda:15", "cuda:14=24GiB,cuda:15=24GiB"
+    args = ["plan", "--config", "sd15", "--devices", devices, "--max-memory", budgets, "--json"]
+    assert main([*args, "--device-profile", "L4"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    parallel = plan["parallel"]
+    assert parallel["kind"] == "replicas" and plan["dtype"] == "bfloat16"
+    assert "predicted from the l4 profile, NVIDIA L4's published peaks" in parallel["costs"]
+    assert {(c["replicas"], c["stages"]) for c in parallel["candidates"]} == {(2, 1), (1, 2)}
+    assert all(c["predicted_rows_per_s"] and c["predicted_lone_step_s"] for c in parallel["candidates"])
+    assert main([*args, "--device-profile", "nope"]) == 2
+    assert (
+        "--device-profile (DIFFSHARD_DEVICE_PROFILE): unknown device profile 'nope'"
+        in capsys.readouterr().err
+    )
 
 
 def test_every_option_has_help_and_help_prints() -> None:

@@ -1,6 +1,7 @@
 """The cost model's numbers and their cache: counted work scales with rows as a recount does, a
 calibration is timed once per host and reused, an unwritable cache only warns, measured costs
-are reused by the next plan, and `plan` with several CPU devices answers in seconds."""
+are reused by the next plan, `plan` with several CPU devices answers in seconds, and GPUs this
+host lacks are predicted from a device profile."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import torch
 
 from server.engine import CostModel, Costs, Parallel
 from server.engine.calibrate import DeviceSpeed, cached_calibration
+from server.engine.costs import profile_note, profile_speed
+from server.engine.devices import auto_dtype
+from server.engine.gpus import MATMUL_SHARE, gpu_profile
 from server.engine.parallel import weighed_shapes
 from server.engine.threads import cpu_quota
 from server.engine.work import count_work
+from server.errors import ConfigError, PlanError
 from tests.conftest import tiny_sd15_unet
 from tests.test_cli import run_cli
 
@@ -82,3 +87,32 @@ def test_plan_on_three_cpu_devices_lists_every_candidate_in_seconds() -> None:
     assert (
         quota - parallel["lanes"] < busy <= quota
     )  # every core (an uneven split's remainder aside), no more
+
+
+def test_an_absent_gpu_is_predicted_from_its_device_profile(tmp_path: Path) -> None:
+    """A GPU this host lacks is neither calibrated nor timed: its counted work runs through the
+    roofline with the profile's published peaks (bfloat16 at the FP32 rate where it is not
+    native), and a faster GPU is predicted faster."""
+    model = tiny_sd15_unet()
+    h100 = CostModel(model, 2, 8, torch.bfloat16, cache_dir=tmp_path, profile="h100").costs("cuda:15")
+    t4 = CostModel(model, 2, 8, torch.bfloat16, cache_dir=tmp_path, profile="t4").costs("cuda:15")
+    assert all(0 < h100[block] < t4[block] for block in h100)
+    assert not (tmp_path / "calibration.json").exists()  # nothing timed
+    speed = profile_speed(gpu_profile("H100"), torch.bfloat16)
+    assert speed.rate("matmul", 2048) == pytest.approx(989.4e12 * MATMUL_SHARE)
+    assert profile_speed(gpu_profile("t4"), torch.bfloat16).rate("matmul", 2048) == pytest.approx(
+        8.1e12 * MATMUL_SHARE
+    )
+    with pytest.raises(PlanError, match="cuda:15 is not on this host"):
+        CostModel(model, 2, 8, torch.bfloat16, Costs.MEASURED, tmp_path).costs("cuda:15")
+
+
+def test_an_absent_gpu_takes_its_profiles_auto_dtype_and_unknown_profiles_are_named() -> None:
+    assert auto_dtype(["cuda:14", "cuda:15"]) == torch.bfloat16  # the default profile: an H100
+    assert auto_dtype(["cuda:15"], "t4") == torch.float16  # no bfloat16 on Turing, as on a real T4
+    assert "predicted from the l4 profile, NVIDIA L4's published peaks" in profile_note(
+        ["cuda:15"], "l4", torch.bfloat16
+    )
+    assert profile_note(["cpu"], None, torch.float32) == ""
+    with pytest.raises(ConfigError, match="unknown device profile 'h1000': choose one of h100, h100-pcie"):
+        gpu_profile("h1000")

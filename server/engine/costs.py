@@ -19,12 +19,16 @@ latent size, device and threads, so a second `plan` or `serve` reuses them.
 
 Workers that share a CPU share its cores and its memory bandwidth: `CpuShare` slows each of
 `workers` busy workers of `threads` threads when together they ask more than `cores`.
+
+A GPU this host lacks (named for a plan) cannot be calibrated or timed: its counted work runs
+through the same roofline with a device profile's published figures (`gpus.py`) instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -34,8 +38,19 @@ from torch import nn
 
 from server.engine.cache import lookup, store
 from server.engine.calibrate import DeviceSpeed, cached_calibration, cached_shared_overhead, device_kind
+from server.engine.devices import absent
+from server.engine.gpus import (
+    ATTENTION_SHARE,
+    BANDWIDTH_SHARE,
+    CONV_SHARE,
+    MATMUL_SHARE,
+    OP_OVERHEAD_S,
+    GpuProfile,
+    gpu_profile,
+)
 from server.engine.profile import profile_block_costs
 from server.engine.work import BlockWork, ModelWork, count_work
+from server.errors import PlanError
 
 
 class Costs(StrEnum):
@@ -54,6 +69,36 @@ def block_seconds(work: BlockWork, speed: DeviceSpeed, overhead_s: float | None 
     return seconds
 
 
+def profile_speed(profile: GpuProfile, dtype: torch.dtype) -> DeviceSpeed:
+    """What a calibration would say of `profile`'s GPU: its published peaks, scaled by the shares
+    real kernels reach (`gpus.py`), at every GEMM size (small ones are bound by the weights'
+    bytes, which the roofline sees)."""
+    flops = profile.tflops(dtype) * 1e12
+    return DeviceSpeed(
+        device=f"{profile.name} profile",
+        dtype=str(dtype).removeprefix("torch."),
+        threads=1,
+        matmul=((32, flops * MATMUL_SHARE), (2048, flops * MATMUL_SHARE)),
+        conv=((32, flops * CONV_SHARE), (2048, flops * CONV_SHARE)),
+        attention_flops_per_s=flops * ATTENTION_SHARE,
+        bytes_per_s=profile.bandwidth_gb_s * 1e9 * BANDWIDTH_SHARE,
+        op_overhead_s=OP_OVERHEAD_S,
+    )
+
+
+def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype) -> str:
+    """What the plan's output says of the devices predicted from a profile ("" when none is)."""
+    missing = list(dict.fromkeys(d for d in devices if absent(d)))
+    if not missing:
+        return ""
+    chosen = gpu_profile(profile)
+    how = "" if profile else " (the default; --device-profile chooses another)"
+    return (
+        f"{', '.join(missing)} not on this host: predicted from the {chosen.name} profile{how}, "
+        f"{chosen.describe(dtype)}, at {MATMUL_SHARE:.0%} and {BANDWIDTH_SHARE:.0%} of them"
+    )
+
+
 @dataclass
 class CostModel:
     """Seconds per block of `model` for `rows` rows of `latent_size`² latents in `dtype`, on a
@@ -66,6 +111,7 @@ class CostModel:
     dtype: torch.dtype
     mode: Costs = Costs.COUNTED
     cache_dir: Path | None = None
+    profile: str | None = None  # the GPU profile CUDA devices this host lacks are predicted from
 
     def __post_init__(self) -> None:
         self._work: ModelWork | None = None
@@ -92,7 +138,7 @@ class CostModel:
         cpu = torch.device(device).type == "cpu"
         threads, workers, beside_server = (threads, workers, beside_server) if cpu else (1, 1, False)
         rows = rows or self.rows
-        key = (device_kind(device), threads, rows, workers, beside_server)
+        key = (self._kind(device), threads, rows, workers, beside_server)
         if key not in self._costs:
             if self.mode == Costs.COUNTED:
                 self._costs[key] = self.predicted(device, threads, rows, workers, beside_server)
@@ -109,7 +155,10 @@ class CostModel:
         workers: int = 1,
         beside_server: bool = False,
     ) -> dict[str, float]:
-        speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
+        if absent(device):
+            speed = profile_speed(gpu_profile(self.profile), self.dtype)
+        else:
+            speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
         overhead = None
         if torch.device(device).type == "cpu":
             overhead = cached_shared_overhead(speed, workers, threads, beside_server, self.cache_dir)
@@ -119,6 +168,11 @@ class CostModel:
     def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""
         rows = rows or self.rows
+        if absent(device):
+            raise PlanError(
+                f"{device} is not on this host, so its blocks cannot be timed: --costs counted "
+                "predicts them from a device profile"
+            )
         threads = threads if torch.device(device).type == "cpu" else 1
         key = self._measured_key(device, threads, rows)
         path = self.cache_dir / "measured.json" if self.cache_dir is not None else None
@@ -134,6 +188,9 @@ class CostModel:
                 torch.cuda.empty_cache()
         store(path, key, seconds)
         return seconds
+
+    def _kind(self, device: str) -> str:
+        return f"{gpu_profile(self.profile).name} profile" if absent(device) else device_kind(device)
 
     def _measured_key(self, device: str, threads: int, rows: int) -> dict[str, object]:
         config = json.dumps(dict(self.model.config), sort_keys=True, default=str)

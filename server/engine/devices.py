@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from server.engine.gpus import gpu_profile
 from server.errors import DeviceError
 
 log = logging.getLogger("diffshard")
@@ -31,8 +32,9 @@ _ABSENT_OK: ContextVar[bool] = ContextVar("plan_absent_devices", default=False)
 
 @contextmanager
 def planning_absent_devices() -> Iterator[None]:
-    """While planning only: CUDA devices this host lacks are accepted (their budgets and the
-    dtype must then be given), so a plan for two GPUs can be read before buying them."""
+    """While planning only: CUDA devices this host lacks are accepted (their budgets must then
+    be given; their speed and auto dtype come from a device profile, `gpus.py`), so a plan for
+    two GPUs can be read before buying them."""
     token = _ABSENT_OK.set(True)
     try:
         yield
@@ -119,16 +121,19 @@ def default_budget(device: str) -> int | None:
     return max(0, int(free - CUDA_MARGIN * total))
 
 
-def auto_dtype(devices: list[str]) -> torch.dtype:
+def auto_dtype(devices: list[str], profile: str | None = None) -> torch.dtype:
     """bfloat16 where every device is a GPU that runs it natively, float16 on older GPUs,
-    float32 as soon as one stage runs on the CPU (one dtype for the whole model)."""
+    float32 as soon as one stage runs on the CPU (one dtype for the whole model). A GPU this
+    host lacks (named for a plan) is judged by its device profile (`gpus.py`, default h100)."""
     if any(torch.device(d).type != "cuda" for d in devices):
         return torch.float32
-    if missing := [d for d in devices if absent(d)]:
-        raise DeviceError(f"{', '.join(missing)} not on this host: give --dtype (e.g. bfloat16)")
-    if all(torch.cuda.get_device_capability(torch.device(d)) >= (8, 0) for d in devices):
-        return torch.bfloat16
-    return torch.float16
+
+    def native_bf16(device: str) -> bool:
+        if absent(device):
+            return gpu_profile(profile).bf16
+        return torch.cuda.get_device_capability(torch.device(device)) >= (8, 0)
+
+    return torch.bfloat16 if all(native_bf16(d) for d in devices) else torch.float16
 
 
 def cpu_dtype() -> torch.dtype:

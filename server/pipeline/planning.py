@@ -18,6 +18,8 @@ import torch
 from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
 from server.engine.cache import lookup, store
 from server.engine.calibrate import device_kind
+from server.engine.costs import profile_note
+from server.engine.devices import resolve_devices
 from server.pipeline.families import Family, meta_denoiser, reference_bytes
 from server.pipeline.loader import part_bytes
 
@@ -45,15 +47,17 @@ def plan_model(
     pick_threads: bool = True,
     costs: str = Costs.COUNTED,
     cache_dir: Path | None = None,
+    device_profile: str | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
     reference architecture's published ones) count on the first stage's device. `parallel`
     chooses replicas, pipelined stages or both (`server.engine.plan_parallel`) from block costs
     `costs` (counted or measured, at 2 rows of the native size: the typical request; measured
-    ones and calibrations kept in `cache_dir`); `threads` is the CPU's intra-op threads in all
-    (a lone CPU worker runs the count predicted fastest up to it, or all of them without
-    `pick_threads`)."""
+    ones and calibrations kept in `cache_dir`; GPUs this host lacks predicted from
+    `device_profile`'s published peaks, said in the plan); `threads` is the CPU's intra-op
+    threads in all (a lone CPU worker runs the count predicted fastest up to it, or all of them
+    without `pick_threads`)."""
     if folder is not None:  # they sit with the first stage (see Pipeline)
         index = family.config.index
         parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
@@ -63,8 +67,10 @@ def plan_model(
     model = meta_denoiser(family)
     latent = family.native_size // family.vae_scale_factor  # the typical request
 
-    model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir)
+    model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir, device_profile)
     where = f"{costs} at 2 rows of {latent}² latents"
+    if note := profile_note(resolve_devices(devices), device_profile, dtype):
+        where += f"; {note}"
     return plan_parallel(
         model,
         devices,
@@ -74,6 +80,7 @@ def plan_model(
         block_costs=model_costs.costs,
         costs_note=where,
         pick_threads=pick_threads,
+        timed=costs == Costs.MEASURED,
         max_memory=max_memory,
         device_map=device_map,
         dtype=dtype,
