@@ -10,10 +10,10 @@ For two models — the built-in one at its native latent 16² and an SD-1.5-arch
 3. **Candidates**: what `plan_parallel` predicts on `cpu,cpu` with this host's quota (rows/s
    with 2 rows a lane) against rows/s measured in the engine, each run as serving runs it:
    2 replicas (two threads, one intra-op thread each, forwards back to back on a shared model),
-   2 pipelined stages (two lanes through the gated split), one worker (the thread count the
-   planner gave it); those that fill the quota beside a thread as busy as the planner assumes
-   the server's own threads are (`calibrate.busy_server`). Medians of `rounds` rounds, the
-   candidates interleaved in each round.
+   2 pipelined stages (two lanes through the gated split), one worker (with the thread count
+   predicted fastest, and with every thread); those that fill the quota beside a thread as
+   busy as the planner assumes the server's own threads are (`calibrate.busy_server`). Medians
+   of `rounds` rounds, the candidates interleaved in each round.
 
 Targets (`meets_target`): for both models the candidates' order by predicted rows/s is their
 order by measured rows/s (ties within 5% of the measured either way count as matching); for
@@ -99,6 +99,12 @@ def forwards_per_s(shards: list[ModelShard], lanes: int, threads: int, latent: i
     return lanes * forwards * ROWS / (time.perf_counter() - began)
 
 
+def named(candidate: Any) -> str:
+    """A candidate's label with its threads: one worker is weighed with several thread counts."""
+    threads = candidate.threads or 1
+    return f"{candidate.label}, {threads} thread{'s' * (threads != 1)} each"
+
+
 def measure_candidates(
     model: nn.Module, plan: Any, latent: int, forwards: int, quota: int
 ) -> dict[str, float]:
@@ -124,7 +130,7 @@ def measure_candidates(
         full = lanes * (c.threads or 1) >= quota
         try:
             with busy_server() if full else contextlib.nullcontext():
-                out[c.label] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
+                out[named(c)] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
         finally:
             for shard in shards:
                 shard.remove()
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         forwards = (2 if args.quick else 4) if name == "sd15" else (20 if args.quick else 60)
         runs = [measure_candidates(model, plan, latent, forwards, quota) for _ in range(rounds)]
         measured_rates = {label: statistics.median(r[label] for r in runs) for label in runs[0]}
-        predicted_rates = {c.label: c.rows_per_s for c in plan.candidates if c.label in measured_rates}
+        predicted_rates = {named(c): c.rows_per_s for c in plan.candidates if named(c) in measured_rates}
         for label in measured_rates:
             print(
                 json.dumps(

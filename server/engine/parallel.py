@@ -1,5 +1,5 @@
-"""Every device busy at once: what a parallel plan is (pure values; `planner.py` chooses one,
-`replicas.py` builds and runs it).
+"""Every device busy at once: what a parallel plan is (pure values, and the shapes weighed:
+`weighed_shapes`, `fill_cores`; `planner.py` chooses one, `replicas.py` builds and runs it).
 
 Split by layers alone, a model runs one device at a time. Two ways keep them all working:
 
