@@ -178,7 +178,7 @@ async def models(runtime: RuntimeDep) -> dict[str, Any]:
         "owned_by": "diffshard",
         "adapters": runtime.service.adapters() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
-        "vocabulary": runtime.service.pipeline.vocabulary() if runtime.service else None,
+        "vocabulary": runtime.service.vocabulary() if runtime.service else None,
     }
     return {"object": "list", "data": [model]}
 

@@ -51,9 +51,6 @@ LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever t
 DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
 
 
-CLOSED_VOCABULARY = 1000  # tokens: a tokenizer this small knows its words only (CLIP's has 49408)
-
-
 class Pipeline:
     """A family's text encoders and VAE, and its denoiser split by a ModelShard."""
 
@@ -163,17 +160,6 @@ class Pipeline:
             if name not in self.adapters.loaded:
                 raise InvalidRequest("lora", unknown_adapter(name, self.adapters.loaded))
         return resolve(request, self.defaults, self.family)
-
-    def vocabulary(self) -> tuple[str, ...] | None:
-        """The words a small, closed vocabulary knows (the built-in model's), to show users; None
-        for a real tokenizer, which spells any word."""
-        tokenizer = self.components.tokenizers[0] if self.components.tokenizers else None
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        if not vocab or len(vocab) > CLOSED_VOCABULARY:
-            return None
-        tokens = sorted(vocab, key=vocab.__getitem__)  # by id: in the order the vocabulary was made
-        words = (token.removesuffix("</w>") for token in tokens if token.endswith("</w>"))
-        return tuple(word for word in words if len(word) > 1 and word.isalpha())
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
         return with_defaults(request, self.defaults)

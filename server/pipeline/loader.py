@@ -26,6 +26,7 @@ from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
 
 PICKLES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+CLOSED_VOCABULARY = 1000  # tokens: a tokenizer this small knows its words only (CLIP's has 49408)
 # The libraries a folder may name, already imported (nothing is imported by a name the folder
 # gives, so neither the folder nor the working directory on sys.path can choose a module), and
 # the classes each may give: loadable parts, never a pipeline (whose own model_index.json could
@@ -45,6 +46,17 @@ def quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.disable_progress_bar()
+
+
+def closed_vocabulary(tokenizers: tuple[Any, ...]) -> tuple[str, ...] | None:
+    """The whole words a small, closed vocabulary knows (the built-in model's), in token order, to
+    show users; None for a real tokenizer, which spells any word."""
+    vocab = tokenizers[0].get_vocab() if tokenizers and tokenizers[0] is not None else {}
+    if not vocab or len(vocab) > CLOSED_VOCABULARY:
+        return None
+    tokens = sorted(vocab, key=vocab.__getitem__)  # by id: in the order the vocabulary was made
+    words = (token.removesuffix("</w>") for token in tokens if token.endswith("</w>"))
+    return tuple(word for word in words if len(word) > 1 and word.isalpha())
 
 
 @dataclass

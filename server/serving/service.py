@@ -20,6 +20,7 @@ import torch
 
 from server.errors import NotReady
 from server.pipeline import CompileStats, GenerationRequest, Pipeline, size_warning
+from server.pipeline.loader import closed_vocabulary
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
@@ -138,6 +139,10 @@ class Service:
         if (warning := self.size_warning(resolved[0])) is not None:
             log.warning("job %s: %s", job.id, warning)
         return queued
+
+    def vocabulary(self) -> tuple[str, ...] | None:
+        """The words the model's closed vocabulary knows (the built-in model's); None if it spells any."""
+        return closed_vocabulary(self.pipeline.components.tokenizers)
 
     @property
     def recommended_steps(self) -> int:
