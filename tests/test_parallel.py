@@ -209,7 +209,8 @@ def test_the_shapes_weighed_cover_subsets_of_the_devices() -> None:
 
 def test_replicas_of_a_subset_take_only_their_own_budgets() -> None:
     """Two absent GPUs with a budget each: a subset (one GPU, each replica's) is planned under
-    its own budget, not refused for the other's (flux-dev was said "not to fit one device")."""
+    its own budget, not refused for the other's (flux-dev was said "not to fit one device");
+    only the first replica holds the encoders and VAE."""
     model = tiny_sd15_unet()
     with planning_absent_devices():
         plan = plan_parallel(
@@ -219,8 +220,10 @@ def test_replicas_of_a_subset_take_only_their_own_budgets() -> None:
             block_costs=lambda *_, **__: _unit_costs(model),
             max_memory="cuda:14=1GiB,cuda:15=1GiB",
             dtype=torch.bfloat16,
+            resident=2**20,  # text encoders and VAE: with the first replica only, as Pipeline.load puts them
         )
     assert (plan.kind, plan.workers) == ("replicas", ("cuda:14", "cuda:15"))
+    assert [r.devices[0].other_bytes for r in plan.replicas] == [2**20, 0]
     assert all(c.rows_per_s and c.lone_step_s for c in plan.candidates)
 
 

@@ -199,7 +199,7 @@ class _Search:
         rows = self._lane_rows(stages)
         costs = self.block_costs(groups[0][0], threads, rows=rows, **self._sharing(workers, threads))
         try:
-            split = tuple(self._split(group, costs, stages) for group in groups)
+            split = tuple(self._split(group, costs, stages, i == 0) for i, group in enumerate(groups))
         except PlanError as err:
             return self.add(Candidate(replicas, stages, None, str(err)))
         step_s = self._slowest_stage_s(split[0], costs, rows) * self._stretch(workers, threads)
@@ -319,12 +319,14 @@ class _Search:
             self.singles[key] = plan_shards(self.model, list(devices), self.strategy, **costs, **options)
         return self.singles[key]
 
-    def _split(self, group: list[str], costs: Mapping[str, float], stages: int) -> ShardPlan:
+    def _split(self, group: list[str], costs: Mapping[str, float], stages: int, first: bool) -> ShardPlan:
         """One replica's plan over `group`: a pipeline balances its blocks' seconds (its slowest
-        stage sets the pace), a single stage just has to fit."""
+        stage sets the pace), a single stage just has to fit. The encoders and VAE sit with the
+        `first` replica's first stage only (`Pipeline.load`)."""
+        options = self._options(group) | ({} if first else {"resident": 0})
         if stages > 1:
-            return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **self._options(group))
-        return plan_shards(self.model, group, self.strategy, **self._options(group))
+            return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **options)
+        return plan_shards(self.model, group, self.strategy, **options)
 
     def _options(self, devices: Sequence[str]) -> dict[str, Any]:
         """`plan_shards`' options for a subset of the devices: only their own budgets (a budget
