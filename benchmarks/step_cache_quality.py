@@ -86,8 +86,9 @@ def per_image(
 
 
 def save_worst(folder: Path, name: str, off: np.ndarray, cached: np.ndarray) -> None:
+    """`worst_{name}_off.png` and `worst_{name}_cached.png`: the pair to look at."""
     folder.mkdir(parents=True, exist_ok=True)
-    for label, image in (("off", off), (name, cached)):
+    for label, image in (("off", off), ("cached", cached)):
         Image.fromarray(image.round().astype(np.uint8)).save(folder / f"worst_{name}_{label}.png")
 
 
