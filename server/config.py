@@ -32,7 +32,7 @@ SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
-GpuName = Annotated[str | None, BeforeValidator(lambda v: v and gpu_profile(v).name)]
+GpuName = Annotated[str, BeforeValidator(lambda v: gpu_profile(v).name)]
 
 
 def _pool_budgets(value: object) -> dict[str, int]:
@@ -116,9 +116,9 @@ class Settings(BaseSettings):
         "seconds) or measured (every block timed on random weights: minutes on a CPU; cached)",
     )
     device_profile: GpuName = Field(
-        None,
+        DEFAULT_PROFILE,
         description=f"the GPU that CUDA devices this host lacks are predicted as, from its published "
-        f"peaks ({', '.join(PROFILES)}; default: {DEFAULT_PROFILE}); this host's own are calibrated",
+        f"peaks: {', '.join(PROFILES)} (this host's own devices are calibrated)",
     )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,

@@ -43,6 +43,7 @@ from server.engine.gpus import (
     ATTENTION_SHARE,
     BANDWIDTH_SHARE,
     CONV_SHARE,
+    DEFAULT_PROFILE,
     MATMUL_SHARE,
     OP_OVERHEAD_S,
     GpuProfile,
@@ -92,7 +93,7 @@ def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype
     if not missing:
         return ""
     chosen = gpu_profile(profile)
-    how = "" if profile else " (the default; --device-profile chooses another)"
+    how = " (the default; --device-profile chooses another)" if chosen.name == DEFAULT_PROFILE else ""
     return (
         f"{', '.join(missing)} not on this host: predicted from the {chosen.name} profile{how}, "
         f"{chosen.describe(dtype)}, at {MATMUL_SHARE:.0%} and {BANDWIDTH_SHARE:.0%} of them"
