@@ -137,7 +137,7 @@ def test_stream_progress_counts_the_steps_and_leaves_the_images_alone(server: Li
 def test_a_queued_stream_hears_its_place_in_line_then_its_steps() -> None:
     """One request at a time (--max-batch 2: a guided image takes 2 rows): the third request to
     arrive waits second in line, then first once the running one is cancelled, then runs."""
-    with live_server("--max-batch", "2") as small, ThreadPoolExecutor(2) as pool:
+    with live_server("--max-batch", "2", "--parallel", "off") as small, ThreadPoolExecutor(2) as pool:
         url = f"{small.url}/v1/images/generations"
         body = {"prompt": "a red circle", "stream": True, "stream_progress": True, "seed": 1}
 
@@ -210,7 +210,7 @@ def test_a_queued_stream_hears_keep_alives_while_it_waits_and_then_completes() -
     """Behind a long request (one image at a time), a stream with no progress events asked for
     would be silent; it gets an SSE comment every --sse-keepalive-s instead, until its images."""
     keepalive_s = 0.3
-    with live_server("--max-batch", "2", "--sse-keepalive-s", str(keepalive_s)) as small:
+    with live_server("--max-batch", "2", "--parallel", "off", "--sse-keepalive-s", str(keepalive_s)) as small:
         url = f"{small.url}/v1/images/generations"
         long = {"prompt": "a blue square", "num_inference_steps": 100, "n": 2, "stream": True}
         with httpx.stream("POST", url, json=long, timeout=60) as first:
