@@ -105,8 +105,10 @@ def first_latents(
     full = mask is not None and edit.strength == 1.0  # inpainting at full strength starts from noise
     # as diffusers' pipelines draw from the generator: the image's posterior (unless an inpainting
     # denoiser starts from noise), the noise, then the masked image's posterior
-    clean = None if conditioned and full else _encode(vae, family, pixels, generator)
-    noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)
+    # Every tensor is moved to `device` (the latents') before they meet: the VAE may sit on another
+    # device, and the CPU generator's draws are on the CPU (as diffusers' randn_tensor draws them).
+    clean = None if conditioned and full else _encode(vae, family, pixels, generator).to(device)
+    noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE).to(device)
     latents = scope.rent(shape, LATENT_DTYPE, device)
     if full:
         latents.copy_(noise)
@@ -115,9 +117,9 @@ def first_latents(
         latents.copy_(family.noised(scheduler, clean, noise, first_t.reshape(1)))
     if mask is None:
         return Start(latents)
-    small = torch.nn.functional.interpolate(mask, size=shape[-2:])
+    small = torch.nn.functional.interpolate(mask, size=shape[-2:]).to(device)
     if conditioned:
-        masked = _encode(vae, family, pixels * (mask < 0.5), generator)
+        masked = _encode(vae, family, pixels * (mask < 0.5), generator).to(device)
         conditioning = torch.cat([small, masked], dim=1)
         return Start(latents, conditioning=_kept(scope, device, conditioning)[0])
     torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)  # the masked image's draw, unused
