@@ -6,8 +6,8 @@ defaults, so the plan `plan` prints is the plan `serve` runs."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
-import ipaddress
 import json
 import logging
 import os
@@ -20,13 +20,14 @@ from types import FrameType
 from wsgiref.simple_server import WSGIServer
 
 import uvicorn
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from server.api.connections import bounded_protocol
-from server.api.requestid import RequestIdFilter
+from server.api.metricsport import ProbeTarget, start_metrics_port
+from server.api.requestid import QueryRedaction, RequestIdFilter
 from server.app import create_app, plan_for
-from server.config import Settings
+from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
 from server.engine.devices import planning_absent_devices
 from server.engine.memory import bound_kernel_cache
@@ -179,11 +180,18 @@ class DrainingServer(uvicorn.Server):
     then the server exits 0. A second signal answers what is still in flight 503 and stops at
     once, without tracebacks (uvicorn would re-raise it as a KeyboardInterrupt)."""
 
-    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float, probes: ProbeTarget
+    ) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
+        self.probes = probes
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.probes.loop = asyncio.get_running_loop()  # the metrics port's /livez asks it to answer
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.draining:
@@ -212,13 +220,14 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())  # lines about a request end with its id
+    logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # a key sent in a query stays out
     _refuse_remote_fault_injection(settings)
     bound_kernel_cache()  # before planning times a convolution
     # Both ports are taken before anything loads: a busy port fails in a second, with one line,
     # rather than after the model loaded (or, for the metrics port, with a traceback).
     api_socket = bind_port(settings.host, settings.port, "port")
-    registry = CollectorRegistry()
-    exporter = serve_metrics(settings, registry) if settings.metrics_port else None
+    registry, probes = CollectorRegistry(), ProbeTarget()
+    exporter = serve_metrics(settings, registry, probes) if settings.metrics_port else None
     try:
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
@@ -240,7 +249,8 @@ def serve_command(args: argparse.Namespace) -> int:
             http=bounded_protocol(settings.read_timeout_s, settings.max_connections),
         )
         runtime: Runtime = app.state.runtime
-        server = DrainingServer(config, runtime, settings.drain_timeout_s)
+        probes.runtime = runtime
+        server = DrainingServer(config, runtime, settings.drain_timeout_s, probes)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         log.info("listening on http://%s:%d; loading %s", host, settings.port, settings.served_name)
         server.run(sockets=[api_socket])
@@ -276,13 +286,15 @@ def bind_port(host: str, port: int, setting: str) -> socket.socket:
     return sock
 
 
-def serve_metrics(settings: Settings, registry: CollectorRegistry) -> WSGIServer:
-    """Prometheus' exporter on the metrics port, serving `registry` (empty until the app fills it)."""
+def serve_metrics(settings: Settings, registry: CollectorRegistry, probes: ProbeTarget) -> WSGIServer:
+    """The metrics port: `registry` (empty until the app fills it) and the probes (api/metricsport.py)."""
     try:
-        exporter, _ = start_http_server(settings.metrics_port, settings.host, registry)
+        exporter = start_metrics_port(settings.host, settings.metrics_port, registry, probes)
     except OSError as err:
         raise _port_error("metrics_port", settings.host, settings.metrics_port, err) from None
-    log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+    log.info(
+        "metrics and probes (/livez, /readyz) on http://%s:%d/metrics", settings.host, settings.metrics_port
+    )
     return exporter
 
 
@@ -301,15 +313,6 @@ def _refuse_remote_fault_injection(settings: Settings) -> None:
             f"--inject-faults (DIFFSHARD_INJECT_FAULTS) is for tests: refused with --host {settings.host}; "
             "listen on a loopback address (127.0.0.1, ::1, localhost) or unset it"
         )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address `host` names is a loopback one."""
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-    except socket.gaierror:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _one_line(text: str) -> str:

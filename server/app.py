@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from server import __version__
 from server.api import docs, health, playground, routes
 from server.api.errors import install_error_handlers
+from server.api.hosts import TrustedHosts
 from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
@@ -255,6 +256,8 @@ def create_app(
         read_timeout_s=settings.read_timeout_s,
         by_path={"/v1/images/edits": (settings.edit_body_bytes, image_settings)},
     )
+    app.add_middleware(TrustedHosts, allowed_hosts=settings.trusted_hosts)  # before any body is read
+    app.router.redirect_slashes = False  # a redirect's Location would be built from the client's Host
     app.add_middleware(HttpMetrics, metrics=metrics, rejected=runtime.http_rejected)  # it sees the 413s too
     app.add_middleware(RequestContext)  # outermost: every answer carries the request id
     return app

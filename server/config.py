@@ -5,7 +5,9 @@ device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -80,6 +82,25 @@ def _sizes(value: object) -> tuple[int, ...]:
 
 
 CompileSizes = Annotated[tuple[int, ...], NoDecode, BeforeValidator(_sizes)]
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # what a browser on this host sends as Host
+HOST_PATTERN = re.compile(r"\*|(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\]")
+
+
+def _hosts(value: object) -> tuple[str, ...] | None:
+    """Host names as Starlette's TrustedHostMiddleware takes them: `*`, `*.example.com` or exact."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    hosts = tuple(str(item).strip().lower() for item in items if str(item).strip())
+    for host in hosts:
+        if not HOST_PATTERN.fullmatch(host):
+            raise ValueError(f"write *, *.example.com or a host (no scheme, port or path), got {host!r}")
+    if not hosts:
+        raise ValueError("name at least one host, or * for any")
+    return hosts
+
+
+AllowedHosts = Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(_hosts)]
 
 
 # parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
@@ -94,7 +115,18 @@ class Settings(BaseSettings):
     # Where to listen.
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in a container)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP API port")
-    metrics_port: int = Field(8001, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
+    metrics_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics and the probes /livez, /readyz; no auth: keep it inside the "
+        "cluster (0: off)",
+    )
+    allowed_hosts: AllowedHosts = Field(
+        None,
+        description="Host headers the API answers, e.g. api.example.com,*.example.com or * (default: "
+        "localhost, 127.0.0.1 and [::1] when host is a loopback address, else *)",
+    )
 
     # What to serve, and where.
     model: Path = Field(
@@ -298,6 +330,17 @@ class Settings(BaseSettings):
         return found
 
     @property
+    def trusted_hosts(self) -> tuple[str, ...]:
+        """`allowed_hosts`, or by default the loopback names on a loopback address (a web page's
+        DNS rebinding cannot reach it) and any host elsewhere (pod IPs, Service names, ingresses)."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        if not is_loopback(self.host):
+            return ("*",)
+        bound = f"[{self.host}]" if ":" in self.host else self.host.lower()
+        return tuple(dict.fromkeys((*LOOPBACK_NAMES, bound)))
+
+    @property
     def key_queue_limit(self) -> int:
         """Requests one API key may have waiting (`max_queue_per_key`, default half the line)."""
         return self.max_queue_per_key or max(1, self.max_queue // 2)
@@ -332,6 +375,15 @@ class Settings(BaseSettings):
     def edit_body_bytes(self) -> int:
         """An edit's body: its images and mask at their limit, beside the other fields."""
         return (self.max_edit_images + 1) * self.max_image_bytes + self.max_body_bytes
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def read_api_keys(path: Path) -> frozenset[str]:

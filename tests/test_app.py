@@ -21,7 +21,8 @@ from server.pipeline.requests import SEED_LIMIT
 def request(app, method: str, path: str, **kwargs) -> httpx.Response:
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        # 127.0.0.1: a name the Host check admits on a loopback-bound server (the default)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             return await client.request(method, path, **kwargs)
 
     return asyncio.run(call())

@@ -54,6 +54,7 @@ def raw_response(status: int, reason: str, message: str, code: str, headers: dic
         f"content-length: {len(body)}",
         "connection: close",
         f"x-request-id: {secrets.token_hex(8)}",  # as every answer has, though no request was read
+        "x-content-type-options: nosniff",
         *(f"{k}: {v}" for k, v in headers.items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -108,6 +109,13 @@ class _Bounded(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, in our envelope (and nosniff, as every
+        answer), instead of its plain text."""
+        message = f"the request is not valid HTTP/1.1 ({msg.rstrip('.')})"
+        self.transport.write(raw_response(400, "Bad Request", message, "invalid_http", {}))
+        self.transport.close()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None and not self.transport.is_closing():

@@ -4,7 +4,8 @@ Every request gets an id: the client's `x-request-id` when it is short and plain
 or a client's id carries through), else one made here. It comes back on every response and is
 in the log lines about the request, so a client quoting the id of a 500 leads an operator to
 the details that were kept out of the answer. An exception no handler took is logged here with
-that id and answered 500 with fixed text: a client never sees internals.
+that id and answered 500 with fixed text: a client never sees internals. Every answer also says
+`X-Content-Type-Options: nosniff`: a browser never reads a JSON error echoing client text as HTML.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class RequestContext:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                MutableHeaders(scope=message)[HEADER] = rid
+                headers = MutableHeaders(scope=message)
+                headers[HEADER] = rid
+                headers.setdefault("x-content-type-options", "nosniff")  # no answer is sniffed as HTML
             await send(message)
 
         try:
@@ -92,4 +95,21 @@ class RequestIdFilter(logging.Filter):
         if rid is not None and not hasattr(record, "request_id"):
             record.msg, record.args = f"{record.getMessage()} [request {rid}]", None
             record.request_id = rid
+        return True
+
+
+REDACTED = "?[query not logged]"
+
+
+class QueryRedaction(logging.Filter):
+    """For uvicorn's access logger: its line shows the path without the query string. A client
+    may send a key as `?api_key=...` (it is refused: keys go in the Authorization header), and a
+    log line must never hold one, so no query value is written down at all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and "?" in a for a in args):
+            record.args = tuple(
+                a.partition("?")[0] + REDACTED if isinstance(a, str) and "?" in a else a for a in args
+            )
         return True
