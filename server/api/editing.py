@@ -1,23 +1,26 @@
 """`POST /v1/images/edits`' multipart form, read into an `ImageEditRequest` and the `Edit`s the
-pipeline runs: files bounded and decoded by uploads.py, off the event loop. An inpainting keeps
-the pixels its mask leaves opaque unless `keep_unmasked` is false (see `check_fidelity`)."""
+pipeline runs: the form read part by part within its bounds (multipart.py), files decoded by
+uploads.py off the event loop, JSON-valued fields parsed as the JSON route parses its body. An
+inpainting keeps the pixels its mask leaves opaque unless `keep_unmasked` is false (see
+`check_fidelity`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 
 from server.api.errors import APIError
+from server.api.multipart import FormLimits, read_form
 from server.api.schemas import ImageEditRequest
 from server.api.uploads import MASK_FORMATS, mask_to_repaint, read_image
 from server.errors import InvalidRequest
 from server.serving import Edit, Limits
 
-FILE_FIELDS = ("image", "image[]", "mask")  # the SDK sends several images as image[]
+JSON_FIELDS = ("lora", "step_cache")  # step_cache: a policy's name, or JSON
 MAX_FORM_FIELDS = 64  # text fields: the body's fields, each once
 DEFAULT_STRENGTH = 0.8  # img2img: diffusers' default; inpainting repaints fully (1.0)
 
@@ -28,54 +31,59 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
     if not content_type.startswith("multipart/form-data"):
         message = f"send an edit as multipart/form-data (image, mask, prompt, ...), not {content_type!r}"
         raise APIError(400, message, code="invalid_content_type")
-    form = await request.form(max_files=limits.max_edit_images + 1, max_fields=MAX_FORM_FIELDS)
+    form = await read_form(request, form_limits(limits, request.app.state.settings.max_body_bytes))
+    fields: dict[str, object] = dict(form.fields)
+    for name in JSON_FIELDS:  # as the JSON route parses its body: too deep is a 400, not a crash
+        if name in fields and (name == "lora" or str(fields[name]).lstrip().startswith("{")):
+            fields[name] = json_field(name, str(fields[name]))
     try:
-        files: dict[str, list[UploadFile]] = {}
-        fields: dict[str, str] = {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile) != (key in FILE_FIELDS):
-                what = "a file" if key in FILE_FIELDS else "a text field, not a file"
-                raise InvalidRequest(key, f"must be {what}")
-            if isinstance(value, UploadFile):
-                files.setdefault(key, []).append(value)
-            elif key in fields:
-                raise InvalidRequest(key, "is given more than once")
-            else:
-                fields[key] = value
-        try:
-            body = ImageEditRequest.model_validate(fields)
-        except ValidationError as err:
-            raise RequestValidationError(err.errors()) from None
-        fidelity = body.input_fidelity
-        if fidelity not in (None, "low", "high"):
-            raise InvalidRequest("input_fidelity", f"must be low or high, got {fidelity!r}")
-        uploads = files.get("image", []) + files.get("image[]", [])
-        if not uploads:
-            raise InvalidRequest("image", "is required: the PNG, JPEG or WebP file to edit")
-        if len(uploads) > limits.max_edit_images:
-            message = f"{len(uploads)} images; the limit is {limits.max_edit_images}"
-            raise InvalidRequest("image", message, "DIFFSHARD_MAX_EDIT_IMAGES")
-        masks = files.get("mask", [])
-        if len(masks) > 1:
-            raise InvalidRequest("mask", f"one mask a request, got {len(masks)}")
-        check_fidelity(fidelity, body.keep_unmasked, masked=bool(masks))
-        bounds = {"max_bytes": limits.max_image_bytes, "max_pixels": limits.max_image_pixels}
-        images = [
-            await asyncio.to_thread(read_image, await upload.read(), "image", **bounds) for upload in uploads
-        ]
-        mask = None
-        if masks:
-            data = await masks[0].read()
-            read = await asyncio.to_thread(read_image, data, "mask", formats=MASK_FORMATS, **bounds)
-            mask = mask_to_repaint(read, images[0].size)
-    finally:
-        await form.close()
+        body = ImageEditRequest.model_validate(fields)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
+    fidelity = body.input_fidelity
+    if fidelity not in (None, "low", "high"):
+        raise InvalidRequest("input_fidelity", f"must be low or high, got {fidelity!r}")
+    uploads = form.files.get("image", []) + form.files.get("image[]", [])
+    if not uploads:
+        raise InvalidRequest("image", "is required: the PNG, JPEG or WebP file to edit")
+    masks = form.files.get("mask", [])
+    check_fidelity(fidelity, body.keep_unmasked, masked=bool(masks))
+    bounds = {"max_bytes": limits.max_image_bytes, "max_pixels": limits.max_image_pixels}
+    images = [await asyncio.to_thread(read_image, data, "image", **bounds) for data in uploads]
+    mask = None
+    if masks:
+        read = await asyncio.to_thread(read_image, masks[0], "mask", formats=MASK_FORMATS, **bounds)
+        mask = mask_to_repaint(read, images[0].size)
     edits = []
     for i, image in enumerate(images):
         masked = mask if i == 0 else None
         strength = body.strength if body.strength is not None else (1.0 if masked else DEFAULT_STRENGTH)
         edits.append(Edit(image.convert("RGB"), masked, strength, body.keep_unmasked))
     return body, edits
+
+
+def form_limits(limits: Limits, max_text_bytes: int) -> FormLimits:
+    """The edit form's bounds: its files by the image settings, its text as a JSON body's."""
+    return FormLimits(
+        max_file_bytes=limits.max_image_bytes,
+        max_files=(
+            (("image", "image[]"), limits.max_edit_images, "DIFFSHARD_MAX_EDIT_IMAGES"),
+            (("mask",), 1, None),
+        ),
+        max_text_bytes=max_text_bytes,
+        max_fields=MAX_FORM_FIELDS,
+    )
+
+
+def json_field(name: str, text: str) -> object:
+    """A form field holding JSON, parsed as the JSON route parses a body."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(name, "is nested too deeply to parse") from None
+    except ValueError:
+        example = '{"style": 0.8}' if name == "lora" else '{"policy": "deep", "interval": 3}'
+        raise InvalidRequest(name, f"is not valid JSON: send an object, e.g. {example}") from None
 
 
 def check_fidelity(fidelity: str | None, keep_unmasked: bool, *, masked: bool) -> None:

@@ -1,5 +1,7 @@
 """Refuse request bodies over a byte limit, or slower than the read timeout, before anything
-parses them. Routes that take images (edits) have a larger limit of their own.
+parses them. Routes that take images (edits) have a larger limit of their own, and their body
+is not read here: it streams to the route (which bounds each part as it comes, api/multipart.py)
+under the same limit and deadline, so a large upload is never held whole.
 
 The body is read here, up to the limit, and handed on whole; a body that goes past the
 limit (by its Content-Length or as it streams in) is answered 413 at once. A body that has not
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import envelope
+from server.api.errors import APIError, envelope
 
 CLOSE = {"connection": "close"}  # the body was not read to its end: the connection cannot be reused
 
@@ -42,6 +45,9 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(scope, receive, send, limit, setting)
             return
+        if scope["path"] in self.by_path:
+            await self._stream(scope, receive, send, limit, setting)
+            return
         try:
             async with asyncio.timeout(self.read_timeout_s):
                 body = await self._read(receive, limit)
@@ -66,6 +72,41 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, limit: int, setting: str) -> None:
+        """The app reads the body itself; past the limit or the deadline, its read raises the
+        413 or 408 (an APIError, answered by its handler), and any answer sent before the body's
+        end closes the connection (h11 cannot reuse it; uvicorn would keep reading it)."""
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
+        size, done = 0, False
+
+        async def bounded() -> Message:
+            nonlocal size, done
+            if done:  # the body is in: what follows is the disconnect the route may wait for
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                late = f"the request body did not arrive within {self.read_timeout_s:g} s"
+                late += " (DIFFSHARD_READ_TIMEOUT_S)"
+                raise APIError(408, late, code="request_timeout", headers=CLOSE) from None
+            if message["type"] != "http.request":
+                done = True
+                return message
+            size += len(message.get("body", b""))
+            if size > limit:
+                too_large = f"the request body is over {limit} bytes ({setting})"
+                raise APIError(413, too_large, code="body_too_large", headers=CLOSE)
+            done = not message.get("more_body", False)
+            return message
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and not done:
+                MutableHeaders(scope=message)["connection"] = "close"
+            await send(message)
+
+        await self.app(scope, bounded, closing)
 
     async def _read(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or its first bytes past the limit; None if the client left."""

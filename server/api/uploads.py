@@ -1,12 +1,13 @@
 """Images sent to /v1/images/edits, decoded safely: untrusted bytes are bounded before Pillow
 allocates anything.
 
-Each file is checked in this order: its bytes against `max_image_bytes`; its format (PNG, JPEG
-or WebP; a mask: PNG, as OpenAI asks) from its header; its width x height, also read from the
-header, against `max_image_pixels` (a 20 000 x 20 000 PNG of a few hundred bytes is refused
-here, never decoded: Pillow's own decompression-bomb limit, set from the same bound at startup,
-is a second fence). Only then are the pixels decoded. Every refusal is an InvalidRequest naming
-the field (`image`, `mask`) and, for a limit, its setting.
+Each file is checked in this order: its bytes against `max_image_bytes`; a PNG's every chunk
+against its CRC (Pillow skips the image data's); its format (PNG, JPEG or WebP; a mask: PNG, as
+OpenAI asks) from its header; its width x height, also read from the header, against
+`max_image_pixels` (a 20 000 x 20 000 PNG of a few hundred bytes is refused here, never decoded:
+Pillow's own decompression-bomb limit, set from the same bound at startup, is a second fence).
+Only then are the pixels decoded. Every refusal is an InvalidRequest naming the field (`image`,
+`mask`) and, for a limit, its setting.
 
 OpenAI's mask marks the region to repaint by full transparency (alpha 0); diffusers' mask marks
 it white. `mask_to_repaint` turns one into the other.
@@ -15,12 +16,15 @@ it white. `mask_to_repaint` turns one into the other.
 from __future__ import annotations
 
 import io
+import struct
 import warnings
+import zlib
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from server.errors import InvalidRequest
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 MASK_FORMATS = ("PNG",)
 
@@ -40,6 +44,8 @@ def read_image(
         message = f"is {len(data)} bytes; the limit is {max_bytes}"
         raise InvalidRequest(field, message, "DIFFSHARD_MAX_IMAGE_BYTES")
     named = " or ".join(f.lower() for f in formats)
+    if data.startswith(PNG_SIGNATURE):
+        check_png_chunks(data, field)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -61,6 +67,27 @@ def read_image(
         raise InvalidRequest(
             field, f"could not be decoded as a {named} image ({type(err).__name__})"
         ) from None
+
+
+def check_png_chunks(data: bytes, field: str) -> None:
+    """Every chunk's CRC, up to IEND: Pillow skips the image data's (IDAT) CRCs, so a corrupted
+    upload would be decoded into whatever its damaged bytes say. Strict: a bad CRC, a chunk
+    running past the end or no IEND is refused."""
+    at = len(PNG_SIGNATURE)
+    while True:
+        if at + 12 > len(data):
+            raise InvalidRequest(field, "is a truncated PNG: it ends before its IEND chunk")
+        (length,) = struct.unpack_from(">I", data, at)
+        kind_and_data = memoryview(data)[at + 4 : at + 8 + length]  # no copy of a large IDAT
+        if at + 12 + length > len(data):
+            raise InvalidRequest(field, "is a truncated PNG: a chunk runs past the end of the file")
+        (crc,) = struct.unpack_from(">I", data, at + 8 + length)
+        if zlib.crc32(kind_and_data) != crc:
+            kind = bytes(kind_and_data[:4]).decode("latin-1", "replace")
+            raise InvalidRequest(field, f"is a corrupt PNG: its {kind!r} chunk fails its CRC check")
+        if bytes(kind_and_data[:4]) == b"IEND":
+            return
+        at += 12 + length
 
 
 def mask_to_repaint(mask: Image.Image, image_size: tuple[int, int]) -> Image.Image:
