@@ -7,6 +7,7 @@ built here under fixed seeds, in the diffusers/PEFT file format (safetensors).""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    FluxPipeline,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -24,10 +30,10 @@ from server.config import Settings
 from server.demo import MODEL_DIR
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import read_adapter
+from server.pipeline.lora import RowsMismatch, read_adapter, rows_asking
 from server.pipeline.schedulers import make_scheduler
 from tests.live import LiveServer, free_port, live_server
-from tests.tiny_pipelines import diffusers_image
+from tests.tiny_pipelines import build_flux_folder, diffusers_image
 
 # diffusers' reference pipeline, given a second adapter, says peft holds several: as it should
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
@@ -281,3 +287,103 @@ def test_lora_settings_gather_flags_and_a_folder_and_refuse_clashes(loras, tmp_p
         _ = Settings(lora=[f"detail={loras['sd15']['A']}"], lora_dir=folder).adapters
     with pytest.raises(ValueError, match="NAME=PATH"):
         Settings(lora=["no-equals-sign"])
+
+
+def test_rslora_adapters_scale_by_the_square_root_of_the_rank_as_peft(folders, loras, tmp_path) -> None:
+    """peft's `use_rslora` in the file's metadata: scaling alpha / √rank, not alpha / rank."""
+    tensors = load_file(loras["sd15"]["A"])
+    parts = {
+        part: {k.removeprefix(f"{part}."): v for k, v in tensors.items() if k.startswith(f"{part}.")}
+        for part in ("unet", "text_encoder")
+    }
+    config = {"r": RANK, "lora_alpha": 2 * RANK, "use_rslora": True}
+    StableDiffusionPipeline.save_lora_weights(
+        tmp_path,
+        unet_lora_layers=parts["unet"],
+        text_encoder_lora_layers=parts["text_encoder"],
+        weight_name="rslora.safetensors",
+        unet_lora_adapter_metadata={**config, "target_modules": list(UNET_TARGETS)},
+        text_encoder_lora_adapter_metadata={**config, "target_modules": list(TEXT_TARGETS)},
+    )
+    path = tmp_path / "rslora.safetensors"
+    pipeline = ours(folders["sd15"], "sd15", {"R": path}, devices="cpu")
+    pairs = [p for part in pipeline.adapters.loaded["R"].parts.values() for p in part.values()]
+    assert {p.scaling for p in pairs} == {2 * RANK / RANK**0.5}  # 4, where alpha / rank is 2
+    mine = pipeline.generate([request({"R": 0.5})])[0]
+    reference = theirs(
+        folders["sd15"], "sd15", {"R": path}, {"R": 0.5}, pipeline.resolve(request({"R": 0.5}))
+    )
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+
+
+FLUX_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "proj_out")
+
+
+def test_flux_files_with_alpha_keys_load_at_the_strength_flux_pipeline_gives(tmp_path) -> None:
+    """A FLUX LoRA as trainers write it (`<module>.alpha` beside each pair): diffusers reads the
+    alphas only with `return_alphas=True`; here alpha ≠ rank, and differs between modules."""
+    folder = build_flux_folder(tmp_path / "flux")
+    pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    generator = torch.Generator().manual_seed(11)
+    tensors: dict[str, torch.Tensor] = {}
+    for part, model, targets in (
+        ("transformer", pipe.transformer, FLUX_TARGETS),
+        ("text_encoder", pipe.text_encoder, TEXT_TARGETS),
+    ):
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and name.endswith(targets):
+                fan_out, fan_in = module.weight.shape
+                tensors[f"{part}.{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=generator) * 0.3
+                tensors[f"{part}.{name}.lora_B.weight"] = (
+                    torch.randn(fan_out, RANK, generator=generator) * 0.3
+                )
+                alpha = 1.0 if name.endswith("to_q") else 2.0 * RANK
+                tensors[f"{part}.{name}.alpha"] = torch.tensor(alpha)
+    path = tmp_path / "flux-lora.safetensors"
+    save_file(tensors, path)
+    pipeline = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+    pipeline.add_adapter(read_adapter("F", path, pipeline.family))
+    adapter = pipeline.adapters.loaded["F"]
+    assert sorted(adapter.parts) == ["text_encoder", "transformer"]
+    alphas = {m: p.alpha for pairs in adapter.parts.values() for m, p in pairs.items()}
+    assert len(alphas) == len(tensors) // 3  # every pair, each with its own alpha
+    assert {a for m, a in alphas.items() if m.endswith("to_q")} == {1.0}
+    assert {a for m, a in alphas.items() if not m.endswith("to_q")} == {2.0 * RANK}
+    asked = GenerationRequest(
+        "a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32, lora=(("F", 0.8),)
+    )
+    mine = pipeline.generate([asked])[0]
+    base = pipeline.generate([dataclasses.replace(asked, lora=())])[0]
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(tmp_path), weight_name=path.name, adapter_name="F")
+    pipe.set_adapters(["F"], [0.8])
+    reference = diffusers_image(pipe, pipeline.resolve(asked))
+    assert float(np.abs(mine - reference).max()) < TOLERANCE
+    assert float(np.abs(mine - base).max()) > 20 * TOLERANCE
+
+
+def test_a_call_whose_rows_do_not_match_its_plan_raises_instead_of_skipping_adapters(folders, loras) -> None:
+    pipeline = ours(folders["sd15"], "sd15", {"A": loras["sd15"]["A"]}, devices="cpu")
+    tokens = pipeline.components.tokenizers[0](
+        ["a red circle"] * 2, padding="max_length", return_tensors="pt"
+    )
+    encoder = pipeline.encoders[0]
+    with rows_asking([(("A", 1.0),)] * 2), torch.inference_mode():
+        encoder(tokens.input_ids)  # the plan's rows: fine
+    with (
+        rows_asking([(("A", 1.0),)] * 3),
+        torch.inference_mode(),
+        pytest.raises(RowsMismatch, match="2 rows"),
+    ):
+        encoder(tokens.input_ids)
+
+
+def test_an_adapter_removed_leaves_the_base_model_bit_for_bit(folders, loras) -> None:
+    plain = Pipeline.load(folders["sd15"], devices="cpu").generate([request({})])[0]
+    pipeline = ours(folders["sd15"], "sd15", loras["sd15"], devices="cpu")
+    styled = pipeline.generate([request({"B": 1.0})])[0]
+    pipeline.adapters.remove("A")
+    assert pipeline.generate([request({"B": 1.0})])[0].tolist() == styled.tolist()  # B as it was
+    pipeline.adapters.remove("B")
+    assert not any(m._forward_hooks for e in pipeline.encoders if e is not None for m in e.modules())
+    np.testing.assert_array_equal(pipeline.generate([request({})])[0], plain)

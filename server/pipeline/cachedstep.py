@@ -11,7 +11,7 @@ import torch
 from server.engine import ModelShard
 from server.engine.blocks import DenoiserInputs
 from server.engine.stepcache import RowGroup
-from server.pipeline.lora import Choice, rows_asking
+from server.pipeline.adapters import Choice, rows_asking
 from server.pipeline.state import RequestState, spans
 
 

@@ -14,17 +14,21 @@ are stacked (`Stacked`): one product down through every adapter's A, each row's 
 (0 for adapters it did not ask for), one product up: a fixed number of ops whatever the mix.
 
 Which rows ask for what is set around each call (`rows_asking`), per thread: each step loop's
-thread runs its own calls, so lanes sharing one copy of the weights do not see each other's.
+thread runs its own calls, so lanes sharing one copy of the weights do not see each other's. A
+call whose batch is not the plan's rows raises (`RowsMismatch`): adapters silently skipped would
+be a wrong image. Adapters attach and detach at runtime under `adapters.CHANGES`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import json
+import math
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,35 +46,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from server.errors import ModelFolderError
+from server.pipeline.adapters import CHANGES, RowPlan, RowsMismatch, Uses, current_plan
+from server.pipeline.adapters import rows_asking as rows_asking  # where callers have always found it
 from server.pipeline.families import Family
-
-Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
-
-_asking = threading.local()  # .plan: the RowPlan of the call in flight on this thread
-
-
-class RowPlan:
-    """Which rows of one call ask for which adapter, at what scale. Per set of adapters a layer
-    holds, a mask [rows, their ranks stacked] of each row's scale, made once per call and device
-    (not once per layer)."""
-
-    def __init__(self, rows: Sequence[Choice]) -> None:
-        self.rows = rows
-        self._masks: dict[tuple, torch.Tensor | None] = {}
-
-    def mask(self, stacked: Stacked, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """[rows, sum of ranks]: a row's scale for each adapter's columns (0: not asked); None if
-        no row asks for any of `stacked`'s adapters."""
-        key = (stacked.names, stacked.ranks, device, dtype)
-        if key not in self._masks:
-            scales = [dict(choice) for choice in self.rows]
-            per_column = [
-                [s.get(n, 0.0) for n, r in zip(stacked.names, stacked.ranks, strict=True) for _ in range(r)]
-                for s in scales
-            ]
-            asked = any(n in s for s in scales for n in stacked.names)
-            self._masks[key] = torch.tensor(per_column, device=device, dtype=dtype) if asked else None
-        return self._masks[key]
 
 
 @dataclass(frozen=True)
@@ -96,11 +74,13 @@ class Stacked:
 
 @dataclass(frozen=True)
 class LoraPair:
-    """One targeted layer of one adapter: `up @ down`, times `alpha / rank`."""
+    """One targeted layer of one adapter: `up @ down`, times `alpha / rank` (rsLoRA, peft's
+    `use_rslora`: `alpha / √rank`)."""
 
     down: torch.Tensor  # lora_A: [rank, in] (conv: [rank, in, kh, kw])
     up: torch.Tensor  # lora_B: [out, rank] (conv: [out, rank, 1, 1])
     alpha: float
+    rslora: bool = False
 
     @property
     def rank(self) -> int:
@@ -108,7 +88,7 @@ class LoraPair:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
 @dataclass
@@ -153,8 +133,10 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
     raw = load_file(path)
     with safe_open(path, "pt") as header:
         metadata = json.loads((header.metadata() or {}).get("lora_adapter_metadata", "{}") or "{}")
-    read = pipeline_class.lora_state_dict(raw)  # diffusers converts kohya's keys
-    # SD and SDXL give (state, network alphas); SD3's loader, the state alone
+    # FLUX's loader pops `.alpha` keys and drops them unless asked to return them, as its
+    # load_lora_weights asks; SD and SDXL's always give (state, network alphas); SD3's, the state
+    asks = "return_alphas" in inspect.signature(pipeline_class.lora_state_dict).parameters
+    read = pipeline_class.lora_state_dict(raw, **({"return_alphas": True} if asks else {}))
     state, alphas = read if isinstance(read, tuple) else (read, None)
     adapter = Adapter(name, path)
     by_part: dict[str, dict[str, torch.Tensor]] = {}
@@ -171,11 +153,10 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
         part_alphas = {
             k.removeprefix(f"{part}."): v for k, v in (alphas or {}).items() if k.startswith(f"{part}.")
         }
-        pairs, module_alphas = (
-            _pairs(_as_peft(tensors, text), f"LoRA {name!r}: {path.name}"),
-            _alphas_by_module(part_alphas, text),
-        )
+        pairs = _pairs(_as_peft(tensors, text), f"LoRA {name!r}: {path.name}")
+        module_alphas = _alphas_by_module(part_alphas, text, pairs)
         config = _part_config(metadata, part)
+        rslora = bool(config.get("use_rslora", False))
         for module, pair in pairs.items():
             if set(pair) != {"down", "up"}:
                 raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {part}.{module}")
@@ -183,7 +164,9 @@ def read_adapter(name: str, path: Path, family: Family) -> Adapter:
             alpha = module_alphas.get(module)
             if alpha is None:
                 alpha = _configured_alpha(config, module, rank)
-            adapter.parts.setdefault(part, {})[module] = LoraPair(pair["down"], pair["up"], float(alpha))
+            adapter.parts.setdefault(part, {})[module] = LoraPair(
+                pair["down"], pair["up"], float(alpha), rslora
+            )
     if not adapter.parts:
         raise ModelFolderError(f"LoRA {name!r}: {path.name} holds no LoRA weights")
     return adapter
@@ -217,12 +200,15 @@ def _as_peft(tensors: dict[str, Any], text: bool) -> dict[str, Any]:
     return convert_unet_state_dict_to_peft(tensors)
 
 
-def _alphas_by_module(alphas: dict[str, float], text: bool) -> dict[str, float]:
-    """kohya's alphas (keyed by the converted down weight + `.alpha`) by module: their keys go
-    through the same conversion as the weights'."""
-    weights = [key.removesuffix(".alpha") for key in alphas]
+def _alphas_by_module(alphas: dict[str, Any], text: bool, modules: Mapping[str, Any]) -> dict[str, Any]:
+    """Alphas by module: FLUX's `<module>.alpha` name a module already (PEFT form); kohya's (keyed
+    by the converted down weight + `.alpha`) go through the same conversion as the weights'."""
+    direct = {k.removesuffix(".alpha"): v for k, v in alphas.items() if k.removesuffix(".alpha") in modules}
+    kohya = {k: v for k, v in alphas.items() if k.removesuffix(".alpha") not in modules}
+    weights = [key.removesuffix(".alpha") for key in kohya]
     converted = _as_peft(dict.fromkeys(weights, 0), text)
-    return {key.split(".lora_")[0]: alpha for key, alpha in zip(converted, alphas.values(), strict=True)}
+    by_module = {key.split(".lora_")[0]: a for key, a in zip(converted, kohya.values(), strict=True)}
+    return by_module | direct
 
 
 def _pairs(tensors: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
@@ -244,25 +230,47 @@ class Adapters:
         self.models = models
         self.loaded: dict[str, Adapter] = {}
         self.sets: dict[int, AdapterSet] = {}  # id(model) → its adapters
+        self.uses = Uses()  # jobs holding each adapter; those being unloaded
 
     def add(self, adapter: Adapter) -> None:
-        if adapter.name in self.loaded:
-            raise ModelFolderError(f"two adapters are named {adapter.name!r}: give each its own name")
-        for part in adapter.parts:
-            if part not in self.models:
-                raise ModelFolderError(
-                    f"LoRA {adapter.name!r} targets {part}, which this model does not have"
-                )
-        for part in adapter.parts:
-            for model in self.models[part]:
-                self.sets.setdefault(id(model), AdapterSet(model, part)).add(adapter)
-        self.loaded[adapter.name] = adapter
+        """Attach `adapter` everywhere it targets (waits for the calls in flight), or raise
+        ModelFolderError with nothing attached."""
+        with CHANGES.writing():
+            if adapter.name in self.loaded:
+                raise ModelFolderError(f"two adapters are named {adapter.name!r}: give each its own name")
+            for part in adapter.parts:
+                if part not in self.models:
+                    raise ModelFolderError(
+                        f"LoRA {adapter.name!r} targets {part}, which this model does not have"
+                    )
+            for model, part in [(m, p) for p in adapter.parts for m in self.models[p]]:  # checked first
+                AdapterSet(model, part).check(adapter)
+            for part in adapter.parts:
+                for model in self.models[part]:
+                    self.sets.setdefault(id(model), AdapterSet(model, part)).add(adapter)
+            self.loaded[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Detach `name` from every model (waits for the calls in flight); its hooks go with it
+        where it was a layer's last adapter."""
+        with CHANGES.writing():
+            self.loaded.pop(name, None)
+            for adapter_set in self.sets.values():
+                adapter_set.remove(name)
+        self.uses.gone(name)
+
+    def release(self, names: set[str]) -> None:
+        """A job's end: the leaving adapters it was the last to hold are detached, off this thread
+        (a step loop's or the watchdog's: detaching waits for the calls in flight)."""
+        for name in self.uses.release(names):
+            threading.Thread(target=self.remove, args=(name,), name="diffshard-unload", daemon=True).start()
 
     def bytes_on(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for adapter_set in self.sets.values():
-            for device, size in adapter_set.bytes_on().items():
-                out[device] = out.get(device, 0) + size
+        with CHANGES.reading():  # a stats reader: not while an adapter is being attached
+            for adapter_set in self.sets.values():
+                for device, size in adapter_set.bytes_on().items():
+                    out[device] = out.get(device, 0) + size
         return out
 
 
@@ -286,21 +294,37 @@ class AdapterSet:
         self.stacked: dict[str, Stacked] = {}  # module name → its adapters, stacked
         self._hooks: dict[str, Any] = {}
 
-    def add(self, adapter: Adapter) -> None:
+    def check(self, adapter: Adapter) -> dict[str, LoraPair]:
+        """`adapter`'s pairs for this model by module name; ModelFolderError at the first misfit."""
         modules = dict(self.model.named_modules())
         pairs = {_named(name, modules): pair for name, pair in adapter.parts.get(self.part, {}).items()}
-        for module_name, pair in pairs.items():  # all checked before any is attached
-            _check_fits(adapter, module_name, modules.get(module_name), pair)
         for module_name, pair in pairs.items():
+            _check_fits(adapter, module_name, modules.get(module_name), pair)
+        return pairs
+
+    def add(self, adapter: Adapter) -> None:
+        modules = dict(self.model.named_modules())
+        for module_name, pair in self.check(adapter).items():
             layer = modules[module_name]
             weight = layer.weight
-            placed = LoraPair(
-                pair.down.to(weight.device, weight.dtype), pair.up.to(weight.device, weight.dtype), pair.alpha
+            placed = dataclasses.replace(
+                pair,
+                down=pair.down.to(weight.device, weight.dtype),
+                up=pair.up.to(weight.device, weight.dtype),
             )
             self.layers.setdefault(module_name, {})[adapter.name] = placed
             self.stacked[module_name] = Stacked.of(self.layers[module_name])
             if module_name not in self._hooks:
                 self._hooks[module_name] = layer.register_forward_hook(self._hook(module_name))
+
+    def remove(self, name: str) -> None:
+        for module_name in [m for m, by_name in self.layers.items() if name in by_name]:
+            del self.layers[module_name][name]
+            if self.layers[module_name]:
+                self.stacked[module_name] = Stacked.of(self.layers[module_name])
+            else:  # no adapter left on this layer: it runs as the base model's, hook-free
+                del self.layers[module_name], self.stacked[module_name]
+                self._hooks.pop(module_name).remove()
 
     def bytes_on(self) -> dict[str, int]:
         """Adapter bytes per device."""
@@ -315,9 +339,14 @@ class AdapterSet:
 
     def _hook(self, module_name: str):
         def add_deltas(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            plan: RowPlan | None = getattr(_asking, "plan", None)
-            if plan is None or len(plan.rows) != output.shape[0]:
+            plan: RowPlan | None = current_plan()
+            if plan is None:
                 return output
+            if len(plan.rows) != output.shape[0]:
+                raise RowsMismatch(
+                    f"{self.part}.{module_name} got {output.shape[0]} rows under a plan for "
+                    f"{len(plan.rows)}: a caller must narrow rows_asking to the rows it runs"
+                )
             stacked = self.stacked[module_name]
             mask = plan.mask(stacked, output.device, output.dtype)
             if mask is None:  # no row of this call asks for this layer's adapters
@@ -355,14 +384,3 @@ def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: Lora
             f"{where} maps {weight.shape[1]} features to {weight.shape[0]}, the adapter "
             f"{pair.down.shape[1]} to {pair.up.shape[0]} (rank {pair.rank})"
         )
-
-
-@contextmanager
-def rows_asking(rows: Sequence[Choice]) -> Iterator[None]:
-    """Within: the calls on this thread carry `rows` (one Choice per row of their batch)."""
-    before = getattr(_asking, "plan", None)
-    _asking.plan = RowPlan(rows) if any(rows) else None
-    try:
-        yield
-    finally:
-        _asking.plan = before
