@@ -80,11 +80,13 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
 WORKDIR /app
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001
-# 8000: the API (OpenAI Images API, /livez, /readyz); 8001: Prometheus /metrics
+# 8000: the API (OpenAI Images API, /livez, /readyz); 8001: Prometheus /metrics and the probes
+# (no auth: keep it inside the cluster or on 127.0.0.1)
 EXPOSE 8000 8001
-# Ready once the model is loaded; 503 (so unhealthy) while loading, draining or broken. No auth on it.
+# Ready once the model is loaded; 503 (so unhealthy) while loading, draining or broken. Asked on
+# the metrics port: clients holding every API connection cannot make it fail.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('DIFFSHARD_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('DIFFSHARD_METRICS_PORT', '8001'), timeout=4)"]
 # SIGTERM drains in-flight requests for up to DIFFSHARD_DRAIN_TIMEOUT_S (30 s) plus 5 s to finish:
 # give the container longer than that to stop (docker run --stop-timeout 45, compose stop_grace_period).
 ENTRYPOINT ["python", "-m", "server"]

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
+from server.api.health import PROBES
 from server.app import create_app
 from server.config import Settings
 from server.metrics import CATALOG, PREFIX
@@ -124,14 +125,15 @@ def test_ports_and_probes_are_the_servers(name: str) -> None:
     for rule in the(objects, "NetworkPolicy")["spec"]["ingress"]:
         assert {p["port"] for p in rule["ports"]} <= set(ports)
     probes = [container(objects)[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
-    assert {p["path"] for p in probes} <= route_paths()
-    assert {p["port"] for p in probes} == {"http"}
+    # on the metrics port, which answers them too: never refused with clients' connections
+    assert {p["path"] for p in probes} <= set(PROBES) <= route_paths()
+    assert {p["port"] for p in probes} == {"metrics"}
 
 
 def test_images_compose_and_scrape_config_use_the_servers_ports_and_paths() -> None:
     defaults = Settings.model_fields
     api, metrics = defaults["port"].default, defaults["metrics_port"].default
-    paths = {api: route_paths() | {"", "/"}, metrics: {"", "/", "/metrics"}}
+    paths = {api: route_paths() | {"", "/"}, metrics: {"", "/", "/metrics", *PROBES}}
     for dockerfile in ROOT.glob("Dockerfile*"):
         exposed = re.findall(r"^EXPOSE (.+)$", read(dockerfile), re.M)
         assert {int(p) for line in exposed for p in line.split()} == {api, metrics}, dockerfile.name
