@@ -1,5 +1,6 @@
-"""/v1: OpenAI's Images API, the model list, the shard and step-loop views. Routes stay thin:
-the wire format is schemas.py's, checks and generation the serving layer's, errors errors.py's."""
+"""/v1: OpenAI's Images API, the model list, the shard and step-loop views, adapters loaded and
+unloaded at runtime. Routes stay thin: the wire format is schemas.py's, checks and generation
+the serving layer's, errors errors.py's."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import asyncio
 import base64
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
@@ -201,3 +204,66 @@ async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     viewer = None if request.state.admin else request.state.owner
     engine = service.stats().seen_by(viewer).to_dict() | {"rejected": runtime.rejected()}
     return {"engine": engine, "pool": service.pool(), "threads": service.threads, "compile": compiled}
+
+
+class AdapterLoad(BaseModel):
+    """An adapter to serve from now on: a file of the server's --lora-dir, by its name there."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="what requests call it (`lora`); letters, digits, _ . -")
+    file: str | None = Field(
+        None, description="the .safetensors file in --lora-dir (default: NAME.safetensors)"
+    )
+
+
+ADAPTER_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "a bad name or file, a file that does not fit the model"},
+    403: {"description": "not an admin key, or the server has no admin keys or no --lora-dir"},
+    404: {"description": "no adapter of that name is served"},
+    409: {"description": "an adapter of that name is served (or still unloading)"},
+}
+
+
+def _admin_folder(request: Request) -> Path:
+    """The folder runtime adapters come from, for an admin; 403 otherwise. Without admin keys
+    every caller would count as one (auth.py), so runtime changes stay off: a server with no
+    keys is open to anyone on its network, and loading code-free weights still changes every
+    image an adapter's users get."""
+    if not request.app.state.admin_keys:
+        message = "adapters change at runtime only on a server with admin keys (--admin-key-file)"
+        raise APIError(403, message, code="permission_denied")
+    if not request.state.admin:
+        raise APIError(403, "loading and unloading adapters takes an admin key", code="permission_denied")
+    folder = request.app.state.settings.lora_dir
+    if folder is None:
+        message = "adapters load at runtime from --lora-dir only, and this server has none"
+        raise APIError(403, message, code="permission_denied")
+    return folder
+
+
+@router.post("/adapters", status_code=201, responses=ADAPTER_ERRORS)
+async def load_adapter(body: AdapterLoad, request: Request, service: ServiceDep) -> dict[str, Any]:
+    """Serve a LoRA file of --lora-dir from the next request on (admin keys only): it attaches
+    between two steps, running requests unchanged. Answers what /v1/models lists for it."""
+    folder = _admin_folder(request)
+    if service.serves_adapter(body.name):
+        raise APIError(409, f"an adapter named {body.name!r} is served (or still unloading)", code="conflict")
+    file = body.file or f"{body.name}.safetensors"
+    return await asyncio.to_thread(service.load_adapter, body.name, file, folder)
+
+
+@router.delete(
+    "/adapters/{name}", responses={202: {"description": "unloading: requests still use it"}, **ADAPTER_ERRORS}
+)
+async def unload_adapter(name: str, request: Request, service: ServiceDep) -> JSONResponse:
+    """Stop serving an adapter (admin keys only): requests asking for it get 400 from now on;
+    those running finish with it, and it is detached after the last (202 until then)."""
+    _admin_folder(request)
+    try:
+        users = await asyncio.to_thread(service.unload_adapter, name)
+    except KeyError:
+        raise APIError(
+            404, f"no adapter named {name!r} is served (GET /v1/models)", code="not_found"
+        ) from None
+    body = {"name": name, "status": "unloading" if users else "unloaded", "requests": users}
+    return JSONResponse(body, status_code=202 if users else 200)

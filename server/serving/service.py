@@ -14,13 +14,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from server.errors import NotReady
+from server.errors import InvalidRequest, ModelFolderError, NotReady
 from server.pipeline import CompileStats, GenerationRequest, Pipeline, size_warning
+from server.pipeline.adapters import adapter_file
 from server.pipeline.loader import closed_vocabulary
+from server.pipeline.lora import read_adapter
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
@@ -129,6 +132,26 @@ class Service:
         check_limits(filled, self.limits)  # policy first: its message names the setting to change
         resolved = [self.pipeline.resolve(r) for r in filled]
         rows = sum(self.pipeline.rows(r) for r in resolved)
+        held = {name for r in resolved for name, _ in r.lora}
+        self.pipeline.adapters.uses.hold(held)  # an adapter being unloaded: InvalidRequest
+        try:
+            queued = self._queue(resolved, rows, request_id, on_partial, on_progress, owner)
+        except BaseException:
+            self.pipeline.adapters.release(held)
+            raise
+        # its adapters stay attached until it ends, however it ends
+        queued.future.add_done_callback(lambda _: self.pipeline.adapters.release(held))
+        return queued
+
+    def _queue(
+        self,
+        resolved: list[GenerationRequest],
+        rows: int,
+        request_id: str | None,
+        on_partial: Callable[[int, int, Any], None] | None,
+        on_progress: Callable[[], None] | None,
+        owner: str | None,
+    ) -> Job:
         job = Job(resolved, rows, self.limits.request_timeout_s, owner=owner)
         if request_id is not None:  # the loop's log lines name the job: the request's own id
             # ids come from clients: one already in use gets a suffix, so /v1/stats keeps both
@@ -187,8 +210,41 @@ class Service:
         }
 
     def adapters(self) -> list[dict[str, Any]]:
-        """The LoRA adapters served: name, rank, parts, target modules, bytes."""
-        return [a.describe() | {"bytes": a.bytes} for a in self.pipeline.adapters.loaded.values()]
+        """The LoRA adapters served: name, rank, parts, target modules, bytes (not those leaving)."""
+        leaving, loaded = set(self.pipeline.adapters.uses.leaving), self.pipeline.adapters.loaded
+        return [a.describe() | {"bytes": a.bytes} for a in list(loaded.values()) if a.name not in leaving]
+
+    def serves_adapter(self, name: str) -> bool:
+        """Whether `name` is attached (served, or unloading while requests still use it)."""
+        return name in self.pipeline.adapters.loaded
+
+    def load_adapter(self, name: str, file: str, folder: Path) -> dict[str, Any]:
+        """Serve `folder`/`file` as adapter `name` from the next step on (blocks until the calls in
+        flight end). Only a .safetensors file inside `folder`: a client never names a server path.
+        InvalidRequest says what is wrong (`name` or `file`)."""
+        path = adapter_file(name, file, folder)
+        try:
+            adapter = read_adapter(name, path, self.pipeline.family)
+        except Exception as error:  # not LoRA weights, or not readable: the operator's file, said
+            raise InvalidRequest("file", f"{file!r}: {error}") from error
+        try:
+            self.pipeline.add_adapter(adapter)
+        except ModelFolderError as error:  # a file that does not fit, or a name taken meanwhile
+            raise InvalidRequest("file", str(error)) from error
+        log.info("LoRA %s loaded at runtime: %s", name, adapter.describe())
+        return adapter.describe() | {"bytes": adapter.bytes}
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving `name`: new requests for it get 400; it stays attached until the last job
+        holding it ends. The jobs still holding it (0: detached now). KeyError if not served."""
+        adapters = self.pipeline.adapters
+        if name not in adapters.loaded or name in adapters.uses.leaving:
+            raise KeyError(name)
+        users = adapters.uses.leave(name)
+        if users == 0:
+            adapters.remove(name)
+        log.info("LoRA %s unloading: %d request(s) still use it", name, users)
+        return users
 
     def pool(self) -> dict[str, dict[str, Any]]:
         return {

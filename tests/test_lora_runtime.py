@@ -1,0 +1,126 @@
+"""Adapters loaded and unloaded at runtime (issue 37), over HTTP on a real server with the
+built-in model: only an admin key may, only a .safetensors file of --lora-dir; an adapter loaded
+serves the next request, and one unloaded while a request uses it lets that request finish (it
+stays attached until then; new requests for it get 400)."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.demo import MODEL_DIR
+from tests.live import LiveServer, live_server
+from tests.test_lora import random_lora
+from tests.waiting import wait_until
+
+ADMIN, USER = "admin-key-runtime", "user-key-runtime"
+QUICK = {"prompt": "a red circle", "seed": 5, "num_inference_steps": 4, "size": "64x64"}
+ANSWER_S = 120
+
+
+@dataclass
+class Served:
+    server: LiveServer
+    folder: Path  # the server's --lora-dir, empty at startup
+    source: Path  # a random adapter for the built-in model, outside that folder
+    admin: httpx.Client
+    user: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("runtime")
+    folder = root / "adapters"
+    folder.mkdir()
+    (root / "keys").write_text(USER + "\n")
+    (root / "admins").write_text(ADMIN + "\n")
+    source = random_lora(MODEL_DIR, root / "style.safetensors", 7, "sd15")
+    with live_server(
+        "--lora-dir", str(folder), "--api-key-file", str(root / "keys"), "--admin-key-file",
+        str(root / "admins"), "--inject-faults", "--step-timeout-s", "1", "--threads", "1",
+    ) as server:  # fmt: skip
+        headers = {ADMIN: {"authorization": f"Bearer {ADMIN}"}, USER: {"authorization": f"Bearer {USER}"}}
+        with (
+            httpx.Client(base_url=server.url, headers=headers[ADMIN], timeout=ANSWER_S) as admin,
+            httpx.Client(base_url=server.url, headers=headers[USER], timeout=ANSWER_S) as user,
+        ):
+            yield Served(server, folder, source, admin, user)
+
+
+def listed(client: httpx.Client) -> list[str]:
+    return [a["name"] for a in client.get("/v1/models").json()["data"][0]["adapters"]]
+
+
+def image(client: httpx.Client, **body) -> bytes:
+    answer = client.post("/v1/images/generations", json={**QUICK, **body})
+    assert answer.status_code == 200, answer.text
+    return base64.b64decode(answer.json()["data"][0]["b64_json"])
+
+
+def test_an_adapter_loaded_at_runtime_serves_the_next_request_and_only_admins_load(served: Served) -> None:
+    shutil.copy(served.source, served.folder / "style.safetensors")  # the operator's copy, then the call
+    refused = served.user.post("/v1/adapters", json={"name": "style"})
+    assert refused.status_code == 403 and "admin key" in refused.json()["error"]["message"]
+    assert httpx.post(f"{served.server.url}/v1/adapters", json={"name": "style"}).status_code == 401
+    assert "style" not in listed(served.user)
+    plain = image(served.user)
+    loaded = served.admin.post("/v1/adapters", json={"name": "style"})
+    assert loaded.status_code == 201, loaded.text
+    assert loaded.json()["name"] == "style" and loaded.json()["parts"] == ["text_encoder", "unet"]
+    assert "style" in listed(served.user)
+    styled = image(served.user, lora={"style": 1.5})  # the very next request
+    assert styled != plain and image(served.user) == plain  # and those without it are unchanged
+    assert served.admin.post("/v1/adapters", json={"name": "style"}).status_code == 409
+    outside = {"name": "x", "file": "../style.safetensors"}  # the source, beside the folder
+    (served.folder / "bad.safetensors").write_bytes(b"not weights")
+    for body, field in (
+        (outside, "file"),
+        ({"name": "x", "file": str(served.source)}, "file"),  # a server path: refused too
+        ({"name": "x", "file": "nope.safetensors"}, "file"),
+        ({"name": "bad"}, "file"),  # not weights at all
+        ({"name": "../x"}, "name"),
+    ):
+        answer = served.admin.post("/v1/adapters", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+    assert served.admin.delete("/v1/adapters/nope").status_code == 404
+
+
+def test_unloading_an_adapter_in_use_lets_its_request_finish_and_refuses_new_ones(served: Served) -> None:
+    shutil.copy(served.source, served.folder / "busy.safetensors")
+    assert served.admin.post("/v1/adapters", json={"name": "busy"}).status_code == 201
+    with ThreadPoolExecutor(1) as pool:
+        # [[slow]]: its third step waits twice the step deadline (2 s), so it is in flight below
+        running = pool.submit(image, served.user, prompt="a red circle [[slow]]", lora={"busy": 1.0})
+        wait_until(
+            lambda: served.admin.get("/v1/stats").json()["engine"]["active_jobs"] == 1, ANSWER_S, "running"
+        )
+        unloading = served.admin.delete("/v1/adapters/busy")
+        assert unloading.status_code == 202, unloading.text
+        assert unloading.json() == {"name": "busy", "status": "unloading", "requests": 1}
+        assert "busy" not in listed(served.user)
+        refused = served.user.post("/v1/images/generations", json={**QUICK, "lora": {"busy": 1.0}})
+        assert refused.status_code == 400 and "being unloaded" in refused.json()["error"]["message"]
+        assert served.admin.post("/v1/adapters", json={"name": "busy"}).status_code == 409  # not yet gone
+        assert running.result(timeout=ANSWER_S)  # it finished, with its adapter
+
+    # detached after its last request: the name is free again (409 until then), and loads anew
+    def load_again() -> int | None:
+        status = served.admin.post("/v1/adapters", json={"name": "busy"}).status_code
+        return None if status == 409 else status
+
+    assert wait_until(load_again, ANSWER_S, "busy detached") == 201
+    unloaded = served.admin.delete("/v1/adapters/busy")
+    assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded"  # unused: at once
+
+
+def test_without_admin_keys_runtime_adapters_are_refused(tmp_path: Path) -> None:
+    with live_server("--lora-dir", str(tmp_path), "--threads", "1") as server:
+        answer = httpx.post(f"{server.url}/v1/adapters", json={"name": "style"}, timeout=30)
+    assert answer.status_code == 403 and "--admin-key-file" in answer.json()["error"]["message"]
