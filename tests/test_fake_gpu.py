@@ -1,0 +1,276 @@
+"""The GPU paths on a CPU-only build (issue 37): a model whose stages sit on fake `cuda:0` and
+`cuda:1` runs generation, img2img and inpainting's start, a step's split forward and the step
+cache's walk, and the edits' first latents and blend with the VAE on another fake GPU.
+
+PyTorch's own `FakeTensorMode` is the one fake here, at a true boundary: this build has no CUDA.
+Its tensors carry shapes, dtypes and devices but no data, and it raises "Expected all tensors to
+be on the same device, but found at least two devices, cuda:0 and cpu" exactly where CUDA would.
+`FakeCuda` enters it only for calls that touch a fake (or name a CUDA device), so CPU work (image
+preprocessing, the CPU generator's draws) runs for real, and routes four Python bindings to their
+aten ops: `Tensor.__getitem__`, `__setitem__`, `copy_` and `contiguous` take a CUDA device guard
+before dispatch, which a CPU build lacks ("not linked with support for cuda devices").
+
+What it cannot cover, checked by reading instead:
+- data-dependent control flow: a scheduler's step (DDIM's `if prev_timestep >= 0`, Euler's
+  `index_for_timestep` lookup with `nonzero`) asks a value of a fake tensor; `scheduler.step` is
+  diffusers' own code, run on CUDA by its pipelines with the timesteps on the latents' device, as
+  `Family.set_timesteps` puts them;
+- what a cross-device `copy_` does (here it is routed to `aten.copy_`, which fake mode accepts
+  across devices, as CUDA does), pinned memory and streams (the pool pins only where CUDA is
+  available), numbers (no data: images are compared with diffusers in test_edits.py);
+- weights: models are built on the meta device; the edits' VAE gets fake weights from its meta
+  tensors, and the pipeline's parts get uninitialised CPU storage that `ModelShard` and
+  `Pipeline` move to the fake devices themselves (moving a fake parameter swaps tensors, which
+  fake tensors' weak references refuse). No weight is ever read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from diffusers import DDIMScheduler
+from PIL import Image, ImageDraw
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+from transformers import CLIPTextModel
+
+from server.demo.tokenizer import build_tokenizer
+from server.engine import ModelShard, plan_shards
+from server.engine.pool import ActivationPool
+from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline.cachedstep import cached_forward
+from server.pipeline.edits import blend, first_latents
+from server.pipeline.families.base import Family, ModelConfig
+from server.pipeline.loader import Components
+from server.pipeline.requests import Defaults
+from server.pipeline.stepcache import StepCache
+from tests.tiny_pipelines import IMAGE_SIZE, SD_SCHEDULE, TEXT_DIM, _text_config, _unet, _vae
+
+aten = torch.ops.aten
+SAME_DEVICE = "Expected all tensors to be on the same device"
+
+
+def _view(t: torch.Tensor, index: Any) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """`t[index]`'s basic part (ints, slices, None, ...) as aten views, and its tensor indices."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        used = sum(i is not None and i is not Ellipsis for i in index)
+        index = index[:at] + (slice(None),) * (t.dim() - used) + index[at + 1 :]
+    dim, advanced = 0, []
+    for i in index:
+        if i is None:
+            t, dim = aten.unsqueeze.default(t, dim), dim + 1
+        elif isinstance(i, slice):
+            t, dim = aten.slice.Tensor(t, dim, i.start, i.stop, i.step or 1), dim + 1
+        elif isinstance(i, int):
+            t = aten.select.int(t, dim, i)
+        elif isinstance(i, torch.Tensor):
+            advanced.append((dim, i))
+            dim += 1
+        else:
+            raise NotImplementedError(f"fake-GPU indexing by {i!r}")
+    return t, advanced
+
+
+def _on_cuda(x: Any) -> bool:
+    if isinstance(x, FakeTensor):
+        return True
+    if isinstance(x, torch.device):
+        return x.type == "cuda"
+    return isinstance(x, str) and x.startswith("cuda")
+
+
+class FakeCuda(TorchFunctionMode):
+    """Fake CUDA devices on a CPU build: calls touching them run under a `FakeTensorMode`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def tensor(self, t: torch.Tensor, device: str) -> FakeTensor:
+        """A fake of `t`'s shape and dtype on `device` (from its meta twin: no data)."""
+        return FakeTensor(self.fake, t.detach().to("meta"), torch.device(device))
+
+    def _faked(self, x: Any) -> Any:
+        # real CPU tensors meeting a fake become fake CPU tensors (same device, so a mix still raises)
+        return (
+            self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+        )
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not any(_on_cuda(x) for x in tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)  # CPU work runs for real
+        args, kwargs = tree_map(self._faked, (args, kwargs))
+        with self.fake:
+            if func is torch.Tensor.__getitem__:
+                view, advanced = _view(*args)
+                if not advanced:
+                    return view
+                indices: list[torch.Tensor | None] = [None] * (advanced[-1][0] + 1)
+                for dim, i in advanced:
+                    indices[dim] = i
+                return aten.index.Tensor(view, indices)
+            if func is torch.Tensor.__setitem__:
+                t, index, value = args
+                view, advanced = _view(t, index)
+                if advanced:
+                    raise NotImplementedError("fake-GPU assignment by a tensor index")
+                if isinstance(value, torch.Tensor):
+                    aten.copy_.default(view, value)
+                else:
+                    aten.fill_.Scalar(view, value)
+                return None
+            if func is torch.Tensor.copy_:
+                return aten.copy_.default(*args, **kwargs)
+            if func is torch.Tensor.contiguous:
+                t = args[0]
+                return (
+                    t if t.is_contiguous() else aten.clone.default(t, memory_format=torch.contiguous_format)
+                )
+            return func(*args, **kwargs)
+
+
+def fake_weights(module: torch.nn.Module, device: str, fake: FakeCuda) -> torch.nn.Module:
+    """`module` (built on meta) with every parameter and buffer a fake on `device`."""
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, t in list(store.items()):
+                if t is not None:
+                    f = fake.tensor(t, device)
+                    store[name] = (
+                        torch.nn.Parameter(f, requires_grad=False) if isinstance(t, torch.nn.Parameter) else f
+                    )
+    return module
+
+
+def source() -> Image.Image:
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (20, 20, 30))
+    ImageDraw.Draw(image).ellipse((2, 8, 14, 24), fill=(220, 30, 30))
+    return image
+
+
+def left_half() -> Image.Image:
+    mask = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, IMAGE_SIZE // 2 - 1, IMAGE_SIZE - 1), fill=255)
+    return mask
+
+
+def _meta_parts(channels: int) -> tuple[torch.nn.Module, torch.nn.Module, Family]:
+    with torch.device("meta"):
+        vae, unet = _vae(), _unet(cross_attention_dim=TEXT_DIM, in_channels=channels, out_channels=4)
+    return vae, unet, Family(ModelConfig({}, dict(unet.config), dict(vae.config)))
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeCuda]:
+    with FakeCuda() as mode, torch.inference_mode():
+        yield mode
+
+
+def test_the_harness_raises_where_cuda_would(fake: FakeCuda) -> None:
+    on0, on1 = fake.tensor(torch.empty(2, 3), "cuda:0"), fake.tensor(torch.empty(2, 3), "cuda:1")
+    for other in (torch.ones(2, 3), on1):
+        with pytest.raises(RuntimeError, match=SAME_DEVICE):
+            _ = on0 + other
+        with pytest.raises(RuntimeError, match=SAME_DEVICE):
+            torch.cat([on0, other])
+    assert (on0 + torch.tensor(2.0)).device == torch.device("cuda:0")  # a CPU scalar is allowed, as on CUDA
+    assert on0.to("cuda:1").device == torch.device("cuda:1") and on0[:, None].shape == (2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("channels", "masked", "strength"),
+    [(4, False, 0.6), (4, True, 0.6), (9, True, 0.6), (9, True, 1.0), (9, False, 0.6)],
+    ids=["img2img", "inpaint", "inpaint-unet", "inpaint-unet-full", "inpaint-unet-no-mask"],
+)
+def test_edits_start_and_blend_with_the_vae_on_another_fake_gpu(
+    fake: FakeCuda, channels: int, masked: bool, strength: float
+) -> None:
+    """The VAE on cuda:1, the latents on cuda:0: the old edits code mixed the CPU generator's noise
+    with the VAE's latents (`family.noised`) and the CPU mask with the masked image (`torch.cat`)."""
+    vae, _, family = _meta_parts(channels)
+    fake_weights(vae, "cuda:1", fake)
+    device = torch.device("cuda:0")
+    scheduler = DDIMScheduler(**SD_SCHEDULE)
+    family.set_timesteps(scheduler, 4, device, family.latent_shape(IMAGE_SIZE, IMAGE_SIZE))
+    edit = Edit(source(), left_half() if masked else None, strength)
+    with ActivationPool().scope() as scope:
+        start = first_latents(
+            edit,
+            family=family,
+            vae=vae,
+            scheduler=scheduler,
+            first_t=scheduler.timesteps[1],
+            generator=torch.Generator("cpu").manual_seed(0),
+            scope=scope,
+            width=IMAGE_SIZE,
+            height=IMAGE_SIZE,
+            device=device,
+        )
+        kept = start.inpainting
+        made = [start.latents, start.conditioning, *([] if kept is None else vars(kept).values())]
+        assert {t.device for t in made if t is not None} == {device}
+        assert (kept is not None) == (masked and channels == 4)
+        assert (start.conditioning is not None) == (channels == 9)
+        if kept is not None:
+            blend(family, scheduler, start.latents, kept, scheduler.timesteps[2])
+            blend(family, scheduler, start.latents, kept, None)
+
+
+def _fake_pipeline(fake: FakeCuda, channels: int) -> Pipeline:
+    """A tiny SD pipeline whose UNet is split in two stages on fake cuda:0 and cuda:1, its CLIP and
+    VAE on cuda:0 (the first stage's device)."""
+    vae, unet, family = _meta_parts(channels)
+    tokenizer = build_tokenizer()
+    with torch.device("meta"):
+        clip = CLIPTextModel(_text_config(tokenizer))
+    # planned on two CPU stages (the planner asks the host for its CUDA devices), then re-placed
+    plan = plan_shards(unet, ["cpu", "cpu"], strategy="even")
+    plan = replace(plan, stages=tuple(replace(s, device=f"cuda:{i}") for i, s in enumerate(plan.stages)))
+    for model in (unet, vae, clip):
+        model.to_empty(device="cpu")  # storage the moves below turn into fakes; never read
+    components = Components(family, Path("."), unet, vae, (clip,), (tokenizer,), DDIMScheduler(**SD_SCHEDULE))
+    defaults = Defaults(steps=3, guidance_scale=7.5, scheduler="default", size=IMAGE_SIZE)
+    return Pipeline(components, ModelShard(unet, plan), defaults=defaults)
+
+
+@pytest.mark.parametrize("channels", [4, 9], ids=["unet", "inpainting-unet"])
+def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
+    pipeline = _fake_pipeline(fake, channels)
+    assert pipeline.shard.devices == ["cuda:0", "cuda:1"]
+    cache = StepCache("deep", interval=2)
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=3),
+        GenerationRequest(
+            "a red circle", seed=2, steps=3, guidance_scale=1.0, edit=Edit(source(), None, 0.7)
+        ),
+        GenerationRequest("a red circle", seed=3, steps=3, edit=Edit(source(), left_half(), 0.7)),
+        GenerationRequest("a blue square", seed=4, steps=3, step_cache=cache),
+    ]
+    states = pipeline.start([pipeline.resolve(r) for r in requests])
+    try:
+        assert {s.latents.device for s in states} == {torch.device("cuda:0")}
+        with pipeline.pool.scope() as batch:
+            inputs = pipeline.stacked(states, batch)
+            assert inputs.sample.shape == (7, channels, IMAGE_SIZE // 2, IMAGE_SIZE // 2)
+            out = pipeline._forward(inputs)  # through both stages: cuda:0, then cuda:1, back
+            assert out.device == torch.device("cuda:0") and out.shape == (7, 4, 16, 16)
+            cached = [states[-1]]  # the step cache's walk through both stages
+            walked = cached_forward(pipeline.shard, cached, pipeline.stacked(cached, batch), [()] * 2)
+            assert walked is not None and walked.device == torch.device("cuda:0")
+        # the scheduler's step asks the fake timestep's value: out of reach here (see the docstring)
+        with pytest.raises(DataDependentOutputException):
+            pipeline.step(states[:1])
+    finally:
+        for state in states:
+            state.close()
