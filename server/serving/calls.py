@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.pipeline import Pipeline
+from server.pipeline.state import RequestState
 from server.serving.faults import inject_fault
 from server.serving.health import Heartbeat, Watchdog
 
@@ -48,7 +49,11 @@ class WatchedCalls:
             if self.inject_faults:
                 inject_fault(method.__name__, items, self._closed, deadline_s)
             result = method(items)
-            self.pipeline.synchronize()  # so step times are device times, not enqueue times
+            try:
+                self.pipeline.synchronize()  # so step times are device times, not enqueue times
+            except BaseException:
+                _close_opened(result, items)  # a CUDA error surfaces here: no one else holds them
+                raise
         finally:
             running_s = self.heartbeat.running_for()
             self.heartbeat.end()
@@ -80,3 +85,13 @@ class WatchedCalls:
         self.stuck_calls += 1
         log.critical("%s; answering every waiting request 503", self.stuck)
         self._on_stuck_then(self.stuck)
+
+
+def _close_opened(result: Any, items: list) -> None:
+    """Close the states in `result` that the call opened (a `start`'s): the caller never sees them,
+    so their pool scopes would stay open forever."""
+    if not isinstance(result, list):
+        return
+    for state in result:
+        if isinstance(state, RequestState) and not any(state is item for item in items):
+            state.close()
