@@ -115,4 +115,5 @@ class RowCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kept.values())
+        # a snapshot first (one C call): another thread (stats) reads while the loop inserts
+        return sum(t.numel() * t.element_size() for t in tuple(self.kept.values()))
