@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 log = logging.getLogger("diffshard")
 
 IDLE_S = 30.0  # housekeeping runs every this long while every lane has been idle this long
@@ -39,5 +41,13 @@ class Housekeeper(threading.Thread):
                 continue
             try:
                 self.at_floor = self.tidy()
+                empty_device_caches()
             except Exception:
                 log.exception("idle housekeeping failed")
+
+
+def empty_device_caches() -> None:
+    """Give CUDA's cached blocks back to the driver: what the pool trimmed stays reserved by
+    PyTorch's caching allocator (and out of other processes' reach) until emptied."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
