@@ -11,7 +11,7 @@ import os
 import platform
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,9 +72,13 @@ class CompileStats:
 class GraphStore:
     """Precompiled functions on disk and in memory, by a key of what they were compiled from."""
 
-    def __init__(self, folder: Path | None, device: torch.device, stats: CompileStats) -> None:
+    def __init__(
+        self, folder: Path | None, devices: torch.device | Sequence[torch.device | str], stats: CompileStats
+    ) -> None:
         self.folder = folder if folder is None else _writable(folder / "compiled")
-        self.device_kind = compiled_for(device)
+        # every device the compiled code runs on: a cuda:0 + cpu split holds kernels for both
+        listed = [devices] if isinstance(devices, torch.device) else devices
+        self.device_kind = " + ".join(dict.fromkeys(compiled_for(torch.device(d)) for d in listed))
         self.stats = stats
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()

@@ -43,7 +43,9 @@ def compile_pipeline(
     if mode == CompileMode.OFF:
         return stats
     started = time.perf_counter()
-    store = GraphStore(cache_dir, pipeline.device, stats)
+    # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
+    devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
+    store = GraphStore(cache_dir, devices, stats)
     shards, shared = [], None
     for shard in pipeline.replicas:
         shard.compile(mode, store, shared)
