@@ -122,10 +122,12 @@ def cached_calibration(device: str, dtype: torch.dtype, threads: int, cache_dir:
 
 def _rate(make: Callable[[int], tuple[Callable[[], object], float]], sync: Callable[[], None]) -> float:
     """Units per second of the op `make(scale)` prepares (with its units: FLOPs or bytes), at the
-    largest scale (1, 1/2, 1/4, …) whose warm-up run takes at most RUN_S."""
+    largest scale (1, 1/2, 1/4, …) whose warm run takes at most RUN_S."""
     scale = 1
     while True:
         run, units = make(scale)
+        run()  # cold: kernels loaded, handles and caches made; not what the op costs
+        sync()
         started = time.perf_counter()
         run()
         sync()
