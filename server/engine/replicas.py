@@ -9,8 +9,9 @@ idle replica.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -81,7 +82,25 @@ def run_micro_batches(
 
     if len(parts) == 1:
         return run(0)
-    with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="diffshard-micro") as pool:
-        others = pool.map(run, range(1, len(parts)))
+    others = [_helpers(len(parts) - 1).submit(run, index) for index in range(1, len(parts))]
+    try:
         first = run(0)
-        return torch.cat([first, *others])
+    except BaseException:
+        wait(others)  # as a `with` executor did: nothing of this step runs on after it failed
+        raise
+    return torch.cat([first, *(future.result() for future in others)])
+
+
+_lane = threading.local()  # each calling (lane) thread's helpers: lanes never queue behind each other
+
+
+def _helpers(workers: int) -> ThreadPoolExecutor:
+    """The calling thread's helper threads, at least `workers` of them: made once, not per step
+    (a step that starts and joins threads pays for it, and each new thread builds its OpenMP team)."""
+    pool: ThreadPoolExecutor | None = getattr(_lane, "pool", None)
+    if pool is None or _lane.workers < workers:
+        if pool is not None:
+            pool.shutdown(wait=False)  # idle: this thread waited for its last step's helpers
+        pool = _lane.pool = ThreadPoolExecutor(workers, thread_name_prefix="diffshard-micro")
+        _lane.workers = workers
+    return pool
