@@ -1,6 +1,7 @@
 """The GPU paths on a CPU-only build (issue 37): a model whose stages sit on fake `cuda:0` and
 `cuda:1` runs generation, img2img and inpainting's start, a step's split forward and the step
-cache's walk, and the edits' first latents and blend with the VAE on another fake GPU.
+cache's walk, and the edits' first latents and blend with the VAE on another fake GPU. Last, the
+issue's other GPU defects that a CPU can show.
 
 PyTorch's own `FakeTensorMode` is the one fake here, at a true boundary: this build has no CUDA.
 Its tensors carry shapes, dtypes and devices but no data, and it raises "Expected all tensors to
@@ -26,9 +27,13 @@ What it cannot cover, checked by reading instead:
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -41,7 +46,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
-from server.engine import ModelShard, plan_shards
+from server.engine import ModelShard, plan_shards, run_micro_batches, spec_for
+from server.engine.calibrate import RUN_S
+from server.engine.calibrate import _rate as calibrate_rate
 from server.engine.pool import ActivationPool
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.cachedstep import cached_forward
@@ -49,7 +56,8 @@ from server.pipeline.edits import blend, first_latents
 from server.pipeline.families.base import Family, ModelConfig
 from server.pipeline.loader import Components
 from server.pipeline.requests import Defaults
-from server.pipeline.stepcache import StepCache
+from server.pipeline.stepcache import RowCache, StepCache
+from server.serving.calls import WatchedCalls
 from tests.tiny_pipelines import IMAGE_SIZE, SD_SCHEDULE, TEXT_DIM, _text_config, _unet, _vae
 
 aten = torch.ops.aten
@@ -274,3 +282,83 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
     finally:
         for state in states:
             state.close()
+
+
+# The other GPU defects of issue 37 that a CPU can show.
+
+
+def test_a_cuda_error_after_start_returned_closes_the_states_it_opened(fake: FakeCuda) -> None:
+    """`synchronize` is where an asynchronous CUDA error surfaces, after `start` returned: here
+    `torch.cuda.synchronize` itself raises (a CPU build). The old code left the scopes open."""
+    pipeline = _fake_pipeline(fake, 4)
+    closed = threading.Event()
+    calls = WatchedCalls(
+        pipeline,
+        step_timeout_s=60,
+        max_batch=4,
+        native_pixels=IMAGE_SIZE**2,
+        inject_faults=False,
+        closed=closed,
+        on_stuck=lambda why: None,
+    )
+    try:
+        request = pipeline.resolve(GenerationRequest("a red circle", seed=1, steps=3))
+        with pytest.raises((AssertionError, RuntimeError)):
+            calls(pipeline.start, [request])
+    finally:
+        closed.set()
+    assert pipeline.pool.stats()["cuda:0"].bytes_in_use == 0
+
+
+def test_step_cache_bytes_read_while_the_loop_thread_inserts() -> None:
+    """`LoopStats` sums `RowCache.nbytes` on another thread than the loop's, which inserts into
+    `kept` mid-step: the insert is made here at the worst moment (as the reader iterates)."""
+    cache = RowCache({"a": torch.zeros(2), "b": torch.zeros(3)})
+    inserted: list[bool] = []
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        if frame.f_code.co_name == "<genexpr>" and not inserted:  # the reader is iterating
+            cache.kept["late"] = torch.zeros(4)  # the loop thread's insert
+            inserted.append(True)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        nbytes = cache.nbytes
+    finally:
+        sys.settrace(None)
+    assert inserted and nbytes == 5 * 4  # the snapshot taken before the insert
+
+
+def test_calibration_decides_shrinking_on_a_warm_run() -> None:
+    """An op's first run pays for kernels and caches (CUDA: module loading, cuBLAS handles): the
+    old code shrank every such op's shape on it."""
+    scales: list[int] = []
+    cold = [True]
+
+    def make(scale: int) -> tuple[Callable[[], object], float]:
+        scales.append(scale)
+
+        def run() -> None:
+            if cold.pop() if cold else False:  # once per process, as a GPU's first launch
+                until = time.perf_counter() + 1.5 * RUN_S
+                while time.perf_counter() < until:
+                    pass
+            torch.ones(4) @ torch.ones(4)
+
+        return run, 1.0
+
+    assert calibrate_rate(make, lambda: None) > 0
+    assert scales == [1]
+
+
+def test_split_steps_reuse_their_helper_threads() -> None:
+    unet = _unet(cross_attention_dim=TEXT_DIM)
+    shard = ModelShard(unet, plan_shards(unet, "cpu"))
+    inputs = spec_for(unet).example_inputs(unet, 2, IMAGE_SIZE // 2, torch.float32, torch.device("cpu"))
+    ran: list[threading.Thread] = []
+    unet.register_forward_pre_hook(lambda *_: ran.append(threading.current_thread()))
+    for _ in range(2):
+        run_micro_batches([shard, shard], inputs, 2)
+    helpers = [t for t in ran if t is not threading.current_thread()]
+    assert len(helpers) == 2 and helpers[0] is helpers[1]  # one thread, not one per step
