@@ -1,6 +1,7 @@
 """On a CUDA host: mixed cuda:0 + cpu plans run, match the GPU model or the CPU pipeline, and place
 every weight where the plan says; on two GPUs, pipelined stages and replicas match one GPU with
-both devices busy."""
+both devices busy; edits on one GPU and two match the CPU pipeline; the idle housekeeping and
+compiled-code keys' CUDA sides (issue 37)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from server.engine import (
     run_micro_batches,
     spec_for,
 )
-from server.pipeline import GenerationRequest, Pipeline
-from tests.tiny_pipelines import build_flux_folder
+from server.engine.graphs import CompileStats, GraphStore
+from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.serving.housekeeping import empty_device_caches
+from tests.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -136,3 +139,51 @@ def test_a_tiny_flux_split_over_two_gpus_equals_one_gpu(tmp_path: Path) -> None:
     split = Pipeline.load(folder, devices="cuda:0,cuda:1", strategy="even")
     assert [stage.device for stage in split.shard.plan.stages] == ["cuda:0", "cuda:1"]
     assert float(np.abs(split.generate([request])[0] - one).max()) < 1e-3
+
+
+def _edit_requests() -> list[GenerationRequest]:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (32, 32), (20, 20, 30))
+    ImageDraw.Draw(image).ellipse((2, 8, 14, 24), fill=(220, 30, 30))
+    mask = Image.new("L", (32, 32), 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, 15, 31), fill=255)
+    return [
+        GenerationRequest("a blue circle", seed=1, steps=4, edit=Edit(image, None, 0.7)),
+        GenerationRequest("a blue circle", seed=2, steps=4, scheduler="euler_a", edit=Edit(image, mask, 0.7)),
+        GenerationRequest("a blue circle", seed=3, steps=4, edit=Edit(image, mask, 1.0)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "devices", ["cuda:0", pytest.param("cuda:0,cuda:1", marks=two_gpus)], ids=["one-gpu", "two-gpus"]
+)
+@pytest.mark.parametrize("unet", ["sd15", "inpainting-unet"])
+def test_edits_on_cuda_match_the_cpu_pipeline(
+    folders: dict[str, Path], tmp_path: Path, devices: str, unet: str
+) -> None:
+    """img2img and inpainting (a regular and a 9-channel UNet) with the denoiser on one GPU or
+    split over two (issue 37: the CPU noise met the VAE's latents on the GPU)."""
+    folder = folders["sd15"] if unet == "sd15" else build_sd15_inpainting_folder(tmp_path / "inpainting")
+    requests = _edit_requests()
+    on_cpu = Pipeline.load(folder, devices="cpu").generate(requests)
+    on_gpu = Pipeline.load(folder, devices=devices, strategy="even")
+    assert [s.device for s in on_gpu.shard.plan.stages] == devices.split(",")
+    for a, b in zip(on_cpu, on_gpu.generate(requests), strict=True):
+        assert np.abs(a - b).max() < 1e-2  # cuDNN may run float32 convolutions in TF32
+    assert all(s.bytes_in_use == 0 for s in on_gpu.pool.stats().values())
+
+
+def test_idle_housekeeping_empties_the_cuda_caching_allocator() -> None:
+    buffer = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:0")
+    del buffer  # freed to PyTorch's cache, still reserved from the driver
+    assert torch.cuda.memory_reserved("cuda:0") >= 64 * 2**20
+    empty_device_caches()
+    assert torch.cuda.memory_reserved("cuda:0") < 64 * 2**20
+
+
+def test_compiled_code_is_keyed_by_every_device_it_runs_on() -> None:
+    what = {"graph": "unet"}
+    gpu = GraphStore(None, [torch.device("cuda:0")], CompileStats("full")).key(what)
+    split = GraphStore(None, ["cuda:0", "cpu"], CompileStats("full")).key(what)
+    assert gpu != split
