@@ -1,6 +1,6 @@
 """The GPU paths on a CPU-only build (issue 37): a model whose stages sit on fake `cuda:0` and
-`cuda:1` runs generation, img2img and inpainting's start, a step's split forward and the step
-cache's walk, and the edits' first latents and blend with the VAE on another fake GPU. Last, the
+`cuda:1` runs generation, img2img and inpainting's start, a step's split forward with LoRA rows
+and the step cache's walk, and the edits' first latents and blend with the VAE on another fake GPU. Last, the
 issue's other GPU defects that a CPU can show.
 
 PyTorch's own `FakeTensorMode` is the one fake here, at a true boundary: this build has no CUDA.
@@ -55,6 +55,7 @@ from server.pipeline.cachedstep import cached_forward
 from server.pipeline.edits import blend, first_latents
 from server.pipeline.families.base import Family, ModelConfig
 from server.pipeline.loader import Components
+from server.pipeline.lora import Adapter, LoraPair, rows_asking
 from server.pipeline.requests import Defaults
 from server.pipeline.stepcache import RowCache, StepCache
 from server.serving.calls import WatchedCalls
@@ -252,13 +253,26 @@ def _fake_pipeline(fake: FakeCuda, channels: int) -> Pipeline:
     return Pipeline(components, ModelShard(unet, plan), defaults=defaults)
 
 
+def _adapter() -> Adapter:
+    """A rank-2 LoRA on the first and the last self-attention's query (real CPU tensors, as read)."""
+    torch.manual_seed(0)
+    pair = LoraPair(torch.randn(2, 32), torch.randn(32, 2), alpha=2.0)
+    attention = "attentions.0.transformer_blocks.0.attn1.to_q"
+    return Adapter("red", Path("red.safetensors"), {"unet": {f"{b}.{attention}": pair for b in TARGETS}})
+
+
+TARGETS = ("down_blocks.0", "up_blocks.1")  # on cuda:0 and cuda:1
+
+
 @pytest.mark.parametrize("channels", [4, 9], ids=["unet", "inpainting-unet"])
 def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
     pipeline = _fake_pipeline(fake, channels)
     assert pipeline.shard.devices == ["cuda:0", "cuda:1"]
+    pipeline.add_adapter(_adapter())  # a layer on each stage: its pairs moved to that stage's device
+    assert set(pipeline.adapters.bytes_on()) == {"cuda:0", "cuda:1"}
     cache = StepCache("deep", interval=2)
     requests = [
-        GenerationRequest("a red circle", seed=1, steps=3),
+        GenerationRequest("a red circle", seed=1, steps=3, lora=(("red", 0.8),)),
         GenerationRequest(
             "a red circle", seed=2, steps=3, guidance_scale=1.0, edit=Edit(source(), None, 0.7)
         ),
@@ -271,7 +285,9 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
         with pipeline.pool.scope() as batch:
             inputs = pipeline.stacked(states, batch)
             assert inputs.sample.shape == (7, channels, IMAGE_SIZE // 2, IMAGE_SIZE // 2)
-            out = pipeline._forward(inputs)  # through both stages: cuda:0, then cuda:1, back
+            asking = [s.request.lora for s in states for _ in range(s.rows)]
+            with rows_asking(asking):  # the LoRA rows' deltas, on each stage's device
+                out = pipeline._forward(inputs)  # through both stages: cuda:0, then cuda:1, back
             assert out.device == torch.device("cuda:0") and out.shape == (7, 4, 16, 16)
             cached = [states[-1]]  # the step cache's walk through both stages
             walked = cached_forward(pipeline.shard, cached, pipeline.stacked(cached, batch), [()] * 2)
