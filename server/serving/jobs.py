@@ -20,7 +20,7 @@ from server.serving.health import is_out_of_memory
 class Job:
     requests: list[GenerationRequest]  # resolved: every field set
     rows: int  # denoiser rows the job takes at every step
-    timeout_s: float  # from submission; past it the job is dropped
+    timeout_s: float  # from arrival (submission): waiting in line and parked count; past it: dropped
     future: Future = field(default_factory=Future)  # its images (float [H, W, 3] arrays) or a Rejected
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     submitted: float = field(default_factory=time.monotonic)
@@ -46,7 +46,8 @@ class Job:
 
     @property
     def deadline(self) -> float:
-        """The time.monotonic() past which the job is dropped."""
+        """The time.monotonic() past which the job is dropped, wherever it is: waiting, parked
+        (admitted but given no row this step) or stepping; counted from its arrival."""
         return self.submitted + self.timeout_s
 
     def cancel(self) -> None:

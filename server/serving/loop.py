@@ -3,9 +3,9 @@
 Every turn of the loop (`_turn`)
 1. drops jobs whose client left, whose deadline passed or that the watchdog answered, returning
    their buffers;
-2. picks the jobs to step (`Lineup.pick`: owners in turn, each its share of `max_batch` rows
-   while several have work; a job bigger than that runs alone, its rows split across calls),
-   admitting waiting ones, and encodes the admitted jobs' prompts;
+2. picks the jobs to step (`Lineup.pick`: owners by deficit round robin, every row of
+   `max_batch` and the step budget taken while any owner has work; a job bigger than that runs
+   alone, its rows split across calls), admitting waiting ones, and encodes their prompts;
 3. runs one batched denoiser step per group of same-size requests, each row at its own timestep
    (a `deterministic` request's rows in a call of their own), and hands out the partial images due;
 4. decodes finished requests (in bounded VAE calls) and resolves jobs whose images are done.
@@ -204,7 +204,7 @@ class StepLoop:
             self.idle_since = None
             # 1. Leavers first: they take no place and no encoding.
             self._drop_leavers()
-            # 2. Who steps this turn, and who is admitted to.
+            # 2. Who steps this turn, and who is admitted to (the rest of the admitted are parked).
             running, admitted = self._lineup.pick(self._active, self.max_batch, self.max_work)
             self._admitted(admitted)
         if self._clear_caches:
