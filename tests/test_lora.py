@@ -210,6 +210,9 @@ def test_over_http_the_sdk_asks_for_adapters_streamed_or_not_and_bad_ones_get_40
     assert 'diffshard_lora_rows_total{adapter="style"} 24.0' in metrics  # 2 requests x 6 steps x 2 rows
     placed = re.search(r'diffshard_lora_bytes\{device="cpu"\} (\S+)', metrics)
     assert placed and float(placed.group(1)) == listed[0]["bytes"]
+    # no admin keys here, so every caller would be one: adapters never change at runtime
+    refused = httpx.post(f"{served.url}/v1/adapters", json={"name": "style"}, timeout=10)
+    assert refused.status_code == 403 and "--admin-key-file" in refused.json()["error"]["message"]
 
 
 def kohya(peft_file: Path, out: Path, alpha: float) -> Path:

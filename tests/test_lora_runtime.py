@@ -1,7 +1,7 @@
 """Adapters loaded and unloaded at runtime (issue 37), over HTTP on a real server with the
 built-in model: only an admin key may, only a .safetensors file of --lora-dir; an adapter loaded
 serves the next request, and one unloaded while a request uses it lets that request finish (it
-stays attached until then; new requests for it get 400)."""
+stays attached until then; new requests for it get 400). Without admin keys: test_lora.py."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_an_adapter_loaded_at_runtime_serves_the_next_request_and_only_admins_lo
     assert "style" not in listed(served.user)
     plain = image(served.user)
     loaded = served.admin.post("/v1/adapters", json={"name": "style"})
-    assert loaded.status_code == 201, loaded.text
+    assert loaded.status_code == 200, loaded.text
     assert loaded.json()["name"] == "style" and loaded.json()["parts"] == ["text_encoder", "unet"]
     assert "style" in listed(served.user)
     styled = image(served.user, lora={"style": 1.5})  # the very next request
@@ -94,7 +94,7 @@ def test_an_adapter_loaded_at_runtime_serves_the_next_request_and_only_admins_lo
 
 def test_unloading_an_adapter_in_use_lets_its_request_finish_and_refuses_new_ones(served: Served) -> None:
     shutil.copy(served.source, served.folder / "busy.safetensors")
-    assert served.admin.post("/v1/adapters", json={"name": "busy"}).status_code == 201
+    assert served.admin.post("/v1/adapters", json={"name": "busy"}).status_code == 200
     with ThreadPoolExecutor(1) as pool:
         # [[slow]]: its third step waits twice the step deadline (2 s), so it is in flight below
         running = pool.submit(image, served.user, prompt="a red circle [[slow]]", lora={"busy": 1.0})
@@ -102,7 +102,7 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_and_refuses_new_one
             lambda: served.admin.get("/v1/stats").json()["engine"]["active_jobs"] == 1, ANSWER_S, "running"
         )
         unloading = served.admin.delete("/v1/adapters/busy")
-        assert unloading.status_code == 202, unloading.text
+        assert unloading.status_code == 200, unloading.text
         assert unloading.json() == {"name": "busy", "status": "unloading", "requests": 1}
         assert "busy" not in listed(served.user)
         refused = served.user.post("/v1/images/generations", json={**QUICK, "lora": {"busy": 1.0}})
@@ -115,12 +115,6 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_and_refuses_new_one
         status = served.admin.post("/v1/adapters", json={"name": "busy"}).status_code
         return None if status == 409 else status
 
-    assert wait_until(load_again, ANSWER_S, "busy detached") == 201
+    assert wait_until(load_again, ANSWER_S, "busy detached") == 200
     unloaded = served.admin.delete("/v1/adapters/busy")
     assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded"  # unused: at once
-
-
-def test_without_admin_keys_runtime_adapters_are_refused(tmp_path: Path) -> None:
-    with live_server("--lora-dir", str(tmp_path), "--threads", "1") as server:
-        answer = httpx.post(f"{server.url}/v1/adapters", json={"name": "style"}, timeout=30)
-    assert answer.status_code == 403 and "--admin-key-file" in answer.json()["error"]["message"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.auth import require_key
@@ -216,11 +216,12 @@ class AdapterLoad(BaseModel):
     )
 
 
+ENVELOPE = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
 ADAPTER_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "a bad name or file, a file that does not fit the model"},
-    403: {"description": "not an admin key, or the server has no admin keys or no --lora-dir"},
-    404: {"description": "no adapter of that name is served"},
-    409: {"description": "an adapter of that name is served (or still unloading)"},
+    400: {"description": "a bad name or file, a file that does not fit the model", "content": ENVELOPE},
+    403: {"description": "not an admin key; no admin keys or no --lora-dir", "content": ENVELOPE},
+    404: {"description": "no adapter of that name is served", "content": ENVELOPE},
+    409: {"description": "an adapter of that name is served (or still unloading)", "content": ENVELOPE},
 }
 
 
@@ -241,7 +242,7 @@ def _admin_folder(request: Request) -> Path:
     return folder
 
 
-@router.post("/adapters", status_code=201, responses=ADAPTER_ERRORS)
+@router.post("/adapters", responses=ADAPTER_ERRORS)
 async def load_adapter(body: AdapterLoad, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Serve a LoRA file of --lora-dir from the next request on (admin keys only): it attaches
     between two steps, running requests unchanged. Answers what /v1/models lists for it."""
@@ -252,12 +253,11 @@ async def load_adapter(body: AdapterLoad, request: Request, service: ServiceDep)
     return await asyncio.to_thread(service.load_adapter, body.name, file, folder)
 
 
-@router.delete(
-    "/adapters/{name}", responses={202: {"description": "unloading: requests still use it"}, **ADAPTER_ERRORS}
-)
-async def unload_adapter(name: str, request: Request, service: ServiceDep) -> JSONResponse:
+@router.delete("/adapters/{name}", responses=ADAPTER_ERRORS)
+async def unload_adapter(name: str, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Stop serving an adapter (admin keys only): requests asking for it get 400 from now on;
-    those running finish with it, and it is detached after the last (202 until then)."""
+    those running finish with it, and it is detached after the last (`status`: unloading until
+    then, `requests` of them; unloaded when none used it)."""
     _admin_folder(request)
     try:
         users = await asyncio.to_thread(service.unload_adapter, name)
@@ -265,5 +265,4 @@ async def unload_adapter(name: str, request: Request, service: ServiceDep) -> JS
         raise APIError(
             404, f"no adapter named {name!r} is served (GET /v1/models)", code="not_found"
         ) from None
-    body = {"name": name, "status": "unloading" if users else "unloaded", "requests": users}
-    return JSONResponse(body, status_code=202 if users else 200)
+    return {"name": name, "status": "unloading" if users else "unloaded", "requests": users}
