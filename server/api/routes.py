@@ -225,16 +225,20 @@ ADAPTER_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _admin_folder(request: Request) -> Path:
-    """The folder runtime adapters come from, for an admin; 403 otherwise. Without admin keys
-    every caller would count as one (auth.py), so runtime changes stay off: a server with no
-    keys is open to anyone on its network, and loading code-free weights still changes every
-    image an adapter's users get."""
+def _admin(request: Request) -> None:
+    """403 unless an admin key came. Without admin keys every caller would count as one
+    (auth.py), so runtime changes stay off: a server with no keys is open to anyone on its
+    network, and an adapter, though code-free, changes every image its users get."""
     if not request.app.state.admin_keys:
         message = "adapters change at runtime only on a server with admin keys (--admin-key-file)"
         raise APIError(403, message, code="permission_denied")
     if not request.state.admin:
         raise APIError(403, "loading and unloading adapters takes an admin key", code="permission_denied")
+
+
+def _admin_folder(request: Request) -> Path:
+    """The folder runtime adapters come from, for an admin; 403 otherwise."""
+    _admin(request)
     folder = request.app.state.settings.lora_dir
     if folder is None:
         message = "adapters load at runtime from --lora-dir only, and this server has none"
@@ -258,7 +262,7 @@ async def unload_adapter(name: str, request: Request, service: ServiceDep) -> di
     """Stop serving an adapter (admin keys only): requests asking for it get 400 from now on;
     those running finish with it, and it is detached after the last (`status`: unloading until
     then, `requests` of them; unloaded when none used it)."""
-    _admin_folder(request)
+    _admin(request)
     try:
         users = await asyncio.to_thread(service.unload_adapter, name)
     except KeyError:
