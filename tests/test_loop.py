@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.errors import Draining, NotReady, Overloaded
+from server.errors import DeadlineExceeded, Draining, NotReady, Overloaded
 from server.pipeline import GenerationRequest, Pipeline
 from server.serving import Limits, Service
 from tests.waiting import wait_until
@@ -232,3 +232,40 @@ def test_jobs_the_watchdog_answered_are_dropped_not_computed_and_the_loop_recove
     finally:
         release.set()
         service.close()
+
+
+def test_a_parked_job_keeps_its_deadline_from_arrival_and_is_dropped_past_it(
+    folders: dict[str, Path],
+) -> None:
+    """Two keys, one guided image each, and a step of 2 rows: the keys take the step in turn, so
+    each job is parked every other step. The deadline counts from arrival, time parked included:
+    once the parked job's has passed, it ends 504 at the next step boundary without another step,
+    and the other key's job finishes."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    step, stepped, late = pipeline.step, [], {}
+
+    def watched(states) -> None:
+        prompt = states[0].request.prompt
+        parked = jobs[1] if len(jobs) == 2 and jobs[1].states and prompt == "a red circle" else None
+        if parked is not None and not late:
+            parked.submitted -= 3600  # as if it had arrived an hour ago, while it is parked
+            late["at"] = len(stepped)
+        stepped.append(prompt)
+        step(states)
+
+    pipeline.step = watched
+    service = Service(pipeline, "tiny", LIMITS, max_batch=2)
+    jobs = []
+    try:
+        jobs.append(service.submit([GenerationRequest("a red circle", seed=1, steps=8)], owner="a"))
+        wait_until(
+            lambda: service.stats().progress.get(jobs[0].id, [(0, 0)])[0][0] >= 1, 60, "a's first step"
+        )
+        jobs.append(service.submit([GenerationRequest("a blue square", seed=2, steps=8)], owner="b"))
+        assert len(jobs[0].future.result(timeout=60)) == 1
+        assert isinstance(jobs[1].future.exception(timeout=60), DeadlineExceeded)
+    finally:
+        service.close()
+    assert "at" in late and "a blue square" in stepped[: late["at"]]  # it ran, then was parked
+    assert "a blue square" not in stepped[late["at"] :]  # and never stepped past its deadline
+    assert pipeline.pool.stats()["cpu"].bytes_in_use == 0
