@@ -402,7 +402,9 @@ def open_fds(server: LiveServer) -> int:
     return len(os.listdir(f"/proc/{server.process.pid}/fd"))
 
 
-REQUEST_HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+REQUEST_HEAD = (  # Host: a name the Host check admits on loopback
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+)
 
 
 @pytest.mark.parametrize("trickle", [False, True], ids=["stalled", "trickled"])
@@ -444,7 +446,7 @@ def test_connections_beyond_the_cap_get_503_and_are_closed(bounded: LiveServer) 
     held = [connect(bounded) for _ in range(MAX_CONNECTIONS)]
     try:
         for sock in held:  # a whole request on each, so the server counts them all
-            sock.sendall(b"GET /livez HTTP/1.1\r\nHost: test\r\n\r\n")
+            sock.sendall(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         with connect(bounded) as extra:
             received, _ = until_closed(extra)

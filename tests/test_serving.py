@@ -74,7 +74,7 @@ def test_a_disconnected_client_is_cancelled_and_its_buffers_returned(busy: LiveS
     body = json.dumps(LONG).encode()
     with socket.create_connection((address.hostname, address.port)) as client:
         client.sendall(
-            b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )

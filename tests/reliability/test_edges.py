@@ -96,7 +96,7 @@ def test_a_slow_reader_gets_its_whole_answer_and_other_clients_are_served_meanwh
         reader.settimeout(ANSWER_S)
         reader.connect((address.hostname, address.port))
         reader.sendall(
-            b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
