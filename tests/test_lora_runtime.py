@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from server.demo import MODEL_DIR
+from server.pipeline.adapters import ChangeLock
 from tests.live import LiveServer, live_server
 from tests.test_lora import random_lora
 from tests.waiting import wait_until
@@ -118,3 +120,40 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_and_refuses_new_one
     assert wait_until(load_again, ANSWER_S, "busy detached") == 200
     unloaded = served.admin.delete("/v1/adapters/busy")
     assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded"  # unused: at once
+
+
+def test_an_adapter_change_waits_for_the_call_in_flight_which_may_nest_meanwhile() -> None:
+    """The change lock (`rows_asking` reads, attach and detach write): a writer waits for the call
+    in flight; that call's nested read (the step cache narrowing its rows) does not wait for the
+    writer; new calls wait until the change is done."""
+    lock, order = ChangeLock(), []
+    inside, go_on = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with lock.reading():
+            inside.set()
+            go_on.wait(30)
+            with lock.reading():  # nested, while the writer waits: no deadlock
+                order.append("nested read")
+            order.append("call done")
+
+    def change() -> None:
+        with lock.writing():
+            order.append("changed")
+
+    def later_call() -> None:
+        with lock.reading():
+            order.append("later call")
+
+    threads = [threading.Thread(target=call)]
+    threads[0].start()
+    inside.wait(30)
+    threads.append(threading.Thread(target=change))
+    threads[1].start()
+    wait_until(lambda: lock._writers_waiting == 1, 30, "the writer waiting")
+    threads.append(threading.Thread(target=later_call))
+    threads[2].start()
+    go_on.set()
+    for thread in threads:
+        thread.join(30)
+    assert order == ["nested read", "call done", "changed", "later call"]
