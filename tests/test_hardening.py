@@ -6,6 +6,7 @@ says nosniff, and no key reaches a log line."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import select
@@ -18,6 +19,10 @@ import httpx
 import pytest
 from PIL import Image
 
+from server.api import metricsport
+from server.api.health import probe
+from server.api.metricsport import ProbeTarget
+from server.config import Settings
 from tests.live import LiveServer, free_port, live_server
 from tests.waiting import wait_until
 
@@ -258,3 +263,37 @@ def test_no_key_reaches_a_log_line(server: LiveServer) -> None:
     assert any("?[query not logged]" in line for line in server.log)
     for key in (in_query, wrong, KEY):
         assert not [line for line in server.log if key in line], key
+
+
+def test_allowed_hosts_default_to_loopback_names_on_loopback_and_any_elsewhere() -> None:
+    assert Settings(host="127.0.0.1").trusted_hosts == ("localhost", "127.0.0.1", "[::1]")
+    assert Settings(host="::1").trusted_hosts == ("localhost", "127.0.0.1", "[::1]")
+    assert Settings(host="0.0.0.0").trusted_hosts == ("*",)  # pod IPs, Service names: any
+    named = Settings(host="0.0.0.0", allowed_hosts="API.example.com, *.example.org")
+    assert named.trusted_hosts == ("api.example.com", "*.example.org")
+    for bad in ("http://api.example.com", "api.example.com:8000", "a*.example.com", " , "):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            Settings(allowed_hosts=bad)
+
+
+def test_the_metrics_ports_probes_before_the_app_and_with_a_stuck_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert probe("/livez", None) == (200, {"status": "alive"})  # planning: alive, not ready
+    status, body = probe("/readyz", None)
+    assert status == 503 and body["error"]["code"] == "loading"
+    monkeypatch.setattr(metricsport, "LOOP_ANSWER_S", 0.2)
+    stuck = asyncio.new_event_loop()  # never run: a loop that is blocked answers nothing
+    try:
+        assert "did not answer" in (ProbeTarget(loop=stuck).loop_problem() or "")
+    finally:
+        stuck.close()
+    running = asyncio.new_event_loop()
+    thread = threading.Thread(target=running.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert ProbeTarget(loop=running).loop_problem() is None
+    finally:
+        running.call_soon_threadsafe(running.stop)
+        thread.join(timeout=10)
+        running.close()

@@ -41,12 +41,13 @@ class ProbeTarget:
         loop = self.loop
         if loop is None or loop.is_closed():
             return None
+        answered = threading.Event()
         try:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=LOOP_ANSWER_S)
-        except TimeoutError:
-            return f"the API's event loop did not answer within {LOOP_ANSWER_S:g} s"
+            loop.call_soon_threadsafe(answered.set)
         except RuntimeError:  # the loop closed meanwhile: shutting down
             return None
+        if not answered.wait(LOOP_ANSWER_S):
+            return f"the API's event loop did not answer within {LOOP_ANSWER_S:g} s"
         return None
 
 

@@ -91,7 +91,7 @@ class _Reader:
         if self.is_file:
             fields, bound, setting = next(g for g in self.limits.max_files if name in g[0])
             if sum(len(self.form.files.get(f, ())) for f in fields) >= bound:
-                raise InvalidRequest(fields[0], f"more than {bound} files a request", setting)
+                raise InvalidRequest(fields[0], f"at most {bound} a request", setting)
             self.form.files.setdefault(name, [])
         else:
             if len(self.form.fields) >= self.limits.max_fields:
