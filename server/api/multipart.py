@@ -51,11 +51,13 @@ class _Reader:
         self.disposition = b""
         self.name: str | None = None
         self.is_file = False
-        self.data = bytearray()
+        self.chunks: list[bytes] = []  # joined once, at the part's end: no growing buffer copied
+        self.size = 0
         self.text_bytes = 0
 
     def part_begin(self) -> None:
-        self.disposition, self.header_bytes, self.name, self.data = b"", 0, None, bytearray()
+        self.disposition, self.header_bytes, self.name = b"", 0, None
+        self.chunks, self.size = [], 0
 
     def header_field(self, data: bytes, start: int, end: int) -> None:
         self._count_header(end - start)
@@ -105,12 +107,13 @@ class _Reader:
         assert self.name is not None  # headers_finished ran
         size = end - start
         if self.is_file:
-            if len(self.data) + size > self.limits.max_file_bytes:
+            if self.size + size > self.limits.max_file_bytes:
                 message = f"is over {self.limits.max_file_bytes} bytes, the limit"
                 raise InvalidRequest(self.name, message, "DIFFSHARD_MAX_IMAGE_BYTES")
         else:
             self._count_text(self.name, size)
-        self.data += data[start:end]
+        self.chunks.append(data[start:end])
+        self.size += size
 
     def _count_text(self, name: str, size: int) -> None:
         self.text_bytes += size
@@ -121,10 +124,10 @@ class _Reader:
     def part_end(self) -> None:
         assert self.name is not None
         if self.is_file:
-            self.form.files[self.name].append(bytes(self.data))
+            self.form.files[self.name].append(b"".join(self.chunks))
         else:
-            self.form.fields[self.name] = _text(bytes(self.data), self.name)
-        self.data = bytearray()
+            self.form.fields[self.name] = _text(b"".join(self.chunks), self.name)
+        self.chunks, self.size = [], 0
 
 
 def _text(data: bytes, what: str) -> str:
