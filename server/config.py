@@ -115,13 +115,7 @@ class Settings(BaseSettings):
     # Where to listen.
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in a container)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP API port")
-    metrics_port: int = Field(
-        8001,
-        ge=0,
-        le=65535,
-        description="Prometheus /metrics and the probes /livez, /readyz; no auth: keep it inside the "
-        "cluster (0: off)",
-    )
+    metrics_port: int = Field(8001, ge=0, le=65535, description="/metrics and the probes; no auth (0: off)")
     allowed_hosts: AllowedHosts = Field(
         None,
         description="Host headers the API answers, e.g. api.example.com,*.example.com or * (default: "
