@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from tests.live import LiveServer, live_server
+from tests.live import MAKE_RUN, LiveServer, free_port, live_server
 from tests.tiny_pipelines import BUILDERS, build_sd3_folder
 
 
@@ -90,6 +90,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):  # the marker, not a keyword: a test id may say gpu
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def served() -> Iterator[LiveServer]:
+    """The server as `make run` serves it (the built-in model, the diamond adapter) with a metrics
+    port, shared by every module that needs nothing else: each start costs seconds of the suite.
+    Tests on it read counters as differences, never as totals from zero."""
+    with live_server(*MAKE_RUN, "--metrics-port", str(free_port())) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

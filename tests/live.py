@@ -38,6 +38,7 @@ class LiveServer:
     url: str
     process: subprocess.Popen
     log: list[str] = field(default_factory=list)
+    metrics_url: str | None = None  # with --metrics-port
 
     def stats(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/v1/stats", timeout=30) as response:
@@ -97,6 +98,8 @@ def live_server(
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
     server = LiveServer(f"http://127.0.0.1:{port}", process)
+    if "--metrics-port" in args:
+        server.metrics_url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
     lines: queue.Queue = queue.Queue()
     pump = threading.Thread(target=_pump, args=(process.stderr, lines, server.log), daemon=True)
     pump.start()

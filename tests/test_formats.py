@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from PIL import Image
 
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer
 
 BODY = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 6, "size": "64x48"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
+def server(served: LiveServer) -> LiveServer:
+    return served
 
 
 def generate(server: LiveServer, **fields) -> httpx.Response:

@@ -35,9 +35,8 @@ VISIBLE = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
+def server(served: LiveServer) -> LiveServer:
+    return served
 
 
 def pngs(result) -> list[bytes]:

@@ -20,7 +20,7 @@ import pytest
 from openai import types as openai_types
 from PIL import Image
 
-from tests.live import MAKE_RUN, ROOT, LiveServer, free_port, live_server
+from tests.live import MAKE_RUN, ROOT, LiveServer
 
 QUICK = {"prompt": "a red circle", "num_inference_steps": 4, "seed": 1}
 # what pydantic, FastAPI or a library would say: none of it may reach a client
@@ -28,10 +28,10 @@ LIBRARY_WORDS = ("Input should", "Field required", "Value error", "valid integer
 
 
 @pytest.fixture(scope="module")
-def newcomer() -> Iterator[tuple[LiveServer, str]]:
-    metrics_port = free_port()
-    with live_server(*MAKE_RUN, "--metrics-port", str(metrics_port)) as server:
-        yield server, f"http://127.0.0.1:{metrics_port}/metrics"
+def newcomer(served: LiveServer) -> tuple[LiveServer, str]:
+    """conftest's `served`: what `make run` runs, with a metrics port."""
+    assert served.metrics_url is not None
+    return served, served.metrics_url
 
 
 def error_of(response: httpx.Response, status: int = 400) -> dict:

@@ -41,7 +41,7 @@ from server.api import docs
 from server.api.playground import FILES, HEADERS
 from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
-from tests.live import MAKE_RUN, LiveServer, live_server
+from tests.live import LiveServer, live_server
 from tests.test_lora import RANK, random_lora
 from tests.tiny_pipelines import build_flux_folder
 
@@ -115,10 +115,9 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+def server(served: LiveServer) -> LiveServer:
     """The page as `make run` serves it: the built-in model with the diamond adapter."""
-    with live_server(*MAKE_RUN) as running:
-        yield running
+    return served
 
 
 @pytest.fixture(scope="module")

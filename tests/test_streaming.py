@@ -32,9 +32,8 @@ EXTRA = {"seed": 3, "num_inference_steps": 12}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with live_server() as running:
-        yield running
+def server(served: LiveServer) -> LiveServer:
+    return served
 
 
 @pytest.fixture
