@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from tests.waiting import wait_until
 
 STARTUP_DEADLINE_S = 120
@@ -117,3 +119,13 @@ def live_server(
         process.wait(timeout=30)
         pump.join(timeout=30)  # reads to the end of the closed pipe
         process.stderr.close()
+
+
+def sse(response: httpx.Response) -> Iterator[tuple[str, dict]]:
+    """(event, data) of a server-sent event stream, as they arrive."""
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield event, json.loads(line.removeprefix("data: "))

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 from openai import types as openai_types
 from PIL import Image
 
-from tests.live import MAKE_RUN, ROOT, LiveServer
+from tests.live import MAKE_RUN, ROOT, LiveServer, sse
 
 QUICK = {"prompt": "a red circle", "num_inference_steps": 4, "seed": 1}
 # what pydantic, FastAPI or a library would say: none of it may reach a client
@@ -242,17 +240,8 @@ def test_every_body_and_event_validates_strictly_against_the_sdks_types(newcomer
     seen: list[str] = []
     with httpx.stream("POST", url, timeout=60, **post(stream=True, partial_images=2)) as stream:
         assert stream.status_code == 200
-        for event, data in _events(stream):
+        for event, data in sse(stream):
             SDK_EVENTS[event].model_validate(data, strict=True)
             assert data["seed"] == QUICK["seed"]  # every event about an image says its seed
             seen.append(event.rsplit(".", 1)[1])
     assert seen.count("partial_image") >= 1 and seen[-1] == "completed"
-
-
-def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
-    event = None
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            event = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            yield event, json.loads(line.removeprefix("data: "))

@@ -10,9 +10,7 @@ import base64
 import gc
 import io
 import itertools
-import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +23,7 @@ from server.api.streaming import KEEPALIVE, Feed, image_events
 from server.errors import Cancelled
 from server.pipeline import GenerationRequest, Pipeline
 from server.serving import Job
-from tests.live import LiveServer, live_server
+from tests.live import LiveServer, live_server, sse
 from tests.waiting import wait_until
 
 EXTRA = {"seed": 3, "num_inference_steps": 12}
@@ -105,16 +103,6 @@ def test_every_image_of_a_large_n_gets_its_partial_images(client: openai.OpenAI)
 def test_bad_stream_fields_are_refused_by_name(server: LiveServer, fields, param) -> None:
     response = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "a red circle", **fields})
     assert response.status_code == 400 and response.json()["error"]["param"] == param
-
-
-def sse(response: httpx.Response) -> Iterator[tuple[str, dict]]:
-    """(event, data) of a server-sent event stream, as they arrive."""
-    event = None
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            event = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            yield event, json.loads(line.removeprefix("data: "))
 
 
 def test_stream_progress_counts_the_steps_and_leaves_the_images_alone(server: LiveServer) -> None:
