@@ -58,10 +58,19 @@ def random_lora(folder: Path, out: Path, seed: int, kind: str, rank: int = RANK)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     denoiser = "transformer" if kind == "sd3" else "unet"
-    for part, model, targets in (
+    parts = (
         (denoiser, getattr(pipe, denoiser), UNET_TARGETS),
         ("text_encoder", pipe.text_encoder, TEXT_TARGETS),
-    ):
+    )
+    list(random_pairs(parts, generator, rank, tensors))  # drawn in this order: the file's bytes
+    save_file(tensors, out)
+    return out
+
+
+def random_pairs(parts, generator: torch.Generator, rank: int, tensors: dict[str, torch.Tensor]):
+    """Random `lora_A`/`lora_B` pairs, put in `tensors`, for every Linear of each (part, model,
+    target suffixes) whose name ends with a target; yields (part, module name, module) per pair."""
+    for part, model, targets in parts:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.endswith(targets):
                 fan_out, fan_in = module.weight.shape
@@ -69,8 +78,7 @@ def random_lora(folder: Path, out: Path, seed: int, kind: str, rank: int = RANK)
                 tensors[f"{part}.{name}.lora_B.weight"] = (
                     torch.randn(fan_out, rank, generator=generator) * 0.3
                 )
-    save_file(tensors, out)
-    return out
+                yield part, name, module
 
 
 @pytest.fixture(scope="module")
@@ -329,19 +337,13 @@ def test_flux_files_with_alpha_keys_load_at_the_strength_flux_pipeline_gives(tmp
     pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     generator = torch.Generator().manual_seed(11)
     tensors: dict[str, torch.Tensor] = {}
-    for part, model, targets in (
+    parts = (
         ("transformer", pipe.transformer, FLUX_TARGETS),
         ("text_encoder", pipe.text_encoder, TEXT_TARGETS),
-    ):
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear) and name.endswith(targets):
-                fan_out, fan_in = module.weight.shape
-                tensors[f"{part}.{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=generator) * 0.3
-                tensors[f"{part}.{name}.lora_B.weight"] = (
-                    torch.randn(fan_out, RANK, generator=generator) * 0.3
-                )
-                alpha = 1.0 if name.endswith("to_q") else 2.0 * RANK
-                tensors[f"{part}.{name}.alpha"] = torch.tensor(alpha)
+    )
+    for part, name, _ in random_pairs(parts, generator, RANK, tensors):
+        alpha = 1.0 if name.endswith("to_q") else 2.0 * RANK
+        tensors[f"{part}.{name}.alpha"] = torch.tensor(alpha)
     path = tmp_path / "flux-lora.safetensors"
     save_file(tensors, path)
     pipeline = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
