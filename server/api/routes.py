@@ -103,9 +103,8 @@ async def _answer(
     if body.stream:
         return _stream(body, requests, request, service, kind)
     job = service.submit(requests, request_id=request_id, owner=request.state.owner)
-    warning = service.size_warning(job.requests[0])
-    if warning is not None:
-        response.headers[WARNING_HEADER] = warning
+    if job.warning is not None:
+        response.headers[WARNING_HEADER] = job.warning
     images = await _outcome(job, request, service)
     encoded = await asyncio.gather(
         *(encode_async(image, body.output_format, body.output_compression) for image in images)
@@ -165,9 +164,8 @@ def _stream(
                 service.cancel(job)
 
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may hold events back
-    warning = service.size_warning(first)
-    if warning is not None:
-        headers[WARNING_HEADER] = warning
+    if job.warning is not None:
+        headers[WARNING_HEADER] = job.warning
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 

@@ -32,6 +32,7 @@ class Job:
     # image) for each partial image due; and, once a turn, that the job moved (queue, steps).
     on_partial: Callable[[int, int, torch.Tensor], None] | None = None
     on_progress: Callable[[], None] | None = None
+    warning: str | None = None  # for the client: a size the model was not trained at
 
     @property
     def pixel_rows(self) -> int:

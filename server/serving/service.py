@@ -158,9 +158,10 @@ class Service:
             taken = request_id in self.stats().owners
             job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
         job.on_partial, job.on_progress = on_partial, on_progress
+        job.warning = size_warning(resolved[0], self.pipeline.defaults.size)
         queued = min(self.loops, key=StepLoop.load).submit(job)
-        if (warning := self.size_warning(resolved[0])) is not None:
-            log.warning("job %s: %s", job.id, warning)
+        if job.warning is not None:
+            log.warning("job %s: %s", job.id, job.warning)
         return queued
 
     def vocabulary(self) -> tuple[str, ...] | None:
@@ -171,10 +172,6 @@ class Service:
     def recommended_steps(self) -> int:
         """The model's own step count (its quality `high`)."""
         return self.pipeline.defaults.steps
-
-    def size_warning(self, request: GenerationRequest) -> str | None:
-        """What to tell the client of a (resolved) request's size the model was not trained at."""
-        return size_warning(request, self.pipeline.defaults.size)
 
     def cancel(self, job: Job) -> None:
         for loop in self.loops:
