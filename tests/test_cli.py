@@ -1,31 +1,35 @@
 """`python -m server plan` and `serve`: the JSON plan, and failures that end with one line saying
-what to fix, through a real subprocess (one plan in-process, where imports would cost more than it)."""
+what to fix, each run a process of its own (forked from one that imported torch, diffusers and
+the app once: conftest's Forked), and one plan in-process."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from server.__main__ import main
 from server.demo import MODEL_DIR
+from tests.conftest import Forked
 from tests.live import free_port
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "server", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+Cli = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def test_plan_sd15_memory_json() -> None:
+@pytest.fixture
+def run_cli(forked: Forked) -> Cli:
+    """`python -m server ARGS` in a process of its own: exit code, stdout, stderr."""
+    return partial(forked.run, "server")
+
+
+def test_plan_sd15_memory_json(run_cli: Cli) -> None:
     done = run_cli(
         "plan",
         "--config",
@@ -53,13 +57,13 @@ def test_plan_sd15_memory_json() -> None:
     assert sum(s["param_bytes"] for s in plan["stages"]) == 2 * 859_520_964
 
 
-def test_plan_table_for_sdxl() -> None:
+def test_plan_table_for_sdxl(run_cli: Cli) -> None:
     done = run_cli("plan", "--config", "sdxl", "--devices", "cpu,cpu", "--resolution", "512")
     assert done.returncode == 0, done.stderr
     assert "latent=64x64" in done.stdout and "add_embedding" not in done.stdout  # blocks, not modules
 
 
-def test_errors_are_one_line_with_exit_code_2() -> None:
+def test_errors_are_one_line_with_exit_code_2(run_cli: Cli) -> None:
     if torch.cuda.device_count() <= 3:  # serving needs the devices; planning may name absent ones
         done = run_cli("serve", "--devices", "cuda:3")
         assert done.returncode == 2
@@ -72,7 +76,7 @@ def test_errors_are_one_line_with_exit_code_2() -> None:
     assert done.returncode == 2 and "short" in done.stderr
 
 
-def test_model_folder_that_is_not_a_pipeline(tmp_path) -> None:
+def test_model_folder_that_is_not_a_pipeline(run_cli: Cli, tmp_path) -> None:
     done = run_cli("plan", "--model", str(tmp_path))
     assert (
         done.returncode == 2
@@ -81,7 +85,7 @@ def test_model_folder_that_is_not_a_pipeline(tmp_path) -> None:
     )
 
 
-def test_plan_and_serve_share_their_defaults() -> None:
+def test_plan_and_serve_share_their_defaults(run_cli: Cli) -> None:
     """With no options, `plan` prints the plan `serve` runs: the built-in model, every GPU else
     the CPU, the memory strategy, the dtype for those devices, reserve for --max-batch rows."""
     done = run_cli("plan", "--json")
@@ -116,7 +120,7 @@ def test_plan_for_absent_gpus_predicts_every_candidate_from_a_device_profile(cap
     )
 
 
-def test_every_option_has_help_and_help_prints() -> None:
+def test_every_option_has_help_and_help_prints(run_cli: Cli) -> None:
     for command in ("serve", "plan"):
         done = run_cli(command, "-h")
         assert done.returncode == 0, done.stderr
@@ -133,7 +137,7 @@ def damaged_copy(tmp_path: Path) -> Path:
     return folder
 
 
-def test_fault_injection_off_loopback_is_refused_in_one_line() -> None:
+def test_fault_injection_off_loopback_is_refused_in_one_line(run_cli: Cli) -> None:
     """Busy ports, damaged folders and the other bad startups: tests/reliability/test_bad_startup.py."""
     done = run_cli("serve", "--host", "0.0.0.0", "--inject-faults")
     assert done.returncode == 2, done.stderr
@@ -142,13 +146,13 @@ def test_fault_injection_off_loopback_is_refused_in_one_line() -> None:
     assert "Traceback" not in done.stderr and "ready:" not in done.stderr
 
 
-def test_debug_adds_the_traceback_before_the_line(tmp_path: Path) -> None:
+def test_debug_adds_the_traceback_before_the_line(run_cli: Cli, tmp_path: Path) -> None:
     done = run_cli("serve", "--model", str(damaged_copy(tmp_path)), "--debug")
     assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
     assert "corrupt or truncated" in done.stderr.strip().splitlines()[-1]
 
 
-def test_a_load_that_fails_after_validation_also_ends_with_one_line(tmp_path: Path) -> None:
+def test_a_load_that_fails_after_validation_also_ends_with_one_line(run_cli: Cli, tmp_path: Path) -> None:
     """Headers fine, tensors wrong: only loading finds it, after the port listens; the server
     stops (exit 1) and its last line still names the folder and the cause."""
     folder = tmp_path / "model"
@@ -160,7 +164,7 @@ def test_a_load_that_fails_after_validation_also_ends_with_one_line(tmp_path: Pa
     assert "Traceback" not in done.stderr and "ready:" not in done.stderr
 
 
-def test_compile_and_step_budget_settings_say_what_to_fix() -> None:
+def test_compile_and_step_budget_settings_say_what_to_fix(run_cli: Cli) -> None:
     done = run_cli("serve", "--compile", "fast")
     assert done.returncode == 2 and "error: --compile (DIFFSHARD_COMPILE)" in done.stderr
     assert "'off', 'blocks' or 'full'" in done.stderr

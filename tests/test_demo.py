@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,8 @@ from server.demo import MODEL_DIR
 from server.demo.dataset import COLORS, SHAPES, sample_batch
 from server.demo.sampling import generate, load_pipeline, recommended, score
 from server.demo.tokenizer import WORDS, build_tokenizer
+from server.demo.train import QUICK
+from tests.conftest import Forked
 
 
 def test_dataset_is_reproducible_and_covers_every_combination() -> None:
@@ -44,18 +44,17 @@ def test_tokenizer_makes_each_dataset_word_one_token() -> None:
 
 
 @pytest.mark.slow
-def test_quick_training_writes_a_standard_pipeline_folder(tmp_path: Path) -> None:
+def test_quick_training_writes_a_standard_pipeline_folder(tmp_path: Path, forked: Forked) -> None:
+    """`python -m server.demo.train --quick` (a process of its own, forked: conftest's Forked),
+    its step counts overridden to 3 (the fewest its one-cycle schedules take): every phase runs
+    and saves; what the folder holds does not depend on how long each phase trained."""
     out = tmp_path / "model"
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "server.demo.train", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    args = ["--quick", "--vae-steps", "3", "--unet-steps", "3", "--out", str(out)]
+    done = forked.run("server.demo.train", *args, timeout_s=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["phase"] == "done"
+    logged = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
+    assert logged[-1]["phase"] == "done" and {"vae", "latents", "unet"} <= {e["phase"] for e in logged}
+    assert logged[-1]["budget"] == asdict(QUICK) | {"vae_steps": 3, "unet_steps": 3}
     assert_standard_folder(out)
     pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True)
     image = pipe("a red circle", num_inference_steps=2, height=64, width=64).images[0]

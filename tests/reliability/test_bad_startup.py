@@ -1,16 +1,15 @@
 """Startup with bad models and bad settings: each `python -m server serve` must exit non-zero
 within seconds, never say "ready", print no traceback (that takes --debug), and end its output
-with one line that says what to fix. Run with `-s` to see the table of cases (exit code,
-seconds, last line), also printed as one JSON line."""
+with one line that says what to fix. Each case is a process of its own, forked from one that
+imported torch, diffusers and the app once (conftest's Forked); its seconds count that import
+too. Run with `-s` to see the table of cases (exit code, seconds, last line), also printed as one
+JSON line."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.conftest import Forked
 from tests.live import free_port
 
 MODEL_DIR = Path(__file__).parents[2] / "server" / "demo" / "model"  # the built-in model
@@ -171,31 +171,27 @@ class Outcome:
         return (self.stderr.strip().splitlines() or [""])[-1]
 
 
-def start(case: Case, tmp: Path, busy: socket.socket) -> Outcome:
+def start(case: Case, tmp: Path, busy: socket.socket, forked: Forked) -> Outcome:
+    """`python -m server serve` with the case's flags; its seconds: the run's, plus the import's."""
     args = case.args(tmp, busy)
     if "--port" not in args:
         args += ["--port", str(free_port())]
     if "--metrics-port" not in args:
         args += ["--metrics-port", "0"]
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    return Outcome(result.returncode, time.monotonic() - started, result.stderr, case.words(tmp, busy))
+    result = forked.run("server", "serve", "--host", "127.0.0.1", *args, timeout_s=120)
+    seconds = forked.import_s + time.monotonic() - started
+    return Outcome(result.returncode, seconds, result.stderr, case.words(tmp, busy))
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
+def outcomes(tmp_path_factory: pytest.TempPathFactory, forked: Forked) -> Iterator[dict[str, Outcome]]:
     """Every case run once, PARALLEL at a time, while a socket holds a port; then the table."""
     with socket.socket() as busy, ThreadPoolExecutor(PARALLEL) as pool:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         folders = {case.name: tmp_path_factory.mktemp(case.name.replace(" ", "-")) for case in CASES}
-        futures = {case.name: pool.submit(start, case, folders[case.name], busy) for case in CASES}
+        futures = {case.name: pool.submit(start, case, folders[case.name], busy, forked) for case in CASES}
         done = {name: future.result() for name, future in futures.items()}
     table = [
         {"case": name, "exit_code": o.exit_code, "seconds": round(o.seconds, 1), "last_line": o.last_line}
