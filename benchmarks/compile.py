@@ -42,6 +42,7 @@ from server.engine.plan import plan_shards
 from server.engine.shard import ModelShard
 from server.engine.specs import spec_for
 from server.engine.threads import fit_threads
+from server.engine.walker import walk_plain
 from tests.live import live_server
 
 TARGET_LONE = 0.7
@@ -144,7 +145,7 @@ def sd15_unet(latents: list[int], cache: Path, peak: float, rounds: int) -> dict
     for side in latents:
         inputs = spec.example_inputs(unet, 2, side, torch.float32, torch.device("cpu"))
         with FlopCounterMode(display=False) as counter, torch.inference_mode():
-            spec.forward(meta, spec.example_inputs(meta, 2, side, torch.float32, torch.device("meta")))
+            walk_plain(spec, meta, spec.example_inputs(meta, 2, side, torch.float32, torch.device("meta")))
         flops = counter.get_total_flops()
         started = time.perf_counter()
         shard.warm(inputs, 2)
@@ -152,10 +153,10 @@ def sd15_unet(latents: list[int], cache: Path, peak: float, rounds: int) -> dict
 
         def eager(inputs=inputs) -> None:
             with torch.inference_mode():
-                spec.forward(unet, inputs)
+                walk_plain(spec, unet, inputs)
 
         def compiled(inputs=inputs) -> None:
-            shard.compiled.run(inputs)
+            shard.compiled.whole(inputs)
 
         eager(), compiled()
         pairs = [(_timed(eager), _timed(compiled)) for _ in range(rounds)]

@@ -338,17 +338,17 @@ def engine_cpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[
     """Two pipelined lanes of `rows` rows through a 2-stage cost split on cpu,cpu, one thread
     each; and the same rows unsplit on one worker with 2 threads."""
     single = plan_shards(model, "cpu", "memory", dtype=DTYPE, latent_size=latent, batch=rows)
-    with ModelShard(model, single) as shard:
-        one = timed(model, [shard], 1, rows, latent, 2 * forwards, threads=2)
+    shard = ModelShard(model, single)
+    one = timed(model, [shard], 1, rows, latent, 2 * forwards, threads=2)
     # Balance the stages for the work they will do: counted block costs on one thread, as a
     # worker runs them, at the latent size served.
     costs = CostModel(model, 2, latent, DTYPE).costs("cpu", 1)
     split = plan_shards(
         model, "cpu,cpu", "cost", dtype=DTYPE, latent_size=latent, batch=rows, block_costs=costs
     )
-    with ModelShard(model, split) as shard:
-        piped = timed(model, [shard], 2, rows, latent, forwards, threads=1)
-        stages = [{"blocks": list(s.blocks), "predicted_cost_s": _round(s.cost_s, 4)} for s in split.stages]
+    shard = ModelShard(model, split)
+    piped = timed(model, [shard], 2, rows, latent, forwards, threads=1)
+    stages = [{"blocks": list(s.blocks), "predicted_cost_s": _round(s.cost_s, 4)} for s in split.stages]
     return {
         "engine": "cpu",
         "model": f"sd15 UNet (random weights, seed 0), {str(DTYPE).removeprefix('torch.')}",
@@ -370,20 +370,14 @@ def engine_gpu(model: nn.Module, latent: int, rows: int, forwards: int) -> dict[
 
     options = {"dtype": DTYPE, "latent_size": latent, "batch": rows}
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "latent_size": latent}
-    with ModelShard(model, plan_shards(model, "cuda:0", "memory", **options)) as shard:
-        results["one_gpu"] = timed(model, [shard], 1, rows, latent, 2 * forwards, None).to_dict()
+    shard = ModelShard(model, plan_shards(model, "cuda:0", "memory", **options))
+    results["one_gpu"] = timed(model, [shard], 1, rows, latent, 2 * forwards, None).to_dict()
     split = plan_shards(model, "cuda:0,cuda:1", "cost", **{**options, "batch": 2 * rows})
-    with ModelShard(model, split) as shard:
-        results["pipeline_2_stages_2_lanes"] = timed(
-            model, [shard], 2, rows, latent, forwards, None
-        ).to_dict()
+    shard = ModelShard(model, split)
+    results["pipeline_2_stages_2_lanes"] = timed(model, [shard], 2, rows, latent, forwards, None).to_dict()
     plans = tuple(plan_shards(model, device, "memory", **options) for device in ("cuda:0", "cuda:1"))
     shards = build_shards(model, ParallelPlan(plans, 1, workers=("cuda:0", "cuda:1")))
-    try:
-        results["replicas_2"] = timed(model, shards, 2, rows, latent, forwards, None).to_dict()
-    finally:
-        for shard in shards:
-            shard.remove()
+    results["replicas_2"] = timed(model, shards, 2, rows, latent, forwards, None).to_dict()
     base = results["one_gpu"]["rows_per_s"]
     results |= {
         "rows_per_lane": rows,

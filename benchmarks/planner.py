@@ -128,12 +128,8 @@ def measure_candidates(
             )
             shards, lanes = [ModelShard(model, split)], c.stages
         full = lanes * (c.threads or 1) >= quota
-        try:
-            with busy_server() if full else contextlib.nullcontext():
-                out[named(c)] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
-        finally:
-            for shard in shards:
-                shard.remove()
+        with busy_server() if full else contextlib.nullcontext():
+            out[named(c)] = forwards_per_s(shards, lanes, c.threads or 1, latent, forwards)
     return out
 
 

@@ -55,8 +55,8 @@ def plain(model: nn.Module) -> Forward:
 
 @contextmanager
 def sharded(model: nn.Module, plan: ShardPlan) -> Iterator[Forward]:
-    with ModelShard(model, plan) as shard:
-        yield lambda x: shard(x.sample, x.timestep, x.context)
+    shard = ModelShard(model, plan)
+    yield lambda x: shard(x.sample, x.timestep, x.context)
 
 
 def dispatched(model: nn.Module, plan: ShardPlan) -> tuple[nn.Module, dict[str, Any]]:

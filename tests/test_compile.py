@@ -9,13 +9,15 @@ one bucket (2 rows, one image); the inductor kernel cache the first test fills i
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from server.engine.compile import CompileMode, eager_calls
+from server.engine import CallPlan
+from server.engine.compile import CompileMode
 from server.engine.graphs import CompileStats, GraphStore
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
@@ -63,10 +65,14 @@ def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(
     _images(pipeline, [unguided])  # 1 row, padded to the 2-row bucket: 3 steps
     _images(pipeline, [other_size])  # 2 steps
     _images(pipeline, three)  # 3 steps
-    with eager_calls():
-        _images(pipeline, [GUIDED])
+    (state,) = pipeline.start([pipeline.resolve(GUIDED)])  # a bucket's call its plan keeps eager
+    with pipeline.pool.scope() as batch, torch.inference_mode():
+        inputs = pipeline.stacked([state], batch)
+        pipeline.shard.run(inputs, replace(CallPlan.plain(2), compiled=False))  # 1 call
+        pipeline.shard.run(inputs, CallPlan.plain(2))  # and as usual: compiled
+    state.close()
     calls = {path: stats.calls[path] - before[path] for path in before}
-    assert calls == {"compiled": 0, "padded": 3, "eager": 2 + 3 + 3}, calls
+    assert calls == {"compiled": 1, "padded": 3, "eager": 2 + 3 + 1}, calls
 
 
 def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(

@@ -46,16 +46,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
-from server.engine import ModelShard, plan_shards, run_micro_batches, spec_for
+from server.engine import ModelShard, Workers, plan_shards, run_micro_batches, spec_for
 from server.engine.calibrate import RUN_S
 from server.engine.calibrate import _rate as calibrate_rate
 from server.engine.pool import ActivationPool
 from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.cachedstep import cached_forward
+from server.pipeline.cachedstep import keep
 from server.pipeline.edits import blend, first_latents
 from server.pipeline.families.base import Family, ModelConfig
 from server.pipeline.loader import Components
-from server.pipeline.lora import Adapter, LoraPair, rows_asking
+from server.pipeline.lora import Adapter, LoraPair
 from server.pipeline.requests import Defaults
 from server.pipeline.stepcache import RowCache, StepCache
 from server.serving.calls import WatchedCalls
@@ -285,13 +285,16 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
         with pipeline.pool.scope() as batch:
             inputs = pipeline.stacked(states, batch)
             assert inputs.sample.shape == (7, channels, IMAGE_SIZE // 2, IMAGE_SIZE // 2)
-            asking = [s.request.lora for s in states for _ in range(s.rows)]
-            with rows_asking(asking):  # the LoRA rows' deltas, on each stage's device
-                out = pipeline._forward(inputs)  # through both stages: cuda:0, then cuda:1, back
-            assert out.device == torch.device("cuda:0") and out.shape == (7, 4, 16, 16)
-            cached = [states[-1]]  # the step cache's walk through both stages
-            walked = cached_forward(pipeline.shard, cached, pipeline.stacked(cached, batch), [()] * 2)
-            assert walked is not None and walked.device == torch.device("cuda:0")
+            # one call: the LoRA rows' deltas on each stage's device, the cached request's deep
+            # blocks; through both stages: cuda:0, then cuda:1, back
+            result = pipeline.forward(inputs, pipeline.call_plan(states))
+            assert result.out.device == torch.device("cuda:0") and result.out.shape == (7, 4, 16, 16)
+            keep(states[-1], result.outcomes[-1])
+            assert states[-1].cache.last == "refreshed"
+            states[-1].index += 1  # its next step reuses what it kept (interval 2)
+            reused = pipeline.forward(pipeline.stacked(states, batch), pipeline.call_plan(states))
+            assert not reused.outcomes[-1].refreshed and reused.out.device == torch.device("cuda:0")
+            states[-1].index -= 1
         # the scheduler's step asks the fake timestep's value: out of reach here (see the docstring)
         with pytest.raises(DataDependentOutputException):
             pipeline.step(states[:1])
@@ -373,8 +376,10 @@ def test_split_steps_reuse_their_helper_threads() -> None:
     shard = ModelShard(unet, plan_shards(unet, "cpu"))
     inputs = spec_for(unet).example_inputs(unet, 2, IMAGE_SIZE // 2, torch.float32, torch.device("cpu"))
     ran: list[threading.Thread] = []
-    unet.register_forward_pre_hook(lambda *_: ran.append(threading.current_thread()))
+    unet.conv_in.register_forward_pre_hook(lambda *_: ran.append(threading.current_thread()))
+    workers = Workers(1)  # a lane's, started with it
     for _ in range(2):
-        run_micro_batches([shard, shard], inputs, 2)
+        run_micro_batches([shard, shard], inputs, 2, workers=workers)
+    workers.close()
     helpers = [t for t in ran if t is not threading.current_thread()]
     assert len(helpers) == 2 and helpers[0] is helpers[1]  # one thread, not one per step

@@ -26,6 +26,7 @@ from server.engine import (
 from server.engine.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.serving.housekeeping import empty_device_caches
+from tests.reference import diffusers_forward
 from tests.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
 
 pytestmark = pytest.mark.gpu
@@ -36,20 +37,20 @@ def test_mixed_cuda_and_cpu_plan_matches_the_gpu_model(tiny_unet: nn.Module) -> 
     unet = tiny_unet.to("cuda:0")
     inputs = spec.example_inputs(unet, 3, 16, torch.float32, torch.device("cuda:0"))
     with torch.inference_mode():
-        expected = spec.forward(unet, inputs)
+        expected = diffusers_forward(unet, inputs)
 
     names = layout_of(unet).names
     cut = names.index("mid_block")  # cuda:0 runs the first half, the CPU the rest
     device_map = {name: "cuda:0" if i < cut else "cpu" for i, name in enumerate(names)}
     plan = plan_shards(unet, strategy="explicit", device_map=device_map)
-    with ModelShard(unet, plan) as shard:
-        out = shard(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning)
-        for block in layout_of(unet).blocks:
-            for path in block.modules:
-                for name, p in unet.get_submodule(path).named_parameters():
-                    assert str(p.device) == plan.device_of(block.name), f"{path}.{name}"
-        memory = shard.memory()
-        assert memory["cuda:0"].allocated and memory["cuda:0"].total
+    shard = ModelShard(unet, plan)
+    out = shard(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning)
+    for block in layout_of(unet).blocks:
+        for path in block.modules:
+            for name, p in unet.get_submodule(path).named_parameters():
+                assert str(p.device) == plan.device_of(block.name), f"{path}.{name}"
+    memory = shard.memory()
+    assert memory["cuda:0"].allocated and memory["cuda:0"].total
     assert out.device == torch.device("cuda:0")
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
 
@@ -83,12 +84,12 @@ def test_two_gpus_pipelined_or_replicated_match_one_gpu_with_both_busy(
     unet = tiny_unet.to("cuda:0")
     inputs = spec.example_inputs(unet, 4, 16, torch.float32, torch.device("cuda:0"))
     with torch.inference_mode():
-        expected = spec.forward(unet, inputs)
+        expected = diffusers_forward(unet, inputs)
     costs = dict.fromkeys(layout_of(unet).names, 0.001)
     plan = plan_parallel(unet, "cuda:0,cuda:1", parallel, block_costs=lambda *_, **__: costs)
     assert plan.workers == ("cuda:0", "cuda:1")
     shards = build_shards(unet, plan)
-    out = run_micro_batches(shards, inputs, micro_batches=2)
+    out = run_micro_batches(shards, inputs, micro_batches=2).out
     torch.cuda.synchronize("cuda:0")
     torch.cuda.synchronize("cuda:1")
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
@@ -125,7 +126,7 @@ def test_a_lone_step_split_over_two_gpu_replicas_takes_at_most_065_of_one_gpu() 
         return statistics.median(times[1:]), out
 
     one, expected = step_s(lambda: shards[0](inputs.sample, inputs.timestep, inputs.context))
-    split, out = step_s(lambda: run_micro_batches(shards, inputs, 2))
+    split, out = step_s(lambda: run_micro_batches(shards, inputs, 2).out)
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=0)
     assert split <= 0.65 * one, f"split {split * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
 

@@ -28,9 +28,10 @@ from torch import nn
 
 from server.config import Settings
 from server.demo import MODEL_DIR
+from server.engine.call import AdapterRows
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import RowsMismatch, read_adapter, rows_asking
+from server.pipeline.lora import RowsMismatch, read_adapter
 from server.pipeline.schedulers import make_scheduler
 from tests.live import LiveServer, free_port, live_server
 from tests.tiny_pipelines import build_flux_folder, diffusers_image
@@ -372,15 +373,14 @@ def test_a_call_whose_rows_do_not_match_its_plan_raises_instead_of_skipping_adap
     tokens = pipeline.components.tokenizers[0](
         ["a red circle"] * 2, padding="max_length", return_tensors="pt"
     )
-    encoder = pipeline.encoders[0]
-    with rows_asking([(("A", 1.0),)] * 2), torch.inference_mode():
-        encoder(tokens.input_ids)  # the plan's rows: fine
-    with (
-        rows_asking([(("A", 1.0),)] * 3),
-        torch.inference_mode(),
-        pytest.raises(RowsMismatch, match="2 rows"),
-    ):
+    encoder, slot = pipeline.encoders[0], pipeline.encoder_slots[0]
+    slot.rows = AdapterRows(((("A", 1.0),),) * 2)
+    with torch.inference_mode():
+        encoder(tokens.input_ids)  # the slot's rows: fine
+    slot.rows = AdapterRows(((("A", 1.0),),) * 3)
+    with torch.inference_mode(), pytest.raises(RowsMismatch, match="2 rows"):
         encoder(tokens.input_ids)
+    slot.rows = None
 
 
 def test_an_adapter_removed_leaves_the_base_model_bit_for_bit(folders, loras) -> None:

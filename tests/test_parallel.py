@@ -11,24 +11,28 @@ import torch
 from torch import nn
 
 from server.engine import (
+    CallPlan,
     CostModel,
     Costs,
     Parallel,
     ParallelPlan,
+    RowGroup,
     build_shards,
     plan_parallel,
     plan_shards,
     run_micro_batches,
     single,
     spec_for,
-    split_rows,
 )
+from server.engine.call import CacheAsk
 from server.engine.devices import planning_absent_devices
 from server.engine.gates import StageGates, worker_names
 from server.engine.parallel import Candidate, fill_cores, weighed_shapes
 from server.engine.planner import HTTP_CORES
+from server.engine.replicas import cut_rows
 from server.errors import PlanError
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
+from tests.reference import diffusers_forward
 from tests.test_dit import tiny_sd3_transformer
 
 MODELS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet, "sd3": tiny_sd3_transformer}
@@ -39,7 +43,7 @@ def unsplit(model: nn.Module, rows: int):
     spec = spec_for(model)
     inputs = spec.example_inputs(model, rows, 16, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
-        return inputs, spec.forward(model, inputs)
+        return inputs, diffusers_forward(model, inputs)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -49,9 +53,8 @@ def test_pipelined_stages_equal_the_unsplit_model(name: str, stages: int, micro_
     inputs, expected = unsplit(model, rows=4)
     plan = plan_shards(model, ["cpu"] * stages, "even")
     (shard,) = build_shards(model, single(plan))
-    with shard:
-        out = run_micro_batches([shard], inputs, micro_batches)
-        assert shard.gates.stats().in_flight == 0  # every micro-batch let go of its stage
+    out = run_micro_batches([shard], inputs, micro_batches).out
+    assert shard.gates.stats().in_flight == 0  # every micro-batch let go of its stage
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
@@ -62,20 +65,32 @@ def test_two_replicas_equal_the_unsplit_model(name: str) -> None:
     plan = plan_parallel(model, "cpu,cpu", "replicas", block_costs=lambda *_, **__: _unit_costs(model))
     assert (plan.kind, plan.workers) == ("replicas", ("cpu:0", "cpu:1"))
     shards = build_shards(model, plan)
-    assert shards[0].model is shards[1].model  # CPU replicas share one copy of the weights
-    out = run_micro_batches(shards, inputs, micro_batches=2)
+    # CPU replicas share one copy of the weights, each in a module tree of its own (its hooks)
+    assert shards[0].model is not shards[1].model
+    weights = zip(shards[0].model.parameters(), shards[1].model.parameters(), strict=True)
+    assert all(a is b for a, b in weights)
+    out = run_micro_batches(shards, inputs, micro_batches=2).out
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     busy = {**shards[0].gates.stats().busy_s, **shards[1].gates.stats().busy_s}
     assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0
 
 
-def test_split_rows_cuts_every_per_row_tensor() -> None:
+def test_cut_rows_cuts_every_per_row_tensor() -> None:
     inputs, _ = unsplit(tiny_sdxl_unet(), rows=5)
-    parts = split_rows(inputs, 2)
+    parts = [cut_rows(inputs, 0, 3), cut_rows(inputs, 3, 5)]
     assert [p.sample.shape[0] for p in parts] == [3, 2]
     assert [p.conditioning["added_cond_kwargs"]["time_ids"].shape[0] for p in parts] == [3, 2]
     assert torch.equal(torch.cat([p.timestep for p in parts]), inputs.timestep)
-    assert len(split_rows(inputs, 9)) == 5  # never an empty micro-batch
+
+
+def test_a_call_plan_splits_as_its_rows_and_never_inside_a_threshold_group() -> None:
+    deep = RowGroup(2, (("A", 1.0),), CacheAsk(None, refresh=True))
+    threshold = RowGroup(2, (), CacheAsk({"first": torch.zeros(2)}, refresh=None, threshold=0.1))
+    plan = CallPlan((deep, threshold, RowGroup(1)))
+    assert [p.rows for p in plan.split(5)] == [1, 1, 2, 1]  # the threshold group stays whole
+    halves = CallPlan((deep,)).split(2)
+    assert [p.adapters for p in halves] == [((("A", 1.0),),)] * 2 and [h.rows for h in halves] == [1, 1]
+    assert len(CallPlan.plain(5).split(9)) == 5  # never an empty micro-batch
 
 
 def test_gates_let_two_forwards_hold_different_stages_at_once() -> None:
@@ -87,9 +102,11 @@ def test_gates_let_two_forwards_hold_different_stages_at_once() -> None:
     def first() -> None:
         gates.begin()
         gates.enter(0)
-        gates.enter(1)  # lets go of stage 0
+        gates.leave(0)
+        gates.enter(1)
         first_in_stage_1.set()
         assert second_in_stage_0.wait(10)  # the other forward got stage 0 while we hold stage 1
+        gates.leave(1)
         gates.end()
 
     def second() -> None:
@@ -97,7 +114,9 @@ def test_gates_let_two_forwards_hold_different_stages_at_once() -> None:
         gates.begin()
         gates.enter(0)
         second_in_stage_0.set()
-        gates.enter(1)  # waits for the first to end
+        gates.leave(0)
+        gates.enter(1)  # waits for the first to leave it
+        gates.leave(1)
         gates.end()
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
@@ -273,7 +292,7 @@ def test_a_hybrid_of_two_pipelined_replicas_equals_the_unsplit_model() -> None:
     assert plan.kind == "hybrid" and plan.lanes == 4
     shards = build_shards(model, plan)
     assert shards[0].model is not shards[1].model  # hooked replicas cannot share modules
-    torch.testing.assert_close(run_micro_batches(shards, inputs, 4), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(run_micro_batches(shards, inputs, 4).out, expected, rtol=0, atol=1e-5)
     assert set(shards[1].gates.stats().busy_s) == {"cpu:2", "cpu:3"}
 
 

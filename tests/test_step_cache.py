@@ -11,21 +11,32 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine import ModelShard, plan_shards
+from server.engine import CallPlan, ModelShard, RowGroup, plan_shards
+from server.engine.call import CacheAsk
 from server.engine.plan import Stage
 from server.engine.specs import spec_for
-from server.engine.stepcache import RowGroup, walk_for
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import read_adapter
 from server.pipeline.stepcache import StepCache, parse_step_cache
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
+from tests.reference import diffusers_forward
 from tests.test_dit import tiny_sd3_transformer
+from tests.test_flux_engine import tiny_flux_transformer
 from tests.test_lora import random_lora
 
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
-MODELS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet, "sd3": tiny_sd3_transformer}
-DEEP = {"sd15": ("down_blocks.1", "mid_block", "up_blocks.0"), "sd3": ("transformer_blocks.1",)}
+MODELS = {
+    "sd15": tiny_sd15_unet,
+    "sdxl": tiny_sdxl_unet,
+    "sd3": tiny_sd3_transformer,
+    "flux": tiny_flux_transformer,
+}
+DEEP = {
+    "sd15": ("down_blocks.1", "mid_block", "up_blocks.0"),
+    "sd3": ("transformer_blocks.1",),
+    "flux": ("single_transformer_blocks.0",),
+}
 
 
 def example(model: torch.nn.Module, rows: int = 4):
@@ -46,37 +57,41 @@ def count_rows(model: torch.nn.Module, names: tuple[str, ...]) -> dict[str, list
     return seen
 
 
+def cached(*asks: CacheAsk | None) -> CallPlan:
+    """A plan of 2-row groups, one per ask."""
+    return CallPlan(tuple(RowGroup(2, cache=ask) for ask in asks))
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_a_walk_with_every_row_refreshing_is_the_plain_forward(kind: str) -> None:
     model = MODELS[kind]().eval()
     inputs = example(model)
-    walk = walk_for(model, inputs)
-    with torch.inference_mode():
-        plain = spec_for(model).forward(model, inputs)
-        walked = walk(model, inputs, [RowGroup(slice(0, 2), None), RowGroup(slice(2, 4), None)])
-    assert (walked - plain).abs().max() <= 1e-6
+    plain = diffusers_forward(model, inputs)
+    shard = ModelShard(model, plan_shards(model, "cpu"))
+    walked = shard.run(inputs, cached(CacheAsk(), CacheAsk()))
+    assert (walked.out - plain).abs().max() <= 1e-6
+    assert all(o.refreshed and o.fresh for o in walked.outcomes)
 
 
-@pytest.mark.parametrize("kind", ["sd15", "sd3"])
+@pytest.mark.parametrize("kind", ["sd15", "sd3", "flux"])
 def test_reusing_rows_skip_the_deep_blocks_and_keep_their_own_features(kind: str) -> None:
     model = MODELS[kind]().eval()
     inputs = example(model)
-    walk = walk_for(model, inputs)
-    with torch.inference_mode():
-        plain = spec_for(model).forward(model, inputs)
-        first = [RowGroup(slice(0, 2), None), RowGroup(slice(2, 4), None)]
-        walk(model, inputs, first)
-        kept = [{name: t.clone() for name, t in g.fresh.items()} for g in first]
-        seen = count_rows(model, DEEP[kind])
-        # the same inputs again: the first request reuses (threshold 1: any change under 100%)
-        mixed = [RowGroup(slice(0, 2), kept[0], refresh=False, threshold=1.0), RowGroup(slice(2, 4), None)]
-        out = walk(model, inputs, mixed)
-        assert all(rows == [2] for rows in seen.values())  # the deep blocks ran the second request only
-        assert [g.refresh for g in mixed] == [False, True] and mixed[0].fresh.keys() <= {"first"}
-        assert (out - plain).abs().max() <= 1e-5  # its kept features were made from these inputs
-        reuse = [RowGroup(g.rows, k, refresh=False, threshold=1.0) for g, k in zip(first, kept, strict=True)]
-        walk(model, inputs, reuse)
-        assert all(rows == [2] for rows in seen.values())  # a call of reusing rows calls no deep block
+    plain = diffusers_forward(model, inputs)
+    shard = ModelShard(model, plan_shards(model, "cpu"))
+    first = shard.run(inputs, cached(CacheAsk(), CacheAsk()))
+    kept = [{name: t.clone() for name, t in o.fresh.items()} for o in first.outcomes]
+    seen = count_rows(model, DEEP[kind])
+    # the same inputs again: the first request reuses (DiTs decide by threshold 1: any change
+    # under 100%; a UNet has no first block to decide by, and is told)
+    decide = None if kind != "sd15" else False
+    mixed = shard.run(inputs, cached(CacheAsk(kept[0], refresh=decide, threshold=1.0), CacheAsk()))
+    assert all(rows == [2] for rows in seen.values())  # the deep blocks ran the second request only
+    assert [o.refreshed for o in mixed.outcomes] == [False, True] and not mixed.outcomes[0].fresh
+    assert (mixed.out - plain).abs().max() <= 1e-5  # its kept features were made from these inputs
+    reuse = cached(*(CacheAsk(k, refresh=decide, threshold=1.0) for k in kept))
+    shard.run(inputs, reuse)
+    assert all(rows == [2] for rows in seen.values())  # a call of reusing rows calls no deep block
 
 
 def test_rows_that_reuse_skip_a_stage_holding_only_deep_blocks() -> None:
@@ -88,13 +103,11 @@ def test_rows_that_reuse_skip_a_stage_holding_only_deep_blocks() -> None:
     plan = replace(plan, stages=tuple(Stage("cpu", tuple(p), (0,) * len(p)) for p in parts))
     shard = ModelShard(model, plan)
     inputs = example(model, rows=2)
-    first = [RowGroup(slice(0, 2), None)]
-    refreshed = shard.cached(inputs, first)
+    refreshed = shard.run(inputs, cached(CacheAsk()))
     deep_busy = shard.gates.stats().busy_s["cpu:1"]
-    reused = shard.cached(inputs, [RowGroup(slice(0, 2), first[0].fresh, refresh=False)])
+    reused = shard.run(inputs, cached(CacheAsk(refreshed.outcomes[0].fresh, refresh=False)))
     assert shard.gates.stats().busy_s["cpu:1"] == deep_busy > 0  # never entered
-    assert (reused - refreshed).abs().max() <= 1e-5
-    shard.remove()
+    assert (reused.out - refreshed.out).abs().max() <= 1e-5
 
 
 def test_the_setting_is_parsed_and_its_bad_values_named() -> None:
@@ -149,10 +162,18 @@ def run_together(pipeline: Pipeline, requests: list[GenerationRequest], ahead: i
                 "off",
             ],
         ),
+        (
+            "flux",
+            [
+                {"policy": "first_block", "threshold": 0.5},
+                {"policy": "first_block", "threshold": 0.35},
+                "off",
+            ],
+        ),
     ],
 )
-def test_batched_equals_alone_with_caching_on(folders, sd3_folder, kind: str, policies) -> None:
-    pipeline = load(sd3_folder if kind == "sd3" else folders[kind])
+def test_batched_equals_alone_with_caching_on(folders, sd3_folder, flux_folder, kind: str, policies) -> None:
+    pipeline = load({"sd3": sd3_folder, "flux": flux_folder}.get(kind) or folders[kind])
     requests = [
         GenerationRequest("a red circle", seed=1, steps=8, guidance_scale=4.0, step_cache=parse_step_cache(p))
         for p in policies

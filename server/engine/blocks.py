@@ -11,7 +11,7 @@ Supporting another denoiser means declaring its blocks (a `DenoiserSpec`, regist
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,8 +57,64 @@ class DenoiserInputs:
     conditioning: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Flow:
+    """What crosses block boundaries in one forward: `rows`, per-row tensors (or tuples of them,
+    [rows, ...] each: a row subset selects them), and `shared`, the same for every row (rotary
+    embeddings, sizes, flags), set before the first block and read-only after."""
+
+    rows: dict[str, Any]
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def select(self, index: torch.Tensor) -> Flow:
+        """The flow of the rows in `index` (on the rows' device)."""
+        rows = {k: map_rows(v, lambda t: t.index_select(0, index.to(t.device))) for k, v in self.rows.items()}
+        return Flow(rows, self.shared)
+
+
+def map_rows(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` on every tensor of a flow entry (a tensor, or a tuple or list of them)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        return type(value)(map_rows(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_rows(v, fn) for k, v in value.items()}
+    return value
+
+
+BlockFn = Callable[[nn.Module, dict[str, Any], dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """How the walker runs one block: `fn(owner, rows, shared)` returns the new per-row flow.
+    `fn` is a module-level function (a compiled graph names it); `owner` is the module it
+    reads, so blocks that repeat (a DiT's) share one compiled graph."""
+
+    owner: nn.Module
+    fn: BlockFn
+
+
+@dataclass(frozen=True)
+class CacheBoundary:
+    """Where step caching cuts a denoiser: the deep blocks `deep` (first, last) run only on
+    refreshing rows; `first` (if any) is the block whose residual of `carry` measures change
+    (First-Block-Cache); `keep` is what a refreshing row keeps of `carry` over the deep blocks:
+    their "output" (DeepCache) or their "residual" (added to the carry when reused). `stack`
+    names a per-row tuple the deep blocks pop (a UNet's skip residuals) and how many entries they
+    leave of it."""
+
+    deep: tuple[str, str]
+    carry: str
+    keep: str  # "output" | "residual"
+    first: str | None = None  # a boundary with a first block serves `first_block`, else `deep`
+    stack: tuple[str, int] | None = None
+
+
 class DenoiserSpec(Protocol):
-    """What the engine needs to know about one kind of denoiser."""
+    """What the engine needs to know about one kind of denoiser: its blocks, and how to run
+    them one by one (`begin`, each block's call, `end`: the block walker runs them)."""
 
     def layout(self, model: nn.Module) -> Layout: ...
 
@@ -66,7 +122,13 @@ class DenoiserSpec(Protocol):
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
     ) -> DenoiserInputs: ...
 
-    def forward(self, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor: ...
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow: ...
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]: ...
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor: ...
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None: ...
 
 
 def block_modules(model: nn.Module, layout: Layout) -> Iterator[tuple[str, nn.Module]]:

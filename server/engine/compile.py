@@ -7,11 +7,12 @@ that fits no bucket runs eagerly and is counted, never fails, and never compiles
 serving path.
 
 Two units (`--compile`):
-- `full`: the whole denoiser, one graph per bucket (one stage only: a split's stage hooks
-  sit between blocks).
-- `blocks` (regional compilation): every module of every engine block, one graph per module
-  kind and input shape, so blocks that repeat (a DiT's) share one, and a ModelShard's stage
-  hooks, which run between blocks, stay eager: sharding and compilation compose.
+- `full`: the whole denoiser, one graph per bucket (one stage only, no adapters, no step
+  caching: those need the block walker between blocks).
+- `blocks` (regional compilation): every block's call (`BlockCall`), one graph per block kind
+  and input shape, so blocks that repeat (a DiT's) share one. The walker calls them between
+  its stage transfers, so sharding and compilation compose, and a step-cached call's deep
+  blocks find the bucket of their refreshing rows.
 
 Warm starts. Each graph is compiled ahead of time (`torch.compile(...).aot_compile`,
 fullgraph) and saved as a precompiled function under the cache directory, keyed by the graph's
@@ -23,43 +24,29 @@ ignored with a warning and compiled again.
 
 The loaded functions run without dynamo's guards: this module checks the exact signature (the
 shape, dtype and device of every input tensor, every other input's value) before it calls one,
-which is the check the guards would make. Adapters' rows (LoRA hooks on layers, which a
-compiled graph never calls) run eagerly: `eager_calls()`.
+which is the check the guards would make. Rows with adapters (hooks on layers, which a compiled
+graph never calls) run eagerly: the call plan says so.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from server.engine.blocks import DenoiserInputs, Layout
+from server.engine.blocks import BlockCall, DenoiserInputs, Flow, map_rows
 from server.engine.graphs import GraphStore
-
-_local = threading.local()  # .eager: this thread's calls run eagerly; .bucket: the bucket of a call in flight
+from server.engine.walker import walk_plain
 
 
 class CompileMode(enum.StrEnum):
     OFF = "off"
     BLOCKS = "blocks"
     FULL = "full"
-
-
-@contextlib.contextmanager
-def eager_calls() -> Iterator[None]:
-    """Within: denoiser calls on this thread run eagerly (rows with adapters: hooks to call)."""
-    before = getattr(_local, "eager", False)
-    _local.eager = True
-    try:
-        yield
-    finally:
-        _local.eager = before
 
 
 def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
@@ -99,11 +86,7 @@ def find_bucket(args: Any, rows: int, buckets: list[int], graphs: dict[tuple, An
 
 # The functions compiled: module level, so a precompiled file can name them.
 def run_denoiser(spec: Any, model: nn.Module, *inputs: Any) -> torch.Tensor:
-    return spec.forward(model, DenoiserInputs(*inputs))
-
-
-def run_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    return module.forward(*args, **kwargs)  # its own: dispatchers are detached while compiling
+    return walk_plain(spec, model, DenoiserInputs(*inputs))
 
 
 def run_decoder(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
@@ -132,132 +115,101 @@ def _flat(inputs: DenoiserInputs) -> tuple:
 
 
 class CompiledDenoiser:
-    """A ModelShard's model compiled per bucket; `run` pads a call to a bucket or returns None."""
+    """A ModelShard's model compiled per bucket: the whole call (`full`) or each block (`blocks`)."""
 
     def __init__(
-        self, model: nn.Module, spec: Any, layout: Layout, mode: CompileMode, stages: int, store: GraphStore
+        self,
+        model: nn.Module,
+        spec: Any,
+        calls: dict[str, BlockCall],
+        mode: CompileMode,
+        stages: int,
+        store: GraphStore,
     ) -> None:
         if mode == CompileMode.FULL and stages > 1:
             raise ValueError("--compile full needs a plan of one stage; --compile blocks compiles a split")
-        self.model, self.spec, self.layout, self.mode, self.store = model, spec, layout, mode, store
+        self.model, self.spec, self.calls, self.mode, self.store = model, spec, calls, mode, store
         self.stats = store.stats
-        self._buckets: dict[tuple, Any] = {}  # padded inputs' signature → graph (full) or bucket index
         self._rows: list[int] = []  # the buckets' row counts, ascending
+        self._whole: dict[tuple, Any] = {}  # full: padded inputs' signature → graph
+        self._blocks: dict[str, dict[tuple, Any]] = {}  # blocks: name → padded flow's signature → graph
         self._count = threading.Lock()
-        self._modules: dict[str, dict[int, tuple[tuple, Any]]] = {}  # path → bucket → (signature, graph)
 
     # Warming: compile or load a bucket from a real call's inputs.
 
-    def warm(self, inputs: DenoiserInputs, rows: int) -> None:
-        """Make ready the bucket of `inputs` padded to `rows` rows."""
-        flat = _flat(inputs)
-        padded = pad_rows(flat, flat[0].shape[0], rows)
-        key = signature(padded)
-        if key in self._buckets:
-            return
-        if self.mode == CompileMode.FULL:
+    def warm_whole(self, padded: DenoiserInputs, rows: int) -> None:
+        flat = _flat(padded)
+        key = signature(flat)
+        if key not in self._whole:
             what = {"graph": "denoiser", "class": type(self.model).__name__, "config": self.model.config}
-            graph = self.store.get(
+            self._whole[key] = self.store.get(
                 self.store.key({**what, "inputs": key}),
                 run_denoiser,
-                (self.spec, self.model, *padded),
+                (self.spec, self.model, *flat),
                 {"model": self.model, "spec": self.spec},
             )
             self.stats.graphs_ready += 1
-        else:
-            graph = len(self._buckets)
-            self._warm_modules(padded, graph)
-        self._buckets[key] = graph
         self._rows = sorted({*self._rows, rows})
 
-    def _warm_modules(self, padded: tuple, bucket: int) -> None:
-        self._detach()  # traced and captured as they are: no dispatcher (and its graphs) inside
-        try:
-            for path, (args, kwargs) in self._captured(padded).items():
-                module = self.model.get_submodule(path)
-                inputs = signature((args, kwargs))
-                what = {"graph": "module", "class": type(module).__qualname__, "structure": repr(module)}
-                graph = self.store.get(
-                    self.store.key({**what, "inputs": inputs}),
-                    run_module,
-                    (module, args, kwargs),
-                    {"module": module},
+    def warm_blocks(self, captured: dict[str, Flow], rows: int) -> None:
+        """Each block's graph for the flow it was called with (`captured`, `rows` rows)."""
+        for name, flow in captured.items():
+            call, key = self.calls[name], _flow_signature(flow)
+            graphs = self._blocks.setdefault(name, {})
+            if key not in graphs:
+                owner = call.owner
+                what = {"graph": "block", "fn": call.fn.__qualname__, "structure": repr(owner), "inputs": key}
+                graphs[key] = self.store.get(
+                    self.store.key(what), call.fn, (owner, flow.rows, flow.shared), {"owner": owner}
                 )
-                self._modules.setdefault(path, {})[bucket] = (inputs, graph)
-                self.stats.graphs_ready += 1
-        finally:
-            self._attach()
-
-    def _captured(self, padded: tuple) -> dict[str, tuple[tuple, dict]]:
-        """The arguments each block's modules are called with in an eager forward of `padded`."""
-        captured: dict[str, tuple[tuple, dict]] = {}
-        hooks = []
-        for path in (path for block in self.layout.blocks for path in block.modules):
-
-            def capture(_m: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
-                captured.setdefault(path, (args, kwargs))
-
-            hooks.append(self.model.get_submodule(path).register_forward_pre_hook(capture, with_kwargs=True))
-        try:
-            with torch.inference_mode():
-                self.spec.forward(self.model, DenoiserInputs(*padded))
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return captured
-
-    def _attach(self) -> None:
-        """Each compiled module's forward: its bucket's graph while a compiled call is in flight
-        (and the module is called as the bucket calls it), else its own."""
-        for path, graphs in self._modules.items():
-            module = self.model.get_submodule(path)
-            original = type(module).forward.__get__(module)
-
-            def forward(*args: Any, module=module, graphs=graphs, original=original, **kwargs: Any) -> Any:
-                bucket = getattr(_local, "bucket", None)
-                if bucket is not None and bucket in graphs:
-                    expected, graph = graphs[bucket]
-                    if signature((args, kwargs)) == expected:
-                        return graph(module, args, kwargs)
-                return original(*args, **kwargs)
-
-            module.forward = forward
-
-    def _detach(self) -> None:
-        for path in self._modules:
-            self.model.get_submodule(path).__dict__.pop("forward", None)
+            self.stats.graphs_ready += 1
+        self._rows = sorted({*self._rows, rows})
 
     # Serving.
 
-    def run(self, inputs: DenoiserInputs) -> torch.Tensor | None:
-        """The denoiser's output through a bucket's graph, or None (the caller runs it eagerly)."""
-        path, out = "eager", None
-        if not getattr(_local, "eager", False):
-            flat = _flat(inputs)
-            rows = flat[0].shape[0]
-            found = find_bucket(flat, rows, self._rows, self._buckets)
-            if found is not None:
-                bucket, graph = found
-                path = "padded" if bucket > rows else "compiled"
-                out = self._call(graph, pad_rows(flat, rows, bucket))[:rows]
+    def whole(self, inputs: DenoiserInputs) -> torch.Tensor | None:
+        """The call through its bucket's whole graph (counted), or None (the walker runs it)."""
+        if self.mode != CompileMode.FULL:
+            return None
+        flat = _flat(inputs)
+        rows = flat[0].shape[0]
+        found = find_bucket(flat, rows, self._rows, self._whole)
+        if found is None:
+            return None
+        bucket, graph = found
+        self.count({"padded" if bucket > rows else "compiled"})
+        with torch.inference_mode():
+            return graph(self.spec, self.model, *pad_rows(flat, rows, bucket))[:rows]
+
+    def block(self, name: str, call: BlockCall, flow: Flow) -> tuple[dict[str, Any] | None, str]:
+        """Block `name`'s new rows through its bucket's graph, or None; and the path it took."""
+        graphs = self._blocks.get(name)
+        rows = _rows_in(flow)
+        if graphs is None or rows is None:
+            return None, "eager"
+        for bucket in self._rows:
+            if bucket >= rows and (graph := graphs.get(_flow_signature(flow, (rows, bucket)))) is not None:
+                padded = pad_rows(flow.rows, rows, bucket)
+                out = graph(call.owner, padded, flow.shared)
+                if bucket == rows:
+                    return out, "compiled"
+                return map_rows(out, lambda t: t[:rows]), "padded"
+        return None, "eager"
+
+    def count(self, paths: set[str]) -> None:
+        """One call's path: eager if any block ran eagerly, else padded if any was padded."""
+        path = next((p for p in ("eager", "padded") if p in paths), "compiled") if paths else "eager"
         with self._count:
             self.stats.calls[path] += 1
-        return out
 
-    def _call(self, graph: Any, padded: tuple) -> torch.Tensor:
-        with torch.inference_mode():
-            if self.mode == CompileMode.FULL:
-                return graph(self.spec, self.model, *padded)
-            _local.bucket = graph
-            try:
-                return self.spec.forward(self.model, DenoiserInputs(*padded))
-            finally:
-                _local.bucket = None
 
-    def remove(self) -> None:
-        """Every module's own forward back."""
-        self._detach()
-        self._modules.clear()
+def _rows_in(flow: Flow) -> int | None:
+    leaves, _ = tree_flatten(flow.rows)
+    return next((leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+
+
+def _flow_signature(flow: Flow, resized: tuple[int, int] | None = None) -> tuple:
+    return (signature(flow.rows, resized), signature(flow.shared))
 
 
 class CompiledDecoder:

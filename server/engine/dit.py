@@ -8,6 +8,12 @@ projections into `temb`, `context_embedder` projects the text context; an IP-Ada
 each. `norm_out` (modulated by temb) and `proj_out` end it, then forward unpatchifies
 outside any module. There are no skip residuals: only the two token streams and `temb`
 cross a boundary, and `temb` crosses every one.
+
+Each block's call is a few lines of `SD3Transformer2DModel.forward` (diffusers 0.42) for the
+inputs the family passes (`pooled_projections`); skip layers, controlnet states and IP-Adapter
+embeddings are refused by name. Step caching cuts it after the first block: `first_block`
+(First-Block-Cache) measures the change of the first block's residual; the blocks after it run
+only on refreshing rows, and a reusing row adds the residual they made at its last refresh.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, DenoiserInputs, Layout
+from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
 
 CLIP_TOKENS = 77  # both CLIP encoders' hidden states, side by side in the channels
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length; zeros without text_encoder_3
@@ -55,16 +61,66 @@ class SD3TransformerSpec:
         conditioning: dict[str, Any] = {"pooled_projections": pooled}
         return DenoiserInputs(sample, timestep, context, conditioning)
 
-    def forward(self, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
-        # The timestep embedding wants a [B] tensor (the UNet also takes a scalar): broadcast
-        # a scalar as the pipeline does with `t.expand(batch)`.
-        timestep = torch.as_tensor(inputs.timestep, device=inputs.sample.device)
-        if timestep.ndim == 0:
-            timestep = timestep.expand(inputs.sample.shape[0])
-        return model(
-            hidden_states=inputs.sample,
-            timestep=timestep,
-            encoder_hidden_states=inputs.context,
-            return_dict=False,
-            **inputs.conditioning,
-        )[0]
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
+        return Flow(
+            token_rows(inputs, ("pooled_projections",), "SD3"), {"size": tuple(inputs.sample.shape[-2:])}
+        )
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]:
+        calls = {"embed": BlockCall(model, embed)}
+        calls.update(
+            (f"transformer_blocks.{i}", BlockCall(b, joint)) for i, b in enumerate(model.transformer_blocks)
+        )
+        calls["out"] = BlockCall(model, out)
+        return calls
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
+        hidden, (height, width) = flow.rows["hidden"], flow.shared["size"]
+        p = model.config.patch_size
+        hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, model.out_channels)
+        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+        return hidden.reshape(hidden.shape[0], model.out_channels, height, width)
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None:
+        return dit_boundary(model.transformer_blocks, "transformer_blocks")
+
+
+def token_rows(inputs: DenoiserInputs, takes: tuple[str, ...], family: str) -> dict[str, Any]:
+    """A DiT call's rows: its sample, [rows] timesteps (a scalar broadcast, as pipelines
+    `t.expand(batch)`), context and the conditioning it takes; anything else is refused."""
+    unknown = sorted(k for k, v in inputs.conditioning.items() if v is not None and k not in takes)
+    if unknown:
+        raise ValueError(f"the {family} block walk does not take {', '.join(unknown)}")
+    sample = inputs.sample
+    timestep = torch.as_tensor(inputs.timestep, device=sample.device)
+    rows = {"sample": sample, "timestep": timestep.expand(sample.shape[0]), "context": inputs.context}
+    rows.update((k, v) for k, v in inputs.conditioning.items() if v is not None)
+    return rows
+
+
+def dit_boundary(blocks: nn.ModuleList, name: str, last: str | None = None) -> CacheBoundary | None:
+    """A DiT's cut after its first block: the blocks after it are the deep part (through `last`)."""
+    if len(blocks) < 2 and last is None:
+        return None
+    end = last or f"{name}.{len(blocks) - 1}"
+    return CacheBoundary((f"{name}.1", end), "hidden", "residual", first=f"{name}.0")
+
+
+# The blocks' calls: fn(owner, rows, shared) → rows, as SD3Transformer2DModel.forward runs them.
+
+
+def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden = model.pos_embed(rows["sample"]).contiguous()
+    temb = model.time_text_embed(rows["timestep"], rows["pooled_projections"])
+    return {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+
+
+def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    context, hidden = block(
+        hidden_states=rows["hidden"], encoder_hidden_states=rows["context"], temb=rows["temb"]
+    )
+    return {"hidden": hidden, "temb": rows["temb"], "context": context}
+
+
+def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    return {"hidden": model.proj_out(model.norm_out(rows["hidden"], rows["temb"]))}

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from server.engine.blocks import block_modules
 from server.engine.specs import spec_for
+from server.engine.walker import walk_plain
 
 INPUT = "input"  # producer of the denoiser's own inputs
 
@@ -114,7 +115,7 @@ def _trace_flow(model: nn.Module, batch: int, latent_size: int, dtype: torch.dty
         for t in _tensors((inputs.sample, inputs.timestep, inputs.context, inputs.conditioning)):
             made[id(t)] = (t, INPUT, set())
         with torch.no_grad(), _CreditProducers(made, running):
-            spec.forward(twin, inputs)
+            walk_plain(spec, twin, inputs)
     finally:
         for handle in handles:
             handle.remove()

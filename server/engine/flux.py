@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, DenoiserInputs, Layout
+from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.dit import dit_boundary, token_rows
 
 T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
 NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size
@@ -83,21 +84,56 @@ class FluxTransformerSpec:
             conditioning["guidance"] = torch.full((batch,), 3.5, dtype=dtype, device=device)
         return DenoiserInputs(sample, timestep, context, conditioning)
 
-    def forward(self, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
-        sample = inputs.sample
-        b, _, h, w = sample.shape
-        timestep = torch.as_tensor(inputs.timestep, device=sample.device)
-        if timestep.ndim == 0:
-            timestep = timestep.expand(b)
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
+        rows = token_rows(inputs, ("pooled_projections", "guidance"), "FLUX.1")
+        sample = rows.pop("sample")
+        _, _, h, w = sample.shape
+        # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
+        rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
+        rows["hidden"] = pack(sample)
         text_ids = torch.zeros(inputs.context.shape[1], 3, device=sample.device, dtype=sample.dtype)
-        out = model(
-            hidden_states=pack(sample),
-            # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
-            timestep=timestep.to(sample.dtype) / 1000,
-            encoder_hidden_states=inputs.context,
-            txt_ids=text_ids,
-            img_ids=image_ids(h, w, sample.device, sample.dtype),
-            return_dict=False,
-            **inputs.conditioning,
-        )[0]
-        return unpack(out, h, w)
+        ids = torch.cat((text_ids, image_ids(h, w, sample.device, sample.dtype)), dim=0)
+        return Flow(rows, {"size": (h, w), "rotary": model.pos_embed(ids)})  # pos_embed: no weights
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]:
+        calls = {"embed": BlockCall(model, embed)}
+        for stream in ("transformer_blocks", "single_transformer_blocks"):
+            calls.update((f"{stream}.{i}", BlockCall(b, joint)) for i, b in enumerate(getattr(model, stream)))
+        calls["out"] = BlockCall(model, out)
+        return calls
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
+        return unpack(flow.rows["hidden"], *flow.shared["size"])
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None:
+        singles = len(model.single_transformer_blocks)
+        last = f"single_transformer_blocks.{singles - 1}" if singles else None
+        return dit_boundary(model.transformer_blocks, "transformer_blocks", last)
+
+
+# The blocks' calls: fn(owner, rows, shared) → rows, as FluxTransformer2DModel.forward runs them.
+
+
+def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden = model.x_embedder(rows["hidden"])
+    timestep = rows["timestep"].to(hidden.dtype) * 1000
+    guidance = rows.get("guidance")
+    if guidance is None:
+        temb = model.time_text_embed(timestep, rows["pooled_projections"])
+    else:
+        temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, rows["pooled_projections"])
+    return {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+
+
+def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    context, hidden = block(
+        hidden_states=rows["hidden"],
+        encoder_hidden_states=rows["context"],
+        temb=rows["temb"],
+        image_rotary_emb=shared["rotary"],
+    )
+    return {"hidden": hidden, "temb": rows["temb"], "context": context}
+
+
+def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    return {"hidden": model.proj_out(model.norm_out(rows["hidden"], rows["temb"]))}

@@ -4,8 +4,9 @@ Split by layers, a model runs one device at a time: while stage 1 computes, stag
 With gates, every thread that calls the shard (a lane of the step loop, a micro-batch) holds
 the lock of the stage it is in, taken when its forward reaches that stage's first block and
 released when it moves on: while one micro-batch runs stage 1, the next runs stage 0, and a
-micro-batch's next step enters stage 0 as soon as its scheduler step is done. A thread holds
-one lock at a time (it releases before it waits), so gates cannot deadlock.
+micro-batch's next step enters stage 0 as soon as its scheduler step is done. A call holds
+one lock at a time (the walker leaves a stage before it enters the next), so gates cannot
+deadlock.
 
 The gates also keep the books the metrics read: per stage, the seconds it was held (busy);
 the seconds any forward was in flight (active); the forwards in flight now. A stage's busy
@@ -48,7 +49,6 @@ class StageGates:
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self._locks = [threading.Lock() for _ in self.names]
-        self._local = threading.local()  # the calling thread's stage
         self._books = threading.Lock()
         self._busy = [0.0] * len(self.names)
         self._held_since: list[float | None] = [None] * len(self.names)
@@ -57,31 +57,27 @@ class StageGates:
         self._in_flight = 0
 
     def begin(self) -> None:
-        """A forward starts on this thread."""
-        self._local.stage = None
+        """A call starts."""
         with self._books:
             if self._in_flight == 0:
                 self._active_since = time.perf_counter()
             self._in_flight += 1
 
     def enter(self, stage: int) -> None:
-        """The forward reaches `stage` (a no-op if it is there already)."""
-        current = self._local.stage
-        if current == stage:
-            return
-        if current is not None:
-            self._release(current)
+        """A call reaches `stage`: wait for the call holding it to leave."""
         self._locks[stage].acquire()
-        self._local.stage = stage
         with self._books:
             self._held_since[stage] = time.perf_counter()
 
+    def leave(self, stage: int) -> None:
+        """The call holding `stage` moves on (or ends, or failed)."""
+        with self._books:
+            since, self._held_since[stage] = self._held_since[stage], None
+            self._busy[stage] += time.perf_counter() - since
+        self._locks[stage].release()
+
     def end(self) -> None:
-        """The forward on this thread is over (or failed): let go of its stage."""
-        current = getattr(self._local, "stage", None)
-        if current is not None:
-            self._release(current)
-            self._local.stage = None
+        """A call is over (it left its stage first)."""
         with self._books:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -97,9 +93,3 @@ class StageGates:
                 for seconds, since in zip(self._busy, self._held_since, strict=True)
             ]
             return GateStats(dict(zip(self.names, busy, strict=True)), active, self._in_flight)
-
-    def _release(self, stage: int) -> None:
-        with self._books:
-            since, self._held_since[stage] = self._held_since[stage], None
-            self._busy[stage] += time.perf_counter() - since
-        self._locks[stage].release()

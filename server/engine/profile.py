@@ -15,6 +15,7 @@ from torch import nn
 
 from server.engine.blocks import block_modules
 from server.engine.specs import spec_for
+from server.engine.walker import walk_plain
 
 
 def profile_block_costs(
@@ -60,7 +61,7 @@ def profile_block_costs(
         with torch.inference_mode():
             for _ in range(repeats + 1):
                 spent.clear()
-                spec.forward(model, inputs)
+                walk_plain(spec, model, inputs)
                 runs.append(dict(spent))
     finally:
         for handle in handles:

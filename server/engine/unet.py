@@ -1,5 +1,14 @@
 """`diffusers.UNet2DConditionModel` as blocks: time embedding, conv_in, down blocks, mid block,
-up blocks, out, with the skip residuals each up block takes from the down path."""
+up blocks, out, with the skip residuals each up block takes from the down path.
+
+Each block's call is a few lines of `UNet2DConditionModel.forward` (diffusers 0.42) for the
+conditioning the families pass (`added_cond_kwargs`; `timestep_cond` and `class_labels`);
+masks, controlnet residuals and cross-attention kwargs are refused by name. The flow's rows
+carry `h`, the embedding `emb`, the `context` and `stack`, the skip residuals as forward stacks
+them. Step caching (DeepCache, arXiv:2312.00858, its shallowest branch) cuts it where the
+deep part starts (`down_blocks.1`) and ends (the second-to-last up block); a reusing row takes
+that block's kept output.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, DenoiserInputs, Layout, SkipEdge
+from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout, SkipEdge
+
+TAKES = {"added_cond_kwargs", "timestep_cond", "class_labels"}  # the conditioning walked
 
 
 class UNetSpec:
@@ -57,14 +68,101 @@ class UNetSpec:
             }
         return DenoiserInputs(sample, timestep, context, conditioning)
 
-    def forward(self, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
-        return model(
-            inputs.sample,
-            inputs.timestep,
-            encoder_hidden_states=inputs.context,
-            return_dict=False,
-            **inputs.conditioning,
-        )[0]
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
+        unknown = sorted(k for k, v in inputs.conditioning.items() if v is not None and k not in TAKES)
+        if unknown:
+            raise ValueError(f"the UNet's block walk does not take {', '.join(unknown)}")
+        sample = inputs.sample
+        if model.config.center_input_sample:
+            sample = 2 * sample - 1.0
+        timestep = torch.as_tensor(inputs.timestep, device=sample.device)
+        rows = {"sample": sample, "timestep": timestep.expand(sample.shape[0]), "context": inputs.context}
+        rows.update((k, v) for k, v in inputs.conditioning.items() if v is not None)
+        upsample = any(side % 2**model.num_upsamplers for side in sample.shape[-2:])
+        return Flow(rows, {"upsample": upsample})
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]:
+        calls = {"embed": BlockCall(model, embed), "conv_in": BlockCall(model.conv_in, conv_in)}
+        calls.update((f"down_blocks.{i}", BlockCall(b, down)) for i, b in enumerate(model.down_blocks))
+        if model.mid_block is not None:
+            calls["mid_block"] = BlockCall(model.mid_block, mid)
+        calls.update((f"up_blocks.{i}", BlockCall(b, up)) for i, b in enumerate(model.up_blocks))
+        calls["out"] = BlockCall(model, out)
+        return calls
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
+        return flow.rows["h"]
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None:
+        """DeepCache's cut, where the last up block's residuals are all shallow."""
+        if model.config.addition_embed_type == "image_hint" or len(model.up_blocks) < 2:
+            return None
+        if len(model.down_blocks) < 2:
+            return None
+        last = f"up_blocks.{len(model.up_blocks) - 1}"
+        if not {e.source for e in unet_skips(model) if e.target == last} <= {"conv_in", "down_blocks.0"}:
+            return None
+        deep = ("down_blocks.1", f"up_blocks.{len(model.up_blocks) - 2}")
+        left = len(model.up_blocks[-1].resnets)  # the last up block's residuals: all shallow
+        return CacheBoundary(deep, "h", "output", stack=("stack", left))
+
+
+# The blocks' calls: fn(owner, rows, shared) → rows, as UNet2DConditionModel.forward runs them.
+
+
+def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    sample, context = rows["sample"], rows["context"]
+    t_emb = model.get_time_embed(sample=sample, timestep=rows["timestep"])
+    emb = model.time_embedding(t_emb, rows.get("timestep_cond"))
+    class_emb = model.get_class_embed(sample=sample, class_labels=rows.get("class_labels"))
+    if class_emb is not None:
+        emb = torch.cat([emb, class_emb], dim=-1) if model.config.class_embeddings_concat else emb + class_emb
+    added = rows.get("added_cond_kwargs")
+    aug = model.get_aug_embed(emb=emb, encoder_hidden_states=context, added_cond_kwargs=added)
+    emb = emb + aug if aug is not None else emb
+    if model.time_embed_act is not None:
+        emb = model.time_embed_act(emb)
+    context = model.process_encoder_hidden_states(encoder_hidden_states=context, added_cond_kwargs=added)
+    return {"sample": sample, "emb": emb, "context": context}
+
+
+def conv_in(layer: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    h = layer(rows["sample"])
+    return {"h": h, "emb": rows["emb"], "context": rows["context"], "stack": (h,)}
+
+
+def down(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    h, emb, context = rows["h"], rows["emb"], rows["context"]
+    if getattr(block, "has_cross_attention", False):
+        h, made = block(hidden_states=h, temb=emb, encoder_hidden_states=context)
+    else:
+        h, made = block(hidden_states=h, temb=emb)
+    return {**rows, "h": h, "stack": (*rows["stack"], *made)}
+
+
+def mid(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    if getattr(block, "has_cross_attention", False):
+        h = block(rows["h"], rows["emb"], encoder_hidden_states=rows["context"])
+    else:
+        h = block(rows["h"], rows["emb"])
+    return {**rows, "h": h}
+
+
+def up(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    stack, count = rows["stack"], len(block.resnets)
+    taken, stack = stack[-count:], stack[:-count]
+    size = stack[-1].shape[2:] if shared["upsample"] and stack else None  # the last up block: none
+    kwargs = {"hidden_states": rows["h"], "temb": rows["emb"], "res_hidden_states_tuple": taken}
+    if getattr(block, "has_cross_attention", False):
+        kwargs["encoder_hidden_states"] = rows["context"]
+    return {**rows, "h": block(**kwargs, upsample_size=size), "stack": stack}
+
+
+def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    h = rows["h"]
+    if model.conv_norm_out is not None:
+        h = model.conv_act(model.conv_norm_out(h))
+    return {"h": model.conv_out(h)}
 
 
 def unet_skips(model: nn.Module) -> tuple[SkipEdge, ...]:

@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from server.engine.blocks import block_modules
 from server.engine.specs import spec_for
+from server.engine.walker import walk_plain
 
 aten = torch.ops.aten
 MATMUL = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
@@ -208,7 +209,7 @@ def count_work(model: nn.Module, rows: int, latent_size: int, dtype: torch.dtype
     try:
         inputs = spec.example_inputs(twin, rows, latent_size, dtype, torch.device("meta"))
         with torch.inference_mode(), counter:
-            spec.forward(twin, inputs)
+            walk_plain(spec, twin, inputs)
     finally:
         for handle in handles:
             handle.remove()

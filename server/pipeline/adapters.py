@@ -1,10 +1,10 @@
-"""Which rows of a call ask for which adapter (`rows_asking`), and adapters changed while
-serving: loaded and unloaded at runtime without disturbing the calls in flight (`lora.py` holds
-the adapters themselves).
+"""Adapters changed while serving: loaded and unloaded at runtime without disturbing the calls
+in flight (`lora.py` holds the adapters themselves; which rows ask for which adapter travels
+in each call's plan, `server.engine.call`).
 
-Two guards. `CHANGES`: every call that may run the adapters' hooks reads under it
-(`rows_asking`), and attaching or detaching an adapter writes under it, so a hook, a
-layer's stacked pairs or a module's hook table never change under a forward that is running.
+Two guards. `CHANGES`: every call that may run the adapters' hooks reads under it (a step, an
+encoding), and attaching or detaching an adapter writes under it, so a hook, a layer's stacked
+pairs or a module's hook table never change under a forward that is running.
 `Uses`: how many jobs hold each adapter; an adapter being unloaded takes no new job and is
 detached once its last job ends, so a request that asked for it finishes with it.
 """
@@ -14,51 +14,40 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from server.errors import InvalidRequest
 
 
 class ChangeLock:
     """Many readers (the step loops' calls) or one writer (an adapter attached or detached).
-    Writers go first once waiting, so steady traffic cannot starve an unload; a thread already
-    reading reads again freely (nested calls: the step cache narrows a call's rows inside it)."""
+    Writers go first once waiting, so steady traffic cannot starve an unload. Not reentrant: a
+    call reads once, around everything it runs."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
-        self._depth = threading.local()
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        depth = getattr(self._depth, "n", 0)
-        if depth == 0:
-            with self._cond:
-                while self._writing or self._writers_waiting:
-                    self._cond.wait()
-                self._readers += 1
-        self._depth.n = depth + 1
+        with self._cond:
+            while self._writing or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
         try:
             yield
         finally:
-            self._depth.n = depth
-            if depth == 0:
-                with self._cond:
-                    self._readers -= 1
-                    if self._readers == 0:
-                        self._cond.notify_all()
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
 
     @contextmanager
     def writing(self) -> Iterator[None]:
-        if getattr(self._depth, "n", 0):  # it would wait for itself
-            raise RuntimeError("an adapter cannot be attached or detached from inside a model call")
         with self._cond:
             self._writers_waiting += 1
             try:
@@ -92,7 +81,7 @@ def adapter_file(name: str, file: str, folder: Path) -> Path:
     return path
 
 
-CHANGES = ChangeLock()  # one per process: rows_asking does not know which pipeline it serves
+CHANGES = ChangeLock()  # one per process: pipelines share the encoders' and denoisers' hook tables
 
 
 class Uses:
@@ -134,60 +123,6 @@ class Uses:
             self.leaving.discard(name)
 
 
-Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
-
-_asking = threading.local()  # .plan: the RowPlan of the call in flight on this thread
-
-
-class Stacked(Protocol):
-    """What a plan needs of a layer's stacked adapters (lora.Stacked): their names and ranks."""
-
-    names: tuple[str, ...]
-    ranks: tuple[int, ...]
-
-
-class RowPlan:
-    """Which rows of one call ask for which adapter, at what scale. Per set of adapters a layer
-    holds, a mask [rows, their ranks stacked] of each row's scale, made once per call and device
-    (not once per layer)."""
-
-    def __init__(self, rows: Sequence[Choice]) -> None:
-        self.rows = rows
-        self._masks: dict[tuple, torch.Tensor | None] = {}
-
-    def mask(self, stacked: Stacked, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """[rows, sum of ranks]: a row's scale for each adapter's columns (0: not asked); None if
-        no row asks for any of `stacked`'s adapters."""
-        key = (stacked.names, stacked.ranks, device, dtype)
-        if key not in self._masks:
-            scales = [dict(choice) for choice in self.rows]
-            per_column = [
-                [s.get(n, 0.0) for n, r in zip(stacked.names, stacked.ranks, strict=True) for _ in range(r)]
-                for s in scales
-            ]
-            asked = any(n in s for s in scales for n in stacked.names)
-            self._masks[key] = torch.tensor(per_column, device=device, dtype=dtype) if asked else None
-        return self._masks[key]
-
-
-def current_plan() -> RowPlan | None:
-    """The RowPlan of the call in flight on this thread (None: no row asks for an adapter)."""
-    return getattr(_asking, "plan", None)
-
-
 class RowsMismatch(RuntimeError):
     """A hooked call's batch is not the rows its plan describes: which rows get which adapter is
     unknown, so the call fails (the step's job fails) instead of skipping the adapters."""
-
-
-@contextmanager
-def rows_asking(rows: Sequence[Choice]) -> Iterator[None]:
-    """Within: the calls on this thread carry `rows` (one Choice per row of their batch), and no
-    adapter is attached or detached (`CHANGES`)."""
-    before = getattr(_asking, "plan", None)
-    with CHANGES.reading():
-        _asking.plan = RowPlan(rows) if any(rows) else None
-        try:
-            yield
-        finally:
-            _asking.plan = before

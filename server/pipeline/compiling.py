@@ -46,20 +46,15 @@ def compile_pipeline(
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
     store = GraphStore(cache_dir, devices, stats)
-    shards, shared = [], None
-    for shard in pipeline.replicas:
-        shard.compile(mode, store, shared)
-        if shard.compiled is not shared:
-            shards.append(shard)
-        shared = shard.compiled
+    shards = pipeline.replicas  # each its own; replicas sharing weights share the graphs (the store)
+    for shard in shards:
+        shard.compile(mode, store)
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
     rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
     images = row_buckets(max(1, max_rows // 2), smallest=1)
     decoder = CompiledDecoder(pipeline.vae, store)
-    per_bucket = (
-        1 if mode == CompileMode.FULL else sum(len(b.modules) for b in layout_of(shards[0].model).blocks)
-    )
+    per_bucket = 1 if mode == CompileMode.FULL else len(layout_of(shards[0].model).blocks)
     stats.graphs_total = len(sizes) * (len(shards) * len(rows) * per_bucket + len(images))
     for size in sizes:
         request = pipeline.resolve(pipeline.with_defaults(GenerationRequest("warm", width=size, height=size)))

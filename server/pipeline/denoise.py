@@ -14,7 +14,6 @@ guidance scales, share the forward.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,22 +26,28 @@ import torch
 from server.demo import MODEL_DIR
 from server.engine import (
     ActivationPool,
+    CallPlan,
+    CallResult,
     ModelShard,
     ParallelPlan,
+    RowGroup,
     ShardPlan,
+    Workers,
     build_shards,
     plan_shards,
     run_micro_batches,
 )
 from server.engine.blocks import DenoiserInputs
-from server.engine.compile import eager_calls, run_decoder
+from server.engine.call import AdapterRows, RowsSlot
+from server.engine.compile import run_decoder
 from server.engine.devices import normalize_device
 from server.engine.pool import PoolScope
 from server.errors import InvalidRequest
-from server.pipeline.cachedstep import cached_forward
+from server.pipeline.adapters import CHANGES
+from server.pipeline.cachedstep import cache_ask, keep
 from server.pipeline.edits import blend, first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components
-from server.pipeline.lora import Adapter, Adapters, rows_asking, unknown_adapter
+from server.pipeline.lora import Adapter, Adapters, Target, unknown_adapter
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, predicted_clean, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans
@@ -87,7 +92,9 @@ class Pipeline:
         self.idle_replicas: Callable[[], Sequence[ModelShard]] = tuple
         self.splits_lone = False  # the plan predicts splitting a lone request's rows pays
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
+        self.encoder_slots = [RowsSlot() for _ in self.encoders]  # the encoding's adapter rows
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
+        self.workers: Workers | None = None  # a lane's helper threads for its micro-batches
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
 
     @classmethod
@@ -132,6 +139,9 @@ class Pipeline:
         gates interleave the lanes. One lane (this pipeline) without a ParallelPlan."""
         views = [self._with_shard(shard) for shard in self.replicas for _ in range(self.lanes_per_replica)]
         views[0] = self
+        if self.splits_lone and len(self.replicas) > 1:  # helpers for the idle replicas' shares
+            for view in views:
+                view.workers = Workers(len(self.replicas) - 1, self.lane_threads)
         return views
 
     def _with_shard(self, shard: ModelShard) -> Pipeline:
@@ -141,9 +151,12 @@ class Pipeline:
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
-        denoisers = list({id(s.model): s.model for s in self.replicas}.values())
-        encoders = zip(self.family.text_encoders, self.encoders, strict=False)  # absent ones are last
-        self.adapters.models = {self.family.denoiser: denoisers, **{name: [e] for name, e in encoders}}
+        denoisers = list({id(s.model): Target(s.model, s.slot_of) for s in self.replicas}.values())
+        encoders = zip(self.family.text_encoders, self.encoders, self.encoder_slots, strict=False)
+        self.adapters.targets = {  # absent encoders are last
+            self.family.denoiser: denoisers,
+            **{name: [Target(e, lambda _layer, slot=slot: slot)] for name, e, slot in encoders},
+        }
         self.adapters.add(adapter)
 
     def synchronize(self) -> None:
@@ -183,8 +196,15 @@ class Pipeline:
                 asking.append(r.lora)
             texts.append(r.prompt)
             asking.append(r.lora)
-        with self._encoding, rows_asking(asking):
-            embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
+        with self._encoding, CHANGES.reading():
+            rows = AdapterRows(tuple(asking)) if any(asking) else None
+            for slot in self.encoder_slots:
+                slot.rows = rows
+            try:
+                embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
+            finally:
+                for slot in self.encoder_slots:
+                    slot.rows = None
         # 2. Give each request its rows and open its state.
         states: list[RequestState] = []
         try:
@@ -263,15 +283,15 @@ class Pipeline:
             raise ValueError("a finished or closed request cannot take another step")
         check_group(states)
         with self.pool.scope() as batch:
-            # 1. Stack every state's rows; 2. one forward through the shard (and any idle
-            # replicas, a share of the rows each).
+            # 1. Stack every state's rows; 2. one call through the shard (and any idle
+            # replicas, a share of the rows each), as its plan says.
             inputs = self.stacked(states, batch)
-            asking = [s.request.lora for s in states for _ in range(s.rows)]
-            alone = any(s.request.deterministic or s.request.lora for s in states)
-            hooked = eager_calls() if any(asking) else contextlib.nullcontext()  # graphs skip hooks
-            with rows_asking(asking), hooked:  # adapters' rows: not split over replicas (their threads)
-                out = cached_forward(self.shard, states, inputs, asking)  # None: no row caches
-                out = self._forward(inputs, split=not alone) if out is None else out
+            plan = self.call_plan(states)
+            with CHANGES.reading():
+                result = self.forward(inputs, plan)
+            for state, outcome in zip(states, result.outcomes, strict=True):
+                keep(state, outcome)
+            out = result.out
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []
@@ -329,14 +349,24 @@ class Pipeline:
                 value[span] = state.extras[name]
         return DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
 
-    def _forward(self, inputs: DenoiserInputs, split: bool = True) -> torch.Tensor:
-        """The denoiser on `inputs`; its rows split over idle replicas where allowed (not for a
-        deterministic request: its rows' shapes must not depend on what else runs)."""
+    @staticmethod
+    def call_plan(states: Sequence[RequestState]) -> CallPlan:
+        """This step's call: per request, its rows, adapters, step-cache ask and determinism.
+        Rows with adapters run eagerly (compiled graphs never call the adapters' hooks)."""
+        groups = tuple(
+            RowGroup(s.rows, s.request.lora, cache_ask(s), s.request.deterministic) for s in states
+        )
+        return CallPlan(groups, compiled=not any(s.request.lora for s in states))
+
+    def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
+        """The denoiser on `inputs` as `plan` says; its rows split over idle replicas unless the
+        plan keeps them together (a deterministic request: its rows' shapes must not depend on
+        what else runs)."""
         rows = inputs.sample.shape[0]
-        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 and split else [self.shard]
+        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 and plan.splittable else [self.shard]
         if len(shards) == 1:
-            return self.shard(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning)
-        return run_micro_batches(shards, inputs, len(shards), self.lane_threads)
+            return self.shard.run(inputs, plan)
+        return run_micro_batches(shards, inputs, len(shards), plan, self.workers)
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:

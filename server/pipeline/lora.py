@@ -13,10 +13,12 @@ scale, beside other requests asking for the same adapter at another. Per layer, 
 are stacked (`Stacked`): one product down through every adapter's A, each row's scales applied
 (0 for adapters it did not ask for), one product up: a fixed number of ops whatever the mix.
 
-Which rows ask for what is set around each call (`rows_asking`), per thread: each step loop's
-thread runs its own calls, so lanes sharing one copy of the weights do not see each other's. A
-call whose batch is not the plan's rows raises (`RowsMismatch`): adapters silently skipped would
-be a wrong image. Adapters attach and detach at runtime under `adapters.CHANGES`.
+Which rows ask for what travels in each call's plan; the block walker leaves it in the slot of
+the stage it runs (`RowsSlot`: a stage runs one call at a time), and each layer's hook reads its
+stage's slot. Every replica has its own module tree, so replicas sharing weights do not see
+each other's rows. A call whose batch is not the slot's rows raises (`RowsMismatch`): adapters
+silently skipped would be a wrong image. Adapters attach and detach at runtime under
+`adapters.CHANGES`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,20 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from server.engine.call import RowsSlot
 from server.errors import ModelFolderError
-from server.pipeline.adapters import CHANGES, RowPlan, RowsMismatch, Uses, current_plan
-from server.pipeline.adapters import rows_asking as rows_asking  # where callers have always found it
+from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
 from server.pipeline.families import Family
+
+SlotOf = Callable[[str], RowsSlot]  # a layer's dotted path → the slot its hook reads
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model adapters attach to, and where its layers' hooks find the rows of a call."""
+
+    model: nn.Module
+    slot_of: SlotOf
 
 
 @dataclass(frozen=True)
@@ -224,10 +236,10 @@ def _pairs(tensors: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
 
 class Adapters:
     """The adapters a pipeline serves, each attached to every copy of the parts it targets
-    (`models`: part name → its models, e.g. one UNet per replica; a copy shared by lanes once)."""
+    (`targets`: part name → its models, e.g. one UNet per replica; a copy shared by lanes once)."""
 
-    def __init__(self, models: Mapping[str, Sequence[nn.Module]]) -> None:
-        self.models = models
+    def __init__(self, targets: Mapping[str, Sequence[Target]]) -> None:
+        self.targets = targets
         self.loaded: dict[str, Adapter] = {}
         self.sets: dict[int, AdapterSet] = {}  # id(model) → its adapters
         self.uses = Uses()  # jobs holding each adapter; those being unloaded
@@ -239,15 +251,15 @@ class Adapters:
             if adapter.name in self.loaded:
                 raise ModelFolderError(f"two adapters are named {adapter.name!r}: give each its own name")
             for part in adapter.parts:
-                if part not in self.models:
+                if part not in self.targets:
                     raise ModelFolderError(
                         f"LoRA {adapter.name!r} targets {part}, which this model does not have"
                     )
-            for model, part in [(m, p) for p in adapter.parts for m in self.models[p]]:  # checked first
-                AdapterSet(model, part).check(adapter)
+            for target, part in [(t, p) for p in adapter.parts for t in self.targets[p]]:  # checked first
+                AdapterSet(target, part).check(adapter)
             for part in adapter.parts:
-                for model in self.models[part]:
-                    self.sets.setdefault(id(model), AdapterSet(model, part)).add(adapter)
+                for target in self.targets[part]:
+                    self.sets.setdefault(id(target.model), AdapterSet(target, part)).add(adapter)
             self.loaded[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
@@ -267,9 +279,10 @@ class Adapters:
 
     def bytes_on(self) -> dict[str, int]:
         out: dict[str, int] = {}
+        seen: set[int] = set()  # replicas sharing weights share their adapters' tensors too
         with CHANGES.reading():  # a stats reader: not while an adapter is being attached
             for adapter_set in self.sets.values():
-                for device, size in adapter_set.bytes_on().items():
+                for device, size in adapter_set.bytes_on(seen).items():
                     out[device] = out.get(device, 0) + size
         return out
 
@@ -288,8 +301,8 @@ class AdapterSet:
     placed on that layer's device and dtype. `check` first names the first module that does not
     fit."""
 
-    def __init__(self, model: nn.Module, part: str) -> None:
-        self.model, self.part = model, part
+    def __init__(self, target: Target, part: str) -> None:
+        self.model, self.slot_of, self.part = target.model, target.slot_of, part
         self.layers: dict[str, dict[str, LoraPair]] = {}  # module name → adapter name → pair
         self.stacked: dict[str, Stacked] = {}  # module name → its adapters, stacked
         self._hooks: dict[str, Any] = {}
@@ -315,7 +328,8 @@ class AdapterSet:
             self.layers.setdefault(module_name, {})[adapter.name] = placed
             self.stacked[module_name] = Stacked.of(self.layers[module_name])
             if module_name not in self._hooks:
-                self._hooks[module_name] = layer.register_forward_hook(self._hook(module_name))
+                hook = self._hook(module_name, self.slot_of(module_name))
+                self._hooks[module_name] = layer.register_forward_hook(hook)
 
     def remove(self, name: str) -> None:
         for module_name in [m for m, by_name in self.layers.items() if name in by_name]:
@@ -326,29 +340,32 @@ class AdapterSet:
                 del self.layers[module_name], self.stacked[module_name]
                 self._hooks.pop(module_name).remove()
 
-    def bytes_on(self) -> dict[str, int]:
-        """Adapter bytes per device."""
+    def bytes_on(self, seen: set[int]) -> dict[str, int]:
+        """Adapter bytes per device, of the pairs not in `seen` (ids of their tensors) yet."""
         out: dict[str, int] = {}
         for by_name in self.layers.values():
             for pair in by_name.values():
+                if id(pair.down) in seen:
+                    continue
+                seen.add(id(pair.down))
                 device = str(pair.down.device)
                 out[device] = out.get(device, 0) + sum(
                     t.numel() * t.element_size() for t in (pair.down, pair.up)
                 )
         return out
 
-    def _hook(self, module_name: str):
+    def _hook(self, module_name: str, slot: RowsSlot):
         def add_deltas(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            plan: RowPlan | None = current_plan()
-            if plan is None:
+            rows = slot.rows
+            if rows is None:
                 return output
-            if len(plan.rows) != output.shape[0]:
+            if len(rows.rows) != output.shape[0]:
                 raise RowsMismatch(
                     f"{self.part}.{module_name} got {output.shape[0]} rows under a plan for "
-                    f"{len(plan.rows)}: a caller must narrow rows_asking to the rows it runs"
+                    f"{len(rows.rows)}: a caller must give the slot the rows it runs"
                 )
             stacked = self.stacked[module_name]
-            mask = plan.mask(stacked, output.device, output.dtype)
+            mask = rows.mask(stacked.names, stacked.ranks, output.device, output.dtype)
             if mask is None:  # no row of this call asks for this layer's adapters
                 return output
             x = inputs[0]

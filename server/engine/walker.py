@@ -1,0 +1,253 @@
+"""The block walker: the one way a denoiser call runs, whatever it asks.
+
+It runs the spec's blocks in order (`DenoiserSpec.begin`, each block's `BlockCall`, `end`) and,
+along the way: takes each stage's gate and moves the flow to the stage's device when it enters
+one (a tensor crosses to a device once per call); tells the stage's adapter hooks which rows ask
+for what (its `RowsSlot`); runs a block's compiled graph where the call may and a bucket holds
+its rows; and, for a step-cached call, runs the deep blocks only on the refreshing rows.
+
+    result = walk(shard, inputs, plan)   # result.out: [rows, C, h, w] on the shard's first device
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from server.engine.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow, map_rows
+from server.engine.call import AdapterRows, CallPlan, CallResult, Outcome
+
+if TYPE_CHECKING:
+    from server.engine.shard import ModelShard
+
+OnBlock = Callable[[str, Flow], None]
+
+
+class TransferCache:
+    """Copies made during one call, keyed by (source tensor, device)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def move(self, obj: Any, device: torch.device) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device == device:
+                return obj
+            key = (id(obj), device)
+            hit = self._copies.get(key)
+            if hit is None:  # keep the source alive so its id is not reused this call
+                hit = self._copies[key] = (obj, obj.to(device))
+            return hit[1]
+        if isinstance(obj, tuple | list):
+            return type(obj)(self.move(item, device) for item in obj)
+        if isinstance(obj, dict):
+            return {key: self.move(value, device) for key, value in obj.items()}
+        return obj
+
+
+@dataclass
+class _Rows:
+    """The rows flowing now: all of the call's, or the refreshing ones in the deep blocks."""
+
+    adapters: AdapterRows | None
+
+
+class _Walk:
+    """One call's walk through one shard: where it is, what it holds, what it moved."""
+
+    def __init__(self, shard: ModelShard, plan: CallPlan, on_block: OnBlock | None = None) -> None:
+        self.shard, self.plan, self.on_block = shard, plan, on_block
+        self.moves = TransferCache()
+        self.stage: int | None = None
+        self.paths: set[str] = set()  # how its blocks ran: compiled, padded, eager
+
+    def rows(self, adapters: Sequence[Any]) -> _Rows:
+        return _Rows(AdapterRows(tuple(adapters)) if any(adapters) else None)
+
+    def block(self, name: str, flow: Flow, rows: _Rows) -> Flow:
+        """Run block `name` on `flow`: in its stage (gate taken, flow moved), compiled if it can."""
+        shard = self.shard
+        stage = shard.stage_of[name]
+        if stage != self.stage:
+            self.leave()
+            shard.gates.enter(stage)
+            self.stage = stage
+        device = shard.stage_devices[stage]
+        flow = Flow(self.moves.move(flow.rows, device), self.moves.move(flow.shared, device))
+        if self.on_block is not None:
+            self.on_block(name, flow)
+        shard.slots[stage].rows = rows.adapters
+        call: BlockCall = shard.calls[name]
+        out = None
+        if self.plan.compiled and shard.compiled is not None and rows.adapters is None:
+            out, path = shard.compiled.block(name, call, flow)
+            self.paths.add(path)
+        elif shard.compiled is not None:
+            self.paths.add("eager")
+        if out is None:
+            out = call.fn(call.owner, flow.rows, flow.shared)
+        return Flow(out, flow.shared)
+
+    def leave(self) -> None:
+        if self.stage is not None:
+            self.shard.slots[self.stage].rows = None
+            self.shard.gates.leave(self.stage)
+            self.stage = None
+
+
+def walk(
+    shard: ModelShard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None
+) -> CallResult:
+    """One call of `plan` on `inputs` through `shard` (see the module's doc); `on_block(name,
+    flow)` sees each block's inputs (what warming compiles from: such a walk is not counted)."""
+    rows = inputs.sample.shape[0]
+    if plan.rows != rows:
+        raise ValueError(f"the call plan is for {plan.rows} rows, the inputs have {rows}")
+    state = _Walk(shard, plan, on_block)
+    shard.gates.begin()
+    try:
+        if shard.compiled is not None and plan.compiled and not plan.cached and not any(plan.adapters):
+            whole = shard.compiled.whole(inputs)  # --compile full: one graph for the call
+            if whole is not None:
+                return CallResult(whole, [Outcome() for _ in plan.groups])
+        out, outcomes = _blocks(state, inputs)
+        if shard.compiled is not None and on_block is None:
+            shard.compiled.count(state.paths)
+        return CallResult(out.to(shard.device), outcomes)
+    finally:
+        state.leave()
+        shard.gates.end()
+
+
+def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Outcome]]:
+    shard, plan = state.shard, state.plan
+    moved = DenoiserInputs(*(state.moves.move(x, shard.device) for x in vars(inputs).values()))
+    flow = shard.spec.begin(shard.model, moved)
+    boundary = shard.boundary if plan.cached else None
+    outcomes = [Outcome() for _ in plan.groups]
+    everyone = state.rows(plan.adapters)
+    names = shard.layout.names
+    index = 0
+    while index < len(names):
+        name = names[index]
+        if boundary is not None and name == boundary.deep[0]:
+            flow = _deep(state, flow, boundary, outcomes)
+            index = names.index(boundary.deep[1]) + 1
+            continue
+        before = flow.rows.get(boundary.carry) if boundary is not None and name == boundary.first else None
+        flow = state.block(name, flow, everyone)
+        if before is not None:
+            _decide(plan, outcomes, flow.rows[boundary.carry] - before.to(flow.rows[boundary.carry].device))
+        index += 1
+    return shard.spec.end(shard.model, flow, moved), outcomes
+
+
+def _spans(plan: CallPlan) -> list[slice]:
+    spans, at = [], 0
+    for g in plan.groups:
+        spans.append(slice(at, at + g.rows))
+        at += g.rows
+    return spans
+
+
+def _change(now: torch.Tensor, before: torch.Tensor) -> float:
+    """Relative mean absolute change of a residual since the last refresh."""
+    return float((now - before).abs().mean() / before.abs().mean().clamp_min(1e-12))
+
+
+def _decide(plan: CallPlan, outcomes: list[Outcome], residual: torch.Tensor) -> None:
+    """After the first block: each cached group refreshes when asked, when it has nothing kept,
+    or when its first-block residual moved by its threshold or more; a refreshing one keeps it."""
+    for group, outcome, rows in zip(plan.groups, outcomes, _spans(plan), strict=True):
+        ask = group.cache
+        if ask is None:
+            continue
+        if ask.kept is None or "first" not in ask.kept:
+            outcome.refreshed = True
+        elif ask.refresh is None:
+            outcome.refreshed = (
+                _change(residual[rows], ask.kept["first"].to(residual.device)) >= ask.threshold
+            )
+        else:
+            outcome.refreshed = ask.refresh
+        if outcome.refreshed:
+            outcome.fresh["first"] = residual[rows]
+
+
+def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outcome]) -> Flow:
+    """The deep blocks, on the refreshing rows only; every row's carry after them: the fresh one,
+    or what the row kept (its output, or its residual added to the carry)."""
+    plan, names = state.plan, state.shard.layout.names
+    spans = _spans(plan)
+    for group, outcome in zip(plan.groups, outcomes, strict=True):
+        ask = group.cache
+        if boundary.first is None and ask is not None:  # no first block to decide by: as asked
+            outcome.refreshed = ask.kept is None or ask.refresh is not False
+    refreshing = [
+        r for o, s in zip(outcomes, spans, strict=True) if o.refreshed for r in range(s.start, s.stop)
+    ]
+    deep = names[names.index(boundary.deep[0]) : names.index(boundary.deep[1]) + 1]
+    carry = flow.rows[boundary.carry]
+    sub, fresh = flow, None
+    if refreshing:
+        everyone = len(refreshing) == plan.rows
+        if not everyone:
+            sub = flow.select(torch.tensor(refreshing, device=carry.device))
+        rows = state.rows([plan.adapters[r] for r in refreshing])
+        start = sub.rows[boundary.carry]
+        for name in deep:
+            sub = state.block(name, sub, rows)
+        fresh = sub.rows[boundary.carry]
+        if boundary.keep == "residual":
+            fresh = fresh - start.to(fresh.device)
+        if everyone:  # every row ran every block: the flow as is (no assembly, bit-exact)
+            _keep(plan, outcomes, spans, fresh, boundary)
+            return sub
+    device = carry.device if fresh is None else fresh.device
+    pieces = _keep(plan, outcomes, spans, fresh, boundary)
+    assembled = torch.cat([p.to(device) for p in pieces])
+    if boundary.keep == "residual":
+        assembled = carry.to(device) + assembled
+    rows = dict(flow.rows)
+    if boundary.stack is not None:  # a stack the deep blocks pop: what they leave of it
+        key, left = boundary.stack
+        rows[key] = rows[key][:left]
+    rows[boundary.carry] = assembled
+    return Flow(rows, flow.shared)
+
+
+def _keep(
+    plan: CallPlan,
+    outcomes: list[Outcome],
+    spans: list[slice],
+    fresh: torch.Tensor | None,
+    boundary: CacheBoundary,
+) -> list[torch.Tensor]:
+    """Each group's piece of the carry: its slice of `fresh` (kept as "deep") or what it kept."""
+    pieces, at = [], 0
+    for group, outcome, rows in zip(plan.groups, outcomes, spans, strict=True):
+        count = rows.stop - rows.start
+        if outcome.refreshed:
+            piece = fresh[at : at + count]
+            at += count
+            if group.cache is not None:
+                outcome.fresh["deep"] = piece
+        else:
+            piece = group.cache.kept["deep"]
+        pieces.append(piece)
+    return pieces
+
+
+def walk_plain(spec: Any, model: torch.nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
+    """Every block of a model on one device, eagerly, nothing else: what `--compile full`
+    compiles, and what the planner counts, traces and times blocks by."""
+    flow = spec.begin(model, inputs)
+    for call in spec.calls(model).values():
+        flow = Flow(call.fn(call.owner, flow.rows, flow.shared), flow.shared)
+    return spec.end(model, flow, inputs)
+
+
+__all__ = ["TransferCache", "map_rows", "walk", "walk_plain"]
