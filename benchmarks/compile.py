@@ -36,13 +36,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.clients import client_loop
 from benchmarks.serving import measure
-from server.engine.compile import CompileMode
-from server.engine.graphs import CompileStats, GraphStore
-from server.engine.plan import plan_shards
-from server.engine.shard import ModelShard
-from server.engine.specs import spec_for
-from server.engine.threads import fit_threads
-from server.engine.walker import walk_plain
+from server.engine.denoisers.blocks import walk_plain
+from server.engine.denoisers.specs import spec_for
+from server.engine.hardware.threads import fit_threads
+from server.engine.planning.plan import plan_shards
+from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.graphs import CompileStats, GraphStore
+from server.engine.runtime.shard import ModelShard
 from tests.live import live_server
 
 TARGET_LONE = 0.7

@@ -61,8 +61,12 @@ TIMED = [
 
 def worker(variant: str, rounds: int) -> dict:
     """One variant, in this process: steps 1-5 of the module's docstring."""
-    from server.engine.memory import release_freed_host_memory, resident_bytes, retain_freed_host_memory
-    from server.engine.pool import ActivationPool, default_pool_budgets
+    from server.engine.hardware.memory import (
+        release_freed_host_memory,
+        resident_bytes,
+        retain_freed_host_memory,
+    )
+    from server.engine.runtime.pool import ActivationPool, default_pool_budgets
     from server.pipeline import GenerationRequest, Pipeline
 
     settings = VARIANTS[variant]

@@ -77,11 +77,11 @@ from torch import nn
 from benchmarks.clients import at_once, client_loop, summary
 from benchmarks.shard import build_unet
 from server.engine import CostModel, ParallelPlan, build_shards
-from server.engine.blocks import DenoiserInputs
-from server.engine.devices import cpu_dtype
-from server.engine.plan import plan_shards
-from server.engine.shard import ModelShard
-from server.engine.specs import spec_for
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.specs import spec_for
+from server.engine.hardware.devices import cpu_dtype
+from server.engine.planning.plan import plan_shards
+from server.engine.runtime.shard import ModelShard
 from server.pipeline.families.sd import SD
 from tests.live import LiveServer, live_server
 

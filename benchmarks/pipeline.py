@@ -27,7 +27,7 @@ import torch
 from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.sampling import generate, load_pipeline
-from server.engine.memory import retain_freed_host_memory
+from server.engine.hardware.memory import retain_freed_host_memory
 from server.pipeline.denoise import GenerationRequest, Pipeline
 
 TARGET_RATIO = 1.0

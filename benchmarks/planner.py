@@ -52,9 +52,9 @@ from server.engine import (
     plan_shards,
     spec_for,
 )
-from server.engine.calibrate import busy_server
-from server.engine.profile import profile_block_costs, random_twin
-from server.engine.threads import cpu_quota
+from server.engine.hardware.threads import cpu_quota
+from server.engine.planning.calibrate import busy_server
+from server.engine.planning.profile import profile_block_costs, random_twin
 from server.pipeline.families import meta_denoiser
 from server.pipeline.families.sd import SD
 from server.pipeline.loader import read_family

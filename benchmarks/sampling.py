@@ -19,7 +19,7 @@ import torch
 
 from server.demo import MODEL_DIR
 from server.demo.sampling import generate, load_pipeline, recommended
-from server.engine.memory import retain_freed_host_memory
+from server.engine.hardware.memory import retain_freed_host_memory
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,9 +33,9 @@ from diffusers import UNet2DConditionModel
 from torch import nn
 
 from server.engine import ModelShard, ShardPlan, layout_of, plan_shards
-from server.engine.blocks import DenoiserInputs
-from server.engine.memory import retain_freed_host_memory
-from server.engine.unet import UNetSpec
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.unet import UNetSpec
+from server.engine.hardware.memory import retain_freed_host_memory
 from server.pipeline.families.sd import SD
 
 TARGET_RATIO = 1.02

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from benchmarks.clients import percentile
-from server.engine.devices import parse_size
+from server.engine.hardware.devices import parse_size
 from tests.live import LiveServer, live_server
 from tests.waiting import wait_until
 

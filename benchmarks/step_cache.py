@@ -38,7 +38,7 @@ from diffusers import UNet2DConditionModel
 from benchmarks.clients import at_once, lone
 from benchmarks.lone_split import build_folder
 from server.demo import MODEL_DIR
-from server.engine.work import count_work
+from server.engine.planning.work import count_work
 from tests.live import LiveServer, live_server
 
 CLIENTS = 8

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from benchmarks.clients import at_once, client_loop, summary
-from server.engine.threads import cpu_quota
+from server.engine.hardware.threads import cpu_quota
 from tests.live import LiveServer, live_server
 
 CLIENTS = (1, 8)

@@ -29,8 +29,8 @@ from server.api.requestid import QueryRedaction, RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
-from server.engine.devices import planning_absent_devices
-from server.engine.memory import bound_kernel_cache
+from server.engine.hardware.devices import planning_absent_devices
+from server.engine.hardware.memory import bound_kernel_cache
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family

@@ -30,11 +30,15 @@ from server.api.requestid import RequestContext
 from server.api.uploads import bound_decoder
 from server.config import Settings, read_api_keys
 from server.engine import ParallelPlan
-from server.engine.compile import CompileMode
-from server.engine.graphs import CompileStats, prepare_compiler
-from server.engine.memory import bound_kernel_cache, release_freed_host_memory, retain_freed_host_memory
-from server.engine.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
-from server.engine.threads import cpu_quota, fit_threads
+from server.engine.hardware.memory import (
+    bound_kernel_cache,
+    release_freed_host_memory,
+    retain_freed_host_memory,
+)
+from server.engine.hardware.threads import cpu_quota, fit_threads
+from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.graphs import CompileStats, prepare_compiler
+from server.engine.runtime.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline

@@ -17,11 +17,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
-from server.engine.cache import default_cache_dir
-from server.engine.compile import CompileMode
-from server.engine.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
-from server.engine.gpus import DEFAULT_PROFILE, PROFILES, gpu_profile
-from server.engine.pool import ANY_DEVICE
+from server.engine.hardware.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
+from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES, gpu_profile
+from server.engine.planning.cache import default_cache_dir
+from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.pool import ANY_DEVICE
 from server.errors import ConfigError
 from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import read_family

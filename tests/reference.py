@@ -7,8 +7,8 @@ import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from torch import nn
 
-from server.engine.blocks import DenoiserInputs
-from server.engine.flux import image_ids, pack, unpack
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.flux import image_ids, pack, unpack
 
 
 def diffusers_forward(model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from server.engine import layout_of
-from server.engine.blocks import SkipEdge
-from server.engine.flow import trace_flow
+from server.engine.denoisers.blocks import SkipEdge
+from server.engine.planning.flow import trace_flow
 from server.pipeline.families import meta_denoiser, reference_family
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from server.engine import CallPlan
-from server.engine.compile import CompileMode
-from server.engine.graphs import CompileStats, GraphStore
+from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
 from tests.tiny_pipelines import IMAGE_SIZE

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from server.engine import CostModel, Costs, Parallel
-from server.engine.calibrate import DeviceSpeed, cached_calibration
-from server.engine.costs import profile_note, profile_speed
-from server.engine.devices import auto_dtype
-from server.engine.gpus import MATMUL_SHARE, gpu_profile
-from server.engine.parallel import weighed_shapes
-from server.engine.threads import cpu_quota
-from server.engine.work import count_work
+from server.engine.hardware.devices import auto_dtype
+from server.engine.hardware.gpus import MATMUL_SHARE, gpu_profile
+from server.engine.hardware.threads import cpu_quota
+from server.engine.planning.calibrate import DeviceSpeed, cached_calibration
+from server.engine.planning.costs import profile_note, profile_speed
+from server.engine.planning.parallel import weighed_shapes
+from server.engine.planning.work import count_work
 from server.errors import ConfigError, PlanError
 from tests.conftest import tiny_sd15_unet
 from tests.test_cli import run_cli

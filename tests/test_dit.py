@@ -10,9 +10,9 @@ import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from server.engine import ModelShard, layout_of, plan_shards, spec_for
-from server.engine.blocks import tensor_bytes
-from server.engine.dit import CLIP_TOKENS, T5_TOKENS
-from server.engine.flow import trace_flow
+from server.engine.denoisers.blocks import tensor_bytes
+from server.engine.denoisers.dit import CLIP_TOKENS, T5_TOKENS
+from server.engine.planning.flow import trace_flow
 from server.pipeline.families import meta_denoiser, reference_family
 from tests.reference import diffusers_forward
 from tests.tiny_pipelines import IMAGE_SIZE, _sd3_transformer, build_sd3_folder

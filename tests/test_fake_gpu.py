@@ -47,9 +47,9 @@ from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
 from server.engine import ModelShard, Workers, plan_shards, run_micro_batches, spec_for
-from server.engine.calibrate import RUN_S
-from server.engine.calibrate import _rate as calibrate_rate
-from server.engine.pool import ActivationPool
+from server.engine.planning.calibrate import RUN_S
+from server.engine.planning.calibrate import _rate as calibrate_rate
+from server.engine.runtime.pool import ActivationPool
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.cachedstep import keep
 from server.pipeline.edits import blend, first_latents

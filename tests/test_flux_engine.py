@@ -8,10 +8,10 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from server.engine import ModelShard, layout_of, plan_shards, spec_for
-from server.engine.blocks import tensor_bytes
-from server.engine.flow import trace_flow
-from server.engine.flux import NATIVE_LATENT, T5_TOKENS, pack, unpack
-from server.engine.specs import native_latent
+from server.engine.denoisers.blocks import tensor_bytes
+from server.engine.denoisers.flux import NATIVE_LATENT, T5_TOKENS, pack, unpack
+from server.engine.denoisers.specs import native_latent
+from server.engine.planning.flow import trace_flow
 from tests.reference import diffusers_forward
 from tests.tiny_pipelines import _flux_transformer
 

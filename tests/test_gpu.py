@@ -23,7 +23,7 @@ from server.engine import (
     run_micro_batches,
     spec_for,
 )
-from server.engine.graphs import CompileStats, GraphStore
+from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.serving.housekeeping import empty_device_caches
 from tests.reference import diffusers_forward

@@ -28,7 +28,7 @@ from torch import nn
 
 from server.config import Settings
 from server.demo import MODEL_DIR
-from server.engine.call import AdapterRows
+from server.engine.runtime.call import AdapterRows
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import RowsMismatch, read_adapter

@@ -24,12 +24,12 @@ from server.engine import (
     single,
     spec_for,
 )
-from server.engine.call import CacheAsk
-from server.engine.devices import planning_absent_devices
-from server.engine.gates import StageGates, worker_names
-from server.engine.parallel import Candidate, fill_cores, weighed_shapes
-from server.engine.planner import HTTP_CORES
-from server.engine.replicas import cut_rows
+from server.engine.hardware.devices import planning_absent_devices, worker_names
+from server.engine.planning.parallel import Candidate, fill_cores, weighed_shapes
+from server.engine.planning.planner import HTTP_CORES
+from server.engine.runtime.call import CacheAsk
+from server.engine.runtime.gates import StageGates
+from server.engine.runtime.replicas import cut_rows
 from server.errors import PlanError
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 from tests.reference import diffusers_forward

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.engine import CostModel, DeviceError, PlanError, layout_of, plan_shards
-from server.engine.devices import parse_size
-from server.engine.partition import min_max_partition
+from server.engine.hardware.devices import parse_size
+from server.engine.planning.partition import min_max_partition
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 
 SD15 = tiny_sd15_unet()

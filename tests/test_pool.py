@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from server.engine.memory import host_memory
-from server.engine.pool import ActivationPool, default_pool_budgets
+from server.engine.hardware.memory import host_memory
+from server.engine.runtime.pool import ActivationPool, default_pool_budgets
 
 F32 = torch.float32
 SHAPES = [(2, 4, 8, 8), (2, 77, 32), (1, 3, 64, 64)]  # latents, context, image

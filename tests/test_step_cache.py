@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from server.engine import CallPlan, ModelShard, RowGroup, plan_shards
-from server.engine.call import CacheAsk
-from server.engine.plan import Stage
-from server.engine.specs import spec_for
+from server.engine.denoisers.specs import spec_for
+from server.engine.planning.plan import Stage
+from server.engine.runtime.call import CacheAsk
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.lora import read_adapter

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.threads import cpu_quota, fit_threads
+from server.engine.hardware.threads import cpu_quota, fit_threads
 
 AFFINITY = len(os.sched_getaffinity(0))
 HUGE = "100000000 100000"  # a quota of 1000 CPUs: more than any affinity here
@@ -74,7 +74,7 @@ def test_fit_threads_sets_torch_threads() -> None:
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="taskset (util-linux) is not installed")
 def test_a_process_pinned_to_one_cpu_sees_one() -> None:
-    code = "from server.engine.threads import cpu_quota; print(cpu_quota())"
+    code = "from server.engine.hardware.threads import cpu_quota; print(cpu_quota())"
     done = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", code],
         capture_output=True,

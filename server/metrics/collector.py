@@ -18,8 +18,8 @@ from prometheus_client.core import (
 )
 
 from server import __version__
-from server.engine.memory import resident_bytes
-from server.engine.pool import PoolStats
+from server.engine.hardware.memory import resident_bytes
+from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.serving import KINDS
 from server.serving.stats import CACHE_OUTCOMES, DeviceView, Distribution, LoopStats, Snapshot

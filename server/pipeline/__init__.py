@@ -2,8 +2,8 @@
 What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
 from server.engine import DeviceMemory
-from server.engine.graphs import CompileStats
-from server.engine.pool import PoolStats
+from server.engine.runtime.graphs import CompileStats
+from server.engine.runtime.pool import PoolStats
 from server.pipeline.denoise import Pipeline
 from server.pipeline.edits import Edit
 from server.pipeline.requests import Defaults, GenerationRequest, size_warning

@@ -1,6 +1,6 @@
 """Adapters changed while serving: loaded and unloaded at runtime without disturbing the calls
 in flight (`lora.py` holds the adapters themselves; which rows ask for which adapter travels
-in each call's plan, `server.engine.call`).
+in each call's plan, `server.engine.runtime.call`).
 
 Two guards. `CHANGES`: every call that may run the adapters' hooks reads under it (a step, an
 encoding), and attaching or detaching an adapter writes under it, so a hook, a layer's stacked
@@ -11,10 +11,11 @@ detached once its last job ends, so a request that asked for it finishes with it
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -126,3 +127,12 @@ class Uses:
 class RowsMismatch(RuntimeError):
     """A hooked call's batch is not the rows its plan describes: which rows get which adapter is
     unknown, so the call fails (the step's job fails) instead of skipping the adapters."""
+
+
+def unknown_adapter(name: str, loaded: Mapping[str, object]) -> str:
+    """What to tell a request asking for an adapter not served: the nearest name, and those loaded."""
+    if not loaded:
+        return f"no adapter named {name!r}: this server loads none (serve --lora NAME=FILE)"
+    close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"no adapter named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"

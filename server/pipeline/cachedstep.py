@@ -1,10 +1,10 @@
 """Step caching between a request's state and a call plan: what each request asks of the call
 this step (`cache_ask`), and what it keeps after (`keep`). `stepcache.py` has the policies; the
-block walker (`server/engine/walker.py`) splits the rows at the spec's cache boundary."""
+block walker (`server/engine/runtime/walker.py`) splits the rows at the spec's cache boundary."""
 
 from __future__ import annotations
 
-from server.engine.call import CacheAsk, Outcome
+from server.engine.runtime.call import CacheAsk, Outcome
 from server.pipeline.state import RequestState
 
 

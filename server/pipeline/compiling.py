@@ -16,9 +16,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from server.engine import layout_of
-from server.engine.blocks import DenoiserInputs
-from server.engine.compile import CompiledDecoder, CompileMode, row_buckets
-from server.engine.graphs import CompileStats, GraphStore
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.runtime.compile import CompiledDecoder, CompileMode, row_buckets
+from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
 

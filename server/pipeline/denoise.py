@@ -37,20 +37,21 @@ from server.engine import (
     plan_shards,
     run_micro_batches,
 )
-from server.engine.blocks import DenoiserInputs
-from server.engine.call import AdapterRows, RowsSlot
-from server.engine.compile import run_decoder
-from server.engine.devices import normalize_device
-from server.engine.pool import PoolScope
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.hardware.devices import normalize_device
+from server.engine.runtime.call import AdapterRows, RowsSlot
+from server.engine.runtime.compile import run_decoder
+from server.engine.runtime.pool import PoolScope
 from server.errors import InvalidRequest
-from server.pipeline.adapters import CHANGES
+from server.pipeline.adapters import CHANGES, unknown_adapter
 from server.pipeline.cachedstep import cache_ask, keep
-from server.pipeline.edits import blend, first_latents, keep_unmasked
+from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components
-from server.pipeline.lora import Adapter, Adapters, Target, unknown_adapter
+from server.pipeline.lora import Adapter, Adapters, Target
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
-from server.pipeline.schedulers import make_scheduler, predicted_clean, step_kwargs
-from server.pipeline.state import RequestState, check_group, group_states, spans
+from server.pipeline.schedulers import make_scheduler, step_kwargs
+from server.pipeline.state import RequestState, check_group, group_states, spans, stack_inputs
+from server.pipeline.stepping import advance
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
 DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
@@ -296,26 +297,9 @@ class Pipeline:
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []
             for state, span in zip(states, spans(states), strict=True):
-                prediction = out[span].to(LATENT_DTYPE)
-                if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
-                    negative, positive = prediction.chunk(2)
-                    prediction = negative + self.family.cfg_scale(state.request) * (positive - negative)
-                partial, early, state.preview = state.previews.get(state.index + 1), None, None
-                if partial is not None and hasattr(state.scheduler, "convert_model_output"):  # DPM-Solver
-                    if state.scheduler.step_index is None:  # its first step: nothing to convert with yet
-                        partial = None
-                    else:
-                        early = state.scheduler.convert_model_output(prediction, sample=state.latents)
-                output = state.scheduler.step(
-                    prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs
-                )
-                if partial is not None:
-                    clean = predicted_clean(state.scheduler, state.latents, prediction, output, early)
-                    previews.append((state, partial, clean))
-                state.latents.copy_(output.prev_sample)
-                if state.inpainting is not None:  # the unmasked region back to the image
-                    blend(self.family, state.scheduler, state.latents, state.inpainting, state.next_timestep)
-                state.index += 1
+                due = advance(state, out[span].to(LATENT_DTYPE), self.family)
+                if due is not None:
+                    previews.append((state, *due))
             # 4. The partial images due at this step, batched per size as `decode` batches.
             for group in group_states([s for s, _, _ in previews]):
                 due = [(s, k, x0) for s, k, x0 in previews if any(s is g for g in group)]
@@ -326,28 +310,8 @@ class Pipeline:
                         state.preview = (index, image.permute(1, 2, 0).float().cpu())
 
     def stacked(self, states: Sequence[RequestState], batch: PoolScope) -> DenoiserInputs:
-        """The denoiser's inputs for every state's rows, in buffers `batch` rents: [rows, C, h, w]
-        samples, [rows] timesteps, [rows, T, D] context, the family's extras."""
-        first, rows = states[0], sum(s.rows for s in states)
-        channels = first.latents.shape[1]
-        extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
-        shape = (rows, channels + extra, *first.latents.shape[2:])
-        sample = batch.rent(shape, self.denoiser_dtype, self.device)
-        timesteps = batch.rent((rows,), torch.float32, self.device)
-        context = batch.rent((rows, *first.context.shape[1:]), self.denoiser_dtype, self.device)
-        extras = {
-            name: batch.rent((rows, *value.shape[1:]), value.dtype, self.device)
-            for name, value in first.extras.items()
-        }
-        for state, span in zip(states, spans(states), strict=True):
-            sample[span, :channels] = self.family.model_input(state.scheduler, state.latents, state.timestep)
-            if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
-                sample[span, channels:] = state.conditioning
-            timesteps[span] = state.timestep
-            context[span] = state.context
-            for name, value in extras.items():
-                value[span] = state.extras[name]
-        return DenoiserInputs(sample, timesteps, context, self.family.model_kwargs(extras))
+        """The denoiser's inputs for every state's rows, in buffers `batch` rents."""
+        return stack_inputs(states, batch, self.family, self.denoiser_dtype, self.device)
 
     @staticmethod
     def call_plan(states: Sequence[RequestState]) -> CallPlan:

@@ -25,7 +25,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from server.engine.pool import PoolScope
+from server.engine.runtime.pool import PoolScope
 from server.pipeline.families import Family
 
 LATENT_DTYPE = torch.float32  # as denoise.py: scheduler arithmetic in float32

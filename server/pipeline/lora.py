@@ -24,7 +24,6 @@ silently skipped would be a wrong image. Adapters attach and detach at runtime u
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import math
@@ -47,7 +46,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from server.engine.call import RowsSlot
+from server.engine.runtime.call import RowsSlot
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
 from server.pipeline.families import Family
@@ -285,15 +284,6 @@ class Adapters:
                 for device, size in adapter_set.bytes_on(seen).items():
                     out[device] = out.get(device, 0) + size
         return out
-
-
-def unknown_adapter(name: str, loaded: Mapping[str, Adapter]) -> str:
-    """What to tell a request asking for an adapter not served: the nearest name, and those loaded."""
-    if not loaded:
-        return f"no adapter named {name!r}: this server loads none (serve --lora NAME=FILE)"
-    close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return f"no adapter named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"
 
 
 class AdapterSet:

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
-from server.engine.cache import lookup, store
-from server.engine.calibrate import device_kind
-from server.engine.costs import profile_note
-from server.engine.devices import resolve_devices
+from server.engine.hardware.devices import device_kind, resolve_devices
+from server.engine.planning.cache import lookup, store
+from server.engine.planning.costs import profile_note
 from server.pipeline.families import Family, meta_denoiser, reference_bytes
 from server.pipeline.loader import part_bytes
 

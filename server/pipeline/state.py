@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from server.engine.pool import PoolScope
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.runtime.pool import PoolScope
 from server.pipeline.edits import Inpainting
 from server.pipeline.requests import GenerationRequest
 from server.pipeline.stepcache import RowCache
@@ -96,3 +97,26 @@ def spans(states: Sequence[RequestState]) -> Iterable[slice]:
     for state in states:
         yield slice(start, start + state.rows)
         start += state.rows
+
+
+def stack_inputs(
+    states: Sequence[RequestState], batch: PoolScope, family: Any, dtype: torch.dtype, device: torch.device
+) -> DenoiserInputs:
+    """The denoiser's inputs for every state's rows, in buffers `batch` rents: [rows, C, h, w]
+    samples, [rows] timesteps, [rows, T, D] context, the family's extras."""
+    first, rows = states[0], sum(s.rows for s in states)
+    channels = first.latents.shape[1]
+    extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
+    sample = batch.rent((rows, channels + extra, *first.latents.shape[2:]), dtype, device)
+    timesteps = batch.rent((rows,), torch.float32, device)
+    context = batch.rent((rows, *first.context.shape[1:]), dtype, device)
+    extras = {name: batch.rent((rows, *v.shape[1:]), v.dtype, device) for name, v in first.extras.items()}
+    for state, span in zip(states, spans(states), strict=True):
+        sample[span, :channels] = family.model_input(state.scheduler, state.latents, state.timestep)
+        if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
+            sample[span, channels:] = state.conditioning
+        timesteps[span] = state.timestep
+        context[span] = state.context
+        for name, value in extras.items():
+            value[span] = state.extras[name]
+    return DenoiserInputs(sample, timesteps, context, family.model_kwargs(extras))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import tensor_bytes
+from server.engine.denoisers.blocks import tensor_bytes
 from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux

@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, FluxTransformer2DModel
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from server.engine.flux import NATIVE_LATENT, T5_TOKENS
+from server.engine.denoisers.flux import NATIVE_LATENT, T5_TOKENS
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Asked, Family, TextEmbeddings, tokenize
 

@@ -12,7 +12,9 @@ import torch
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from server.engine.dit import T5_TOKENS  # diffusers' max_sequence_length default: T5's, or its zeros'
+from server.engine.denoisers.dit import (
+    T5_TOKENS,  # diffusers' max_sequence_length default: T5's, or its zeros'
+)
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Asked, Family, TextEmbeddings, penultimate_states
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 import re
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
-from server.engine.gpus import gpu_profile
+from server.engine.hardware.gpus import gpu_profile
 from server.errors import DeviceError
 
 log = logging.getLogger("diffshard")
@@ -152,3 +154,35 @@ def format_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def device_kind(device: str) -> str:
+    """What a calibration describes: the processor (CPU workers) or the GPU model."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return _cpu_name()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()} ({torch.backends.cpu.get_cpu_capability()})"
+    except OSError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def worker_names(devices: Sequence[str]) -> list[str]:
+    """A name per stage or replica: its device, indexed where a device is listed more than once
+    (`cpu,cpu`: two CPU workers sharing the host's cores are `cpu:0` and `cpu:1`)."""
+    counts = Counter(devices)
+    seen: Counter[str] = Counter()
+    names = []
+    for device in devices:
+        names.append(f"{device}:{seen[device]}" if counts[device] > 1 and ":" not in device else device)
+        seen[device] += 1
+    if len(set(names)) != len(names):
+        raise ValueError(f"a device is listed twice: {list(devices)}")
+    return names

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import platform
 import statistics
 import threading
 import time
@@ -30,8 +29,9 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
-from server.engine.cache import lookup, store
-from server.engine.work import count_ops
+from server.engine.hardware.devices import device_kind
+from server.engine.planning.cache import lookup, store
+from server.engine.planning.work import count_ops
 
 RUN_S = 0.1  # one timed run of a calibration op at most this long (smaller shapes when slower)
 REPEATS = 3  # timed runs per op after a warm-up; the fastest counts
@@ -94,14 +94,6 @@ def calibrate(device: str, dtype: torch.dtype, threads: int = 1) -> DeviceSpeed:
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # later memory readings must not see the calibration's
     return speed
-
-
-def device_kind(device: str) -> str:
-    """What a calibration describes: the processor (CPU workers) or the GPU model."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return _cpu_name()
 
 
 def cached_calibration(device: str, dtype: torch.dtype, threads: int, cache_dir: Path | None) -> DeviceSpeed:
@@ -283,13 +275,3 @@ def _small_blocks(dtype: torch.dtype, device: torch.device, side: int) -> Callab
     temb = torch.randn(2, 32, dtype=dtype, device=device)
     context = torch.randn(2, 8, 32, dtype=dtype, device=device)
     return lambda: attention(resnet(x, temb), encoder_hidden_states=context, return_dict=False)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu: {line.split(':', 1)[1].strip()} ({torch.backends.cpu.get_cpu_capability()})"
-    except OSError:
-        pass
-    return f"cpu: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"

@@ -150,3 +150,12 @@ def tensor_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
 def tensors_of(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters()
     yield from module.named_buffers()
+
+
+def walk_plain(spec: DenoiserSpec, model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
+    """Every block of a model on one device, eagerly, nothing else: what `--compile full`
+    compiles, and what the planner counts, traces and times blocks by."""
+    flow = spec.begin(model, inputs)
+    for call in spec.calls(model).values():
+        flow = Flow(call.fn(call.owner, flow.rows, flow.shared), flow.shared)
+    return spec.end(model, flow, inputs)

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import DenoiserInputs
-from server.engine.call import CallPlan, CallResult
-from server.engine.parallel import ParallelPlan
-from server.engine.plan import ShardPlan
-from server.engine.shard import ModelShard
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.planning.parallel import ParallelPlan
+from server.engine.planning.plan import ShardPlan
+from server.engine.runtime.call import CallPlan, CallResult
+from server.engine.runtime.shard import ModelShard
 
 
 def build_shards(model: nn.Module, plan: ParallelPlan) -> list[ModelShard]:

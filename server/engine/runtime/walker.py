@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.engine.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow, map_rows
-from server.engine.call import AdapterRows, CallPlan, CallResult, Outcome
+from server.engine.denoisers.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow
+from server.engine.runtime.call import AdapterRows, CallPlan, CallResult, Outcome
 
 if TYPE_CHECKING:
-    from server.engine.shard import ModelShard
+    from server.engine.runtime.shard import ModelShard
 
 OnBlock = Callable[[str, Flow], None]
 
@@ -241,13 +241,4 @@ def _keep(
     return pieces
 
 
-def walk_plain(spec: Any, model: torch.nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
-    """Every block of a model on one device, eagerly, nothing else: what `--compile full`
-    compiles, and what the planner counts, traces and times blocks by."""
-    flow = spec.begin(model, inputs)
-    for call in spec.calls(model).values():
-        flow = Flow(call.fn(call.owner, flow.rows, flow.shared), flow.shared)
-    return spec.end(model, flow, inputs)
-
-
-__all__ = ["TransferCache", "map_rows", "walk", "walk_plain"]
+__all__ = ["TransferCache", "walk"]

@@ -13,9 +13,8 @@ import time
 import torch
 from torch import nn
 
-from server.engine.blocks import block_modules
-from server.engine.specs import spec_for
-from server.engine.walker import walk_plain
+from server.engine.denoisers.blocks import block_modules, walk_plain
+from server.engine.denoisers.specs import spec_for
 
 
 def profile_block_costs(

@@ -36,10 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.engine.cache import lookup, store
-from server.engine.calibrate import DeviceSpeed, cached_calibration, cached_shared_overhead, device_kind
-from server.engine.devices import absent
-from server.engine.gpus import (
+from server.engine.hardware.devices import absent, device_kind
+from server.engine.hardware.gpus import (
     ATTENTION_SHARE,
     BANDWIDTH_SHARE,
     CONV_SHARE,
@@ -49,8 +47,10 @@ from server.engine.gpus import (
     GpuProfile,
     gpu_profile,
 )
-from server.engine.profile import profile_block_costs
-from server.engine.work import BlockWork, ModelWork, count_work
+from server.engine.planning.cache import lookup, store
+from server.engine.planning.calibrate import DeviceSpeed, cached_calibration, cached_shared_overhead
+from server.engine.planning.profile import profile_block_costs
+from server.engine.planning.work import BlockWork, ModelWork, count_work
 from server.errors import PlanError
 
 

@@ -26,17 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Layout, block_modules, tensor_bytes
-from server.engine.devices import (
+from server.engine.denoisers.blocks import Layout, block_modules, tensor_bytes
+from server.engine.denoisers.specs import layout_of, native_latent
+from server.engine.hardware.devices import (
     default_budget,
     format_bytes,
     normalize_device,
     parse_memory_map,
     resolve_devices,
 )
-from server.engine.flow import Flow, trace_flow
-from server.engine.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
-from server.engine.specs import layout_of, native_latent
+from server.engine.planning.flow import Flow, trace_flow
+from server.engine.planning.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
 from server.errors import PlanError
 
 
@@ -179,30 +179,12 @@ def plan_shards(
     of its budget. `device_map` is the `explicit` strategy's block → device map (its devices
     replace `devices`). `block_costs` are the `cost` strategy's seconds per block, or a function
     of the stage's device giving them (devices of different kinds run blocks at different
-    speeds; `server.engine.costs` counts or measures them). Activation bytes are estimated for
+    speeds; `server.engine.planning.costs` counts or measures them). Activation bytes are estimated for
     `batch` latents of `latent_size`². `resident` counts bytes other components (text encoders,
     VAE) keep on the first stage's device.
     """
     # 1. Check the request before any work.
-    if strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    strategy = Strategy(strategy)
-    if strategy == "explicit":
-        if not device_map:
-            raise PlanError("the explicit strategy needs a device_map of block → device")
-        device_map = {block: normalize_device(dev) for block, dev in device_map.items()}
-        device_list = list(dict.fromkeys(device_map.values()))
-    else:
-        device_list = resolve_devices(devices)
-    budgets = parse_memory_map(max_memory)
-    for device in budgets:
-        if device not in device_list:
-            raise PlanError(f"max_memory names {device}, which is not among the devices {device_list}")
-    if batch < 1:
-        raise PlanError(f"batch must be at least 1, got {batch}")
-    for device in dict.fromkeys(device_list):
-        if device not in budgets and (free := default_budget(device)) is not None:
-            budgets[device] = free
+    strategy, device_list, device_map, budgets = _checked(strategy, devices, device_map, max_memory, batch)
 
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout = layout_of(model)
@@ -216,23 +198,23 @@ def plan_shards(
     # 3. Assign blocks to devices.
     names = list(layout.names)
     sizes = [block_bytes[n] for n in names]
-    costs: dict[str, dict[str, float]] | None = None  # stage device → seconds per block
-    costs_from: tuple[str, ...] = ()
+    costs = None  # stage device → seconds per block
+    if strategy == "cost":
+        if block_costs is None:
+            raise PlanError(
+                "the cost strategy needs block costs: server.engine.planning.costs counts or times them"
+            )
+        costs = {d: dict(block_costs(d) if callable(block_costs) else block_costs) for d in device_list}
     if strategy == "even":
         stages = even_split(names, device_list)
     elif strategy == "explicit":
         stages = explicit_split(names, device_map or {})
     else:
-        if strategy == "cost":
-            if block_costs is None:
-                raise PlanError(
-                    "the cost strategy needs block costs: server.engine.costs counts or measures them"
-                )
-            costs = {d: dict(block_costs(d) if callable(block_costs) else block_costs) for d in device_list}
-            costs_from = ("given",)
-            weights = [[costs[d].get(n, 0.0) for n in names] for d in device_list]
-        else:
-            weights = [[float(s) for s in sizes]] * len(device_list)
+        weights = (
+            [[costs[d].get(n, 0.0) for n in names] for d in device_list]
+            if costs is not None
+            else [[float(s) for s in sizes]] * len(device_list)
+        )
         cuts = min_max_partition(weights, sizes, capacities)
         if cuts is None:
             _raise_no_fit(names, sizes, device_list, capacities, budgets, reserve, resident)
@@ -268,8 +250,38 @@ def plan_shards(
         stages=plan_stages,
         boundaries=_boundaries(plan_stages, layout, flow),
         devices=estimates,
-        costs_from=costs_from,
+        costs_from=("given",) if costs is not None else (),
     )
+
+
+def _checked(
+    strategy: str,
+    devices: str | Sequence[str],
+    device_map: Mapping[str, str] | None,
+    max_memory: str | Mapping[str, str | int] | None,
+    batch: int,
+) -> tuple[Strategy, list[str], dict[str, str] | None, dict[str, int]]:
+    """The strategy, the devices, the explicit map and every device's budget, checked."""
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    strategy = Strategy(strategy)
+    if strategy == "explicit":
+        if not device_map:
+            raise PlanError("the explicit strategy needs a device_map of block → device")
+        device_map = {block: normalize_device(dev) for block, dev in device_map.items()}
+        device_list = list(dict.fromkeys(device_map.values()))
+    else:
+        device_list = resolve_devices(devices)
+    budgets = parse_memory_map(max_memory)
+    for device in budgets:
+        if device not in device_list:
+            raise PlanError(f"max_memory names {device}, which is not among the devices {device_list}")
+    if batch < 1:
+        raise PlanError(f"batch must be at least 1, got {batch}")
+    for device in dict.fromkeys(device_list):
+        if device not in budgets and (free := default_budget(device)) is not None:
+            budgets[device] = free
+    return strategy, device_list, device_map, budgets
 
 
 def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:

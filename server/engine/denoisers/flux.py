@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
-from server.engine.dit import dit_boundary, token_rows
+from server.engine.denoisers.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.denoisers.dit import dit_boundary, token_rows
 
 T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
 NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size

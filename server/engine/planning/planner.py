@@ -36,10 +36,10 @@ from typing import Any
 
 from torch import nn
 
-from server.engine.costs import CostModel
-from server.engine.devices import parse_memory_map, resolve_devices
-from server.engine.gates import worker_names
-from server.engine.parallel import (
+from server.engine.denoisers.specs import native_latent
+from server.engine.hardware.devices import parse_memory_map, resolve_devices, worker_names
+from server.engine.planning.costs import CostModel
+from server.engine.planning.parallel import (
     PARALLEL_MODES,
     Candidate,
     Parallel,
@@ -48,8 +48,7 @@ from server.engine.parallel import (
     single,
     weighed_shapes,
 )
-from server.engine.plan import ShardPlan, Strategy, plan_shards
-from server.engine.specs import native_latent
+from server.engine.planning.plan import ShardPlan, Strategy, plan_shards
 from server.errors import PlanError
 
 # Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
@@ -138,6 +137,20 @@ def plan_parallel(
     baselines = search.add_baselines()
 
     # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
+    best, reason = _choose(search, baselines, Parallel(parallel), whole, device_list, costs_note)
+    return search.plan_of(best, reason, costs_note)
+
+
+def _choose(
+    search: _Search,
+    baselines: list[Candidate],
+    parallel: Parallel,
+    whole: bool,
+    device_list: list[str],
+    costs_note: str,
+) -> tuple[Candidate, str]:
+    """The candidate to run and why: throughput first; among those within NEAR of the fastest,
+    the quicker lone image; on a CPU under auto, never one that leaves cores idle."""
     base = {id(c) for c in baselines}
     choosable = [c for c in search.candidates if c.rows_per_s is not None and id(c) not in base]
     if parallel == Parallel.AUTO:  # never more busy CPU workers than cores, unless asked for
@@ -155,7 +168,6 @@ def plan_parallel(
         if busy and faster is not None and _rate(faster) > max(map(_rate, busy)):
             idle = f"; {faster.label} ({faster.note}) is predicted faster but leaves cores idle"
         choosable = busy or choosable
-    # Throughput first; among those within NEAR of the fastest, the quicker lone image.
     top = max(map(_rate, choosable))
     near = [c for c in choosable if _rate(c) >= top * (1 - NEAR)]
     best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
@@ -166,7 +178,7 @@ def plan_parallel(
         reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
     reason += idle
     reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
-    return search.plan_of(best, reason, costs_note)
+    return best, reason
 
 
 def _rate(candidate: Candidate) -> float:

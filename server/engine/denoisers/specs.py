@@ -7,10 +7,10 @@ from collections.abc import Callable
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from torch import nn
 
-from server.engine.blocks import DenoiserSpec, Layout, tensors_of
-from server.engine.dit import SD3TransformerSpec
-from server.engine.flux import FluxTransformerSpec
-from server.engine.unet import UNetSpec
+from server.engine.denoisers.blocks import DenoiserSpec, Layout, tensors_of
+from server.engine.denoisers.dit import SD3TransformerSpec
+from server.engine.denoisers.flux import FluxTransformerSpec
+from server.engine.denoisers.unet import UNetSpec
 
 _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (UNet2DConditionModel, UNetSpec),

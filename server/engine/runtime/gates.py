@@ -19,23 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-
-def worker_names(devices: Sequence[str]) -> list[str]:
-    """A name per stage or replica: its device, indexed where a device is listed more than once
-    (`cpu,cpu`: two CPU workers sharing the host's cores are `cpu:0` and `cpu:1`)."""
-    counts = Counter(devices)
-    seen: Counter[str] = Counter()
-    names = []
-    for device in devices:
-        names.append(f"{device}:{seen[device]}" if counts[device] > 1 and ":" not in device else device)
-        seen[device] += 1
-    if len(set(names)) != len(names):
-        raise ValueError(f"a device is listed twice: {list(devices)}")
-    return names
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from server.engine.blocks import block_modules
-from server.engine.specs import spec_for
-from server.engine.walker import walk_plain
+from server.engine.denoisers.blocks import block_modules, walk_plain
+from server.engine.denoisers.specs import spec_for
 
 aten = torch.ops.aten
 MATMUL = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}

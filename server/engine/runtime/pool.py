@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.memory import host_memory
+from server.engine.hardware.memory import host_memory
 
 Key = tuple[tuple[int, ...], torch.dtype, str, bool]  # shape, dtype, device, pinned
 ANY_DEVICE = "*"  # a budget under this key applies to every device not named

@@ -18,16 +18,16 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from server.engine.blocks import DenoiserInputs, Flow, block_modules, tensor_bytes
-from server.engine.call import CallPlan, CallResult, RowsSlot
-from server.engine.compile import CompiledDenoiser, CompileMode
-from server.engine.devices import format_bytes
-from server.engine.gates import StageGates, worker_names
-from server.engine.graphs import GraphStore
-from server.engine.memory import DeviceMemory, read_memory
-from server.engine.plan import ShardPlan
-from server.engine.specs import layout_of, spec_for
-from server.engine.walker import walk
+from server.engine.denoisers.blocks import DenoiserInputs, Flow, block_modules, tensor_bytes
+from server.engine.denoisers.specs import layout_of, spec_for
+from server.engine.hardware.devices import format_bytes, worker_names
+from server.engine.hardware.memory import DeviceMemory, read_memory
+from server.engine.planning.plan import ShardPlan
+from server.engine.runtime.call import CallPlan, CallResult, RowsSlot
+from server.engine.runtime.compile import CompiledDenoiser, CompileMode
+from server.engine.runtime.gates import StageGates
+from server.engine.runtime.graphs import GraphStore
+from server.engine.runtime.walker import walk
 from server.errors import PlanError
 
 log = logging.getLogger("diffshard")

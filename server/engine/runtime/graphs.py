@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from server.engine.calibrate import device_kind
+from server.engine.hardware.devices import device_kind
 
 log = logging.getLogger("diffshard")
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from server.engine.gates import worker_names
-from server.engine.plan import ShardPlan
+from server.engine.hardware.devices import worker_names
+from server.engine.planning.plan import ShardPlan
 
 
 class Parallel(StrEnum):

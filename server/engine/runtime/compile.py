@@ -38,9 +38,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from server.engine.blocks import BlockCall, DenoiserInputs, Flow, map_rows
-from server.engine.graphs import GraphStore
-from server.engine.walker import walk_plain
+from server.engine.denoisers.blocks import BlockCall, DenoiserInputs, Flow, map_rows, walk_plain
+from server.engine.runtime.graphs import GraphStore
 
 
 class CompileMode(enum.StrEnum):

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout, SkipEdge
+from server.engine.denoisers.blocks import (
+    Block,
+    BlockCall,
+    CacheBoundary,
+    DenoiserInputs,
+    Flow,
+    Layout,
+    SkipEdge,
+)
 
 TAKES = {"added_cond_kwargs", "timestep_cond", "class_labels"}  # the conditioning walked
 

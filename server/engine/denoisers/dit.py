@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.denoisers.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
 
 CLIP_TOKENS = 77  # both CLIP encoders' hidden states, side by side in the channels
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length; zeros without text_encoder_3

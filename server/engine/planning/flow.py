@@ -18,9 +18,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from server.engine.blocks import block_modules
-from server.engine.specs import spec_for
-from server.engine.walker import walk_plain
+from server.engine.denoisers.blocks import block_modules, walk_plain
+from server.engine.denoisers.specs import spec_for
 
 INPUT = "input"  # producer of the denoiser's own inputs
 

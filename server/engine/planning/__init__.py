@@ -1,0 +1,1 @@
+"""Where a denoiser's blocks go: counted and measured costs, the plans and the search."""
