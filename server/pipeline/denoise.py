@@ -32,8 +32,6 @@ from server.engine import (
     ParallelPlan,
     RowGroup,
     ShardPlan,
-    Workers,
-    build_shards,
     plan_shards,
     run_micro_batches,
 )
@@ -45,6 +43,7 @@ from server.engine.runtime.pool import PoolScope
 from server.errors import InvalidRequest
 from server.pipeline.adapters import CHANGES, unknown_adapter
 from server.pipeline.cachedstep import cache_ask, keep
+from server.pipeline.deployment import Deployment, Lane, Spare
 from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components
 from server.pipeline.lora import Adapter, Adapters, Target
@@ -63,17 +62,22 @@ class Pipeline:
     def __init__(
         self,
         components: Components,
-        shard: ModelShard,
+        deployment: Deployment | ModelShard,
         pool: ActivationPool | None = None,
         *,
         encoder_device: str | None = None,
         defaults: Defaults | None = None,
+        lane: Lane | None = None,
     ) -> None:
+        if isinstance(deployment, ModelShard):
+            deployment = Deployment((deployment,))
         self.components = components
         self.family = components.family
-        self.shard = shard
+        self.deployment = deployment
+        self.lane = lane or Lane(deployment.replicas[0])  # the lane this pipeline (view) steps
+        self.shard = self.lane.shard
         self.pool = pool or ActivationPool()
-        self.device = shard.device  # latents and the denoiser's inputs and outputs live here
+        self.device = self.shard.device  # latents and the denoiser's inputs and outputs live here
         self.encoder_device = (
             torch.device(normalize_device(encoder_device)) if encoder_device else self.device
         )
@@ -85,17 +89,13 @@ class Pipeline:
         self.vae = vae.to(self.encoder_device)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
-        self.replicas = [shard]  # with a ParallelPlan: a shard per replica (see lanes())
-        self.lanes_per_replica = 1
-        self.lane_threads: int | None = None  # intra-op threads each lane's thread runs
-        # Other replicas' shards with nothing to do now (the Service knows): a step splits its
-        # rows across them, so a lone request keeps every replica busy.
-        self.idle_replicas: Callable[[], Sequence[ModelShard]] = tuple
-        self.splits_lone = False  # the plan predicts splitting a lone request's rows pays
+        self.replicas = deployment.replicas
+        self.lanes_per_replica = deployment.lanes_per_replica
+        self.lane_threads = deployment.threads  # intra-op threads each lane's thread runs
+        self.splits_lone = deployment.splits_lone
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
         self.encoder_slots = [RowsSlot() for _ in self.encoders]  # the encoding's adapter rows
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
-        self.workers: Workers | None = None  # a lane's helper threads for its micro-batches
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
 
     @classmethod
@@ -125,30 +125,19 @@ class Pipeline:
                 device_map=device_map,
                 dtype=dtype,
             )
-        if isinstance(plan, ShardPlan):
-            shard = ModelShard(components.denoiser, plan)
-            return cls(components, shard, pool, encoder_device=encoder_device)
-        shards = build_shards(components.denoiser, plan)
-        pipeline = cls(components, shards[0], pool, encoder_device=encoder_device)
-        pipeline.replicas, pipeline.lanes_per_replica = shards, plan.lanes_per_replica
-        pipeline.lane_threads, pipeline.splits_lone = plan.threads, plan.splits_lone
-        return pipeline
+        deployment = Deployment.of(components.denoiser, plan)
+        return cls(components, deployment, pool, encoder_device=encoder_device)
 
-    def lanes(self) -> list[Pipeline]:
-        """A view of this pipeline per lane: the encoders, VAE, pool and defaults are
-        shared; each lane steps its own requests through its replica's shard, where the stage
-        gates interleave the lanes. One lane (this pipeline) without a ParallelPlan."""
-        views = [self._with_shard(shard) for shard in self.replicas for _ in range(self.lanes_per_replica)]
-        views[0] = self
-        if self.splits_lone and len(self.replicas) > 1:  # helpers for the idle replicas' shares
-            for view in views:
-                view.workers = Workers(len(self.replicas) - 1, self.lane_threads)
+    def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Pipeline]:
+        """A view of this pipeline per lane of its deployment (`Deployment.lanes`): the
+        encoders, VAE, pool and defaults are shared; each lane steps its own requests through
+        its replica's shard, where the stage gates interleave the lanes."""
+        views = []
+        for lane in self.deployment.lanes(spare):
+            view = copy.copy(self)
+            view.lane, view.shard, view.device = lane, lane.shard, lane.shard.device
+            views.append(view)
         return views
-
-    def _with_shard(self, shard: ModelShard) -> Pipeline:
-        view = copy.copy(self)
-        view.shard, view.device = shard, shard.device
-        return view
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
@@ -327,10 +316,10 @@ class Pipeline:
         plan keeps them together (a deterministic request: its rows' shapes must not depend on
         what else runs)."""
         rows = inputs.sample.shape[0]
-        shards = [self.shard, *self.idle_replicas()][:rows] if rows > 1 and plan.splittable else [self.shard]
+        shards = [self.shard, *self.lane.spare()][:rows] if rows > 1 and plan.splittable else [self.shard]
         if len(shards) == 1:
             return self.shard.run(inputs, plan)
-        return run_micro_batches(shards, inputs, len(shards), plan, self.workers)
+        return run_micro_batches(shards, inputs, len(shards), plan, self.lane.workers)
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:

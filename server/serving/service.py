@@ -72,7 +72,13 @@ class Service:
         self.limits = limits or Limits()
         self.failures_unready = failures_unready
         pipeline.defaults = fit_defaults(pipeline.defaults, self.limits, pipeline.family)
-        lanes = pipeline.lanes()
+        # A lone request's rows go to idle replicas only with a lane per whole replica, and only
+        # where the plan predicts it pays.
+        self.splits_lone = (
+            pipeline.splits_lone and len(pipeline.replicas) > 1 and pipeline.lanes_per_replica == 1
+        )
+        self.loops: list[StepLoop] = []
+        lanes = pipeline.lanes(self._idle_replicas if self.splits_lone else None)
         # Lanes feeding one replica share its devices' memory, planned for max_batch rows.
         lane_batch = max(2, max_batch // pipeline.lanes_per_replica) if len(lanes) > 1 else max_batch
         lane_budget = (
@@ -93,12 +99,6 @@ class Service:
             )
             for index, lane in enumerate(lanes)
         ]
-        # A lone request's rows go to idle replicas only with a lane per whole replica, and only
-        # where the plan predicts it pays.
-        self.splits_lone = pipeline.splits_lone and len(self.loops) > 1 and pipeline.lanes_per_replica == 1
-        if self.splits_lone:
-            for loop in self.loops:
-                loop.pipeline.idle_replicas = self._idle_replicas(loop)
         # While every lane is idle, give back what bursts left (the lanes share pool and host).
         self._closing = threading.Event()
         self.housekeeper = None
@@ -107,12 +107,15 @@ class Service:
             self.housekeeper = Housekeeper(idle, tidy, self._closing, idle_s)
             self.housekeeper.start()
 
-    def _idle_replicas(self, mine: StepLoop) -> Callable[[], list]:
-        """The shards of the other lanes with no job queued or running: a lone request's step
-        splits its rows across them (guidance halves, or an n > 1 request's images)."""
+    def _idle_replicas(self, mine: int) -> Callable[[], list]:
+        """Lane `mine`'s view of the others: the shards of the lanes with no job queued or
+        running. A lone request's step splits its rows across them (guidance halves, or an n > 1
+        request's images)."""
 
         def idle() -> list:
-            return [loop.pipeline.shard for loop in self.loops if loop is not mine and loop.load() == 0]
+            return [
+                loop.pipeline.shard for i, loop in enumerate(self.loops) if i != mine and loop.load() == 0
+            ]
 
         return idle
 
