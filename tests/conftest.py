@@ -20,7 +20,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from tests.live import MAKE_RUN, LiveServer, free_port, live_server
-from tests.tiny_pipelines import BUILDERS, build_sd3_folder
+from tests.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
 
 
 def tiny_sd15_unet() -> UNet2DConditionModel:
@@ -89,6 +89,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD3-shaped pipeline folder (an MMDiT, two CLIP encoders, no T5), built once."""
     return build_sd3_folder(tmp_path_factory.mktemp("tiny") / "sd3")
+
+
+@pytest.fixture(scope="session")
+def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1-dev-shaped pipeline folder (tests/tiny_pipelines.py), built once."""
+    return build_flux_folder(tmp_path_factory.mktemp("tiny") / "flux")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
