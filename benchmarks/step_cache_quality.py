@@ -9,9 +9,12 @@
    figure a README may quote is the worst case, not the mean (`--worst DIR` writes the default
    policy's worst pair there as PNGs, to look at).
    Target (`meets_target`): the default's accuracies within 3 points of uncached.
-2. Tiny random SD-1.5- and SD3-shaped folders (tests/tiny_pipelines.py), 8 seeds of 20 steps:
-   the difference to uncached per `deep` interval and per `first_block` threshold, and the share
-   of rows that reused: the table a user chooses a setting from.
+2. Tiny random SD-1.5-, SD3- and FLUX.1-dev-shaped folders (tests/tiny_pipelines.py), 8 seeds of
+   20 steps (--quick: 2): the difference to uncached per `deep` interval (SD-1.5) and per
+   `first_block` threshold (SD3: THRESHOLDS, FLUX.1: FLUX_THRESHOLDS, each spanning no reuse to
+   most rows reused on its model), and the share of rows that reused: the table a user chooses a
+   setting from. No target: random weights say how the settings compare, not what a trained
+   model's images lose.
 
 Requests run as the server runs them (`Pipeline.generate`, 8 at a time, stepped together).
 
@@ -34,10 +37,13 @@ from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.stepcache import OFF, StepCache
-from tests.tiny_pipelines import build_sd3_folder, build_sd15_folder
+from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
 
 INTERVALS = (2, 3, 5)
 THRESHOLDS = (0.05, 0.08, 0.15, 0.25, 0.35, 0.5)  # a tiny random MMDiT moves 18-50% a step
+# a tiny random FLUX.1's first block moves 20-36% a step: 0.08 (the default) reuses nothing, 0.75
+# reuses every step after the first
+FLUX_THRESHOLDS = (0.08, 0.25, 0.3, 0.35, 0.5, 0.75)
 MAX_DROP = 0.03  # accuracy points the default may lose
 BATCH = 8
 OVER = 10.0  # mean abs. difference (0-255) past which an image counts as visibly off
@@ -137,11 +143,11 @@ def side_by_side(shown: dict[str, list[np.ndarray]], prompts: list, seeds: int) 
 
 def tiny(kind: str, folder: Path, seeds: int) -> list[dict[str, Any]]:
     pipeline = Pipeline.load(folder, devices="cpu")
-    policies = (
-        [StepCache("deep", n) for n in (2, 3, 4, 5, 8)]
-        if kind == "sd15"
-        else [StepCache("first_block", threshold=t) for t in THRESHOLDS]
-    )
+    if kind == "sd15":
+        policies = [StepCache("deep", n) for n in (2, 3, 4, 5, 8)]
+    else:
+        thresholds = FLUX_THRESHOLDS if kind == "flux" else THRESHOLDS
+        policies = [StepCache("first_block", threshold=t) for t in thresholds]
     base = [
         GenerationRequest("a red circle", seed=seed, steps=20, guidance_scale=5.0) for seed in range(seeds)
     ]
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         tables = {
             "tiny_sd15": tiny("sd15", build_sd15_folder(Path(tmp) / "sd15"), 2 if args.quick else 8),
             "tiny_sd3": tiny("sd3", build_sd3_folder(Path(tmp) / "sd3"), 2 if args.quick else 8),
+            "tiny_flux": tiny("flux", build_flux_folder(Path(tmp) / "flux"), 2 if args.quick else 8),
         }
     off, default = results["off"], results["deep_3"]
     drops = {k: round(off[k] - default[k], 4) for k in ("color_accuracy", "shape_accuracy")}
