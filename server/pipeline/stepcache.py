@@ -12,8 +12,8 @@ request per forward, so none is vendored):
   `threshold` (relative mean absolute change since its last refresh) skips the other blocks and
   adds the residual they made at its last refresh.
 
-The engine's walks (`server/engine/stepcache.py`) split each step's rows at the cache boundary:
-refreshing rows run the deep part, reusing rows do not, in one call.
+The block walker (`server/engine/runtime/walker.py`) splits each step's rows at the spec's cache
+boundary (`CacheBoundary`): refreshing rows run the deep part, reusing rows do not, in one call.
 """
 
 from __future__ import annotations

@@ -66,6 +66,12 @@ class CallPlan:
         return tuple(g.adapters for g in self.groups for _ in range(g.rows))
 
     @property
+    def spans(self) -> list[slice]:
+        """Each group's rows in the call."""
+        ends = list(itertools.accumulate(g.rows for g in self.groups))
+        return [slice(end - g.rows, end) for g, end in zip(self.groups, ends, strict=True)]
+
+    @property
     def cached(self) -> bool:
         return any(g.cache is not None for g in self.groups)
 

@@ -27,7 +27,7 @@ from server.engine.runtime.call import CallPlan, CallResult, RowsSlot
 from server.engine.runtime.compile import CompiledDenoiser, CompileMode
 from server.engine.runtime.gates import StageGates
 from server.engine.runtime.graphs import GraphStore
-from server.engine.runtime.walker import walk
+from server.engine.runtime.walker import TransferCache, walk
 from server.errors import PlanError
 
 log = logging.getLogger("diffshard")
@@ -116,7 +116,7 @@ class ModelShard:
             raise ValueError("the shard is not compiled: call compile() first")
         if inputs.sample.shape[0] != rows:
             raise ValueError(f"warm() takes inputs of the bucket's {rows} rows")
-        inputs = DenoiserInputs(*(_to(x, self.device) for x in vars(inputs).values()))
+        inputs = DenoiserInputs(*TransferCache().move(tuple(vars(inputs).values()), self.device))
         if self.compiled.mode == CompileMode.FULL:
             self.compiled.warm_whole(inputs, rows)
             return
@@ -165,11 +165,3 @@ class ModelShard:
                 line += f", free {format_bytes(m.free or 0)} of {format_bytes(m.total or 0)}"
             lines.append(line)
         return "\n".join([*lines, str(self.plan)])
-
-
-def _to(obj: object, device: torch.device) -> object:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj

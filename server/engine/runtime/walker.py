@@ -12,7 +12,6 @@ its rows; and, for a step-cached call, runs the deep blocks only on the refreshi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,13 +47,6 @@ class TransferCache:
         return obj
 
 
-@dataclass
-class _Rows:
-    """The rows flowing now: all of the call's, or the refreshing ones in the deep blocks."""
-
-    adapters: AdapterRows | None
-
-
 class _Walk:
     """One call's walk through one shard: where it is, what it holds, what it moved."""
 
@@ -64,10 +56,12 @@ class _Walk:
         self.stage: int | None = None
         self.paths: set[str] = set()  # how its blocks ran: compiled, padded, eager
 
-    def rows(self, adapters: Sequence[Any]) -> _Rows:
-        return _Rows(AdapterRows(tuple(adapters)) if any(adapters) else None)
+    @staticmethod
+    def rows(adapters: Sequence[Any]) -> AdapterRows | None:
+        """The adapter rows of the rows flowing (all of the call's, or the refreshing ones)."""
+        return AdapterRows(tuple(adapters)) if any(adapters) else None
 
-    def block(self, name: str, flow: Flow, rows: _Rows) -> Flow:
+    def block(self, name: str, flow: Flow, rows: AdapterRows | None) -> Flow:
         """Run block `name` on `flow`: in its stage (gate taken, flow moved), compiled if it can."""
         shard = self.shard
         stage = shard.stage_of[name]
@@ -79,10 +73,10 @@ class _Walk:
         flow = Flow(self.moves.move(flow.rows, device), self.moves.move(flow.shared, device))
         if self.on_block is not None:
             self.on_block(name, flow)
-        shard.slots[stage].rows = rows.adapters
+        shard.slots[stage].rows = rows
         call: BlockCall = shard.calls[name]
         out = None
-        if self.plan.compiled and shard.compiled is not None and rows.adapters is None:
+        if self.plan.compiled and shard.compiled is not None and rows is None:
             out, path = shard.compiled.block(name, call, flow)
             self.paths.add(path)
         elif shard.compiled is not None:
@@ -145,14 +139,6 @@ def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Ou
     return shard.spec.end(shard.model, flow, moved), outcomes
 
 
-def _spans(plan: CallPlan) -> list[slice]:
-    spans, at = [], 0
-    for g in plan.groups:
-        spans.append(slice(at, at + g.rows))
-        at += g.rows
-    return spans
-
-
 def _change(now: torch.Tensor, before: torch.Tensor) -> float:
     """Relative mean absolute change of a residual since the last refresh."""
     return float((now - before).abs().mean() / before.abs().mean().clamp_min(1e-12))
@@ -161,7 +147,7 @@ def _change(now: torch.Tensor, before: torch.Tensor) -> float:
 def _decide(plan: CallPlan, outcomes: list[Outcome], residual: torch.Tensor) -> None:
     """After the first block: each cached group refreshes when asked, when it has nothing kept,
     or when its first-block residual moved by its threshold or more; a refreshing one keeps it."""
-    for group, outcome, rows in zip(plan.groups, outcomes, _spans(plan), strict=True):
+    for group, outcome, rows in zip(plan.groups, outcomes, plan.spans, strict=True):
         ask = group.cache
         if ask is None:
             continue
@@ -181,7 +167,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
     """The deep blocks, on the refreshing rows only; every row's carry after them: the fresh one,
     or what the row kept (its output, or its residual added to the carry)."""
     plan, names = state.plan, state.shard.layout.names
-    spans = _spans(plan)
+    spans = plan.spans
     for group, outcome in zip(plan.groups, outcomes, strict=True):
         ask = group.cache
         if boundary.first is None and ask is not None:  # no first block to decide by: as asked
