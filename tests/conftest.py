@@ -11,7 +11,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -260,3 +261,12 @@ def forked(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterat
     running = Forked(tmp_path_factory.mktemp("forked"))
     yield running
     running.close()
+
+
+Cli = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_cli(forked: Forked) -> Cli:
+    """`python -m server ARGS` in a process of its own: exit code, stdout, stderr."""
+    return partial(forked.run, "server")

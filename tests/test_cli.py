@@ -6,27 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import save_file
 
 from server.__main__ import main
 from server.demo import MODEL_DIR
-from tests.conftest import Forked
+from tests.conftest import Cli
 from tests.live import free_port
-
-Cli = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def run_cli(forked: Forked) -> Cli:
-    """`python -m server ARGS` in a process of its own: exit code, stdout, stderr."""
-    return partial(forked.run, "server")
 
 
 def test_plan_sd15_memory_json(run_cli: Cli) -> None:

@@ -22,8 +22,7 @@ from server.engine.planning.costs import profile_note, profile_speed
 from server.engine.planning.parallel import weighed_shapes
 from server.engine.planning.work import count_work
 from server.errors import ConfigError, PlanError
-from tests.conftest import tiny_sd15_unet
-from tests.test_cli import run_cli
+from tests.conftest import Cli, tiny_sd15_unet
 
 
 def test_work_counted_at_one_row_equals_two_rows_scaled() -> None:
@@ -68,7 +67,7 @@ def test_measured_costs_are_reused_by_the_next_plan(tmp_path: Path) -> None:
     assert CostModel(model, 2, 8, torch.float32, Costs.MEASURED, tmp_path).costs("cpu", 1) == first
 
 
-def test_plan_on_three_cpu_devices_lists_every_candidate_in_seconds() -> None:
+def test_plan_on_three_cpu_devices_lists_every_candidate_in_seconds(run_cli: Cli) -> None:
     started = time.perf_counter()
     done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu,cpu", "--json")
     assert done.returncode == 0, done.stderr

@@ -20,8 +20,8 @@ from PIL import Image
 
 from server.errors import InvalidRequest
 from server.pipeline import Edit, GenerationRequest, Pipeline
+from tests.conftest import Cli
 from tests.live import live_server
-from tests.test_cli import run_cli
 from tests.test_edits import left_half_mask, source_image
 from tests.tiny_pipelines import build_flux_folder, diffusers_image
 
@@ -153,7 +153,9 @@ FLUX_PLAN = ("plan", "--config", "flux-dev", "--dtype", "bfloat16")
 TWO_4090S = ("--devices", "cuda:0,cuda:1", "--max-memory", "cuda:0=24GiB,cuda:1=24GiB")
 
 
-def test_flux_dev_plans_for_two_24_gib_gpus_without_one_and_refuses_one_naming_the_shortfall() -> None:
+def test_flux_dev_plans_for_two_24_gib_gpus_without_one_and_refuses_one_naming_the_shortfall(
+    run_cli: Cli,
+) -> None:
     started = time.monotonic()
     done = run_cli(*FLUX_PLAN, *TWO_4090S, "--json")
     seconds = time.monotonic() - started

@@ -63,7 +63,7 @@ class SD3TransformerSpec:
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
         return Flow(
-            token_rows(inputs, ("pooled_projections",), "SD3"), {"size": tuple(inputs.sample.shape[-2:])}
+            token_rows(inputs, ("pooled_projections",), "MMDiT"), {"size": tuple(inputs.sample.shape[-2:])}
         )
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:

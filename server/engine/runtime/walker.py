@@ -12,15 +12,33 @@ its rows; and, for a step-cached call, runs the deep blocks only on the refreshi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from server.engine.denoisers.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow
-from server.engine.runtime.call import AdapterRows, CallPlan, CallResult, Outcome
+from server.engine.denoisers.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.runtime.call import AdapterRows, CallPlan, CallResult, Outcome, RowsSlot
+from server.engine.runtime.compile import CompiledDenoiser
+from server.engine.runtime.gates import StageGates
 
-if TYPE_CHECKING:
-    from server.engine.runtime.shard import ModelShard
+
+class ModelShard(Protocol):
+    """What the walker reads of a shard (`shard.py`): its model as blocks, their stages, the
+    stages' gates and slots, its compiled graphs."""
+
+    model: nn.Module
+    spec: Any
+    layout: Layout
+    calls: dict[str, BlockCall]
+    boundary: CacheBoundary | None
+    stage_of: dict[str, int]
+    stage_devices: list[torch.device]
+    device: torch.device
+    gates: StageGates
+    slots: list[RowsSlot]
+    compiled: CompiledDenoiser | None
+
 
 OnBlock = Callable[[str, Flow], None]
 
