@@ -374,7 +374,9 @@ def test_a_flux_model_streams_in_the_page_as_the_others_do(browser: WebDriver, t
         browser.find_element(By.ID, "go").click()
         [image] = final_images(browser, 1)
         assert len(browser.find_elements(By.CSS_SELECTOR, ".strip img")) == 3  # its previews
-        assert not browser.find_element(By.ID, "step_cache").is_displayed()  # it takes no step cache
+        cache = browser.find_element(By.ID, "step_cache")  # FLUX.1 takes first_block (issue 38)
+        assert cache.is_displayed()
+        assert "first_block" in [o.get_attribute("value") for o in cache.find_elements(By.TAG_NAME, "option")]
         shown = shown_pixels(browser, image)
         plain = api_pixels(flux, prompt="a red circle", seed=7, size="32x32", num_inference_steps=4)
     np.testing.assert_array_equal(shown, plain)
