@@ -174,21 +174,18 @@ def plan_shards(
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
-    `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`); a CUDA device without one
-    gets its free memory less a margin; a device listed k times gives each of its stages 1/k
-    of its budget. `device_map` is the `explicit` strategy's block → device map (its devices
-    replace `devices`). `block_costs` are the `cost` strategy's seconds per block, or a function
-    of the stage's device giving them (devices of different kinds run blocks at different
-    speeds; `server.engine.planning.costs` counts or measures them). Activation bytes are estimated for
-    `batch` latents of `latent_size`². `resident` counts bytes other components (text encoders,
-    VAE) keep on the first stage's device.
+    `max_memory` bounds each device (`"cuda:0=20GiB,cpu=64GiB"`; a CUDA device without one gets
+    its free memory less a margin; a device listed k times gives each stage 1/k of it).
+    `device_map`: the `explicit` strategy's block → device map. `block_costs`: the `cost`
+    strategy's seconds per block, or a function of the stage's device giving them (`costs.py`).
+    Activations are estimated for `batch` latents of `latent_size`²; `resident` counts bytes
+    other components (text encoders, VAE) keep on the first stage's device.
     """
     # 1. Check the request before any work.
     strategy, device_list, device_map, budgets = _checked(strategy, devices, device_map, max_memory, batch)
 
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
-    layout = layout_of(model)
-    dtype = dtype or next(model.parameters()).dtype
+    layout, dtype = layout_of(model), dtype or next(model.parameters()).dtype
     latent_size = latent_size or native_latent(model)
     block_bytes = _block_bytes(model, layout, dtype)
     flow = trace_flow(model, batch, latent_size, dtype)
@@ -196,8 +193,7 @@ def plan_shards(
     capacities = _stage_capacities(device_list, budgets, reserve, {device_list[0]: resident})
 
     # 3. Assign blocks to devices.
-    names = list(layout.names)
-    sizes = [block_bytes[n] for n in names]
+    names, sizes = list(layout.names), [block_bytes[n] for n in layout.names]
     costs = None  # stage device → seconds per block
     if strategy == "cost":
         if block_costs is None:
@@ -230,17 +226,7 @@ def plan_shards(
         )
         for device, blocks in stages
     )
-    used = list(dict.fromkeys(s.device for s in plan_stages))
-    estimates = tuple(
-        DeviceEstimate(
-            device,
-            sum(s.param_bytes for s in plan_stages if s.device == device),
-            reserve,
-            budgets.get(device),
-            resident if device == plan_stages[0].device else 0,
-        )
-        for device in used
-    )
+    estimates = _estimates(plan_stages, reserve, budgets, resident)
     _check_budgets(estimates)
     return ShardPlan(
         strategy=strategy,
@@ -251,6 +237,23 @@ def plan_shards(
         boundaries=_boundaries(plan_stages, layout, flow),
         devices=estimates,
         costs_from=("given",) if costs is not None else (),
+    )
+
+
+def _estimates(
+    stages: tuple[Stage, ...], reserve: int, budgets: dict[str, int], resident: int
+) -> tuple[DeviceEstimate, ...]:
+    """Per device the plan uses: its blocks' bytes, the activation reserve, its budget and (the
+    first stage's device) what other components keep there."""
+    return tuple(
+        DeviceEstimate(
+            device,
+            sum(s.param_bytes for s in stages if s.device == device),
+            reserve,
+            budgets.get(device),
+            resident if device == stages[0].device else 0,
+        )
+        for device in dict.fromkeys(s.device for s in stages)
     )
 
 
