@@ -23,7 +23,7 @@ from server.engine.runtime.compile import CompiledDenoiser
 from server.engine.runtime.gates import StageGates
 
 
-class ModelShard(Protocol):
+class Shard(Protocol):
     """What the walker reads of a shard (`shard.py`): its model as blocks, their stages, the
     stages' gates and slots, its compiled graphs."""
 
@@ -68,7 +68,7 @@ class TransferCache:
 class _Walk:
     """One call's walk through one shard: where it is, what it holds, what it moved."""
 
-    def __init__(self, shard: ModelShard, plan: CallPlan, on_block: OnBlock | None = None) -> None:
+    def __init__(self, shard: Shard, plan: CallPlan, on_block: OnBlock | None = None) -> None:
         self.shard, self.plan, self.on_block = shard, plan, on_block
         self.moves = TransferCache()
         self.stage: int | None = None
@@ -111,7 +111,7 @@ class _Walk:
 
 
 def walk(
-    shard: ModelShard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None
+    shard: Shard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None
 ) -> CallResult:
     """One call of `plan` on `inputs` through `shard` (see the module's doc); `on_block(name,
     flow)` sees each block's inputs (what warming compiles from: such a walk is not counted)."""
