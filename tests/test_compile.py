@@ -21,9 +21,15 @@ from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
+from server.pipeline.stepcache import StepCache
 from tests.tiny_pipelines import IMAGE_SIZE
 
 TOLERANCE = 1e-3
+CACHES = {
+    "sd15": StepCache("deep", interval=2),
+    "sdxl": StepCache("deep", interval=2),
+    "sd3": StepCache("first_block", threshold=0.5),
+}
 GUIDED = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=4.0)
 
 
@@ -47,10 +53,16 @@ def test_compiled_images_equal_eager_ones(
     pipeline = Pipeline.load(folder, devices=devices, strategy="even")
     assert len(pipeline.shard.plan.stages) == len(devices.split(","))
     eager = _images(pipeline, [GUIDED])[0]
+    cached = replace(GUIDED, step_cache=CACHES[family])  # step-cached rows run compiled blocks too
+    eager_cached = _images(pipeline, [cached])[0]
     stats = compile_pipeline(pipeline, CompileMode(mode), [IMAGE_SIZE], 2, cache_dir)  # one bucket: 2 rows
     assert stats.graphs_ready == stats.graphs_total > 0
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     assert stats.calls == {"compiled": GUIDED.steps, "padded": 0, "eager": 0}, stats.calls
+    assert np.abs(_images(pipeline, [cached])[0] - eager_cached).max() < TOLERANCE
+    # full: a cached call cannot take the whole-call graph; blocks: every block a graph
+    path = "compiled" if mode == "blocks" else "eager"
+    assert stats.calls[path] == GUIDED.steps * (1 + (path == "compiled")), stats.calls
 
 
 def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(

@@ -103,13 +103,14 @@ class CacheBoundary:
     (First-Block-Cache); `keep` is what a refreshing row keeps of `carry` over the deep blocks:
     their "output" (DeepCache) or their "residual" (added to the carry when reused). `stack`
     names a per-row tuple the deep blocks pop (a UNet's skip residuals) and how many entries they
-    leave of it."""
+    leave of it; `after`, the rows the blocks after the deep ones read."""
 
     deep: tuple[str, str]
     carry: str
     keep: str  # "output" | "residual"
     first: str | None = None  # a boundary with a first block serves `first_block`, else `deep`
     stack: tuple[str, int] | None = None
+    after: tuple[str, ...] | None = None  # the rows the blocks after the deep ones read (None: all)
 
 
 class DenoiserSpec(Protocol):

@@ -103,7 +103,9 @@ def dit_boundary(blocks: nn.ModuleList, name: str, last: str | None = None) -> C
     if len(blocks) < 2 and last is None:
         return None
     end = last or f"{name}.{len(blocks) - 1}"
-    return CacheBoundary((f"{name}.1", end), "hidden", "residual", first=f"{name}.0")
+    return CacheBoundary(
+        (f"{name}.1", end), "hidden", "residual", first=f"{name}.0", after=("hidden", "temb")
+    )
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as SD3Transformer2DModel.forward runs them.

@@ -110,9 +110,7 @@ class _Walk:
             self.stage = None
 
 
-def walk(
-    shard: Shard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None
-) -> CallResult:
+def walk(shard: Shard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None) -> CallResult:
     """One call of `plan` on `inputs` through `shard` (see the module's doc); `on_block(name,
     flow)` sees each block's inputs (what warming compiles from: such a walk is not counted)."""
     rows = inputs.sample.shape[0]
@@ -153,6 +151,8 @@ def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Ou
         flow = state.block(name, flow, everyone)
         if before is not None:
             _decide(plan, outcomes, flow.rows[boundary.carry] - before.to(flow.rows[boundary.carry].device))
+        if shard.boundary is not None and name == shard.boundary.deep[1]:  # as a cached walk leaves it
+            flow = _after_deep(flow, shard.boundary)
         index += 1
     return shard.spec.end(shard.model, flow, moved), outcomes
 
@@ -209,7 +209,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
             fresh = fresh - start.to(fresh.device)
         if everyone:  # every row ran every block: the flow as is (no assembly, bit-exact)
             _keep(plan, outcomes, spans, fresh, boundary)
-            return sub
+            return _after_deep(sub, boundary)
     device = carry.device if fresh is None else fresh.device
     pieces = _keep(plan, outcomes, spans, fresh, boundary)
     assembled = torch.cat([p.to(device) for p in pieces])
@@ -220,7 +220,15 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
         key, left = boundary.stack
         rows[key] = rows[key][:left]
     rows[boundary.carry] = assembled
-    return Flow(rows, flow.shared)
+    return _after_deep(Flow(rows, flow.shared), boundary)
+
+
+def _after_deep(flow: Flow, boundary: CacheBoundary) -> Flow:
+    """The flow after the deep blocks holds what the blocks after them read (`boundary.after`),
+    whichever way it got there: so those blocks see one signature (one compiled graph)."""
+    if boundary.after is None:
+        return flow
+    return Flow({key: flow.rows[key] for key in boundary.after}, flow.shared)
 
 
 def _keep(
