@@ -12,14 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.engine import ParallelPlan, plan_shards
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.families import meta_denoiser
-from server.pipeline.loader import read_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.stepcache import StepCache
 from server.serving import Service
 from tests.test_lora import random_lora
+from tests.test_parallel import split_lone
 
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
 DEEP = StepCache("deep", interval=2)
@@ -67,17 +65,10 @@ def test_four_mixes_in_one_batch_give_the_images_each_gives_alone(folders, style
 def test_a_lone_request_with_an_adapter_splits_over_an_idle_replica(folders, style) -> None:
     request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0, lora=STYLE)]
     unsplit = with_style(Pipeline.load(folders["sd15"], devices="cpu"), style).generate(request)[0]
-    one = plan_shards(meta_denoiser(read_family(folders["sd15"])), "cpu", "memory")
-    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
-    service = Service(with_style(Pipeline.load(folders["sd15"], plan=plan), style), "tiny")
-    try:
-        image = service.submit(request).future.result(timeout=60)[0]
-        busy = service.busy()["busy_seconds"]
-    finally:
-        service.close()
+    image, busy, stats = split_lone(folders["sd15"], request, lambda pipeline: with_style(pipeline, style))
     assert abs(image - unsplit).max() <= 1e-3
     assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0, busy
-    assert service.stats().adapter_rows["style"] > 0  # its rows ran with the adapter
+    assert stats.adapter_rows["style"] > 0  # its rows ran with the adapter
 
 
 def test_flux_first_block_reuses_rows_and_a_request_joining_a_busy_batch_gives_its_image_alone(

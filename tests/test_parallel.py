@@ -5,6 +5,7 @@ proposes, predicts and explains."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,23 +310,31 @@ def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> 
         plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")
 
 
-def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:
-    """With a plan that splits lone requests, one request's guidance halves run on both replicas
-    at once (both workers busy), and its image is the one-worker image within 1e-3."""
-    from server.pipeline import GenerationRequest, Pipeline
+def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline):
+    """`request` alone on two CPU replicas whose plan splits lone requests (`prepare` adds what
+    the pipeline serves): its image, each worker's busy seconds and the loop's stats."""
+    from server.pipeline import Pipeline
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loader import read_family
     from server.serving import Service
 
-    request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0)]
-    alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]
-    split = plan_shards(meta_denoiser(read_family(folders["sd15"])), "cpu", "memory")
-    plan = ParallelPlan((split, split), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
-    service = Service(Pipeline.load(folders["sd15"], plan=plan), "tiny")
+    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
+    service = Service(prepare(Pipeline.load(folder, plan=plan)), "tiny")
     try:
         image = service.submit(request).future.result(timeout=60)[0]
-        busy = service.busy()["busy_seconds"]
+        return image, service.busy()["busy_seconds"], service.stats()
     finally:
         service.close()
+
+
+def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:
+    """With a plan that splits lone requests, one request's guidance halves run on both replicas
+    at once (both workers busy), and its image is the one-worker image within 1e-3."""
+    from server.pipeline import GenerationRequest, Pipeline
+
+    request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0)]
+    alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]
+    image, busy, _ = split_lone(folders["sd15"], request)
     assert abs(image - alone).max() <= 1e-3
     assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0, busy

@@ -132,6 +132,11 @@ class DenoiserSpec(Protocol):
     def boundary(self, model: nn.Module) -> CacheBoundary | None: ...
 
 
+def present(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `names` the model has (optional parts: class embeddings, IP-Adapter projections)."""
+    return tuple(n for n in names if getattr(model, n, None) is not None)
+
+
 def block_modules(model: nn.Module, layout: Layout) -> Iterator[tuple[str, nn.Module]]:
     """(block name, module) for every module each block owns, in execution order."""
     for block in layout.blocks:

@@ -23,7 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.denoisers.blocks import (
+    Block,
+    BlockCall,
+    CacheBoundary,
+    DenoiserInputs,
+    Flow,
+    Layout,
+    present,
+)
 
 CLIP_TOKENS = 77  # both CLIP encoders' hidden states, side by side in the channels
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length; zeros without text_encoder_3
@@ -36,15 +44,12 @@ class SD3TransformerSpec:
     OUTPUT = ("norm_out", "proj_out")
 
     def layout(self, model: nn.Module) -> Layout:
-        def present(names: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(n for n in names if getattr(model, n, None) is not None)
-
-        blocks = [Block("embed", present(self.EMBEDDING))]
+        blocks = [Block("embed", present(model, self.EMBEDDING))]
         blocks += [
             Block(f"transformer_blocks.{i}", (f"transformer_blocks.{i}",))
             for i in range(len(model.transformer_blocks))
         ]
-        blocks.append(Block("out", present(self.OUTPUT)))
+        blocks.append(Block("out", present(model, self.OUTPUT)))
         return Layout(tuple(blocks))
 
     def example_inputs(

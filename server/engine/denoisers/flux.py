@@ -22,8 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Block, BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
-from server.engine.denoisers.dit import dit_boundary, token_rows
+from server.engine.denoisers.blocks import (
+    Block,
+    BlockCall,
+    CacheBoundary,
+    DenoiserInputs,
+    Flow,
+    Layout,
+    present,
+)
+from server.engine.denoisers.dit import dit_boundary, out, token_rows
 
 T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
 NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size
@@ -61,13 +69,10 @@ class FluxTransformerSpec:
         return NATIVE_LATENT
 
     def layout(self, model: nn.Module) -> Layout:
-        def present(names: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(n for n in names if getattr(model, n, None) is not None)
-
-        blocks = [Block("embed", present(self.EMBEDDING))]
+        blocks = [Block("embed", present(model, self.EMBEDDING))]
         for stream in ("transformer_blocks", "single_transformer_blocks"):
             blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
-        blocks.append(Block("out", present(self.OUTPUT)))
+        blocks.append(Block("out", present(model, self.OUTPUT)))
         return Layout(tuple(blocks))
 
     def example_inputs(
@@ -99,7 +104,7 @@ class FluxTransformerSpec:
         calls = {"embed": BlockCall(model, embed)}
         for stream in ("transformer_blocks", "single_transformer_blocks"):
             calls.update((f"{stream}.{i}", BlockCall(b, joint)) for i, b in enumerate(getattr(model, stream)))
-        calls["out"] = BlockCall(model, out)
+        calls["out"] = BlockCall(model, out)  # the MMDiT's: norm_out(hidden, temb), proj_out
         return calls
 
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
@@ -133,7 +138,3 @@ def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         image_rotary_emb=shared["rotary"],
     )
     return {"hidden": hidden, "temb": rows["temb"], "context": context}
-
-
-def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
-    return {"hidden": model.proj_out(model.norm_out(rows["hidden"], rows["temb"]))}

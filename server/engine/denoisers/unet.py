@@ -25,6 +25,7 @@ from server.engine.denoisers.blocks import (
     Flow,
     Layout,
     SkipEdge,
+    present,
 )
 
 TAKES = {"added_cond_kwargs", "timestep_cond", "class_labels"}  # the conditioning walked
@@ -47,15 +48,12 @@ class UNetSpec:
     OUTPUT = ("conv_norm_out", "conv_act", "conv_out")
 
     def layout(self, model: nn.Module) -> Layout:
-        def present(names: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(n for n in names if getattr(model, n, None) is not None)
-
-        blocks = [Block("embed", present(self.EMBEDDING)), Block("conv_in", ("conv_in",))]
+        blocks = [Block("embed", present(model, self.EMBEDDING)), Block("conv_in", ("conv_in",))]
         blocks += [Block(f"down_blocks.{i}", (f"down_blocks.{i}",)) for i in range(len(model.down_blocks))]
         if model.mid_block is not None:
             blocks.append(Block("mid_block", ("mid_block",)))
         blocks += [Block(f"up_blocks.{i}", (f"up_blocks.{i}",)) for i in range(len(model.up_blocks))]
-        blocks.append(Block("out", present(self.OUTPUT)))
+        blocks.append(Block("out", present(model, self.OUTPUT)))
         return Layout(tuple(blocks), unet_skips(model))
 
     def example_inputs(
