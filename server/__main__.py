@@ -51,6 +51,8 @@ PLAN_SETTINGS = (
     "costs",
     "device_profile",
     "cache_dir",
+    "quantize",
+    "denoiser_file",
 )
 
 

@@ -36,9 +36,11 @@ from server.engine.hardware.memory import (
     retain_freed_host_memory,
 )
 from server.engine.hardware.threads import cpu_quota, fit_threads
+from server.engine.quantize import refusal
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, prepare_compiler
 from server.engine.runtime.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
+from server.errors import ConfigError
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
@@ -46,6 +48,7 @@ from server.pipeline.families import Family
 from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.planning import largest_side, plan_model, step_knees
+from server.pipeline.quantizing import describe
 from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
@@ -71,8 +74,18 @@ def plan_for(
         pick_threads=settings.threads is None,  # --threads N: a lone CPU worker runs N
         costs=settings.costs,
         cache_dir=settings.cache_dir,
+        quantize=settings.quantize,
+        denoiser_file=settings.denoiser_file,
         **options,
     )
+
+
+def check_quantization_runs(settings: Settings) -> None:
+    """A mode a device cannot run stops the start, in one line naming the device."""
+    for mode in set(settings.quantize.values()):
+        for device in settings.devices:
+            if problem := refusal(mode, device):
+                raise ConfigError(f"--quantize (DIFFSHARD_QUANTIZE): {problem}")
 
 
 def pool_budgets(settings: Settings) -> dict[str, int]:
@@ -89,6 +102,7 @@ def load_service(
 ) -> Service:
     """Load the model placed by `plan` (or by `plan_for` the settings), compile it (`compiling`
     shows the progress), and put it behind a step loop."""
+    check_quantization_runs(settings)
     retain_freed_host_memory()
     quiet_libraries()
     if settings.compile != CompileMode.OFF:
@@ -97,7 +111,14 @@ def load_service(
     threads = fit_threads(settings.threads)
     plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
-    pipeline = Pipeline.load(settings.model, plan=plan, dtype=settings.torch_dtype, pool=pool)
+    pipeline = Pipeline.load(
+        settings.model,
+        plan=plan,
+        dtype=settings.torch_dtype,
+        pool=pool,
+        quantize=settings.quantize,
+        denoiser_file=settings.denoiser_file,
+    )
     pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
     sizes = settings.compile_sizes or (pipeline.defaults.size,)
     compile_pipeline(pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling)
@@ -240,7 +261,8 @@ def create_app(
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")
-    app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue)
+    quantization = describe(settings.quantize, settings.denoiser_file)
+    app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue, quantization)
     runtime.compiling = CompileStats(str(settings.compile))
     app.state.metrics = metrics = Metrics(
         registry or CollectorRegistry(), runtime.snapshot, inject_faults=settings.inject_faults

@@ -6,105 +6,42 @@ device, a strategy), with messages that say what to fix."""
 from __future__ import annotations
 
 import ipaddress
-import re
 import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BeforeValidator, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from server.config_values import (
+    LOOPBACK_NAMES,
+    AllowedHosts,
+    Budgets,
+    CompileSizes,
+    Devices,
+    GpuName,
+    Loras,
+    PoolBudgets,
+    QuantizeValue,
+    StepCacheSetting,
+)
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
-from server.engine.hardware.devices import auto_dtype, parse_memory_map, parse_size, resolve_devices
-from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES, gpu_profile
+from server.engine.hardware.devices import auto_dtype
+from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES
 from server.engine.planning.cache import default_cache_dir
 from server.engine.runtime.compile import CompileMode
-from server.engine.runtime.pool import ANY_DEVICE
 from server.errors import ConfigError
 from server.pipeline.families import Family, pipeline_classes
-from server.pipeline.loader import read_family
-from server.pipeline.stepcache import StepCache, parse_step_cache
+from server.pipeline.loader import gguf_tensor_bytes, read_family
+from server.pipeline.quantizing import QuantizeSetting, check_parts
+from server.pipeline.stepcache import StepCache
 from server.serving import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILT_IN_NAME = "diffshard-shapes"
 SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
-
-Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
-Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
-GpuName = Annotated[str, BeforeValidator(lambda v: gpu_profile(v).name)]
-
-
-def _pool_budgets(value: object) -> dict[str, int]:
-    if isinstance(value, str | int) and "=" not in str(value):
-        return {ANY_DEVICE: parse_size(value)}
-    return parse_memory_map(value)
-
-
-PoolBudgets = Annotated[dict[str, int], NoDecode, BeforeValidator(_pool_budgets)]
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-def _loras(value: object) -> dict[str, Path]:
-    """NAME=PATH entries (repeated flags, or one comma-separated variable) → {name: file}."""
-    entries = (
-        value if isinstance(value, list | tuple) else [e for e in str(value or "").split(",") if e.strip()]
-    )
-    out: dict[str, Path] = {}
-    for entry in entries:
-        name, _, path = str(entry).partition("=")
-        name = name.strip()
-        if not ADAPTER_NAME.fullmatch(name) or not path:
-            raise ValueError(f"write NAME=PATH (a name of letters, digits, _ . -), got {entry!r}")
-        if name in out:
-            raise ValueError(f"two adapters are named {name!r}")
-        out[name] = _adapter_file(Path(path.strip()))
-    return out
-
-
-def _adapter_file(path: Path) -> Path:
-    if path.suffix != ".safetensors" or not path.is_file():
-        raise ValueError(f"{path} is not a .safetensors file (adapters load from safetensors only)")
-    return path
-
-
-Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(_loras)]
-
-
-def _sizes(value: object) -> tuple[int, ...]:
-    items = value if isinstance(value, list | tuple) else str(value or "").split(",")
-    sizes = tuple(int(str(item).strip()) for item in items if str(item).strip())
-    if any(size < 8 or size % 8 for size in sizes):
-        raise ValueError(f"image sides must be multiples of 8, got {list(sizes)}")
-    return sizes
-
-
-CompileSizes = Annotated[tuple[int, ...], NoDecode, BeforeValidator(_sizes)]
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # what a browser on this host sends as Host
-HOST_PATTERN = re.compile(r"\*|(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\]")
-
-
-def _hosts(value: object) -> tuple[str, ...] | None:
-    """Host names as Starlette's TrustedHostMiddleware takes them: `*`, `*.example.com` or exact."""
-    if value is None:
-        return None
-    items = value if isinstance(value, list | tuple) else str(value).split(",")
-    hosts = tuple(str(item).strip().lower() for item in items if str(item).strip())
-    for host in hosts:
-        if not HOST_PATTERN.fullmatch(host):
-            raise ValueError(f"write *, *.example.com or a host (no scheme, port or path), got {host!r}")
-    if not hosts:
-        raise ValueError("name at least one host, or * for any")
-    return hosts
-
-
-AllowedHosts = Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(_hosts)]
-
-
-# parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
-StepCacheSetting = Annotated[StepCache, NoDecode, BeforeValidator(parse_step_cache)]
 
 
 class Settings(BaseSettings):
@@ -167,6 +104,18 @@ class Settings(BaseSettings):
         "auto",
         description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs, "
         "float32 when a stage runs on the CPU",
+    )
+    quantize: QuantizeValue = Field(
+        "off",
+        description="quantized weights: off | int8 (weight-only) | int8-dynamic (int8 weights and "
+        "activations) | float8 (GPUs with float8 tensor cores) | nf4 (CUDA, bitsandbytes); alone: the "
+        "denoiser and every text encoder over 1 GiB; or per part, e.g. "
+        "denoiser=int8-dynamic,text_encoder_2=int8",
+    )
+    denoiser_file: Path | None = Field(
+        None,
+        description="a GGUF file (Q8_0, Q5_K, Q4_K...) holding the denoiser's weights, in place of the "
+        "folder's (its config still comes from the folder)",
     )
     lora: Loras = Field(
         None,
@@ -276,6 +225,25 @@ class Settings(BaseSettings):
             served = ", ".join(family.step_caches)
             raise ValueError(f"{policy.policy!r} does not fit a {family.name} model: use one of {served}")
         return policy
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantize_parts(cls, setting: QuantizeSetting, info) -> QuantizeSetting:
+        if (model := info.data.get("model")) is not None:
+            check_parts(setting, read_family(model))
+        return setting
+
+    @field_validator("denoiser_file")
+    @classmethod
+    def _denoiser_file(cls, path: Path | None, info) -> Path | None:
+        if path is None:
+            return None
+        if path.suffix != ".gguf" or not path.is_file():
+            raise ValueError(f"{path} is not a .gguf file")
+        if "denoiser" in info.data.get("quantize", {}):
+            raise ValueError("a GGUF file is quantized already: drop denoiser= from --quantize")
+        gguf_tensor_bytes(path)  # an unreadable file fails now, naming it
+        return path
 
     @field_validator("strategy")
     @classmethod

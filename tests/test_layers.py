@@ -22,6 +22,7 @@ RANKS = {
     "api": 4,
     "metrics": 4,
     "config": 4,
+    "config_values": 4,
     "app": 5,
     "__main__": 6,
     "__init__": 0,

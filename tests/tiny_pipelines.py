@@ -294,3 +294,27 @@ def diffusers_image(pipe, request, **extra) -> np.ndarray:
         output_type="np",
         **extra,
     ).images[0]
+
+
+def write_gguf(folder: Path, part: str, file: Path) -> Path:
+    """The folder's `part` weights as a GGUF file, as FLUX.1 users download them: every matrix
+    whose rows split into Q8_0's blocks of 32 quantized (gguf's own quantizer), the rest float32;
+    diffusers' key names (`from_single_file` reads them unconverted)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    writer = gguf.GGUFWriter(str(file), arch="diffshard-test")
+    for path in sorted((folder / part).glob("*.safetensors")):
+        for key, tensor in load_file(path).items():
+            array = tensor.float().numpy()
+            if array.ndim == 2 and array.shape[-1] % 32 == 0:
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                blocks = gguf.quants.quantize(array, q8)
+                writer.add_tensor(key, blocks, raw_shape=blocks.shape, raw_dtype=q8)
+            else:
+                writer.add_tensor(key, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file

@@ -177,6 +177,8 @@ async def models(runtime: RuntimeDep) -> dict[str, Any]:
         "object": "model",
         "created": runtime.started,
         "owned_by": "diffshard",
+        "dtype": runtime.dtype,  # extensions: the weights served
+        "quantization": runtime.quantization,
         "adapters": runtime.service.adapters() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,

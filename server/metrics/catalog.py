@@ -106,7 +106,7 @@ CATALOG = (
         "build",
         "info",
         "",
-        ("version", "torch", "diffusers", "model", "dtype", "threads", "inject_faults"),
+        ("version", "torch", "diffusers", "model", "dtype", "quantization", "threads", "inject_faults"),
         "versions, the model, torch's threads, and whether fault injection is on",
     ),
     MetricSpec(

@@ -77,6 +77,7 @@ class _Collector:
                 "diffusers": version("diffusers"),
                 "model": snapshot.model,
                 "dtype": snapshot.dtype,
+                "quantization": snapshot.quantization,
                 "threads": "" if snapshot.threads is None else str(snapshot.threads),
                 "inject_faults": str(self.metrics.inject_faults).lower(),
             },

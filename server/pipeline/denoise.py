@@ -37,6 +37,7 @@ from server.engine import (
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import normalize_device
+from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
@@ -45,8 +46,9 @@ from server.pipeline.adapters import CHANGES, unknown_adapter
 from server.pipeline.cachedstep import cache_ask, keep
 from server.pipeline.deployment import Deployment, Lane, Spare
 from server.pipeline.edits import first_latents, keep_unmasked
-from server.pipeline.loader import Components, load_components
+from server.pipeline.loader import Components, load_components, read_family
 from server.pipeline.lora import Adapter, Adapters, Target
+from server.pipeline.quantizing import QuantizeSetting, describe, folder_quantizations, parse_quantize
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans, stack_inputs
@@ -81,7 +83,7 @@ class Pipeline:
         self.encoder_device = (
             torch.device(normalize_device(encoder_device)) if encoder_device else self.device
         )
-        self.denoiser_dtype = next(components.denoiser.parameters()).dtype
+        self.denoiser_dtype = compute_dtype(components.denoiser)
         self.encoders = tuple(encoder.to(self.encoder_device) for encoder in components.text_encoders)
         vae = components.vae
         if vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
@@ -97,6 +99,7 @@ class Pipeline:
         self.encoder_slots = [RowsSlot() for _ in self.encoders]  # the encoding's adapter rows
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
+        self.quantization = "off"  # what is quantized (quantizing.describe)
 
     @classmethod
     def load(
@@ -111,11 +114,19 @@ class Pipeline:
         device_map: Mapping[str, str] | None = None,
         encoder_device: str | None = None,
         pool: ActivationPool | None = None,
+        quantize: str | QuantizeSetting = "off",
+        denoiser_file: Path | None = None,
     ) -> Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
         `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
-        A ParallelPlan places every replica; `lanes()` then gives a view per lane."""
-        components = load_components(folder, dtype)
+        A ParallelPlan places every replica; `lanes()` then gives a view per lane. `quantize`:
+        `--quantize`'s setting (`server.pipeline.quantizing`); `denoiser_file`: a GGUF file
+        holding the denoiser's weights."""
+        setting = parse_quantize(quantize)
+        quantizations = folder_quantizations(setting, read_family(folder), Path(folder), dtype)
+        if denoiser_file is not None:  # quantized already
+            quantizations.pop(read_family(folder).denoiser, None)
+        components = load_components(folder, dtype, quantizations, denoiser_file)
         if plan is None:
             plan = plan_shards(
                 components.denoiser,
@@ -126,7 +137,9 @@ class Pipeline:
                 dtype=dtype,
             )
         deployment = Deployment.of(components.denoiser, plan)
-        return cls(components, deployment, pool, encoder_device=encoder_device)
+        pipeline = cls(components, deployment, pool, encoder_device=encoder_device)
+        pipeline.quantization = describe(setting, denoiser_file)
+        return pipeline
 
     def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Pipeline]:
         """A view of this pipeline per lane of its deployment (`Deployment.lanes`): the

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from server.engine.quantize import Quantization
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
+
+log = logging.getLogger("diffshard")
 
 PICKLES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
 CLOSED_VOCABULARY = 1000  # tokens: a tokenizer this small knows its words only (CLIP's has 49408)
@@ -77,7 +82,7 @@ def read_family(folder: str | Path) -> Family:
     family = family_class(index)(ModelConfig(index, {}))
     for name in _loaded_parts(family):
         if _present(index, name):
-            _class_of(index, name)  # an unknown or disallowed class fails now, naming it
+            class_of(index, name)  # an unknown or disallowed class fails now, naming it
     for name in family.weighted:
         if not _present(index, name):
             if name in (family.denoiser, "vae"):
@@ -101,23 +106,36 @@ def read_family(folder: str | Path) -> Family:
     vae = root / "vae" / "config.json"
     hint = f"the folder's {family.denoiser}/ and vae/ need a config.json"
     config = {**_defaults(family.denoiser_class), **_read_json(denoiser, hint)}
-    vae_config = {**_defaults(_class_of(index, "vae")), **_read_json(vae, hint)}
+    vae_config = {**_defaults(class_of(index, "vae")), **_read_json(vae, hint)}
     return type(family)(ModelConfig(index, config, vae_config))
 
 
-def load_components(folder: str | Path, dtype: torch.dtype = torch.float32) -> Components:
-    """Every part of the folder, on the CPU in `dtype` (weights), offline."""
+def load_components(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    quantize: Mapping[str, Quantization] | None = None,
+    denoiser_file: Path | None = None,
+) -> Components:
+    """Every part of the folder, on the CPU in `dtype` (weights), offline; the parts `quantize`
+    names quantized (`server.pipeline.quantizing`); the denoiser's weights from `denoiser_file`
+    (a GGUF file, dequantized layer by layer as it runs) instead of the folder's."""
     root = Path(folder)
     family = read_family(root)
     index = family.config.index
 
     def load(name: str) -> Any:
-        library, cls = index[name][0], _class_of(index, name)
+        library, cls = index[name][0], class_of(index, name)
+        if name == family.denoiser and denoiser_file is not None:
+            return load_gguf(cls, denoiser_file, root, name, dtype)
         kwargs: dict[str, Any] = {}
         if name in family.weighted:  # diffusers and transformers name the dtype argument differently
             dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"
             kwargs = {dtype_arg: dtype, "use_safetensors": True}
-        return cls.from_pretrained(root / name, local_files_only=True, **kwargs)
+        model = cls.from_pretrained(root / name, local_files_only=True, **kwargs)
+        if quantization := (quantize or {}).get(name):
+            converted = quantization.apply(model)
+            log.info("%s: %d linear layers in %s", name, converted, quantization.mode)
+        return model
 
     def present(names: tuple[str, ...]) -> tuple[Any, ...]:
         return tuple(load(n) for n in names if _present(index, n))
@@ -131,6 +149,33 @@ def load_components(folder: str | Path, dtype: torch.dtype = torch.float32) -> C
         tokenizers=present(family.tokenizers),
         scheduler=load("scheduler"),
     )
+
+
+def load_gguf(cls: type, file: Path, folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A denoiser from a GGUF file (FLUX.1 users download Q8_0, Q5_K, Q4_K...) with the folder's
+    config, through diffusers' `from_single_file`: its weights stay quantized and each layer
+    dequantizes them to `dtype` when it runs."""
+    from diffusers import GGUFQuantizationConfig
+
+    return cls.from_single_file(
+        str(file),
+        config=str(folder),
+        subfolder=name,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+        torch_dtype=dtype,
+        local_files_only=True,
+    )
+
+
+def gguf_tensor_bytes(file: Path) -> dict[str, int]:
+    """Bytes each tensor of a GGUF file takes once loaded, read from its header and index (the
+    file is memory-mapped: no weight is read)."""
+    from gguf import GGUFReader
+
+    try:
+        return {t.name: int(t.n_bytes) for t in GGUFReader(file).tensors}
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelFolderError(f"{file} is not a readable GGUF file: {err}") from err
 
 
 def part_bytes(folder: str | Path, names: tuple[str, ...], dtype: torch.dtype) -> int:
@@ -167,7 +212,7 @@ def _check_header(file: Path) -> None:
         raise ModelFolderError(f"{file} is corrupt or truncated: {err}") from err
 
 
-def _class_of(index: dict[str, Any], name: str) -> type:
+def class_of(index: dict[str, Any], name: str) -> type:
     """The class the index names for part `name`: only a model, tokenizer or scheduler class
     of diffusers or transformers (`ALLOWED_BASES`)."""
     entry = index[name]

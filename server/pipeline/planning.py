@@ -14,13 +14,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from server.engine import CostModel, Costs, ParallelPlan, plan_parallel
+from server.engine import CostModel, Costs, ParallelPlan, layout_of, plan_parallel
+from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.hardware.devices import device_kind, resolve_devices
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.costs import profile_note
-from server.pipeline.families import Family, meta_denoiser, reference_bytes
-from server.pipeline.loader import part_bytes
+from server.engine.planning.plan import count_block_bytes
+from server.engine.quantize import Quantization
+from server.pipeline.families import Family, meta_denoiser, reference_parts
+from server.pipeline.loader import class_of, gguf_tensor_bytes, part_bytes
+from server.pipeline.quantizing import (
+    QuantizeSetting,
+    folder_quantizations,
+    meta_part,
+    part_quantizations,
+    quantized_bytes,
+)
 
 
 def largest_side(family: Family, max_pixels: int) -> int:
@@ -47,6 +58,8 @@ def plan_model(
     costs: str = Costs.COUNTED,
     cache_dir: Path | None = None,
     device_profile: str | None = None,
+    quantize: QuantizeSetting | None = None,
+    denoiser_file: Path | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
@@ -56,14 +69,15 @@ def plan_model(
     ones and calibrations kept in `cache_dir`; GPUs this host lacks predicted from
     `device_profile`'s published peaks, said in the plan); `threads` is the CPU's intra-op
     threads in all (a lone CPU worker runs the count predicted fastest up to it, or all of them
-    without `pick_threads`)."""
-    if folder is not None:  # they sit with the first stage (see Pipeline)
-        index = family.config.index
-        parts = ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None))
-        resident = part_bytes(folder, parts, dtype)
-    else:  # a reference architecture's, built on the meta device (none for most)
-        resident = reference_bytes(family, dtype)
+    without `pick_threads`). Weights count as `quantize` (`--quantize`) leaves them, the
+    denoiser's as `denoiser_file` (GGUF) holds them."""
+    resident, quantizations = resident_bytes(family, folder, dtype, quantize or {})
     model = meta_denoiser(family)
+    block_bytes = None
+    if denoiser_file is not None:
+        block_bytes = gguf_block_bytes(denoiser_file, model, dtype)
+    elif quantization := quantizations.get(family.denoiser):
+        block_bytes = count_block_bytes(model, layout_of(model), dtype, quantization)
     latent = family.native_size // family.vae_scale_factor  # the typical request
 
     model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir, device_profile)
@@ -86,7 +100,47 @@ def plan_model(
         latent_size=side // family.vae_scale_factor,
         batch=batch,
         resident=resident,
+        block_bytes=block_bytes,
     )
+
+
+def resident_bytes(
+    family: Family, folder: Path | None, dtype: torch.dtype, setting: QuantizeSetting
+) -> tuple[int, dict[str, Quantization]]:
+    """Bytes of the text encoders and VAE (the folder's, or a reference architecture's, none for
+    most), which sit with the first stage (see Pipeline), quantized as `setting` says; and the
+    quantization of every part."""
+    if folder is None:
+        parts = reference_parts(family)
+        encoders = {n: tensor_bytes(m, dtype) for n, m in parts.items() if n in family.text_encoders}
+        quantizations = part_quantizations(setting, family, encoders)
+        return sum(quantized_bytes(m, quantizations.get(n), dtype) for n, m in parts.items()), quantizations
+    index = family.config.index
+    quantizations = folder_quantizations(setting, family, folder, dtype)
+    total = 0
+    for name in ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None)):
+        if quantization := quantizations.get(name):
+            total += quantized_bytes(meta_part(folder, name, class_of(index, name)), quantization, dtype)
+        else:
+            total += part_bytes(folder, (name,), dtype)
+    return total, quantizations
+
+
+def gguf_block_bytes(file: Path, model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """What each block holds loaded from a GGUF file, read from its header: the tensors named as
+    the block's modules (diffusers' names); a file in another naming scales the blocks' bytes by
+    the file's share of the model's."""
+    layout = layout_of(model)
+    held = count_block_bytes(model, layout, dtype)
+    sizes = gguf_tensor_bytes(file)
+    found = dict.fromkeys(layout.names, 0)
+    for block in layout.blocks:
+        for path in block.modules:
+            found[block.name] += sum(n for name, n in sizes.items() if name.startswith(f"{path}."))
+    if sum(found.values()) >= 0.9 * sum(sizes.values()):
+        return found
+    share = sum(sizes.values()) / max(1, sum(held.values()))
+    return {name: round(nbytes * share) for name, nbytes in held.items()}
 
 
 KNEE_GAIN = 1.1  # doubling a step's rows must raise rows/s by 10% to be worth its latency

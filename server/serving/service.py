@@ -262,6 +262,7 @@ class Service:
         shard = self.pipeline.shard
         return {
             "plan": shard.plan.to_dict(),
+            "quantization": self.pipeline.quantization,
             "parallel": self.parallel,
             "devices": {
                 device: {"blocks": list(view.blocks), "memory": asdict(view.memory)}
@@ -317,6 +318,7 @@ class Runtime:
     model_name: str
     dtype: str
     queue_capacity: int
+    quantization: str = "off"  # --quantize as written (server.app.quantization_of)
     service: Service | None = None
     status: str = "loading"  # loading → ready → draining, or loading → failed
     error: str | None = None
@@ -374,6 +376,7 @@ class Runtime:
         return Snapshot(
             model=self.model_name,
             dtype=self.dtype,
+            quantization=self.quantization,
             queue_capacity=self.queue_capacity,
             loop=loop,
             devices=service.devices() if service else {},

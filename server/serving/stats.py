@@ -170,6 +170,7 @@ class Snapshot:
     model: str
     dtype: str
     queue_capacity: int
+    quantization: str = "off"
     loop: LoopStats | None = None
     devices: dict[str, DeviceView] = field(default_factory=dict)
     pool: dict[str, PoolStats] = field(default_factory=dict)

@@ -435,7 +435,8 @@ async function refreshDevices() {
   const plural = (count, word) => `${count} ${word}${count === 1 ? "" : "s"}`;
   $("plan").textContent =
     `${plural(replicas, "replica")} × ${plural(stages, "stage")}, ` +
-    `${plural(lanes, "lane")}, ${shards.plan.dtype}.`;
+    `${plural(lanes, "lane")}, ${shards.plan.dtype}` +
+    (shards.quantization === "off" ? "." : `, quantized: ${shards.quantization}.`);
   $("worker-list").replaceChildren(...workerItems(shards.parallel.busy_seconds));
   const open = new Set([...document.querySelectorAll("#device-list details[open]")].map(
     (d) => d.closest("li").dataset.device));

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from server.engine.quantize import stored_bytes
+
 
 @dataclass(frozen=True)
 class Block:
@@ -145,11 +147,12 @@ def block_modules(model: nn.Module, layout: Layout) -> Iterator[tuple[str, nn.Mo
 
 
 def tensor_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes of `module`'s parameters and buffers; with `dtype`, floating ones counted at its size."""
+    """Bytes of `module`'s parameters and buffers (quantized ones: what they hold); with `dtype`,
+    floating ones counted at its size."""
     total = 0
     for _, t in tensors_of(module):
-        itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
-        total += t.numel() * itemsize
+        cast = dtype is not None and t.is_floating_point()
+        total += t.numel() * dtype.itemsize if cast else stored_bytes(t)
     return total
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Layout, block_modules, tensor_bytes
+from server.engine.denoisers.blocks import Layout, tensor_bytes
 from server.engine.denoisers.specs import layout_of, native_latent
 from server.engine.hardware.devices import (
     default_budget,
@@ -37,6 +37,7 @@ from server.engine.hardware.devices import (
 )
 from server.engine.planning.flow import Flow, trace_flow
 from server.engine.planning.partition import even_split, explicit_split, min_max_partition, stages_from_cuts
+from server.engine.quantize import Quantization
 from server.errors import PlanError
 
 
@@ -59,8 +60,9 @@ ACTIVATION_HEADROOM = 4
 class Stage:
     device: str
     blocks: tuple[str, ...]
-    block_bytes: tuple[int, ...]  # parameter + buffer bytes of each block, in `dtype`
+    block_bytes: tuple[int, ...]  # parameter + buffer bytes of each block, in `dtype` (quantized: as held)
     cost_s: float | None = None  # measured seconds per forward (cost strategy only)
+    unquantized_bytes: int | None = None  # quantized weights: the stage's bytes without quantizing
 
     @property
     def param_bytes(self) -> int:
@@ -171,6 +173,7 @@ def plan_shards(
     batch: int = 2,
     block_costs: Mapping[str, float] | Callable[[str], Mapping[str, float]] | None = None,
     resident: int = 0,
+    block_bytes: Mapping[str, int] | None = None,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
@@ -179,7 +182,9 @@ def plan_shards(
     `device_map`: the `explicit` strategy's block → device map. `block_costs`: the `cost`
     strategy's seconds per block, or a function of the stage's device giving them (`costs.py`).
     Activations are estimated for `batch` latents of `latent_size`²; `resident` counts bytes
-    other components (text encoders, VAE) keep on the first stage's device.
+    other components (text encoders, VAE) keep on the first stage's device. `block_bytes`: what
+    each block holds when its weights are quantized (`server.engine.quantize`; default: its
+    tensors in `dtype`).
     """
     # 1. Check the request before any work.
     strategy, device_list, device_map, budgets = _checked(strategy, devices, device_map, max_memory, batch)
@@ -187,7 +192,8 @@ def plan_shards(
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout, dtype = layout_of(model), dtype or next(model.parameters()).dtype
     latent_size = latent_size or native_latent(model)
-    block_bytes = _block_bytes(model, layout, dtype)
+    unquantized = count_block_bytes(model, layout, dtype)
+    quantized, block_bytes = block_bytes is not None, dict(block_bytes or unquantized)
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
     capacities = _stage_capacities(device_list, budgets, reserve, {device_list[0]: resident})
@@ -223,6 +229,7 @@ def plan_shards(
             tuple(blocks),
             tuple(block_bytes[b] for b in blocks),
             sum(costs[device].get(b, 0.0) for b in blocks) if costs is not None else None,
+            sum(unquantized[b] for b in blocks) if quantized else None,
         )
         for device, blocks in stages
     )
@@ -287,11 +294,18 @@ def _checked(
     return strategy, device_list, device_map, budgets
 
 
-def _block_bytes(model: nn.Module, layout: Layout, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each block holds once cast to `dtype` (floating tensors take `dtype`'s size)."""
+def count_block_bytes(
+    model: nn.Module, layout: Layout, dtype: torch.dtype, quantization: Quantization | None = None
+) -> dict[str, int]:
+    """Bytes each block holds once cast to `dtype` (floating tensors take `dtype`'s size) and
+    quantized by `quantization`, counted from shapes (the meta device will do)."""
     out = dict.fromkeys(layout.names, 0)
-    for name, module in block_modules(model, layout):
-        out[name] += tensor_bytes(module, dtype)
+    for block in layout.blocks:
+        for path in block.modules:
+            module = model.get_submodule(path)
+            out[block.name] += (
+                quantization.bytes(module, dtype, path) if quantization else tensor_bytes(module, dtype)
+            )
     return out
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import tensor_bytes
 from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
@@ -50,14 +49,11 @@ def reference_family(name: str) -> Family:
     raise PlanError(f"unknown architecture {name!r}: choose one of {', '.join(reference_names())}")
 
 
-def reference_bytes(family: Family, dtype: torch.dtype) -> int:
-    """Bytes of a reference architecture's encoders and VAE in `dtype`, built on the meta device
-    (seconds, no weights); 0 for a family that declares none."""
-    total = 0
-    for build in family.reference_parts.values():
-        with torch.device("meta"):
-            total += tensor_bytes(build(), dtype)
-    return total
+def reference_parts(family: Family) -> dict[str, nn.Module]:
+    """A reference architecture's encoders and VAE built on the meta device (seconds, no
+    weights); none for a family that declares none."""
+    with torch.device("meta"):
+        return {name: build() for name, build in family.reference_parts.items()}
 
 
 def meta_denoiser(family: Family) -> nn.Module:

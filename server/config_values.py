@@ -1,0 +1,93 @@
+"""The typed values of the settings (config.py): each parses what a flag or variable says, and
+a ValueError's message says what to write (pydantic names the setting)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator
+from pydantic_settings import NoDecode
+
+from server.engine.hardware.devices import parse_memory_map, parse_size, resolve_devices
+from server.engine.hardware.gpus import gpu_profile
+from server.engine.runtime.pool import ANY_DEVICE
+from server.pipeline.quantizing import QuantizeSetting, parse_quantize
+from server.pipeline.stepcache import StepCache, parse_step_cache
+
+Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
+Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
+GpuName = Annotated[str, BeforeValidator(lambda v: gpu_profile(v).name)]
+
+
+def _pool_budgets(value: object) -> dict[str, int]:
+    if isinstance(value, str | int) and "=" not in str(value):
+        return {ANY_DEVICE: parse_size(value)}
+    return parse_memory_map(value)
+
+
+PoolBudgets = Annotated[dict[str, int], NoDecode, BeforeValidator(_pool_budgets)]
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _loras(value: object) -> dict[str, Path]:
+    """NAME=PATH entries (repeated flags, or one comma-separated variable) → {name: file}."""
+    entries = (
+        value if isinstance(value, list | tuple) else [e for e in str(value or "").split(",") if e.strip()]
+    )
+    out: dict[str, Path] = {}
+    for entry in entries:
+        name, _, path = str(entry).partition("=")
+        name = name.strip()
+        if not ADAPTER_NAME.fullmatch(name) or not path:
+            raise ValueError(f"write NAME=PATH (a name of letters, digits, _ . -), got {entry!r}")
+        if name in out:
+            raise ValueError(f"two adapters are named {name!r}")
+        out[name] = _adapter_file(Path(path.strip()))
+    return out
+
+
+def _adapter_file(path: Path) -> Path:
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise ValueError(f"{path} is not a .safetensors file (adapters load from safetensors only)")
+    return path
+
+
+Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(_loras)]
+
+
+def _sizes(value: object) -> tuple[int, ...]:
+    items = value if isinstance(value, list | tuple) else str(value or "").split(",")
+    sizes = tuple(int(str(item).strip()) for item in items if str(item).strip())
+    if any(size < 8 or size % 8 for size in sizes):
+        raise ValueError(f"image sides must be multiples of 8, got {list(sizes)}")
+    return sizes
+
+
+CompileSizes = Annotated[tuple[int, ...], NoDecode, BeforeValidator(_sizes)]
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # what a browser on this host sends as Host
+HOST_PATTERN = re.compile(r"\*|(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\]")
+
+
+def _hosts(value: object) -> tuple[str, ...] | None:
+    """Host names as Starlette's TrustedHostMiddleware takes them: `*`, `*.example.com` or exact."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    hosts = tuple(str(item).strip().lower() for item in items if str(item).strip())
+    for host in hosts:
+        if not HOST_PATTERN.fullmatch(host):
+            raise ValueError(f"write *, *.example.com or a host (no scheme, port or path), got {host!r}")
+    if not hosts:
+        raise ValueError("name at least one host, or * for any")
+    return hosts
+
+
+AllowedHosts = Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(_hosts)]
+
+
+QuantizeValue = Annotated[QuantizeSetting, NoDecode, BeforeValidator(parse_quantize)]
+
+# parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
+StepCacheSetting = Annotated[StepCache, NoDecode, BeforeValidator(parse_step_cache)]

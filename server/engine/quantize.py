@@ -1,0 +1,173 @@
+"""Quantized weights: which layers a mode converts, what they hold afterwards, and whether a
+device runs the mode at all.
+
+Only `nn.Linear` weights are converted (torchao's `quantize_` and diffusers' quantizers do the
+same): a DiT keeps nearly all its weights there, a UNet under a third (the rest are
+convolutions, which stay in the model's dtype). A `Quantization` also names layers kept in full
+precision, from the model's root (`proj_out` keeps FLUX.1's output head, not the single blocks'
+`proj_out`; diffusers' `modules_to_not_convert` matches anywhere in a name, so give it a list
+whose names are unique, such as the UNets').
+torchao is imported when a mode is applied, never at import time (its CPU wheel prints notes
+about CUDA kernels it cannot load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class QuantMode(StrEnum):
+    OFF = "off"
+    INT8 = "int8"  # int8 weights, dequantized in each matmul (torchao Int8WeightOnlyConfig)
+    INT8_DYNAMIC = "int8-dynamic"  # int8 weights and per-token int8 activations (int8 matmuls)
+    FLOAT8 = "float8"  # float8 weights and activations, per row: GPUs with float8 tensor cores
+    NF4 = "nf4"  # bitsandbytes' 4-bit NormalFloat, blockwise absmax: CUDA only
+
+
+# Bytes one weight of a (out, in) Linear takes, and each output row (scales, zero points):
+# torchao's int8 keeps a float32 scale and an int8 zero point a row (measured, in any weight
+# dtype), its float8 a float32 scale a row; nf4 half a byte a weight and a float32 absmax a block
+# of 64.
+WEIGHT_BYTES = {
+    QuantMode.INT8: 1.0,
+    QuantMode.INT8_DYNAMIC: 1.0,
+    QuantMode.FLOAT8: 1.0,
+    QuantMode.NF4: 0.5 + 4 / 64,
+}
+ROW_BYTES = {QuantMode.INT8: 5, QuantMode.INT8_DYNAMIC: 5, QuantMode.FLOAT8: 4, QuantMode.NF4: 0}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A mode and the layers it leaves alone (`keep`: module names from the root, and their children)."""
+
+    mode: QuantMode = QuantMode.OFF
+    keep: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.mode != QuantMode.OFF
+
+    def converts(self, name: str, module: nn.Module) -> bool:
+        kept = any(name == k or name.startswith(f"{k}.") for k in self.keep)
+        return bool(self) and isinstance(module, nn.Linear) and not kept
+
+    def targets(self, model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Linear]]:
+        """The Linear layers of `model` (named from the root as `prefix` says) this mode converts."""
+        for name, module in model.named_modules(prefix=prefix):
+            if self.converts(name, module):
+                yield name, module
+
+    def bytes(self, model: nn.Module, dtype: torch.dtype, prefix: str = "") -> int:
+        """Bytes `model` holds once cast to `dtype` and quantized: counted from shapes (a model on
+        the meta device is enough), as the planner needs them before anything loads."""
+
+        def cast(t: torch.Tensor) -> int:
+            return t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+
+        total = sum(map(cast, (*model.parameters(), *model.buffers())))
+        for _, linear in self.targets(model, prefix):
+            out_features, in_features = linear.weight.shape
+            total -= linear.weight.numel() * dtype.itemsize
+            total += round(out_features * in_features * WEIGHT_BYTES[self.mode])
+            total += out_features * ROW_BYTES[self.mode]
+        return total
+
+    def apply(self, model: nn.Module, prefix: str = "") -> int:
+        """Quantize `model`'s target layers in place; the count converted."""
+        names = {name.removeprefix(prefix).lstrip(".") for name, _ in self.targets(model, prefix)}
+        if not names:
+            return 0
+        if self.mode == QuantMode.NF4:
+            _to_nf4(model, names)
+        else:
+            from torchao.quantization import quantize_
+
+            quantize_(model, torchao_config(self.mode), filter_fn=lambda _m, fqn: fqn in names)
+        return len(names)
+
+
+def torchao_config(mode: QuantMode) -> Any:
+    """torchao's config object for `mode` (diffusers' `TorchAoConfig` takes the same objects)."""
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+    )
+
+    configs = {
+        QuantMode.INT8: Int8WeightOnlyConfig,
+        QuantMode.INT8_DYNAMIC: Int8DynamicActivationInt8WeightConfig,
+        QuantMode.FLOAT8: lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    }
+    return configs[mode]()
+
+
+def _to_nf4(model: nn.Module, names: set[str]) -> None:
+    """Swap each named Linear for bitsandbytes' Linear4bit holding the same weights: they are
+    quantized when the shard moves the layer to its CUDA device (bitsandbytes quantizes there)."""
+    import bitsandbytes as bnb  # an extra: diffshard[nf4]
+
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = parent.get_submodule(child)
+        dtype = linear.weight.dtype
+        swapped = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=dtype,
+            quant_type="nf4",
+            device="meta",
+        )
+        swapped.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+        if linear.bias is not None:
+            swapped.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, child, swapped)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes `tensor` really holds: a quantized tensor (a torchao or GGUF subclass) reports its
+    logical shape and dtype, so its parts are counted instead."""
+    data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+    flatten = getattr(type(data), "__tensor_flatten__", None)
+    if flatten is not None and type(data) is not torch.Tensor:
+        names, _ = data.__tensor_flatten__()
+        return sum(stored_bytes(getattr(data, name)) for name in names)
+    return data.numel() * data.element_size()
+
+
+def refusal(mode: QuantMode, device: str) -> str | None:
+    """Why `device` cannot run `mode` (one line naming the device and what it runs), or None."""
+    if mode in (QuantMode.OFF, QuantMode.INT8, QuantMode.INT8_DYNAMIC):
+        return None
+    kind = torch.device(device)
+    runs = "off, int8, int8-dynamic"
+    if kind.type != "cuda":
+        return f"{mode} needs a CUDA GPU; {device} runs {runs}"
+    if not torch.cuda.is_available() or (kind.index is not None and kind.index >= torch.cuda.device_count()):
+        return f"{mode} needs a CUDA GPU; {device} is not one this host has"
+    if mode == QuantMode.FLOAT8 and torch.cuda.get_device_capability(kind) < (8, 9):
+        name = torch.cuda.get_device_name(kind)
+        return (
+            f"float8 needs float8 tensor cores (compute capability 8.9+: L4, L40S, H100); "
+            f"{device} ({name}) runs {runs}, nf4"
+        )
+    if mode == QuantMode.NF4:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return "nf4 needs bitsandbytes: pip install 'diffshard[nf4]'"
+    return None
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model` computes in: its floating weights' (a GGUF file's blocks are uint8)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -1,0 +1,105 @@
+"""`--quantize`: which of a model's parts are quantized, in which mode, and the bytes that leaves.
+
+The setting is a mode alone (`int8`: the denoiser, and every text encoder over 1 GiB, such as
+FLUX.1's and SD3's T5-XXL) or per part (`denoiser=int8-dynamic,text_encoder_2=int8`). The
+denoiser keeps its family's `keep_precise` layers (embeddings, the output head) in the model's
+dtype: they are a sliver of its bytes and measure worse quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from server.engine.quantize import Quantization, QuantMode
+from server.pipeline.families import Family
+from server.pipeline.loader import part_bytes
+
+EVERY_LARGE_PART = "*"  # a mode given alone
+LARGE_ENCODER = 2**30  # bytes: a text encoder a mode given alone quantizes
+DENOISER = "denoiser"
+
+QuantizeSetting = dict[str, QuantMode]
+
+
+def parse_quantize(value: object) -> QuantizeSetting:
+    """`off`, a mode, or PART=MODE,... → {part or "*": mode}; a bad entry names what to write."""
+    if isinstance(value, Mapping):
+        return {str(part): QuantMode(mode) for part, mode in value.items()}
+    modes = ", ".join(m.value for m in QuantMode)
+    text = str(value or "off").strip()
+    if "=" not in text:
+        try:
+            mode = QuantMode(text)
+        except ValueError:
+            raise ValueError(f"write a mode ({modes}) or PART=MODE,..., got {text!r}") from None
+        return {} if mode == QuantMode.OFF else {EVERY_LARGE_PART: mode}
+    setting: QuantizeSetting = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        part, _, mode = (s.strip() for s in entry.partition("="))
+        if mode not in set(QuantMode) or not part:
+            raise ValueError(f"write PART=MODE with a mode of {modes}, got {entry!r}")
+        if part in setting:
+            raise ValueError(f"{part} is given twice")
+        setting[part] = QuantMode(mode)
+    return {part: mode for part, mode in setting.items() if mode != QuantMode.OFF}
+
+
+def describe(setting: QuantizeSetting, denoiser_file: Path | None = None) -> str:
+    """What /v1/models, the metrics and the playground say is served: the setting as users write
+    it (`off`, `int8`, `denoiser=int8,text_encoder_2=int8`), and a GGUF denoiser's file."""
+    written = [f"{part}={mode}" if part != EVERY_LARGE_PART else str(mode) for part, mode in setting.items()]
+    if denoiser_file is not None:
+        written.append(f"denoiser=gguf:{denoiser_file.name}")
+    return ",".join(written) or "off"
+
+
+def check_parts(setting: QuantizeSetting, family: Family) -> None:
+    """Every part the setting names is one the family quantizes: the denoiser or a text encoder."""
+    known = (DENOISER, *family.text_encoders)
+    for part in setting:
+        if part not in (EVERY_LARGE_PART, *known):
+            names = ", ".join(known)
+            raise ValueError(f"{part!r} is not a part of a {family.name} model: name one of {names}")
+
+
+def part_quantizations(
+    setting: QuantizeSetting, family: Family, encoder_bytes: Mapping[str, int]
+) -> dict[str, Quantization]:
+    """Per folder part (the denoiser under its folder name), its quantization; `encoder_bytes`
+    (each text encoder's unquantized bytes) decides which encoders a mode given alone takes."""
+    alone = setting.get(EVERY_LARGE_PART)
+    out: dict[str, Quantization] = {}
+    if mode := setting.get(DENOISER, alone):
+        out[family.denoiser] = Quantization(mode, family.keep_precise)
+    for name, nbytes in encoder_bytes.items():
+        mode = setting.get(name, alone if nbytes > LARGE_ENCODER else None)
+        if mode:
+            out[name] = Quantization(mode)
+    return out
+
+
+def folder_quantizations(
+    setting: QuantizeSetting, family: Family, folder: Path, dtype: torch.dtype
+) -> dict[str, Quantization]:
+    """`part_quantizations` for a folder's parts, sized from their safetensors headers."""
+    index = family.config.index
+    present = [n for n in family.text_encoders if index.get(n) and index[n][0] is not None]
+    return part_quantizations(setting, family, {n: part_bytes(folder, (n,), dtype) for n in present})
+
+
+def quantized_bytes(model: nn.Module, quantization: Quantization | None, dtype: torch.dtype) -> int:
+    """Bytes `model` (on the meta device will do) holds in `dtype` under `quantization`."""
+    return (quantization or Quantization()).bytes(model, dtype)
+
+
+def meta_part(folder: Path, name: str, cls: type) -> nn.Module:
+    """A folder part built from its config on the meta device: its shapes, no weights."""
+    path = folder / name
+    with torch.device("meta"):
+        if hasattr(cls, "config_class"):  # transformers
+            return cls(cls.config_class.from_pretrained(path))
+        return cls.from_config(cls.load_config(path))
