@@ -3,20 +3,28 @@ pipelines, bytes held, LoRA rows and stages on a quantized base."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from diffusers import (
+    FluxPipeline,
+    FluxTransformer2DModel,
+    GGUFQuantizationConfig,
     PipelineQuantizationConfig,
     StableDiffusionPipeline,
     TorchAoConfig,
 )
 
-from server.engine.quantize import QuantMode, torchao_config
+from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.families import Family
-from tests.tiny_pipelines import diffusers_image
+from server.pipeline.families import Family, Flux
+from server.pipeline.lora import read_adapter
+from server.pipeline.quantizing import parse_quantize, part_quantizations
+from tests.test_lora import random_lora
+from tests.tiny_pipelines import diffusers_image, write_gguf
 
 PIXEL = 2 / 255  # the issue's bound for a quantized image against diffusers' quantized one
 
@@ -28,7 +36,8 @@ def test_int8_sd15_equals_diffusers_own_quantized_pipeline(folders: dict[str, Pa
     attention = pipeline.components.denoiser.down_blocks[0].attentions[0].transformer_blocks[0].attn1
     assert type(attention.to_q.weight).__name__ == "Int8Tensor"
     ours = pipeline.generate([request])[0]
-    config = TorchAoConfig(torchao_config(QuantMode.INT8), modules_to_not_convert=list(Family.keep_precise))
+    assert Family.keep_precise == ()  # a UNet's every Linear is quantized, as diffusers' default
+    config = TorchAoConfig(torchao_config(QuantMode.INT8))
     pipe = StableDiffusionPipeline.from_pretrained(
         folder,
         dtype=torch.float32,
@@ -38,3 +47,103 @@ def test_int8_sd15_equals_diffusers_own_quantized_pipeline(folders: dict[str, Pa
     theirs = diffusers_image(pipe, pipeline.resolve(request))
     assert np.abs(ours - theirs).max() <= PIXEL
     assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
+
+
+def test_flux_from_a_gguf_q8_file_equals_diffusers_from_single_file(
+    flux_folder: Path, tmp_path: Path
+) -> None:
+    file = write_gguf(flux_folder, "transformer", tmp_path / "transformer-Q8_0.gguf")
+    request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
+    pipeline = Pipeline.load(flux_folder, devices="cpu,cpu", strategy="even", denoiser_file=file)
+    assert pipeline.quantization == "denoiser=gguf:transformer-Q8_0.gguf"
+    ours = pipeline.generate([pipeline.resolve(request)])[0]
+    transformer = FluxTransformer2DModel.from_single_file(
+        str(file),
+        config=str(flux_folder),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        torch_dtype=torch.float32,
+        local_files_only=True,
+    )
+    pipe = FluxPipeline.from_pretrained(flux_folder, transformer=transformer, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = diffusers_image(pipe, pipeline.resolve(request))
+    unquantized = Pipeline.load(flux_folder, devices="cpu").generate([pipeline.resolve(request)])[0]
+    assert np.abs(ours - theirs).max() <= PIXEL
+    assert np.abs(ours - unquantized).max() > 0, "the file's weights are Q8_0's, not the folder's"
+    assert float(ours.std()) > 0.05
+
+
+def test_int8_flux_holds_under_0_4_of_its_float32_denoiser_bytes(flux_folder: Path) -> None:
+    full = Pipeline.load(flux_folder, devices="cpu,cpu", strategy="even")
+    int8 = Pipeline.load(flux_folder, devices="cpu,cpu", strategy="even", quantize="int8")
+    held = {
+        name: sum(m.shard_bytes for m in p.shard.memory().values())
+        for name, p in (("full", full), ("int8", int8))
+    }
+    assert held["int8"] <= 0.4 * held["full"], held
+    # the plan counts what the shard holds (both stages are on "cpu"), and says what it saved
+    stages = int8.shard.plan.stages
+    assert sum(s.param_bytes for s in stages) == held["int8"]
+    assert all(s.unquantized_bytes > 2.5 * s.param_bytes for s in stages)
+
+
+def test_mixed_lora_and_plain_rows_on_an_int8_base_equal_each_alone(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = folders["sd15"]
+    style = random_lora(folder, tmp_path / "style.safetensors", 1, "sd15")
+    pipeline = Pipeline.load(folder, devices="cpu", quantize="int8-dynamic")
+    pipeline.add_adapter(read_adapter("style", style, pipeline.family))
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=4, lora=(("style", 0.8),)),
+        GenerationRequest("a blue square", seed=2, steps=4),
+        GenerationRequest("a green star", seed=3, steps=4, lora=(("style", 0.4),)),
+    ]
+    together = pipeline.generate(requests)
+    alone = [pipeline.generate([r])[0] for r in requests]
+    for mixed, single in zip(together, alone, strict=True):
+        assert np.abs(mixed - single).max() < 1e-3
+    assert np.abs(alone[0] - pipeline.generate([replace(requests[0], lora=())])[0]).max() > 0.01, (
+        "the adapter acts"
+    )
+
+
+def test_a_quantized_model_split_over_two_stages_equals_it_on_one_device(folders: dict[str, Path]) -> None:
+    request = GenerationRequest("a red circle", seed=3, steps=4)
+    one = Pipeline.load(folders["sdxl"], devices="cpu", quantize="int8").generate([request])[0]
+    two = Pipeline.load(folders["sdxl"], devices="cpu,cpu", strategy="even", quantize="int8").generate(
+        [request]
+    )[0]
+    assert np.abs(one - two).max() < 1e-3
+
+
+def test_the_setting_by_mode_and_by_part() -> None:
+    assert parse_quantize("off") == {} and parse_quantize("int8") == {"*": QuantMode.INT8}
+    assert parse_quantize("denoiser=int8-dynamic, text_encoder_2=int8") == {
+        "denoiser": QuantMode.INT8_DYNAMIC,
+        "text_encoder_2": QuantMode.INT8,
+    }
+    for bad in ("int4", "denoiser=int4", "denoiser=int8,denoiser=off", "=int8"):
+        with pytest.raises(ValueError, match=r"write|twice"):
+            parse_quantize(bad)
+    # alone: the denoiser, and text encoders over 1 GiB only (FLUX.1's T5, not its CLIP)
+    parts = part_quantizations(parse_quantize("int8"), Flux, {"text_encoder": 2**28, "text_encoder_2": 2**33})
+    assert set(parts) == {"transformer", "text_encoder_2"}
+    assert parts["transformer"].keep == Flux.keep_precise and parts["text_encoder_2"].keep == ()
+
+
+def test_modes_a_device_cannot_run_are_refused_naming_it() -> None:
+    assert refusal(QuantMode.INT8_DYNAMIC, "cpu") is None
+    for mode in (QuantMode.FLOAT8, QuantMode.NF4):
+        message = refusal(mode, "cpu")
+        assert message is not None and "cpu runs off, int8, int8-dynamic" in message
+
+
+def test_bytes_are_counted_from_shapes_as_quantized_tensors_hold_them() -> None:
+    linear = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32))
+    quantization = Quantization(QuantMode.INT8, keep=("1",))
+    counted = quantization.bytes(linear, torch.float32)
+    assert quantization.apply(linear) == 1
+    assert counted == sum(stored_bytes(t) for t in linear.state_dict().values())
+    assert stored_bytes(linear[0].weight) < linear[0].weight.numel() * 4 / 3

@@ -32,11 +32,13 @@ from server.engine import (
     ParallelPlan,
     RowGroup,
     ShardPlan,
+    layout_of,
     plan_shards,
     run_micro_batches,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import normalize_device
+from server.engine.planning.plan import count_block_bytes
 from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
@@ -128,13 +130,16 @@ class Pipeline:
             quantizations.pop(read_family(folder).denoiser, None)
         components = load_components(folder, dtype, quantizations, denoiser_file)
         if plan is None:
+            denoiser = components.denoiser
+            quantized = denoiser_file is not None or read_family(folder).denoiser in quantizations
             plan = plan_shards(
-                components.denoiser,
+                denoiser,
                 devices,
                 strategy,
                 max_memory=max_memory,
                 device_map=device_map,
                 dtype=dtype,
+                block_bytes=count_block_bytes(denoiser, layout_of(denoiser), None) if quantized else None,
             )
         deployment = Deployment.of(components.denoiser, plan)
         pipeline = cls(components, deployment, pool, encoder_device=encoder_device)

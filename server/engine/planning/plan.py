@@ -295,10 +295,11 @@ def _checked(
 
 
 def count_block_bytes(
-    model: nn.Module, layout: Layout, dtype: torch.dtype, quantization: Quantization | None = None
+    model: nn.Module, layout: Layout, dtype: torch.dtype | None, quantization: Quantization | None = None
 ) -> dict[str, int]:
     """Bytes each block holds once cast to `dtype` (floating tensors take `dtype`'s size) and
-    quantized by `quantization`, counted from shapes (the meta device will do)."""
+    quantized by `quantization`, counted from shapes (the meta device will do); without `dtype`,
+    what its live tensors hold (quantized ones too)."""
     out = dict.fromkeys(layout.names, 0)
     for block in layout.blocks:
         for path in block.modules:

@@ -65,9 +65,9 @@ class Family:
     default_guidance: ClassVar[float] = 7.5
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
     step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
-    # Layers --quantize leaves in the model's dtype (diffusers' modules_to_not_convert): the
-    # timestep and class embeddings, whose few weights set every block's scale and shift
-    keep_precise: ClassVar[tuple[str, ...]] = ("time_embedding", "add_embedding", "class_embedding")
+    # Linear layers --quantize leaves in the model's dtype, named from the denoiser's root: none
+    # in a UNet, whose first and last layers are convolutions (which no mode converts)
+    keep_precise: ClassVar[tuple[str, ...]] = ()
     default_area: ClassVar[float] = 4.0  # the default pixel limit, in native areas (--max-pixels)
     # `plan --config`'s other parts, built on the meta device to count their bytes: name → a
     # builder; a family without them plans its denoiser alone

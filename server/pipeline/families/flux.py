@@ -89,14 +89,8 @@ class Flux(Family):
     default_guidance: ClassVar[float] = 3.5  # FluxPipeline's
     takes_true_cfg: ClassVar[bool] = True
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")  # the spec's cache boundary
-    # as SD3's (sd3.py), and the image tokens' embedding
-    keep_precise: ClassVar[tuple[str, ...]] = (
-        "time_text_embed",
-        "x_embedder",
-        "context_embedder",
-        "norm_out",
-        "proj_out",
-    )
+    # as SD3's (sd3.py): the projections in and the output head
+    keep_precise: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "norm_out", "proj_out")
     # 1.5 megapixels: 16 rows of it reserve activations that leave both stages of a 2x24 GiB split
     # room beside the 22 GiB of transformer and 9 GiB of T5 (plan --config flux-dev)
     default_area: ClassVar[float] = 1.5

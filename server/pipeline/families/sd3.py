@@ -32,9 +32,9 @@ class SD3(Family):
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2", "tokenizer_3")
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
-    # the embeddings in and the output head (its modulation and projection), as Nunchaku and
-    # vLLM-Omni keep them: under 1% of the weights
-    keep_precise: ClassVar[tuple[str, ...]] = ("time_text_embed", "context_embedder", "norm_out", "proj_out")
+    # the text's projection in and the output head (its modulation and projection), as Nunchaku
+    # keeps them: under 1% of the weights (the latents' projection in is a convolution)
+    keep_precise: ClassVar[tuple[str, ...]] = ("context_embedder", "norm_out", "proj_out")
     default_steps: ClassVar[int] = 28
     default_guidance: ClassVar[float] = 7.0
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
