@@ -29,12 +29,13 @@ from server.api.requestid import QueryRedaction, RequestIdFilter
 from server.app import create_app, plan_for
 from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
-from server.engine.hardware.devices import planning_absent_devices
+from server.engine.hardware.devices import format_bytes, planning_absent_devices
 from server.engine.hardware.memory import bound_kernel_cache
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
-from server.pipeline.planning import compare_costs
+from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
+from server.pipeline.quantizing import describe
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -150,7 +151,20 @@ def _plan(args: argparse.Namespace) -> None:
             )
         options["side"] = args.resolution
     options["device_profile"] = settings.device_profile  # serving has every device: only plans use it
-    plan = plan_for(settings, family, folder=None if args.config else settings.model, **options)
+    folder = None if args.config else settings.model
+    plan = plan_for(settings, family, folder=folder, **options)
+    modes = None
+    if args.quantize is not None:  # asked about quantizing: how each mode fits, beside the plan
+        side = options.get("side") or largest_side(family, settings.pixel_limit(family))
+        modes = fits_by_mode(
+            family,
+            settings.devices,
+            dtype=settings.torch_dtype,
+            batch=settings.max_batch,
+            side=side,
+            max_memory=settings.max_memory,
+            folder=folder,
+        )
     side_by_side = None
     if settings.costs == Costs.MEASURED:  # what counting would have predicted, beside the timings
         device = plan.replicas[0].stages[0].device
@@ -158,9 +172,22 @@ def _plan(args: argparse.Namespace) -> None:
             family, device, settings.torch_dtype, plan.threads or 1, settings.cache_dir
         )
     if args.json:
-        print(json.dumps(plan.to_dict() | ({"block_costs": side_by_side} if side_by_side else {}), indent=2))
+        extra = ({"block_costs": side_by_side} if side_by_side else {}) | (
+            {"quantize": {"mode": describe(settings.quantize, settings.denoiser_file), "modes": modes}}
+            if modes
+            else {}
+        )
+        print(json.dumps(plan.to_dict() | extra, indent=2))
         return
     print(plan)
+    if modes:
+        print(f"\n--quantize MODE alone, a memory-balanced split over {', '.join(settings.devices)}:")
+        for mode, fit in modes.items():
+            sizes = (
+                f"denoiser {format_bytes(fit['denoiser_bytes'])}, others {format_bytes(fit['other_bytes'])}"
+            )
+            verdict = f"fits on {', '.join(fit['stages'])}" if fit["fits"] else str(fit["why"])
+            print(f"  {mode:13} {sizes}: {verdict}")
     if side_by_side:
         threads = plan.threads or 1
         print(f"\nseconds per block on one {device} worker ({threads} thread(s)), counted vs measured:")

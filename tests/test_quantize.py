@@ -18,10 +18,12 @@ from diffusers import (
     TorchAoConfig,
 )
 
+from server.engine.hardware.devices import planning_absent_devices
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.families import Family, Flux
+from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.lora import read_adapter
+from server.pipeline.planning import fits_by_mode, largest_side, plan_model
 from server.pipeline.quantizing import parse_quantize, part_quantizations
 from tests.test_lora import random_lora
 from tests.tiny_pipelines import diffusers_image, write_gguf
@@ -147,3 +149,30 @@ def test_bytes_are_counted_from_shapes_as_quantized_tensors_hold_them() -> None:
     assert quantization.apply(linear) == 1
     assert counted == sum(stored_bytes(t) for t in linear.state_dict().values())
     assert stored_bytes(linear[0].weight) < linear[0].weight.numel() * 4 / 3
+
+
+def test_flux_dev_fits_one_24_gib_gpu_or_two_16_gib_ones_in_int8_not_unquantized() -> None:
+    family = reference_family("flux-dev")
+    side = largest_side(family, int(family.default_area * family.native_size**2))
+    with planning_absent_devices():
+        plan = plan_model(
+            family,
+            "cuda:0",
+            "memory",
+            dtype=torch.bfloat16,
+            batch=16,
+            side=side,
+            max_memory="cuda:0=24GiB",
+            parallel="off",
+            quantize=parse_quantize("int8"),
+        )
+        (stage,) = plan.replicas[0].stages
+        assert stage.unquantized_bytes > 22 * 2**30 > 12 * 2**30 > stage.param_bytes
+        for devices, budgets in (("cuda:0", "cuda:0=24GiB"), ("cuda:0,cuda:1", "cuda:0=16GiB,cuda:1=16GiB")):
+            modes = fits_by_mode(
+                family, devices, dtype=torch.bfloat16, batch=16, side=side, max_memory=budgets
+            )
+            assert not modes["off"]["fits"] and "short" in modes["off"]["why"]
+            assert modes["int8"]["fits"] and modes["int8"]["stages"] == devices.split(",")
+            # T5-XXL (the one text encoder over 1 GiB) is quantized too; CLIP and the VAE are not
+            assert modes["int8"]["other_bytes"] < 0.6 * modes["off"]["other_bytes"]

@@ -16,19 +16,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.engine import CostModel, Costs, ParallelPlan, layout_of, plan_parallel
+from server.engine import CostModel, Costs, ParallelPlan, layout_of, plan_parallel, plan_shards
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.hardware.devices import device_kind, resolve_devices
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.costs import profile_note
 from server.engine.planning.plan import count_block_bytes
-from server.engine.quantize import Quantization
+from server.engine.quantize import Quantization, QuantMode, refusal
+from server.errors import PlanError
 from server.pipeline.families import Family, meta_denoiser, reference_parts
 from server.pipeline.loader import class_of, gguf_tensor_bytes, part_bytes
 from server.pipeline.quantizing import (
     QuantizeSetting,
     folder_quantizations,
     meta_part,
+    parse_quantize,
     part_quantizations,
     quantized_bytes,
 )
@@ -195,3 +197,47 @@ def compare_costs(
     counted = CostModel(model, 2, latent, dtype, Costs.COUNTED, cache_dir).costs(device, threads)
     measured = CostModel(model, 2, latent, dtype, Costs.MEASURED, cache_dir).costs(device, threads)
     return {block: {"counted_s": counted[block], "measured_s": measured[block]} for block in counted}
+
+
+def fits_by_mode(
+    family: Family,
+    devices: str | Sequence[str],
+    *,
+    dtype: torch.dtype,
+    batch: int,
+    side: int,
+    max_memory: Mapping[str, int] | str | None = None,
+    folder: Path | None = None,
+) -> dict[str, dict[str, object]]:
+    """For each `--quantize` mode given alone: the denoiser's and the other parts' bytes, and
+    whether a memory-balanced split over `devices` holds them (its stages' devices) or what it
+    lacks (the planner's message), before anything loads."""
+    model = meta_denoiser(family)
+    layout = layout_of(model)
+    out: dict[str, dict[str, object]] = {}
+    for mode in QuantMode:
+        setting = parse_quantize(mode)
+        resident, quantizations = resident_bytes(family, folder, dtype, setting)
+        block_bytes = count_block_bytes(model, layout, dtype, quantizations.get(family.denoiser))
+        summary: dict[str, object] = {"denoiser_bytes": sum(block_bytes.values()), "other_bytes": resident}
+        cpus = [d for d in resolve_devices(devices) if not d.startswith("cuda")]  # GPUs may be absent
+        if problem := next((p for d in cpus if (p := refusal(mode, d))), None):
+            out[str(mode)] = summary | {"fits": False, "why": problem}
+            continue
+        try:
+            plan = plan_shards(
+                model,
+                devices,
+                "memory",
+                max_memory=max_memory,
+                dtype=dtype,
+                latent_size=side // family.vae_scale_factor,
+                batch=batch,
+                resident=resident,
+                block_bytes=block_bytes,
+            )
+            summary |= {"fits": True, "stages": [s.device for s in plan.stages]}
+        except PlanError as err:
+            summary |= {"fits": False, "why": str(err)}
+        out[str(mode)] = summary
+    return out

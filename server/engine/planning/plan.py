@@ -339,7 +339,7 @@ def _raise_no_fit(
             kept += f" and {format_bytes(resident)} for text encoders and VAE"
         return f"{device} (budget {format_bytes(budgets[device])}, {kept}{shared})"
 
-    hint = "Raise --max-memory, add devices or use a smaller dtype."
+    hint = "Raise --max-memory, add devices, use a smaller dtype or quantize (--quantize)."
     big = max(range(len(sizes)), key=sizes.__getitem__)
     roomy = max(range(len(devices)), key=capacities.__getitem__)
     if sizes[big] > capacities[roomy]:
