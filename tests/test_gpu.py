@@ -188,3 +188,43 @@ def test_compiled_code_is_keyed_by_every_device_it_runs_on() -> None:
     gpu = GraphStore(None, [torch.device("cuda:0")], CompileStats("full")).key(what)
     split = GraphStore(None, ["cuda:0", "cpu"], CompileStats("full")).key(what)
     assert gpu != split
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_float8_and_nf4_load_serve_and_match_diffusers(folders: dict[str, Path], mode: str) -> None:
+    """The CUDA-only modes (issue 39) on a tiny SD-1.5 folder in bfloat16, against diffusers'
+    own quantized pipeline: torchao's float8 config, bitsandbytes' nf4."""
+    from diffusers import (
+        BitsAndBytesConfig,
+        PipelineQuantizationConfig,
+        StableDiffusionPipeline,
+        TorchAoConfig,
+    )
+
+    from server.engine.quantize import QuantMode, refusal, torchao_config
+    from tests.tiny_pipelines import diffusers_image
+
+    if problem := refusal(QuantMode(mode), "cuda:0"):
+        pytest.skip(problem)
+    folder = folders["sd15"]
+    request = GenerationRequest("a red circle", seed=3, steps=6, guidance_scale=4.0)
+    pipeline = Pipeline.load(folder, devices="cuda:0", dtype=torch.bfloat16, quantize=f"denoiser={mode}")
+    ours = pipeline.generate([request])[0]
+    held = sum(m.shard_bytes for m in pipeline.shard.memory().values())
+    full = Pipeline.load(folder, devices="cuda:0", dtype=torch.bfloat16)
+    assert held < 0.8 * sum(m.shard_bytes for m in full.shard.memory().values())
+    config = (
+        TorchAoConfig(torchao_config(QuantMode.FLOAT8))
+        if mode == "float8"
+        else BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    )
+    pipe = StableDiffusionPipeline.from_pretrained(
+        folder,
+        dtype=torch.bfloat16,
+        quantization_config=PipelineQuantizationConfig(quant_mapping={"unet": config}),
+    ).to("cuda:0")
+    pipe.set_progress_bar_config(disable=True)
+    theirs = diffusers_image(pipe, pipeline.resolve(request))
+    assert np.abs(ours - theirs).max() <= 2 / 255

@@ -18,6 +18,9 @@ from diffusers import (
     TorchAoConfig,
 )
 
+from server.demo import MODEL_DIR
+from server.demo.dataset import all_prompts
+from server.demo.evaluate import classify
 from server.engine.hardware.devices import planning_absent_devices
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
 from server.pipeline import GenerationRequest, Pipeline
@@ -176,3 +179,16 @@ def test_flux_dev_fits_one_24_gib_gpu_or_two_16_gib_ones_in_int8_not_unquantized
             assert modes["int8"]["fits"] and modes["int8"]["stages"] == devices.split(",")
             # T5-XXL (the one text encoder over 1 GiB) is quantized too; CLIP and the VAE are not
             assert modes["int8"]["other_bytes"] < 0.6 * modes["off"]["other_bytes"]
+
+
+@pytest.mark.slow
+def test_the_built_in_model_in_int8_dynamic_still_draws_what_it_is_asked() -> None:
+    """The evaluator's gate (≥ 90% color, ≥ 80% shape) over every prompt, one seed each, as
+    served; `python -m benchmarks.quantize_quality` runs the gate in full (4 seeds, each mode)."""
+    pipeline = Pipeline.load(MODEL_DIR, devices="cpu", quantize="int8-dynamic")
+    prompts = list(all_prompts())
+    images = pipeline.generate([GenerationRequest(prompt, seed=0) for _, _, prompt in prompts])
+    verdicts = [classify(image) for image in images]
+    color = np.mean([v.color == c for v, (c, _, _) in zip(verdicts, prompts, strict=True)])
+    shape = np.mean([v.shape == s for v, (_, s, _) in zip(verdicts, prompts, strict=True)])
+    assert color >= 0.9 and shape >= 0.8, (color, shape)
