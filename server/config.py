@@ -30,7 +30,9 @@ from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
 from server.engine.hardware.devices import auto_dtype
 from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES
+from server.engine.hardware.threads import cpu_quota
 from server.engine.planning.cache import default_cache_dir
+from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.runtime.compile import CompileMode
 from server.errors import ConfigError
 from server.pipeline.families import Family, pipeline_classes
@@ -102,8 +104,8 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs, "
-        "float32 when a stage runs on the CPU",
+        description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs; with a "
+        "CPU stage, bfloat16 where the CPU runs it natively and measures it faster at startup, else float32",
     )
     quantize: QuantizeValue = Field(
         "off",
@@ -270,9 +272,16 @@ class Settings(BaseSettings):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return auto_dtype(list(self.devices), self.device_profile)
-        return DTYPES[self.dtype]
+        """`dtype`; auto: the GPUs' best (`auto_dtype`), and with a CPU stage bfloat16 only where
+        the CPU runs it natively and measures faster (`cpu_serves_bf16`), else float32."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        gpus = [d for d in self.devices if d.startswith("cuda")]
+        best = auto_dtype(gpus, self.device_profile) if gpus else torch.bfloat16
+        if len(gpus) == len(self.devices):
+            return best
+        cpu_bf16 = cpu_serves_bf16(self.threads or cpu_quota(), self.cache_dir)
+        return torch.bfloat16 if cpu_bf16 and best == torch.bfloat16 else torch.float32
 
     @field_validator("lora_dir")
     @classmethod

@@ -79,6 +79,20 @@ def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["DIFFSHARD_CACHE_DIR"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def float32_by_default() -> Iterator[None]:
+    """Tests compare images with diffusers' float32 ones: `--dtype auto` would pick bfloat16 on a
+    CPU that runs it natively and faster (config.py), so servers and settings made in tests take
+    float32 unless a test asks for another dtype (tests/test_quantize.py tests auto itself)."""
+    before = os.environ.get("DIFFSHARD_DTYPE")
+    os.environ["DIFFSHARD_DTYPE"] = "float32"
+    yield
+    if before is None:
+        os.environ.pop("DIFFSHARD_DTYPE", None)
+    else:
+        os.environ["DIFFSHARD_DTYPE"] = before
+
+
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/tiny_pipelines.py), built once."""
