@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
-from server.app import create_app, plan_for
+from server.app import check_quantization_runs, create_app, plan_for
 from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
@@ -251,6 +251,7 @@ def serve_command(args: argparse.Namespace) -> int:
         handler.addFilter(RequestIdFilter())  # lines about a request end with its id
     logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # a key sent in a query stays out
     _refuse_remote_fault_injection(settings)
+    check_quantization_runs(settings)  # float8 or nf4 on a device without them: one line, now
     bound_kernel_cache()  # before planning times a convolution
     # Both ports are taken before anything loads: a busy port fails in a second, with one line,
     # rather than after the model loaded (or, for the metrics port, with a traceback).

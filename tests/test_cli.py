@@ -175,3 +175,23 @@ def test_compile_and_step_budget_settings_say_what_to_fix(run_cli: Cli) -> None:
         "full",
     )
     assert done.returncode != 0 and "--compile full needs a plan of one stage" in done.stderr
+
+
+def test_quantize_errors_name_the_setting_the_device_and_what_to_write(run_cli: Cli, tmp_path) -> None:
+    done = run_cli("serve", "--devices", "cpu", "--quantize", "int4")
+    assert done.returncode == 2
+    assert done.stderr.startswith(
+        "error: --quantize (DIFFSHARD_QUANTIZE): write a mode (off, int8, int8-dynamic"
+    )
+    done = run_cli("serve", "--devices", "cpu", "--quantize", "float8")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --quantize (DIFFSHARD_QUANTIZE): float8 needs a CUDA GPU; cpu runs")
+    done = run_cli("serve", "--devices", "cpu", "--quantize", "text_encoder_9=int8")
+    assert done.returncode == 2 and "name one of denoiser, text_encoder" in done.stderr
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"GGUF but not really")
+    done = run_cli("serve", "--devices", "cpu", "--denoiser-file", str(not_gguf))
+    assert done.returncode == 2 and "is not a readable GGUF file" in done.stderr
+    done = run_cli("serve", "--devices", "cpu", "--denoiser-file", str(tmp_path / "missing.safetensors"))
+    assert done.returncode == 2 and "is not a .gguf file" in done.stderr
+    assert "Traceback" not in done.stderr

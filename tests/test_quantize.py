@@ -3,10 +3,14 @@ pipelines, bytes held, LoRA rows and stages on a quantized base."""
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers import (
@@ -17,6 +21,7 @@ from diffusers import (
     StableDiffusionPipeline,
     TorchAoConfig,
 )
+from PIL import Image
 
 from server.config import Settings
 from server.demo import MODEL_DIR
@@ -30,6 +35,7 @@ from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.planning import fits_by_mode, largest_side, plan_model
 from server.pipeline.quantizing import parse_quantize, part_quantizations
+from tests.live import live_server
 from tests.test_lora import random_lora
 from tests.tiny_pipelines import diffusers_image, write_gguf
 
@@ -217,3 +223,24 @@ def test_the_bf16_measurement_runs_only_where_bf16_is_native(tmp_path: Path) -> 
     gain = calibrate.cpu_bf16_gain(1, tmp_path)
     assert (gain is None) == (cpu_dtype() == torch.float32)
     assert gain is None or all(ratio > 0 for ratio in gain.values())
+
+
+def test_a_quantized_flux_server_says_what_it_serves_and_serves_it(flux_folder: Path) -> None:
+    """Through uvicorn and the official SDK: /v1/models and /v1/shards name the quantization,
+    the shards hold the int8 bytes, and an image comes back as the pipeline draws it."""
+    request = GenerationRequest("a red circle", seed=4, steps=3, width=32, height=32)
+    expected = Pipeline.load(flux_folder, devices="cpu", quantize="int8").generate([request])[0]
+    with live_server("--model", str(flux_folder), "--devices", "cpu", "--quantize", "int8") as server:
+        models = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+        assert (models["quantization"], models["dtype"]) == ("int8", "float32")
+        shards = httpx.get(f"{server.url}/v1/shards", timeout=30).json()
+        assert shards["quantization"] == "int8"
+        held = sum(d["memory"]["shard_bytes"] for d in shards["devices"].values())
+        assert held == sum(s["param_bytes"] for s in shards["plan"]["stages"])
+        assert held < 0.4 * sum(s["unquantized_bytes"] for s in shards["plan"]["stages"])
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        answer = client.images.generate(
+            prompt="a red circle", size="32x32", extra_body={"seed": 4, "num_inference_steps": 3}
+        )
+    image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), dtype=np.float32)
+    assert np.abs(image / 255 - expected).max() <= 1 / 255 + 1e-6  # PNG's rounding
