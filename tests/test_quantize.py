@@ -85,6 +85,21 @@ def test_flux_from_a_gguf_q8_file_equals_diffusers_from_single_file(
     assert np.abs(ours - theirs).max() <= PIXEL
     assert np.abs(ours - unquantized).max() > 0, "the file's weights are Q8_0's, not the folder's"
     assert float(ours.std()) > 0.05
+    # the plan read the file's header: what each stage holds, before loading it
+    planned = plan_model(
+        pipeline.family,
+        "cpu,cpu",
+        "even",
+        dtype=torch.float32,
+        batch=2,
+        side=32,
+        folder=flux_folder,
+        parallel="off",
+        denoiser_file=file,
+    )
+    stages = planned.replicas[0].stages
+    assert [s.param_bytes for s in stages] == [s.param_bytes for s in pipeline.shard.plan.stages]
+    assert sum(s.param_bytes for s in stages) == sum(m.shard_bytes for m in pipeline.shard.memory().values())
 
 
 def test_int8_flux_holds_under_0_4_of_its_float32_denoiser_bytes(flux_folder: Path) -> None:
