@@ -310,9 +310,10 @@ def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> 
         plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")
 
 
-def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline):
+def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, **load):
     """`request` alone on two CPU replicas whose plan splits lone requests (`prepare` adds what
-    the pipeline serves): its image, each worker's busy seconds and the loop's stats."""
+    the pipeline serves; `load`: more of `Pipeline.load`'s options): its image, each worker's
+    busy seconds and the loop's stats."""
     from server.pipeline import Pipeline
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loader import read_family
@@ -320,7 +321,7 @@ def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline):
 
     one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
     plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
-    service = Service(prepare(Pipeline.load(folder, plan=plan)), "tiny")
+    service = Service(prepare(Pipeline.load(folder, plan=plan, **load)), "tiny")
     try:
         image = service.submit(request).future.result(timeout=60)[0]
         return image, service.busy()["busy_seconds"], service.stats()

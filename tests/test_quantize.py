@@ -37,6 +37,7 @@ from server.pipeline.planning import fits_by_mode, largest_side, plan_model
 from server.pipeline.quantizing import parse_quantize, part_quantizations
 from tests.live import live_server
 from tests.test_lora import random_lora
+from tests.test_parallel import split_lone
 from tests.tiny_pipelines import diffusers_image, write_gguf
 
 PIXEL = 2 / 255  # the issue's bound for a quantized image against diffusers' quantized one
@@ -144,6 +145,16 @@ def test_a_quantized_model_split_over_two_stages_equals_it_on_one_device(folders
         [request]
     )[0]
     assert np.abs(one - two).max() < 1e-3
+
+
+def test_a_lone_request_on_int8_replicas_splits_over_both_and_gives_the_one_replica_image(
+    folders: dict[str, Path],
+) -> None:
+    request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0)]
+    alone = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8").generate(request)[0]
+    image, busy, _ = split_lone(folders["sd15"], request, quantize="int8")
+    assert np.abs(image - alone).max() < 1e-3
+    assert all(seconds > 0 for seconds in busy.values()) and len(busy) == 2, busy
 
 
 def test_the_setting_by_mode_and_by_part() -> None:
