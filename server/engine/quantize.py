@@ -53,6 +53,12 @@ class Quantization:
     def __bool__(self) -> bool:
         return self.mode != QuantMode.OFF
 
+    @property
+    def on_device(self) -> bool:
+        """Converted once its layers sit on their GPU (torchao's float8 converts only there);
+        the other modes convert while loading, on the CPU (nf4 then quantizes as it moves)."""
+        return self.mode == QuantMode.FLOAT8
+
     def converts(self, name: str, module: nn.Module) -> bool:
         kept = any(name == k or name.startswith(f"{k}.") for k in self.keep)
         return bool(self) and isinstance(module, nn.Linear) and not kept

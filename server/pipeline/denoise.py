@@ -32,13 +32,11 @@ from server.engine import (
     ParallelPlan,
     RowGroup,
     ShardPlan,
-    layout_of,
     plan_shards,
     run_micro_batches,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import normalize_device
-from server.engine.planning.plan import count_block_bytes
 from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
@@ -50,7 +48,13 @@ from server.pipeline.deployment import Deployment, Lane, Spare
 from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components, read_family
 from server.pipeline.lora import Adapter, Adapters, Target
-from server.pipeline.quantizing import QuantizeSetting, describe, folder_quantizations, parse_quantize
+from server.pipeline.quantizing import (
+    QuantizeSetting,
+    describe,
+    held_bytes,
+    load_quantizations,
+    quantize_placed,
+)
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans, stack_inputs
@@ -124,26 +128,20 @@ class Pipeline:
         A ParallelPlan places every replica; `lanes()` then gives a view per lane. `quantize`:
         `--quantize`'s setting (`server.pipeline.quantizing`); `denoiser_file`: a GGUF file
         holding the denoiser's weights."""
-        setting = parse_quantize(quantize)
-        quantizations = folder_quantizations(setting, read_family(folder), Path(folder), dtype)
-        if denoiser_file is not None:  # quantized already
-            quantizations.pop(read_family(folder).denoiser, None)
+        family = read_family(folder)
+        quantizations = load_quantizations(quantize, family, Path(folder), dtype, denoiser_file)
         components = load_components(folder, dtype, quantizations, denoiser_file)
         if plan is None:
-            denoiser = components.denoiser
-            quantized = denoiser_file is not None or read_family(folder).denoiser in quantizations
+            held = held_bytes(components.denoiser, dtype, quantizations.get(family.denoiser), denoiser_file)
             plan = plan_shards(
-                denoiser,
-                devices,
-                strategy,
-                max_memory=max_memory,
-                device_map=device_map,
-                dtype=dtype,
-                block_bytes=count_block_bytes(denoiser, layout_of(denoiser), None) if quantized else None,
-            )
+                components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
+                dtype=dtype, block_bytes=held,
+            )  # fmt: skip
         deployment = Deployment.of(components.denoiser, plan)
         pipeline = cls(components, deployment, pool, encoder_device=encoder_device)
-        pipeline.quantization = describe(setting, denoiser_file)
+        denoisers = {id(shard.model): shard.model for shard in deployment.replicas}.values()
+        quantize_placed(quantizations, family, denoisers, pipeline.encoders)  # float8: where they live
+        pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 
     def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Pipeline]:

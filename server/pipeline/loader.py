@@ -132,7 +132,7 @@ def load_components(
             dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"
             kwargs = {dtype_arg: dtype, "use_safetensors": True}
         model = cls.from_pretrained(root / name, local_files_only=True, **kwargs)
-        if quantization := (quantize or {}).get(name):
+        if (quantization := (quantize or {}).get(name)) and not quantization.on_device:
             converted = quantization.apply(model)
             log.info("%s: %d linear layers in %s", name, converted, quantization.mode)
         return model

@@ -8,12 +8,14 @@ dtype: they are a sliver of its bytes and measure worse quantized.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from server.engine import layout_of
+from server.engine.planning.plan import count_block_bytes
 from server.engine.quantize import Quantization, QuantMode
 from server.pipeline.families import Family
 from server.pipeline.loader import part_bytes
@@ -48,9 +50,10 @@ def parse_quantize(value: object) -> QuantizeSetting:
     return {part: mode for part, mode in setting.items() if mode != QuantMode.OFF}
 
 
-def describe(setting: QuantizeSetting, denoiser_file: Path | None = None) -> str:
+def describe(setting: str | QuantizeSetting, denoiser_file: Path | None = None) -> str:
     """What /v1/models, the metrics and the playground say is served: the setting as users write
     it (`off`, `int8`, `denoiser=int8,text_encoder_2=int8`), and a GGUF denoiser's file."""
+    setting = parse_quantize(setting)
     written = [f"{part}={mode}" if part != EVERY_LARGE_PART else str(mode) for part, mode in setting.items()]
     if denoiser_file is not None:
         written.append(f"denoiser=gguf:{denoiser_file.name}")
@@ -89,6 +92,47 @@ def folder_quantizations(
     index = family.config.index
     present = [n for n in family.text_encoders if index.get(n) and index[n][0] is not None]
     return part_quantizations(setting, family, {n: part_bytes(folder, (n,), dtype) for n in present})
+
+
+def load_quantizations(
+    setting: str | QuantizeSetting,
+    family: Family,
+    folder: Path,
+    dtype: torch.dtype,
+    denoiser_file: Path | None,
+) -> dict[str, Quantization]:
+    """`folder_quantizations`, less the denoiser when a GGUF file (quantized already) holds it."""
+    quantizations = folder_quantizations(parse_quantize(setting), family, folder, dtype)
+    if denoiser_file is not None:
+        quantizations.pop(family.denoiser, None)
+    return quantizations
+
+
+def quantize_placed(
+    quantizations: Mapping[str, Quantization],
+    family: Family,
+    denoisers: Iterable[nn.Module],
+    encoders: Sequence[nn.Module],
+) -> None:
+    """Quantize, where their weights now live, the parts whose mode quantizes on the device
+    (float8: torchao converts on the GPU only): each replica's denoiser and the text encoders
+    (the family's present ones, in order); the other modes converted them while loading."""
+    parts = [(family.denoiser, d) for d in denoisers]
+    for name, model in [*parts, *zip(family.text_encoders, encoders, strict=False)]:
+        if (quantization := quantizations.get(name)) and quantization.on_device:
+            quantization.apply(model)
+
+
+def held_bytes(
+    denoiser: nn.Module, dtype: torch.dtype, quantization: Quantization | None, denoiser_file: Path | None
+) -> dict[str, int] | None:
+    """What each block of a loaded denoiser holds, quantized (counted from shapes: float8 is
+    converted only once placed) or from a GGUF file (as loaded); None when neither."""
+    if denoiser_file is not None:
+        return count_block_bytes(denoiser, layout_of(denoiser), None)
+    if quantization is not None:
+        return count_block_bytes(denoiser, layout_of(denoiser), dtype, quantization)
+    return None
 
 
 def quantized_bytes(model: nn.Module, quantization: Quantization | None, dtype: torch.dtype) -> int:
