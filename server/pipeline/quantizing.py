@@ -2,8 +2,9 @@
 
 The setting is a mode alone (`int8`: the denoiser, and every text encoder over 1 GiB, such as
 FLUX.1's and SD3's T5-XXL) or per part (`denoiser=int8-dynamic,text_encoder_2=int8`). The
-denoiser keeps its family's `keep_precise` layers (embeddings, the output head) in the model's
-dtype: they are a sliver of its bytes and measure worse quantized.
+denoiser keeps its family's `keep_precise` layers (a DiT's projections in and its output head,
+as Nunchaku keeps them) in the model's dtype: a sliver of its bytes. Most modes convert while
+loading, on the CPU; float8 converts where the weights then live (`quantize_placed`).
 """
 
 from __future__ import annotations
