@@ -6,9 +6,8 @@ same): a DiT keeps nearly all its weights there, a UNet under a third (the rest 
 convolutions, which stay in the model's dtype). A `Quantization` also names layers kept in full
 precision, from the model's root (`proj_out` keeps FLUX.1's output head, not the single blocks'
 `proj_out`; diffusers' `modules_to_not_convert` matches anywhere in a name, so give it a list
-whose names are unique, such as the UNets').
-torchao is imported when a mode is applied, never at import time (its CPU wheel prints notes
-about CUDA kernels it cannot load).
+whose names are unique, such as the UNets'). torchao and bitsandbytes are imported only when a
+mode is applied.
 """
 
 from __future__ import annotations
@@ -143,8 +142,7 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     """Bytes `tensor` really holds: a quantized tensor (a torchao or GGUF subclass) reports its
     logical shape and dtype, so its parts are counted instead."""
     data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
-    flatten = getattr(type(data), "__tensor_flatten__", None)
-    if flatten is not None and type(data) is not torch.Tensor:
+    if type(data) is not torch.Tensor and hasattr(data, "__tensor_flatten__"):
         names, _ = data.__tensor_flatten__()
         return sum(stored_bytes(getattr(data, name)) for name in names)
     return data.numel() * data.element_size()
