@@ -94,6 +94,7 @@ def test_plan_for_absent_gpus_predicts_every_candidate_from_a_device_profile(cap
     and auto's dtype is the profile's. In-process: a subprocess would cost seconds of imports."""
     devices, budgets = "cuda:14,cuda:15", "cuda:14=24GiB,cuda:15=24GiB"
     args = ["plan", "--config", "sd15", "--devices", devices, "--max-memory", budgets, "--json"]
+    args += ["--dtype", "auto"]  # the tests' default is float32 (conftest.py)
     assert main([*args, "--device-profile", "L4"]) == 0
     plan = json.loads(capsys.readouterr().out)
     parallel = plan["parallel"]
