@@ -2,8 +2,8 @@
 plan (`server/engine/runtime/call.py`) and one block walker runs it.
 
 Requests that each mix adapters, step caching and determinism differently, served in one batch,
-give the images each gives alone; a lone request with an adapter splits over an idle replica
-like any other (both workers busy) and gives the unsplit image."""
+give the images each gives alone (on an int8-dynamic base too); a lone request with an adapter
+splits over an idle replica like any other (both workers busy) and gives the unsplit image."""
 
 from __future__ import annotations
 
@@ -45,8 +45,11 @@ def with_style(pipeline: Pipeline, style: Path) -> Pipeline:
     return pipeline
 
 
-def test_four_mixes_in_one_batch_give_the_images_each_gives_alone(folders, style) -> None:
-    service = Service(with_style(Pipeline.load(folders["sd15"], devices="cpu"), style), "tiny", max_batch=16)
+@pytest.mark.parametrize("quantize", ["off", "int8-dynamic"])
+def test_four_mixes_in_one_batch_give_the_images_each_gives_alone(folders, style, quantize: str) -> None:
+    """On a quantized base too: adapters apply in full precision beside its int8 layers."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize=quantize)
+    service = Service(with_style(pipeline, style), "tiny", max_batch=16)
     try:
         alone = {name: service.submit([r]).future.result(timeout=120)[0] for name, r in MIXES.items()}
         before = dict(service.stats().batch_rows)

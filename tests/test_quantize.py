@@ -30,15 +30,16 @@ from server.demo.evaluate import classify
 from server.engine.hardware.devices import cpu_dtype, planning_absent_devices
 from server.engine.planning import calibrate
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.planning import fits_by_mode, largest_side, plan_model
 from server.pipeline.quantizing import parse_quantize, part_quantizations
 from tests.live import live_server
+from tests.test_edits import left_half_mask, source_image
 from tests.test_lora import random_lora
 from tests.test_parallel import split_lone
-from tests.tiny_pipelines import diffusers_image, write_gguf
+from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image, write_gguf
 
 PIXEL = 2 / 255  # the issue's bound for a quantized image against diffusers' quantized one
 
@@ -271,3 +272,18 @@ def test_a_quantized_flux_server_says_what_it_serves_and_serves_it(flux_folder: 
         )
     image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), dtype=np.float32)
     assert np.abs(image / 255 - expected).max() <= 1 / 255 + 1e-6  # PNG's rounding
+
+
+def test_an_inpainting_edit_beside_a_plain_request_on_an_int8_base_equals_it_alone(
+    folders: dict[str, Path],
+) -> None:
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
+    inpaint = Edit(source_image(), left_half_mask(), 0.8)
+    edit = GenerationRequest("a green square", seed=2, steps=5, edit=inpaint)
+    plain = GenerationRequest("a red circle", seed=1, steps=5)
+    together = pipeline.generate([edit, plain])
+    alone = [pipeline.generate([r])[0] for r in (edit, plain)]
+    for mixed, single in zip(together, alone, strict=True):
+        assert np.abs(mixed - single).max() < 1e-3
+    kept = np.asarray(source_image(), dtype=np.float32)[:, IMAGE_SIZE // 2 :] / 255
+    assert np.abs(together[0][:, IMAGE_SIZE // 2 :] - kept).max() < 1e-6  # the unmasked half is the image's
