@@ -14,14 +14,15 @@ Timed: one UNet forward at 2 rows (one guided image), latent 32² (a 256² image
 2 threads each side (torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS=2, one stream,
 LATENCY), in interleaved rounds (every variant once a round, the order rotating), medians:
 
-    ours: fp32 (what `--dtype auto` serves on CPU today), bf16, bf16 with channels-last weights and
+    ours: fp32 (what `--dtype auto` serves on CPU today), fp32 through `torch.compile` with
+          inductor's freezing (compiled per size in the warm-up, ~1.5 min a size here), bf16,
+          bf16 with channels-last weights and
           input, int8-dynamic (`Quantization(INT8_DYNAMIC)`: torchao int8 weights and activations
           in the Linears) on the fp32 and on the bf16 model
     OpenVINO: fp32, bf16 (INFERENCE_PRECISION_HINT=bf16), int8 weights computing in bf16
 
 Each variant's output is compared with ours fp32 once (max_abs_diff) so a fast wrong one shows.
-Not measured: torch.compile (inductor compiles an SD-1.5 UNet for minutes per shape on 2 cores),
-OpenVINO with static reshaped inputs, and a full 256² image at 10 steps (its UNet part is
+Not measured: OpenVINO with static reshaped inputs, and a full 256² image at 10 steps (its UNet part is
 10 × the 32² forward; the text encoder and VAE are not compared).
 
 Memory: every variant held at once is ~16 GB at a 64² latent (three OpenVINO models, four of
@@ -60,7 +61,14 @@ BEST_TARGET = 1.25
 DEFAULT_TARGET = 1.5
 KEEP = SD.keep_precise  # as the server quantizes a UNet: every Linear
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-OURS = ("ours_fp32", "ours_bf16", "ours_bf16_channels_last", "ours_int8_dynamic", "ours_bf16_int8_dynamic")
+OURS = (
+    "ours_fp32",
+    "ours_fp32_compiled",
+    "ours_bf16",
+    "ours_bf16_channels_last",
+    "ours_int8_dynamic",
+    "ours_bf16_int8_dynamic",
+)
 OPENVINO = ("openvino_fp32", "openvino_bf16", "openvino_int8_bf16")
 MISSING = "benchmarks.peers needs OpenVINO and NNCF: pip install -e '.[peers]' -c constraints.txt"
 
@@ -133,6 +141,14 @@ def our_variants(unet: torch.nn.Module, wanted: set[str]) -> dict[str, torch.nn.
     models: dict[str, torch.nn.Module] = {"ours_fp32": unet}
     if wanted & {"ours_bf16", "ours_bf16_channels_last", "ours_bf16_int8_dynamic"}:
         models["ours_bf16"] = copy.deepcopy(unet).to(torch.bfloat16)
+    if "ours_fp32_compiled" in wanted:
+        # inductor with freezing: weights folded into the graph and prepacked for oneDNN's
+        # convolutions (without it the compiled UNet ran slower than eager here); compiled for
+        # each size in its warm-up forward
+        import torch._inductor.config as inductor
+
+        inductor.freezing = True
+        models["ours_fp32_compiled"] = torch.compile(unet, dynamic=False)
     if "ours_int8_dynamic" in wanted:
         models["ours_int8_dynamic"] = copy.deepcopy(unet)
         quantization.apply(models["ours_int8_dynamic"])
@@ -221,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 "openvino": ov.get_version(),
                 "cpu_flags": cpu_flags(),
                 "openvino_cpu_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
-                "not_measured": "torch.compile, OpenVINO static shapes, a full 256² image at 10 steps",
+                "not_measured": "OpenVINO static shapes, a full 256² image at 10 steps",
             }
         )
     )
