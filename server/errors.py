@@ -12,7 +12,8 @@
         │   ├── Overloaded       the queue is full; `retry_after` seconds
         │   │   └── KeyOverloaded    one API key's share of the queue is full (429)
         │   ├── Draining         the server is shutting down
-        │   └── OutOfMemory      the device ran out of memory during the request
+        │   ├── OutOfMemory      the device ran out of memory during the request
+        │   └── WorkerLost       a helper thread of the request's call died (it is restarted)
         ├── DeadlineExceeded     past the request timeout (504)
         ├── Cancelled            the client went away
         └── StepFailed           a start, step or decode raised (500)
@@ -100,6 +101,14 @@ class Draining(Unavailable):
 
 class OutOfMemory(Unavailable):
     reason = "out_of_memory"
+
+
+class WorkerLost(Unavailable):
+    reason = "worker_lost"
+
+
+class GroupBroken(RuntimeError):
+    """Another rank of a sequence group failed during this call (its own error is the cause)."""
 
 
 class DeadlineExceeded(Rejected):

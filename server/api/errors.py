@@ -33,6 +33,7 @@ from server.errors import (
     Overloaded,
     StepFailed,
     Unavailable,
+    WorkerLost,
 )
 
 log = logging.getLogger("diffshard")
@@ -48,6 +49,7 @@ STATUS: dict[type[DiffshardError], tuple[int, str | None]] = {
     Overloaded: (503, "overloaded"),
     Draining: (503, "draining"),
     OutOfMemory: (503, "out_of_memory"),
+    WorkerLost: (503, "worker_lost"),
     DeadlineExceeded: (504, "timeout"),
     Cancelled: (499, "cancelled"),  # nobody listens: uvicorn drops it
     StepFailed: (500, "generation_failed"),

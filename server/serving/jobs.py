@@ -93,4 +93,6 @@ def failure_outcome(err: Exception) -> Rejected:
     """How a job whose call raised ends; no torch text (on CUDA it names capacity and other processes)."""
     if is_out_of_memory(err):
         return OutOfMemory("out of device memory during generation")
+    if isinstance(err, Rejected):  # said in our words already (a helper thread lost: 503)
+        return err
     return StepFailed(f"generation failed: {type(err).__name__}")

@@ -115,6 +115,19 @@ class CacheBoundary:
     after: tuple[str, ...] | None = None  # the rows the blocks after the deep ones read (None: all)
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Where a denoiser's tokens may be split across a sequence group (`runtime/sequence.py`):
+    the `blocks` that run on a slice of the tokens (a DiT's transformer blocks: everything they
+    do is per token except attention, which the group exchanges), the per-row entries cut along
+    their token dimension (`tokens`: key → dim), and `shared(shared, cuts)`, the shared values of
+    a rank's slice (FLUX.1's rotary embeddings; `cuts`: key → (start, stop, length))."""
+
+    blocks: frozenset[str]
+    tokens: dict[str, int]
+    shared: Callable[[dict[str, Any], dict[str, tuple[int, int, int]]], dict[str, Any]] | None = None
+
+
 class DenoiserSpec(Protocol):
     """What the engine needs to know about one kind of denoiser: its blocks, and how to run
     them one by one (`begin`, each block's call, `end`: the block walker runs them)."""
@@ -132,6 +145,8 @@ class DenoiserSpec(Protocol):
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor: ...
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None: ...
+
+    def sequence(self, model: nn.Module) -> SequenceSplit | None: ...
 
 
 def present(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from server.engine.denoisers.blocks import (
     DenoiserInputs,
     Flow,
     Layout,
+    SequenceSplit,
     present,
 )
 
@@ -88,6 +89,14 @@ class SD3TransformerSpec:
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         return dit_boundary(model.transformer_blocks, "transformer_blocks")
+
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Each transformer block on a slice of the image tokens and of the text tokens."""
+        blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
+        return SequenceSplit(blocks, TOKENS)
+
+
+TOKENS = {"hidden": 1, "context": 1}  # a DiT's image and text tokens: [rows, tokens, features]
 
 
 def token_rows(inputs: DenoiserInputs, takes: tuple[str, ...], family: str) -> dict[str, Any]:

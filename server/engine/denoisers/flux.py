@@ -29,9 +29,10 @@ from server.engine.denoisers.blocks import (
     DenoiserInputs,
     Flow,
     Layout,
+    SequenceSplit,
     present,
 )
-from server.engine.denoisers.dit import dit_boundary, out, token_rows
+from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 
 T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
 NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size
@@ -114,6 +115,24 @@ class FluxTransformerSpec:
         singles = len(model.single_transformer_blocks)
         last = f"single_transformer_blocks.{singles - 1}" if singles else None
         return dit_boundary(model.transformer_blocks, "transformer_blocks", last)
+
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Both streams' blocks on a slice of the image and of the text tokens, with the rotary
+        embeddings of the positions the slice holds."""
+        blocks = frozenset(
+            f"{stream}.{i}"
+            for stream in ("transformer_blocks", "single_transformer_blocks")
+            for i in range(len(getattr(model, stream)))
+        )
+        return SequenceSplit(blocks, TOKENS, rotary_slice)
+
+
+def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The rotary (cos, sin) of a rank's tokens: its text slice, then its image slice, the order
+    the blocks join the streams in ([text, image], as the position ids were made)."""
+    (t0, t1, text), (i0, i1, _) = cuts["context"], cuts["hidden"]
+    rotary = tuple(torch.cat((x[t0:t1], x[text + i0 : text + i1])) for x in shared["rotary"])
+    return {**shared, "rotary": rotary}
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as FluxTransformer2DModel.forward runs them.

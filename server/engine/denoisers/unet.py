@@ -99,6 +99,10 @@ class UNetSpec:
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
         return flow.rows["h"]
 
+    def sequence(self, model: nn.Module) -> None:
+        """A UNet's convolutions mix neighbouring pixels: its tokens cannot be split by blocks."""
+        return None
+
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         """DeepCache's cut, where the last up block's residuals are all shallow."""
         if model.config.addition_embed_type == "image_hint" or len(model.up_blocks) < 2:

@@ -115,6 +115,7 @@ class Outcome:
 class CallResult:
     out: torch.Tensor
     outcomes: list[Outcome]  # one per group of the plan
+    exchange_s: float = 0.0  # a sequence group's seconds in exchanges (rank 0's: waits and copies)
 
     @staticmethod
     def joined(

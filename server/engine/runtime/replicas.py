@@ -9,6 +9,7 @@ request uses every idle replica. The helper threads are a lane's own `Workers`, 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -20,6 +21,7 @@ from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.planning.parallel import ParallelPlan
 from server.engine.planning.plan import ShardPlan
 from server.engine.runtime.call import CallPlan, CallResult
+from server.engine.runtime.sequence import first_failure
 from server.engine.runtime.shard import ModelShard
 
 
@@ -48,21 +50,58 @@ def sharing_weights(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+class WorkerDied(BaseException):
+    """A helper thread died (injected by `Workers.kill_next`, as a crash would): escapes every
+    `except Exception`."""
+
+
 class Workers:
-    """A lane's helper threads for micro-batches, each running `threads` intra-op threads:
-    started once with the lane (a thread started per step pays for it, and each new thread
-    builds its OpenMP team)."""
+    """A lane's helper threads for micro-batches and sequence ranks, each running `threads`
+    intra-op threads: started once with the lane (a thread started per step pays for it, and
+    each new thread builds its OpenMP team).
+
+    A helper that dies (`WorkerDied`) leaves its pool unusable: `lost` says why until
+    `restart` replaces the pool with fresh threads (`restarts` counts them)."""
 
     def __init__(self, count: int, threads: int | None = None) -> None:
-        def init() -> None:
-            if threads is not None:
-                torch.set_num_threads(threads)
+        self.count, self.threads = max(1, count), threads
+        self.lost: str | None = None
+        self.restarts = 0
+        self._kill_next = threading.Event()  # fault injection: the next task's thread dies
+        self._pool = self._start()
 
-        self._pool = ThreadPoolExecutor(max(1, count), thread_name_prefix="diffshard-micro", initializer=init)
-        self.count = max(1, count)
+    def _start(self) -> ThreadPoolExecutor:
+        def init() -> None:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+
+        return ThreadPoolExecutor(self.count, thread_name_prefix="diffshard-micro", initializer=init)
 
     def submit(self, fn: Any, *args: Any) -> Future:
-        return self._pool.submit(fn, *args)
+        if self.lost is not None:
+            raise WorkerDied(self.lost)
+        return self._pool.submit(self._run, fn, *args)
+
+    def _run(self, fn: Any, *args: Any) -> Any:
+        try:
+            if self._kill_next.is_set():
+                self._kill_next.clear()
+                raise WorkerDied("injected fault [[kill-worker]]")
+            return fn(*args)
+        except WorkerDied as err:
+            self.lost = f"a helper thread died ({err})"
+            raise
+
+    def kill_next(self) -> None:
+        """Test-only (`[[kill-worker]]`): the next task's thread dies instead of running it."""
+        self._kill_next.set()
+
+    def restart(self) -> None:
+        """Replace the pool (its threads, one possibly dead) with fresh ones."""
+        self._pool.shutdown(wait=False)
+        self._pool = self._start()
+        self.lost = None
+        self.restarts += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -96,13 +135,16 @@ def run_micro_batches(
     own = workers or Workers(len(parts) - 1)
     try:
         others = [own.submit(run, index) for index in range(1, len(parts))]
+        errors: list[BaseException] = []
         try:
             first = run(0)
+        except BaseException as err:
+            errors.append(err)
         finally:  # nothing of this call runs on after it ends (or failed)
-            results = [f.exception() or f.result() for f in others]
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+            errors += [e for e in (f.exception() for f in others) if e is not None]
+        if errors:
+            raise first_failure(errors)
+        results = [f.result() for f in others]
         return CallResult.joined(list(zip(plans, [first, *results], strict=True)), plan, shards[0].device)
     finally:
         if workers is None:

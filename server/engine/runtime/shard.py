@@ -27,6 +27,7 @@ from server.engine.runtime.call import CallPlan, CallResult, RowsSlot
 from server.engine.runtime.compile import CompiledDenoiser, CompileMode
 from server.engine.runtime.gates import StageGates
 from server.engine.runtime.graphs import GraphStore
+from server.engine.runtime.sequence import Rank
 from server.engine.runtime.walker import TransferCache, walk
 from server.errors import PlanError
 
@@ -59,6 +60,7 @@ class ModelShard:
         self.layout = layout
         self.calls = self.spec.calls(model)  # each block's call, in order
         self.boundary = self.spec.boundary(model)  # where step caching cuts it (None: it cannot)
+        self.sequence = self.spec.sequence(model)  # what a sequence group splits (None: nothing)
         self.gates = StageGates(workers or worker_names([stage.device for stage in plan.stages]))
         self.slots = [RowsSlot() for _ in plan.stages]  # per stage: the adapter rows of its call
         self.compiled: CompiledDenoiser | None = None  # set by `compile`
@@ -87,10 +89,11 @@ class ModelShard:
         inputs = DenoiserInputs(sample, timestep, context, dict(conditioning))
         return self.run(inputs, CallPlan.plain(sample.shape[0])).out
 
-    def run(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
-        """One call of `plan` (its rows' adapters, step caching, compile) on `inputs`."""
+    def run(self, inputs: DenoiserInputs, plan: CallPlan, rank: Rank | None = None) -> CallResult:
+        """One call of `plan` (its rows' adapters, step caching, compile) on `inputs`; as `rank`
+        of a sequence group, on its slice of the tokens."""
         with torch.inference_mode():
-            return walk(self, inputs, plan)
+            return walk(self, inputs, plan, rank=rank)
 
     def slot_of(self, layer: str) -> RowsSlot:
         """The slot the adapter hook of module `layer` (a dotted path) reads: its stage's."""

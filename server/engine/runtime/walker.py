@@ -4,7 +4,10 @@ It runs the spec's blocks in order (`DenoiserSpec.begin`, each block's `BlockCal
 along the way: takes each stage's gate and moves the flow to the stage's device when it enters
 one (a tensor crosses to a device once per call); tells the stage's adapter hooks which rows ask
 for what (its `RowsSlot`); runs a block's compiled graph where the call may and a bucket holds
-its rows; and, for a step-cached call, runs the deep blocks only on the refreshing rows.
+its rows; for a step-cached call, runs the deep blocks only on the refreshing rows; and, as a
+rank of a sequence group (`sequence.py`), runs the blocks its spec lets split on its slice of
+the tokens, gathering them back before any block that is not split and wherever it reads every
+token.
 
     result = walk(shard, inputs, plan)   # result.out: [rows, C, h, w] on the shard's first device
 """
@@ -21,6 +24,7 @@ from server.engine.denoisers.blocks import BlockCall, CacheBoundary, DenoiserInp
 from server.engine.runtime.call import AdapterRows, CallPlan, CallResult, Outcome, RowsSlot
 from server.engine.runtime.compile import CompiledDenoiser
 from server.engine.runtime.gates import StageGates
+from server.engine.runtime.sequence import Rank
 
 
 class Shard(Protocol):
@@ -68,11 +72,14 @@ class TransferCache:
 class _Walk:
     """One call's walk through one shard: where it is, what it holds, what it moved."""
 
-    def __init__(self, shard: Shard, plan: CallPlan, on_block: OnBlock | None = None) -> None:
-        self.shard, self.plan, self.on_block = shard, plan, on_block
+    def __init__(
+        self, shard: Shard, plan: CallPlan, on_block: OnBlock | None = None, rank: Rank | None = None
+    ) -> None:
+        self.shard, self.plan, self.on_block, self.rank = shard, plan, on_block, rank
         self.moves = TransferCache()
         self.stage: int | None = None
         self.paths: set[str] = set()  # how its blocks ran: compiled, padded, eager
+        self.whole_shared: dict[str, Any] | None = None  # set while the flow is this rank's slice
 
     @staticmethod
     def rows(adapters: Sequence[Any]) -> AdapterRows | None:
@@ -88,20 +95,43 @@ class _Walk:
             shard.gates.enter(stage)
             self.stage = stage
         device = shard.stage_devices[stage]
+        split = self.rank is not None and name in self.rank.split.blocks
+        if not split:
+            flow = self.whole(flow)
         flow = Flow(self.moves.move(flow.rows, device), self.moves.move(flow.shared, device))
+        if split and self.whole_shared is None:
+            self.whole_shared = flow.shared
+            flow = self.rank.cut(flow)
         if self.on_block is not None:
             self.on_block(name, flow)
         shard.slots[stage].rows = rows
         call: BlockCall = shard.calls[name]
         out = None
-        if self.plan.compiled and shard.compiled is not None and rows is None:
+        if self.plan.compiled and shard.compiled is not None and rows is None and not split:
             out, path = shard.compiled.block(name, call, flow)
             self.paths.add(path)
         elif shard.compiled is not None:
             self.paths.add("eager")
-        if out is None:
+        if out is None and split:
+            with self.rank.attention():
+                out = call.fn(call.owner, flow.rows, flow.shared)
+        elif out is None:
             out = call.fn(call.owner, flow.rows, flow.shared)
         return Flow(out, flow.shared)
+
+    def whole(self, flow: Flow) -> Flow:
+        """The flow with every token: as is, or (a rank's slice) gathered from every rank."""
+        if self.whole_shared is None:
+            return flow
+        flow, self.whole_shared = self.rank.join(flow, self.whole_shared), None
+        return flow
+
+    def agree(self, outcomes: list[Outcome]) -> None:
+        """Every rank refreshes the rows rank 0 decided to (ranks must run the same blocks)."""
+        if self.rank is not None:
+            decided = self.rank.agree([o.refreshed for o in outcomes])
+            for outcome, refreshed in zip(outcomes, decided, strict=True):
+                outcome.refreshed = refreshed
 
     def leave(self) -> None:
         if self.stage is not None:
@@ -110,16 +140,24 @@ class _Walk:
             self.stage = None
 
 
-def walk(shard: Shard, inputs: DenoiserInputs, plan: CallPlan, on_block: OnBlock | None = None) -> CallResult:
+def walk(
+    shard: Shard,
+    inputs: DenoiserInputs,
+    plan: CallPlan,
+    on_block: OnBlock | None = None,
+    rank: Rank | None = None,
+) -> CallResult:
     """One call of `plan` on `inputs` through `shard` (see the module's doc); `on_block(name,
-    flow)` sees each block's inputs (what warming compiles from: such a walk is not counted)."""
+    flow)` sees each block's inputs (what warming compiles from: such a walk is not counted);
+    `rank`: this walk is one rank of a sequence group."""
     rows = inputs.sample.shape[0]
     if plan.rows != rows:
         raise ValueError(f"the call plan is for {plan.rows} rows, the inputs have {rows}")
-    state = _Walk(shard, plan, on_block)
+    state = _Walk(shard, plan, on_block, rank)
     shard.gates.begin()
     try:
-        if shard.compiled is not None and plan.compiled and not plan.cached and not any(plan.adapters):
+        whole_graph = plan.compiled and not plan.cached and not any(plan.adapters) and rank is None
+        if shard.compiled is not None and whole_graph:
             whole = shard.compiled.whole(inputs)  # --compile full: one graph for the call
             if whole is not None:
                 return CallResult(whole, [Outcome() for _ in plan.groups])
@@ -144,17 +182,19 @@ def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Ou
     while index < len(names):
         name = names[index]
         if boundary is not None and name == boundary.deep[0]:
-            flow = _deep(state, flow, boundary, outcomes)
+            flow = _deep(state, state.whole(flow), boundary, outcomes)
             index = names.index(boundary.deep[1]) + 1
             continue
         before = flow.rows.get(boundary.carry) if boundary is not None and name == boundary.first else None
         flow = state.block(name, flow, everyone)
         if before is not None:
+            flow = state.whole(flow)
             _decide(plan, outcomes, flow.rows[boundary.carry] - before.to(flow.rows[boundary.carry].device))
+            state.agree(outcomes)
         if shard.boundary is not None and name == shard.boundary.deep[1]:  # as a cached walk leaves it
             flow = _after_deep(flow, shard.boundary)
         index += 1
-    return shard.spec.end(shard.model, flow, moved), outcomes
+    return shard.spec.end(shard.model, state.whole(flow), moved), outcomes
 
 
 def _change(now: torch.Tensor, before: torch.Tensor) -> float:
@@ -204,6 +244,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
         start = sub.rows[boundary.carry]
         for name in deep:
             sub = state.block(name, sub, rows)
+        sub = state.whole(sub)
         fresh = sub.rows[boundary.carry]
         if boundary.keep == "residual":
             fresh = fresh - start.to(fresh.device)
