@@ -10,6 +10,7 @@ from server.engine.planning.planner import plan_parallel
 from server.engine.runtime.call import CallPlan, CallResult, RowGroup
 from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.replicas import Workers, build_shards, run_micro_batches
+from server.engine.runtime.sequence import run_sequence
 from server.engine.runtime.shard import ModelShard
 from server.errors import DeviceError, PlanError
 
@@ -39,6 +40,7 @@ __all__ = [
     "plan_shards",
     "register_spec",
     "run_micro_batches",
+    "run_sequence",
     "single",
     "spec_for",
 ]

@@ -33,7 +33,6 @@ from server.engine import (
     RowGroup,
     ShardPlan,
     plan_shards,
-    run_micro_batches,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import normalize_device
@@ -328,14 +327,9 @@ class Pipeline:
         return CallPlan(groups, compiled=not any(s.request.lora for s in states))
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
-        """The denoiser on `inputs` as `plan` says; its rows split over idle replicas unless the
-        plan keeps them together (a deterministic request: its rows' shapes must not depend on
-        what else runs)."""
-        rows = inputs.sample.shape[0]
-        shards = [self.shard, *self.lane.spare()][:rows] if rows > 1 and plan.splittable else [self.shard]
-        if len(shards) == 1:
-            return self.shard.run(inputs, plan)
-        return run_micro_batches(shards, inputs, len(shards), plan, self.lane.workers)
+        """The denoiser on `inputs` as `plan` says, through this lane (`Lane.forward`: over idle
+        replicas too, its rows or its tokens split)."""
+        return self.lane.forward(inputs, plan)
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:

@@ -1,16 +1,30 @@
 """Where a pipeline's denoiser runs, built once from its plan and read-only after: a shard per
 replica, the lanes that step requests through them (each with its helper threads, started
-once), the intra-op threads each lane runs, and whether a lone request's rows split over idle
-replicas."""
+once), the intra-op threads each lane runs, and how a lone request uses idle replicas: its rows
+split over them, or (a DiT) its tokens (`sequence`: a group of that many ranks). `grouped`
+(`--parallel sequence`): one lane, every call a sequence group over every replica."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-from server.engine import ModelShard, ParallelPlan, ShardPlan, Workers, build_shards
+from server.engine import (
+    CallPlan,
+    CallResult,
+    ModelShard,
+    ParallelPlan,
+    ShardPlan,
+    Workers,
+    build_shards,
+    run_micro_batches,
+    run_sequence,
+)
+from server.engine.denoisers.blocks import DenoiserInputs
 
 Spare = Callable[[], Sequence[ModelShard]]  # the other replicas' shards with nothing to do now
 
@@ -19,14 +33,50 @@ def no_spare() -> Sequence[ModelShard]:
     return ()
 
 
+class GroupCalls:
+    """The calls run as sequence groups, and their ranks' time in exchanges (rank 0's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls, self.exchange_s = 0, 0.0
+
+    def count(self, exchange_s: float) -> None:
+        with self._lock:
+            self.calls += 1
+            self.exchange_s += exchange_s
+
+    def view(self) -> dict[str, Any]:
+        return {"sequence_calls": self.calls, "sequence_exchange_seconds": round(self.exchange_s, 6)}
+
+
 @dataclass(frozen=True)
 class Lane:
     """One step loop's way through the denoiser: its replica's shard, the helper threads that
-    run its micro-batches, and where it finds idle replicas to split a call's rows over."""
+    run its micro-batches and sequence ranks, and where it finds idle replicas to use; as a
+    sequence group of up to `sequence` ranks (a DiT's tokens split) or by rows."""
 
     shard: ModelShard
     workers: Workers | None = None
     spare: Spare = no_spare
+    sequence: int = 1
+    groups: GroupCalls = field(default_factory=GroupCalls)
+
+    def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
+        """One call over this lane's shard and idle replicas, unless the plan keeps its rows
+        together (a deterministic request: its rows' shapes must not depend on what else runs)."""
+        if not plan.splittable:
+            return self.shard.run(inputs, plan)
+        spare = self.spare()
+        split = self.shard.sequence
+        if spare and split is not None and self.sequence > 1 and self.workers is not None:
+            group = [self.shard, *spare][: self.sequence]
+            result = run_sequence(group, split, inputs, plan, self.workers.submit)
+            self.groups.count(result.exchange_s)
+            return result
+        shards = [self.shard, *spare][: inputs.sample.shape[0]]
+        if len(shards) == 1:
+            return self.shard.run(inputs, plan)
+        return run_micro_batches(shards, inputs, len(shards), plan, self.workers)
 
 
 @dataclass(frozen=True)
@@ -34,7 +84,9 @@ class Deployment:
     replicas: tuple[ModelShard, ...]
     lanes_per_replica: int = 1
     threads: int | None = None  # intra-op threads each lane's thread runs (None: the process's)
-    splits_lone: bool = False  # the plan predicts splitting a lone request's rows pays
+    splits_lone: bool = False  # the plan predicts splitting a lone request over idle replicas pays
+    sequence: int = 1  # > 1: split its tokens (a sequence group of this many replicas), not its rows
+    grouped: bool = False  # one lane; every call's tokens split over every replica
 
     @classmethod
     def of(cls, model: nn.Module, plan: ShardPlan | ParallelPlan) -> Deployment:
@@ -42,14 +94,24 @@ class Deployment:
         if isinstance(plan, ShardPlan):
             return cls((ModelShard(model, plan),))
         shards = build_shards(model, plan)
-        return cls(tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone)
+        return cls(
+            tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence, plan.grouped
+        )
 
     def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
-        for the micro-batches it sends them."""
+        for the micro-batches it sends them. Grouped: one lane, the other replicas always its."""
+        groups = GroupCalls()  # counted over every lane
+        if self.grouped:
+            others = self.replicas[1:]
+            workers = Workers(len(others), self.threads)
+            return [Lane(self.replicas[0], workers, lambda: others, self.sequence, groups)]
         shards = [shard for shard in self.replicas for _ in range(self.lanes_per_replica)]
         if spare is None or len(self.replicas) < 2:
-            return [Lane(shard) for shard in shards]
+            return [Lane(shard, groups=groups) for shard in shards]
         helpers = len(self.replicas) - 1
-        return [Lane(s, Workers(helpers, self.threads), spare(i)) for i, s in enumerate(shards)]
+        return [
+            Lane(s, Workers(helpers, self.threads), spare(i), self.sequence, groups)
+            for i, s in enumerate(shards)
+        ]

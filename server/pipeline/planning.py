@@ -96,6 +96,8 @@ def plan_model(
         costs_note=where,
         pick_threads=pick_threads,
         timed=costs == Costs.MEASURED,
+        lone_rows=family.lone_rows,
+        links=model_costs.link,
         max_memory=max_memory,
         device_map=device_map,
         dtype=dtype,

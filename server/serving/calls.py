@@ -47,7 +47,8 @@ class WatchedCalls:
         self.heartbeat.begin(deadline_s)
         try:
             if self.inject_faults:
-                inject_fault(method.__name__, items, self._closed, deadline_s)
+                workers = getattr(getattr(self.pipeline, "lane", None), "workers", None)
+                inject_fault(method.__name__, items, self._closed, deadline_s, workers)
             result = method(items)
             try:
                 self.pipeline.synchronize()  # so step times are device times, not enqueue times

@@ -5,11 +5,13 @@ machines cannot produce real ones on demand. A fake at that boundary, off by def
     [[fail]]   the step raises (RuntimeError)         [[oom]]    the step runs out of memory
     [[hang]]   the step never returns (until close)   [[decode]] the VAE decode raises
     [[kill]]   the step loop thread dies              [[slow]]   the step takes twice its deadline
+    [[kill-worker]]  a helper thread of the lane (a sequence group's rank) dies in the step
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -26,10 +28,15 @@ STEP_FAULTS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError, "[[k
 SLOW = 2.0  # [[slow]]: the step takes this many times its deadline (slow, not stuck)
 
 
-def inject_fault(call: str, states: list, closed: threading.Event, deadline_s: float) -> None:
-    """Raise (or block) if a marked request takes part in `call` ("start", "step" or "decode")."""
+def inject_fault(
+    call: str, states: list, closed: threading.Event, deadline_s: float, workers: Any = None
+) -> None:
+    """Raise (or block) if a marked request takes part in `call` ("start", "step" or "decode");
+    `workers`: the lane's helper threads (`Workers`), one of which `[[kill-worker]]` kills."""
     for state in states:
         prompt = getattr(getattr(state, "request", state), "prompt", "")
+        if call == "step" and state.index == FAULT_STEP and "[[kill-worker]]" in prompt and workers:
+            workers.kill_next()
         if call == "step" and state.index == FAULT_STEP:
             for marker, error in STEP_FAULTS.items():
                 if marker in prompt:

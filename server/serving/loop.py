@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,9 +227,28 @@ class StepLoop:
                 self._end(list(self._active), StepFailed("internal error in the step loop"))
             except Exception:
                 log.exception("step loop error while failing its requests")
+        self._restart_lost_helpers()
         with self._wake:
             self._wake.notify_all()  # wait_idle() may be waiting
         return True
+
+    def _restart_lost_helpers(self) -> None:
+        """A helper thread that died failed its call (503) and took the lane out of /readyz
+        (`lost_helpers`): start fresh ones before the next turn, whether or not work waits."""
+        workers = self._helpers()
+        if workers is not None and workers.lost is not None:
+            log.warning("%s: %s; starting fresh helper threads", self._thread.name, workers.lost)
+            workers.restart()
+
+    @property
+    def lost_helpers(self) -> str | None:
+        """Why this lane's helper threads cannot run calls now (None: they can)."""
+        workers = self._helpers()
+        return None if workers is None or workers.lost is None else f"{self._thread.name}: {workers.lost}"
+
+    def _helpers(self) -> Any:
+        """The lane's helper threads (`Workers`), if it has any."""
+        return getattr(getattr(self.pipeline, "lane", None), "workers", None)
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""

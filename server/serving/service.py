@@ -206,6 +206,10 @@ class Service:
             "lanes": len(self.loops),
             "threads_per_lane": self.pipeline.lane_threads,
             "splits_lone_requests": self.splits_lone,
+            "sequence_degree": self.pipeline.deployment.sequence,
+            "sequence_every_call": self.pipeline.deployment.grouped,
+            **self.loops[0].pipeline.lane.groups.view(),  # the lanes count together
+            "helper_restarts": sum(w.restarts for loop in self.loops if (w := loop._helpers()) is not None),
             **self.busy(),
         }
 
@@ -281,6 +285,8 @@ class Service:
             return problem
         if slow := next((s for loop in self.loops if (s := loop.slow)), None):
             return slow
+        if lost := next((s for loop in self.loops if (s := loop.lost_helpers)), None):
+            return lost
         failures = max(loop.heartbeat.failures_in_a_row for loop in self.loops)
         return f"the last {failures} steps failed" if failures >= self.failures_unready else None
 

@@ -22,6 +22,7 @@ MATMUL_SHARE = 0.65
 CONV_SHARE = 0.5
 ATTENTION_SHARE = 0.4
 BANDWIDTH_SHARE = 0.8
+LINK_SHARE = 0.8  # of a GPU-to-GPU link's published rate, as copies reach it (an estimate)
 # Seconds per op beyond its arithmetic: a kernel launch and eager PyTorch's dispatch, ~5 µs on
 # a current host CPU (an estimate; it overlaps large kernels, so counting it in full errs slow).
 OP_OVERHEAD_S = 5e-6
@@ -36,6 +37,7 @@ class GpuProfile:
     fp32_tflops: float  # FP32 without tensor cores (PyTorch's default for float32 matmuls)
     half_tflops: float  # dense FP16 tensor-core peak (FP32 accumulate), without sparsity
     bf16: bool  # bfloat16 on tensor cores (Ampere and later); else it runs at the FP32 rate
+    link_gb_s: float = 32.0  # to a peer GPU, one direction: NVLink, else PCIe (GB/s)
 
     def tflops(self, dtype: torch.dtype) -> float:
         """The dense peak a dtype runs at on this GPU."""
@@ -61,21 +63,23 @@ class GpuProfile:
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe), H200 datasheet, A100 datasheet (SXM4
 # 40 GB and 80 GB), L40S datasheet, L4 datasheet, A10 datasheet, T4 datasheet, V100 datasheet
 # (SXM2), and the Ada Lovelace architecture whitepaper's GeForce RTX 4090 table (FP16 tensor
-# with FP32 accumulate, as PyTorch runs it).
+# with FP32 accumulate, as PyTorch runs it). Links, one direction: NVLink 4 (H100/H200 SXM) 900
+# GB/s both ways, NVLink 3 (A100) 600, NVLink 2 (V100) 300; the others PCIe: Gen5 x16 64 GB/s,
+# Gen4 x16 32, Gen3 x16 16 (the RTX 4090 has no peer-to-peer: its copies go through the host).
 PROFILES = {
     p.name: p
     for p in (
-        GpuProfile("h100", "NVIDIA H100 SXM", 80, 3350, 67, 989.4, True),
-        GpuProfile("h100-pcie", "NVIDIA H100 PCIe", 80, 2000, 51, 756.5, True),
-        GpuProfile("h200", "NVIDIA H200 SXM", 141, 4800, 67, 989.4, True),
-        GpuProfile("a100", "NVIDIA A100 SXM 80GB", 80, 2039, 19.5, 312, True),
-        GpuProfile("a100-40gb", "NVIDIA A100 SXM 40GB", 40, 1555, 19.5, 312, True),
-        GpuProfile("l40s", "NVIDIA L40S", 48, 864, 91.6, 362.05, True),
-        GpuProfile("l4", "NVIDIA L4", 24, 300, 30.3, 121, True),
-        GpuProfile("a10", "NVIDIA A10", 24, 600, 31.2, 125, True),
-        GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", 24, 1008, 82.6, 165.2, True),
-        GpuProfile("v100", "NVIDIA V100 SXM2 32GB", 32, 900, 15.7, 125, False),
-        GpuProfile("t4", "NVIDIA T4", 16, 320, 8.1, 65, False),
+        GpuProfile("h100", "NVIDIA H100 SXM", 80, 3350, 67, 989.4, True, 450),
+        GpuProfile("h100-pcie", "NVIDIA H100 PCIe", 80, 2000, 51, 756.5, True, 64),
+        GpuProfile("h200", "NVIDIA H200 SXM", 141, 4800, 67, 989.4, True, 450),
+        GpuProfile("a100", "NVIDIA A100 SXM 80GB", 80, 2039, 19.5, 312, True, 300),
+        GpuProfile("a100-40gb", "NVIDIA A100 SXM 40GB", 40, 1555, 19.5, 312, True, 300),
+        GpuProfile("l40s", "NVIDIA L40S", 48, 864, 91.6, 362.05, True, 32),
+        GpuProfile("l4", "NVIDIA L4", 24, 300, 30.3, 121, True, 32),
+        GpuProfile("a10", "NVIDIA A10", 24, 600, 31.2, 125, True, 32),
+        GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", 24, 1008, 82.6, 165.2, True, 32),
+        GpuProfile("v100", "NVIDIA V100 SXM2 32GB", 32, 900, 15.7, 125, False, 150),
+        GpuProfile("t4", "NVIDIA T4", 16, 320, 8.1, 65, False, 16),
     )
 }
 # A GPU named for a plan, with no profile chosen, is taken for the usual datacenter GPU.

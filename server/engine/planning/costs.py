@@ -50,6 +50,7 @@ from server.engine.hardware.gpus import (
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.calibrate import DeviceSpeed, cached_calibration, cached_shared_overhead
 from server.engine.planning.profile import profile_block_costs
+from server.engine.planning.sequence import Link, cpu_link, gpu_link
 from server.engine.planning.work import BlockWork, ModelWork, count_work
 from server.errors import PlanError
 
@@ -165,6 +166,12 @@ class CostModel:
             overhead = cached_shared_overhead(speed, workers, threads, beside_server, self.cache_dir)
         work = self.work if rows in (None, self.rows) else self.work.at_rows(rows)
         return {name: block_seconds(block, speed, overhead) for name, block in work.blocks.items()}
+
+    def link(self, device: str, threads: int = 1) -> Link:
+        """How a sequence group's rank on `device` gets its peers' tensors (`sequence.py`)."""
+        if torch.device(device).type == "cpu":
+            return cpu_link(cached_calibration(device, self.dtype, threads, self.cache_dir).bytes_per_s)
+        return gpu_link(self.profile)
 
     def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""

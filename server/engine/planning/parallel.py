@@ -1,13 +1,16 @@
 """Every device busy at once: what a parallel plan is (pure values, and the shapes weighed:
 `weighed_shapes`, `fill_cores`; `planner.py` chooses one, `replicas.py` builds and runs it).
 
-Split by layers alone, a model runs one device at a time. Two ways keep them all working:
+Split by layers alone, a model runs one device at a time. Three ways keep them all working:
 
 - **replicas**: the whole denoiser on each device (or group of devices); requests are shared
   out between them, and a lone request's rows are split across the idle ones (for a guided
   image: its two guidance halves, CFG-parallel);
 - **pipelined stages**: one split model, several lanes (step loops) in it at once; stage gates
-  (`gates.py`) let stage k run one lane's rows while stage k-1 runs the next lane's.
+  (`gates.py`) let stage k run one lane's rows while stage k-1 runs the next lane's;
+- **sequence groups** (DiTs): the replicas share each block of one call, each on a slice of its
+  tokens (`runtime/sequence.py`): a lone request's tokens split over the idle replicas where
+  that is predicted quicker than its rows, or every call's (`--parallel sequence`, one lane).
 
 A `ParallelPlan` holds R replicas of S stages each (pure replicas, a pure pipeline, or a hybrid
 such as 2 × 2 on 4 GPUs), how many lanes feed each replica (one per stage keeps every stage
@@ -33,6 +36,7 @@ class Parallel(StrEnum):
     AUTO = "auto"  # the fastest predicted configuration
     REPLICAS = "replicas"  # the whole model on every device
     PIPELINE = "pipeline"  # one split, every stage busy with its own lane
+    SEQUENCE = "sequence"  # one lane; every call's tokens split over every replica (DiTs)
     OFF = "off"  # one split, one lane: the least memory
 
 
@@ -47,11 +51,15 @@ class Candidate:
     note: str = ""
     lone_step_s: float | None = None  # predicted seconds of one step of a lone guided image
     threads: int | None = None  # per worker, on CPU workers
-    splits_lone: bool = False  # a lone request's rows go to the idle replicas too (predicted quicker)
+    splits_lone: bool = False  # a lone request goes to the idle replicas too (predicted quicker)
+    sequence: int = 1  # > 1: it goes there as a sequence group of this many ranks (its tokens split)
+    grouped: bool = False  # every call is a sequence group over every replica (one lane)
 
     @property
     def label(self) -> str:
         replicas = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
+        if self.grouped:
+            replicas = f"a sequence group of {self.replicas}"
         return f"{replicas} × {self.stages} stage{'s' if self.stages > 1 else ''}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,6 +70,8 @@ class Candidate:
             "predicted_rows_per_s": self.rows_per_s,
             "predicted_lone_step_s": self.lone_step_s,
             "splits_lone_requests": self.splits_lone,
+            "sequence_degree": self.sequence,
+            "sequence_every_call": self.grouped,
             "note": self.note,
         }
 
@@ -70,7 +80,12 @@ class Candidate:
             return f"{self.label}: {self.note or 'does not fit'}"
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} each" if self.threads else ""
         lone = f", a lone image {self.lone_step_s * 1e3:.4g} ms a step" if self.lone_step_s else ""
-        lone += " split over the replicas" if self.splits_lone else ""
+        if self.splits_lone:
+            lone += (
+                f" (its tokens split {self.sequence} ways)"
+                if self.sequence > 1
+                else " split over the replicas"
+            )
         note = f" ({self.note})" if self.note else ""
         return f"{self.label}{threads}: {self.rows_per_s:.3g} rows/s under load{lone}{note}"
 
@@ -85,6 +100,8 @@ class ParallelPlan:
     workers: tuple[str, ...] = field(default=())  # a name per stage of every replica
     costs: str = ""  # where the predictions came from: counted or measured, and on what
     splits_lone: bool = False  # see Candidate
+    sequence: int = 1  # see Candidate
+    grouped: bool = False  # see Candidate
 
     @property
     def stages(self) -> int:
@@ -92,10 +109,12 @@ class ParallelPlan:
 
     @property
     def lanes(self) -> int:
-        return len(self.replicas) * self.lanes_per_replica
+        return 1 if self.grouped else len(self.replicas) * self.lanes_per_replica
 
     @property
     def kind(self) -> str:
+        if self.grouped:
+            return "sequence"
         if len(self.replicas) > 1:
             return "hybrid" if self.stages > 1 else "replicas"
         if self.stages > 1:
@@ -114,6 +133,7 @@ class ParallelPlan:
             "reason": self.reason,
             "costs": self.costs,
             "splits_lone_requests": self.splits_lone,
+            "sequence_degree": self.sequence,
             "candidates": [c.to_dict() for c in self.candidates],
             "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
         }
@@ -159,6 +179,8 @@ def weighed_shapes(count: int, parallel: Parallel, quota: int | None = None) -> 
         return [(count, 1)]
     if parallel == Parallel.PIPELINE:
         return [(1, count)]
+    if parallel == Parallel.SEQUENCE:  # a group of every replica: the fewest stages that fit first
+        return [(count // s, s) for s in range(1, count // 2 + 1) if count % s == 0]
     usable = min(count, quota) if quota else count
     shapes = [(usable // s, s) for s in range(1, usable + 1)]
     if usable < count:  # every divisor shape of all the devices, as the user wrote them

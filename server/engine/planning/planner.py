@@ -38,17 +38,19 @@ from torch import nn
 
 from server.engine.denoisers.specs import native_latent
 from server.engine.hardware.devices import parse_memory_map, resolve_devices, worker_names
+from server.engine.planning.choose import choose
 from server.engine.planning.costs import CostModel
+from server.engine.planning.flow import trace_flow
 from server.engine.planning.parallel import (
     PARALLEL_MODES,
     Candidate,
     Parallel,
     ParallelPlan,
-    fill_cores,
     single,
     weighed_shapes,
 )
 from server.engine.planning.plan import ShardPlan, Strategy, plan_shards
+from server.engine.planning.sequence import Link, group_step_s, split_blocks
 from server.errors import PlanError
 
 # Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
@@ -57,7 +59,6 @@ BOUNDARY_BYTES_PER_S = 16e9
 # Cores the server's own threads keep busy beside the workers under load (event loop, step
 # loops between forwards, PNG encoding): an estimate, checked by benchmarks.thread_default.
 HTTP_CORES = 0.5
-NEAR = 0.05  # predictions this close in throughput are a tie: the lower lone latency wins
 
 # (device, threads, rows=, workers=, beside_server=) → seconds per block for `rows` rows on one
 # of `workers` busy workers (CPU workers share the cores and the interpreter; `beside_server`:
@@ -77,6 +78,8 @@ def plan_parallel(
     costs_note: str = "",
     pick_threads: bool = True,
     timed: bool = False,
+    lone_rows: int = 2,
+    links: Callable[[str, int], Link] | None = None,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
@@ -87,8 +90,9 @@ def plan_parallel(
     quicker), from `block_costs` (seconds per block; default: counted at `rows` rows,
     `CostModel`). A lone CPU worker runs the thread count predicted fastest, or all `threads`
     without `pick_threads`. `timed`: `block_costs` time the whole model on a device, so a model
-    that fits no single device cannot be costed. `plan_options` go to `plan_shards` (dtype,
-    latent_size, batch, max_memory, resident, device_map).
+    that fits no single device cannot be costed. A lone image is `lone_rows` rows (2: guided);
+    a sequence group's ranks exchange over `links(device, threads)` (`sequence.py`).
+    `plan_options` go to `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
     """
     if parallel not in PARALLEL_MODES:
         raise PlanError(f"unknown parallel mode {parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
@@ -106,7 +110,14 @@ def plan_parallel(
     search = _Search(
         model, device_list, strategy, threads, block_costs, plan_options | {"max_memory": budgets}
     )
-    search.pick_threads, search.latent = pick_threads, latent
+    search.pick_threads, search.latent, search.lone_rows = pick_threads, latent, lone_rows
+    search.grouped = parallel == Parallel.SEQUENCE
+    search.links = links or (lambda device, threads: Link(BOUNDARY_BYTES_PER_S))
+    if parallel == Parallel.SEQUENCE and not search.split:
+        raise PlanError(
+            f"--parallel sequence splits a DiT's tokens; {type(model).__name__} has no blocks to "
+            "split (a UNet's convolutions mix neighbouring pixels): use replicas or pipeline"
+        )
 
     # 1. One worker: a single device, or the layer split when the model needs every device. The
     # CPU alone may run several workers (lanes sharing its cores and one copy of the weights),
@@ -137,52 +148,8 @@ def plan_parallel(
     baselines = search.add_baselines()
 
     # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
-    best, reason = _choose(search, baselines, Parallel(parallel), whole, device_list, costs_note)
+    best, reason = choose(search, baselines, Parallel(parallel), whole, device_list, costs_note)
     return search.plan_of(best, reason, costs_note)
-
-
-def _choose(
-    search: _Search,
-    baselines: list[Candidate],
-    parallel: Parallel,
-    whole: bool,
-    device_list: list[str],
-    costs_note: str,
-) -> tuple[Candidate, str]:
-    """The candidate to run and why: throughput first; among those within NEAR of the fastest,
-    the quicker lone image; on a CPU under auto, never one that leaves cores idle."""
-    base = {id(c) for c in baselines}
-    choosable = [c for c in search.candidates if c.rows_per_s is not None and id(c) not in base]
-    if parallel == Parallel.AUTO:  # never more busy CPU workers than cores, unless asked for
-        choosable = [c for c in choosable if id(c) not in search.crowded]
-        choosable += [c for c in baselines if c.rows_per_s is not None]
-    if not choosable:
-        if not whole:  # the layer split's own refusal names the device and the shortfall
-            search.one_worker(Parallel.OFF, costs_note)
-        notes = "; ".join(f"{c.label}: {c.note}" for c in search.candidates)
-        raise PlanError(f"no {parallel} configuration over {device_list} fits: {notes}")
-    idle = ""
-    if search.all_cpu and parallel == Parallel.AUTO:
-        busy = fill_cores(choosable, search.quota)
-        faster = max((c for c in choosable if all(c is not b for b in busy)), key=_rate, default=None)
-        if busy and faster is not None and _rate(faster) > max(map(_rate, busy)):
-            idle = f"; {faster.label} ({faster.note}) is predicted faster but leaves cores idle"
-        choosable = busy or choosable
-    top = max(map(_rate, choosable))
-    near = [c for c in choosable if _rate(c) >= top * (1 - NEAR)]
-    best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
-    tie = " (or as fast, and quicker alone)" if len(near) > 1 else ""
-    reason = f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s under load"
-    baseline = baselines[0] if baselines else None
-    if best is not baseline and baseline is not None and baseline.rows_per_s:
-        reason += f"; {best.rows_per_s / baseline.rows_per_s:.2f}× {baseline.note}"
-    reason += idle
-    reason += ")" if parallel == Parallel.AUTO else f"; --parallel {parallel} asked for it)"
-    return best, reason
-
-
-def _rate(candidate: Candidate) -> float:
-    return candidate.rows_per_s or 0.0
 
 
 class _Search:
@@ -199,6 +166,11 @@ class _Search:
         self.latent = 0  # the latent side the block costs were counted at
         self.singles: dict[tuple[str, ...], ShardPlan] = {}  # devices → the one-worker plan
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
+        self.dtype = options.get("dtype") or next(model.parameters()).dtype
+        self.split = split_blocks(model)  # what a sequence group splits (none: no group)
+        self.grouped = False  # --parallel sequence: every call a group over every replica
+        self.lone_rows = 2
+        self.links: Callable[[str, int], Link] = lambda device, threads: Link(BOUNDARY_BYTES_PER_S)
 
     # Shapes.
 
@@ -208,18 +180,21 @@ class _Search:
         devices = self.devices * replicas if self.devices == ["cpu"] else self.devices[:workers]
         groups = [devices[i * stages : (i + 1) * stages] for i in range(replicas)]
         threads = max(1, self.quota // workers) if self.all_cpu else 1
-        rows = self._lane_rows(stages)
+        rows = self.batch if self.grouped else self._lane_rows(stages)
         costs = self.block_costs(groups[0][0], threads, rows=rows, **self._sharing(workers, threads))
         try:
             split = tuple(self._split(group, costs, stages, i == 0) for i, group in enumerate(groups))
         except PlanError as err:
-            return self.add(Candidate(replicas, stages, None, str(err)))
+            return self.add(Candidate(replicas, stages, None, str(err), grouped=self.grouped))
         step_s = self._slowest_stage_s(split[0], costs, rows) * self._stretch(workers, threads)
-        lone_s, splits = self._lone_step(split[0], replicas, threads)
+        if self.grouped:  # one lane, every call a group over every replica
+            step_s = self._group_s(split[0], threads, rows, replicas)
+        lone_s, splits, degree = self._lone_step(split[0], replicas, threads)
         crowded = self.all_cpu and workers > self.quota  # run only when asked for by name
         cpu_threads = threads if self.all_cpu else None
         note = self._note(workers, cpu_threads, len(devices))
-        candidate = Candidate(replicas, stages, replicas * rows / step_s, note, lone_s, cpu_threads, splits)
+        rate = (1 if self.grouped else replicas) * rows / step_s
+        candidate = Candidate(replicas, stages, rate, note, lone_s, cpu_threads, splits, degree, self.grouped)
         if crowded:
             self.crowded.add(id(candidate))
         self.plans[id(candidate)] = (split, stages)  # a lane per stage keeps every stage busy
@@ -227,14 +202,15 @@ class _Search:
 
     def add_baselines(self) -> list[Candidate]:
         """Today's one worker: on CPU, one lane with the threads that serve it fastest (what
-        `--devices cpu` runs), and one with every thread if that is not the same; on GPUs, the
-        layer split with one lane (every stage in turn)."""
+        `--devices cpu` runs), and one with every thread if that is not the same; on GPUs, one
+        device where the model fits one, else the layer split with one lane (every stage in turn)."""
+        one = not self.all_cpu and self.fits_one()
         try:
-            plan = self._single(["cpu"] if self.all_cpu else self.devices)
+            plan = self._single(["cpu"] if self.all_cpu else self.devices[:1] if one else self.devices)
         except PlanError:
             return []
         if not self.all_cpu:
-            return [self._baseline(plan, 1, "one lane through the layer split")]
+            return [self._baseline(plan, 1, "one device" if one else "one lane through the layer split")]
         best = self.best_threads()
         return [
             self._baseline(plan, t, f"one worker, {t} thread{'s' * (t != 1)}")
@@ -243,7 +219,7 @@ class _Search:
 
     def _baseline(self, plan: ShardPlan, threads: int, note: str) -> Candidate:
         seconds = self._step_s(plan, threads, self.batch, workers=1)
-        lone_s, _ = self._lone_step(plan, 1, threads)
+        lone_s, _, _ = self._lone_step(plan, 1, threads)
         cpu_threads = threads if self.all_cpu else None
         note = ", ".join(filter(None, (note, self._note(1, cpu_threads, len(plan.devices)))))
         candidate = Candidate(1, len(plan.stages), self.batch / seconds, note, lone_s, cpu_threads)
@@ -303,8 +279,9 @@ class _Search:
         split, lanes = self.plans[id(best)]
         workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
         return ParallelPlan(
-            split, lanes, best.threads, tuple(self.candidates), reason, workers, costs_note, best.splits_lone
-        )
+            split, 1 if best.grouped else lanes, best.threads, tuple(self.candidates), reason, workers,
+            costs_note, best.splits_lone, best.sequence, best.grouped,
+        )  # fmt: skip
 
     # Helpers.
 
@@ -370,14 +347,30 @@ class _Search:
         costs = self.block_costs(plan.stages[0].device, threads, rows=rows, **self._sharing(workers, threads))
         return sum(self._stage_seconds(plan, costs, rows)) * self._stretch(workers, threads)
 
-    def _lone_step(self, plan: ShardPlan, replicas: int, threads: int) -> tuple[float, bool]:
-        """Seconds of one step of a lone guided image (2 rows), and whether splitting its rows
-        over the idle replicas (a row each, at once) is predicted quicker than one replica."""
-        whole = self._step_s(plan, threads, 2, workers=1)
-        if replicas == 1:
-            return whole, False
-        parts = self._step_s(plan, threads, 1, workers=replicas)
-        return (parts, True) if parts < whole else (whole, False)
+    def _lone_step(self, plan: ShardPlan, replicas: int, threads: int) -> tuple[float, bool, int]:
+        """Seconds of one step of a lone image (`lone_rows` rows), whether it goes to the idle
+        replicas too (predicted quicker than one replica), and as a sequence group of how many
+        ranks (1: its rows split, a row each, at once)."""
+        rows = self.lone_rows
+        options = [(self._step_s(plan, threads, rows, workers=1), False, 1)]
+        if replicas > 1 and rows > 1:
+            options.append((self._step_s(plan, threads, max(1, rows // replicas), workers=replicas), True, 1))
+        if replicas > 1 and self.split:
+            options.append((self._group_s(plan, threads, rows, replicas), True, replicas))
+        if self.grouped:  # every call is a group: a lone one too
+            return options[-1]
+        return min(options, key=lambda option: option[0])
+
+    def _group_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
+        """Seconds of one step of `rows` rows as a sequence group of `degree` ranks."""
+        device = plan.stages[0].device
+        costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
+        flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
+        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
+        seconds, _ = group_step_s(
+            plan, costs, degree, self.split, flow.block_io_bytes, share, self.links(device, threads)
+        )
+        return seconds * self._stretch(degree, threads)
 
     def _sharing(self, workers: int, threads: int) -> dict[str, Any]:
         """How busy CPU workers share the host, for the cost model (nothing on GPUs)."""

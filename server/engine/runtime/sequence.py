@@ -161,7 +161,9 @@ class Rank:
         v = torch.cat([part[1].to(here) for part in keys], dim=2)
         return F.scaled_dot_product_attention(query, k, v, scale=scale)
 
-    def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _ulysses(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
         parts = self.gather((q, k, v))
         start, stop = chunks(q.shape[1], self.size)[self.index]
         here = q.device  # this rank's stage's device
@@ -189,7 +191,7 @@ class SequenceAttention(TorchFunctionMode):
         super().__init__()
         self.rank = rank
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.rank.attend(*args, **kwargs)
@@ -215,6 +217,8 @@ def run_sequence(
             raise
 
     others = [submit(run, index) for index in range(1, len(shards))]
+    for future in others:  # a helper that dies before its rank runs must wake the others too
+        future.add_done_callback(lambda f: group.abort() if f.exception() is not None else None)
     errors: list[BaseException] = []
     try:
         first = run(0)

@@ -91,6 +91,8 @@ class Family:
         """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
         return 2 if request.guidance_scale > 1 else 1
 
+    lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
+
     def cfg_scale(self, request: Asked) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows."""
         return request.guidance_scale

@@ -114,6 +114,8 @@ class Flux(Family):
         """One row, or two for true CFG (diffusers: true_cfg_scale > 1 with a negative prompt)."""
         return 2 if request.true_cfg_scale > 1 and request.negative_prompt is not None else 1
 
+    lone_rows = 1  # guidance is embedded (dev) or absent (schnell): true CFG is the exception
+
     def cfg_scale(self, request: Asked) -> float:
         return request.true_cfg_scale
 

@@ -1,0 +1,94 @@
+"""The planner's third axis: a sequence group's step, predicted from counted costs plus the
+bytes its exchanges move (`runtime/sequence.py` runs it).
+
+A group of D ranks runs each split block on 1/D of the tokens: every op of a DiT block is per
+token, and attention over S/D queries and all S keys is 1/D of the whole too, so a split block
+costs its seconds / D. On top, per split block, Ulysses' two all-to-alls: a rank keeps 1/D of
+its queries, keys and values and of the output and exchanges the rest, 4 · (D-1)/D² of the
+block's tokens; and where the split blocks end, a gather of (D-1)/D of them. The tokens' bytes
+are half of what the block reads and writes (its tokens in, its tokens out: the meta trace's
+`block_io_bytes`). Each exchange also waits for the slowest rank: `Link.sync_s`.
+
+Links: a GPU's to its peers is its profile's (NVLink or PCIe, `gpus.py`; not measured); CPU
+ranks copy through memory, at half the calibrated streaming rate (a copy reads and writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from server.engine.denoisers.specs import spec_for
+from server.engine.hardware.gpus import LINK_SHARE, gpu_profile
+from server.engine.planning.plan import ShardPlan
+
+# Seconds one exchange waits beyond its copies: a barrier round trip between threads, a
+# cross-device synchronization on GPUs. An estimate; `benchmarks.sequence` prints the measured.
+EXCHANGE_SYNC_S = 50e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    """How fast a rank gets its peers' tensors: bytes per second, and seconds per exchange."""
+
+    bytes_per_s: float
+    sync_s: float = EXCHANGE_SYNC_S
+
+
+def gpu_link(profile: str | None) -> Link:
+    return Link(gpu_profile(profile).link_gb_s * 1e9 * LINK_SHARE)
+
+
+def cpu_link(streaming_bytes_per_s: float) -> Link:
+    return Link(streaming_bytes_per_s / 2)
+
+
+def split_blocks(model: nn.Module) -> frozenset[str]:
+    """The blocks a sequence group may split (none for a UNet)."""
+    split = spec_for(model).sequence(model)
+    return split.blocks if split is not None else frozenset()
+
+
+def group_step_s(
+    plan: ShardPlan,
+    costs: Mapping[str, float],
+    degree: int,
+    blocks: frozenset[str],
+    io_bytes: Mapping[str, int],
+    share: float,
+    link: Link,
+) -> tuple[float, float]:
+    """Seconds of one step through `plan` as a group of `degree` ranks, and the exchanges' part
+    of them. `costs`: seconds per block on one rank at the step's rows; `io_bytes`: each block's
+    bytes in and out as traced for the plan, scaled by `share` to the step's rows and size."""
+    compute = exchange = 0.0
+    open_tokens = 0.0  # the tokens of the last split block, while the flow is split
+
+    def gather() -> float:
+        return open_tokens * (degree - 1) / degree / link.bytes_per_s + link.sync_s
+
+    for stage in plan.stages:
+        for block in stage.blocks:
+            if block in blocks:
+                tokens = io_bytes.get(block, 0) * share / 2
+                compute += costs[block] / degree
+                exchange += 4 * tokens * (degree - 1) / degree**2 / link.bytes_per_s + 2 * link.sync_s
+                open_tokens = tokens
+            else:
+                if open_tokens:
+                    exchange += gather()
+                    open_tokens = 0.0
+                compute += costs[block]
+    if open_tokens:
+        exchange += gather()
+    return compute + exchange, exchange
+
+
+def device_link(device: str, profile: str | None, streaming_bytes_per_s: float | None) -> Link:
+    """A rank's link on `device`: its GPU profile's, or on a CPU its copies through memory."""
+    if torch.device(device).type == "cpu" and streaming_bytes_per_s:
+        return cpu_link(streaming_bytes_per_s)
+    return gpu_link(profile)
