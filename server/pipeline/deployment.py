@@ -6,6 +6,7 @@ split over them, or (a DiT) its tokens (`sequence`: a group of that many ranks).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from server.engine import (
     run_sequence,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
+
+log = logging.getLogger("diffshard")
 
 Spare = Callable[[], Sequence[ModelShard]]  # the other replicas' shards with nothing to do now
 
@@ -60,6 +63,18 @@ class Lane:
     spare: Spare = no_spare
     sequence: int = 1
     groups: GroupCalls = field(default_factory=GroupCalls)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this lane's helper threads cannot run calls now (None: they can)."""
+        return None if self.workers is None else self.workers.lost
+
+    def recover(self) -> None:
+        """A helper thread that died failed its call (503) and took the lane out of /readyz:
+        start fresh ones (the step loop calls this after every turn, work waiting or not)."""
+        if self.workers is not None and self.workers.lost is not None:
+            log.warning("%s; starting fresh helper threads", self.workers.lost)
+            self.workers.restart()
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
         """One call over this lane's shard and idle replicas, unless the plan keeps its rows

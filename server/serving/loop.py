@@ -1,8 +1,7 @@
 """The step loop: step-level continuous batching on one thread, the pipeline's only owner.
 
 Every turn of the loop (`_turn`)
-1. drops jobs whose client left, whose deadline passed or that the watchdog answered, returning
-   their buffers;
+1. drops jobs whose client left, whose deadline passed or the watchdog answered (their buffers back);
 2. picks the jobs to step (`Lineup.pick`: owners by deficit round robin, every row of
    `max_batch` and the step budget taken while any owner has work; a job bigger than that runs
    alone, its rows split across calls), admitting waiting ones, and encodes their prompts;
@@ -14,8 +13,8 @@ A batched call that raises is retried job by job, so only the job that caused it
 ends once (done, failed, cancelled, expired or drained), and its scopes close then. Each call
 has a deadline scaled by its work (`health.py`): past it the loop is slow (not ready), far past
 it stuck (not live, every waiting job answered); a call that returns clears both. A dying loop
-answers every waiting job too. The HTTP side only submits jobs and awaits their futures (and
-their partial images).
+answers every waiting job too; a helper thread that died is replaced after the turn. The HTTP
+side only submits jobs and awaits their futures (and their partial images).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 import torch
@@ -227,28 +225,10 @@ class StepLoop:
                 self._end(list(self._active), StepFailed("internal error in the step loop"))
             except Exception:
                 log.exception("step loop error while failing its requests")
-        self._restart_lost_helpers()
+        self.pipeline.lane.recover()  # a helper thread that died: replaced before the next turn
         with self._wake:
             self._wake.notify_all()  # wait_idle() may be waiting
         return True
-
-    def _restart_lost_helpers(self) -> None:
-        """A helper thread that died failed its call (503) and took the lane out of /readyz
-        (`lost_helpers`): start fresh ones before the next turn, whether or not work waits."""
-        workers = self._helpers()
-        if workers is not None and workers.lost is not None:
-            log.warning("%s: %s; starting fresh helper threads", self._thread.name, workers.lost)
-            workers.restart()
-
-    @property
-    def lost_helpers(self) -> str | None:
-        """Why this lane's helper threads cannot run calls now (None: they can)."""
-        workers = self._helpers()
-        return None if workers is None or workers.lost is None else f"{self._thread.name}: {workers.lost}"
-
-    def _helpers(self) -> Any:
-        """The lane's helper threads (`Workers`), if it has any."""
-        return getattr(getattr(self.pipeline, "lane", None), "workers", None)
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""

@@ -209,7 +209,7 @@ class Service:
             "sequence_degree": self.pipeline.deployment.sequence,
             "sequence_every_call": self.pipeline.deployment.grouped,
             **self.loops[0].pipeline.lane.groups.view(),  # the lanes count together
-            "helper_restarts": sum(w.restarts for loop in self.loops if (w := loop._helpers()) is not None),
+            "helper_restarts": sum(w.restarts for loop in self.loops if (w := loop.pipeline.lane.workers)),
             **self.busy(),
         }
 
@@ -285,7 +285,7 @@ class Service:
             return problem
         if slow := next((s for loop in self.loops if (s := loop.slow)), None):
             return slow
-        if lost := next((s for loop in self.loops if (s := loop.lost_helpers)), None):
+        if lost := next((s for loop in self.loops if (s := loop.pipeline.lane.lost)), None):
             return lost
         failures = max(loop.heartbeat.failures_in_a_row for loop in self.loops)
         return f"the last {failures} steps failed" if failures >= self.failures_unready else None
