@@ -73,7 +73,9 @@ class Settings(BaseSettings):
     parallel: Parallel = Field(
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
-        "auto (the fastest predicted) or off (one split, one micro-batch: the least memory)",
+        "sequence (every call's tokens split over the replicas: SD3, FLUX.1), auto (the fastest "
+        "predicted; a lone request's rows or tokens split over idle replicas) or off (one split, "
+        "one micro-batch: the least memory)",
     )
     costs: Costs = Field(
         Costs.COUNTED,
