@@ -30,8 +30,9 @@ from PIL import Image
 from server.engine import CallPlan, ModelShard, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, SequenceSplit
 from server.engine.runtime.replicas import Workers, sharing_weights
-from server.engine.runtime.sequence import Group, Rank, chunks, run_sequence
+from server.engine.runtime.sequence import Group, Rank, chunks, groups_for, run_sequence
 from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.deployment import Lane
 from server.pipeline.stepcache import StepCache
 from tests.conftest import Cli
 from tests.live import LiveServer, live_server
@@ -107,6 +108,31 @@ def test_a_call_split_over_a_group_equals_the_unsplit_call(name: str, degree: in
     assert split.out.shape == plain.shape
     assert torch.allclose(split.out, plain, atol=1e-5), float((split.out - plain).abs().max())
     assert split.exchange_s > 0  # the ranks did exchange
+
+
+def test_a_call_uses_idle_replicas_by_rows_by_tokens_or_both() -> None:
+    """A lone row: one group; rows that fill the replicas: split alone (nothing to exchange),
+    unless every call must be a group; a guided image on 4: a half on each group of 2."""
+    four = ["a", "b", "c", "d"]
+    assert groups_for(four[:2], 1, every_call=False) == [["a", "b"]]
+    assert groups_for(four[:2], 2, every_call=False) == []
+    assert groups_for(four[:2], 6, every_call=True) == [["a", "b"]]
+    assert groups_for(four, 2, every_call=False) == [["a", "b"], ["c", "d"]]
+    assert groups_for(four[:3], 1, every_call=False) == [["a", "b", "c"]]
+
+
+def test_guidance_in_parallel_on_two_groups_of_two_equals_the_unsplit_call() -> None:
+    model, inputs = tiny_transformers()["sd3"]
+    shards = [ModelShard(model, plan_shards(model, ["cpu"], "memory"))]
+    shards += [ModelShard(sharing_weights(model), shards[0].plan) for _ in range(3)]
+    lane = Lane(shards[0], Workers(3, 1), lambda: shards[1:], sequence=4)
+    try:
+        out = lane.forward(inputs, CallPlan.plain(2)).out
+    finally:
+        lane.workers.close()
+    plain = shards[0].run(inputs, CallPlan.plain(2)).out
+    assert torch.allclose(out, plain, atol=1e-5) and lane.groups.calls == 2
+    assert all(shard.gates.stats().busy_s for shard in shards)  # every replica took part
 
 
 # The planner's third axis.

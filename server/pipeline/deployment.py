@@ -26,6 +26,7 @@ from server.engine import (
     run_sequence,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.runtime.sequence import SequenceGroup, groups_for
 
 log = logging.getLogger("diffshard")
 
@@ -43,9 +44,9 @@ class GroupCalls:
         self._lock = threading.Lock()
         self.calls, self.exchange_s = 0, 0.0
 
-    def count(self, exchange_s: float) -> None:
+    def count(self, exchange_s: float, calls: int = 1) -> None:
         with self._lock:
-            self.calls += 1
+            self.calls += calls
             self.exchange_s += exchange_s
 
     def view(self) -> dict[str, Any]:
@@ -63,6 +64,7 @@ class Lane:
     spare: Spare = no_spare
     sequence: int = 1
     groups: GroupCalls = field(default_factory=GroupCalls)
+    every_call: bool = False  # --parallel sequence: a group even when the rows fill the replicas
 
     @property
     def lost(self) -> str | None:
@@ -84,10 +86,17 @@ class Lane:
         spare = self.spare()
         split = self.shard.sequence
         if spare and split is not None and self.sequence > 1 and self.workers is not None:
-            group = [self.shard, *spare][: self.sequence]
-            result = run_sequence(group, split, inputs, plan, self.workers.submit)
-            self.groups.count(result.exchange_s)
-            return result
+            rows = inputs.sample.shape[0]
+            groups = groups_for([self.shard, *spare][: self.sequence], rows, self.every_call)
+            if len(groups) == 1:
+                result = run_sequence(groups[0], split, inputs, plan, self.workers.submit)
+                self.groups.count(result.exchange_s)
+                return result
+            if groups:  # a part of its rows on each group: guidance in parallel, tokens split
+                parts = [SequenceGroup(g, split, self.workers.submit) for g in groups]
+                result = run_micro_batches(parts, inputs, len(parts), plan, self.workers)
+                self.groups.count(result.exchange_s, len(parts))
+                return result
         shards = [self.shard, *spare][: inputs.sample.shape[0]]
         if len(shards) == 1:
             return self.shard.run(inputs, plan)
@@ -121,7 +130,7 @@ class Deployment:
         if self.grouped:
             others = self.replicas[1:]
             workers = Workers(len(others), self.threads)
-            return [Lane(self.replicas[0], workers, lambda: others, self.sequence, groups)]
+            return [Lane(self.replicas[0], workers, lambda: others, self.sequence, groups, True)]
         shards = [shard for shard in self.replicas for _ in range(self.lanes_per_replica)]
         if spare is None or len(self.replicas) < 2:
             return [Lane(shard, groups=groups) for shard in shards]

@@ -232,6 +232,30 @@ def run_sequence(
     return first
 
 
+class SequenceGroup:
+    """Shards that run each call as one sequence group: a shard to `run_micro_batches`, so a
+    call's rows can go to several groups at once (a guided image's halves, each split by tokens)."""
+
+    def __init__(self, shards: Sequence[Any], split: SequenceSplit, submit: Submit) -> None:
+        self.shards, self.split, self.submit = list(shards), split, submit
+        self.device = self.shards[0].device
+
+    def run(self, inputs: Any, plan: CallPlan) -> CallResult:
+        return run_sequence(self.shards, self.split, inputs, plan, self.submit)
+
+
+def groups_for(shards: Sequence[Any], rows: int, every_call: bool) -> list[list[Any]]:
+    """How a call of `rows` rows uses `shards` (its own first, then idle replicas): each part
+    of its rows on a group of them (`ranks` ≥ 2 each), or [] for its rows split alone. Rows that
+    fill the shards split alone (nothing to exchange), unless every call must be a group."""
+    ranks = len(shards) // rows
+    if ranks < 2:
+        if not every_call or len(shards) < 2:
+            return []
+        ranks = len(shards)
+    return [list(shards[i * ranks : (i + 1) * ranks]) for i in range(len(shards) // ranks)]
+
+
 def first_failure(errors: Sequence[BaseException]) -> BaseException:
     """What a call that failed on several threads raises: a dead helper thread as `WorkerLost`
     (503: the lane restarts its helpers), else the first real error (not a rank that only saw
