@@ -262,3 +262,32 @@ def test_a_helper_killed_mid_request_fails_it_with_503_and_is_replaced(grouped) 
         wait_until(lambda: client.get("/readyz").status_code == 200, 30, "the group is back")
         assert client.post("/v1/images/generations", json=body).status_code == 200
         assert client.get("/v1/shards").json()["parallel"]["helper_restarts"] == before + 1
+
+
+def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, tmp_path: Path) -> None:
+    """One engine path: a request with a LoRA adapter and first-block caching on an int8-dynamic
+    base, as a group of two (every call: `--parallel sequence`), gives its one-worker image."""
+    from server.engine import ParallelPlan
+    from server.pipeline.families import meta_denoiser
+    from server.pipeline.loader import read_family
+    from server.pipeline.lora import read_adapter
+    from tests.test_lora import random_lora
+
+    style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=5, guidance_scale=4.0, width=32, height=32,
+        lora=(("style", 0.8),), step_cache=StepCache("first_block", threshold=0.05),
+    )  # fmt: skip
+
+    def image(pipeline: Pipeline) -> np.ndarray:
+        pipeline.add_adapter(read_adapter("style", style, pipeline.family))
+        return pipeline.generate([pipeline.resolve(request)])[0]
+
+    alone = image(Pipeline.load(sd3_folder, devices="cpu", quantize="int8-dynamic"))
+    one = plan_shards(meta_denoiser(read_family(sd3_folder)), "cpu", "memory")
+    plan = ParallelPlan(
+        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
+    )
+    lane = Pipeline.load(sd3_folder, plan=plan, quantize="int8-dynamic").lanes()[0]
+    assert float(np.abs(image(lane) - alone).max()) * 255 <= 2
+    assert lane.lane.groups.calls == request.steps
