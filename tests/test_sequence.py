@@ -36,7 +36,7 @@ from server.pipeline.deployment import Lane
 from server.pipeline.stepcache import StepCache
 from tests.conftest import Cli
 from tests.live import LiveServer, live_server
-from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, diffusers_image
+from tests.tiny_pipelines import diffusers_image
 from tests.waiting import wait_until
 
 
@@ -215,9 +215,8 @@ def pixels(b64: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=["sd3", "flux"])
-def grouped(request, tmp_path_factory) -> Iterator[tuple[str, Path, LiveServer]]:
-    root = tmp_path_factory.mktemp(request.param)
-    folder = build_sd3_folder(root) if request.param == "sd3" else build_flux_folder(root)
+def grouped(request) -> Iterator[tuple[str, Path, LiveServer]]:
+    folder = request.getfixturevalue(f"{request.param}_folder")  # the session's tiny folders
     args = ("--model", str(folder), "--devices", "cpu,cpu", "--parallel", "sequence", "--inject-faults")
     with live_server(*args) as server:
         yield request.param, folder, server
