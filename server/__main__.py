@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
-from server.app import check_quantization_runs, create_app, plan_for
+from server.app import check_quantization_runs, create_app, decoder_for, plan_for
 from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
@@ -54,6 +54,7 @@ PLAN_SETTINGS = (
     "cache_dir",
     "quantize",
     "denoiser_file",
+    "vae_tiling",
 )
 
 
@@ -153,6 +154,7 @@ def _plan(args: argparse.Namespace) -> None:
     options["device_profile"] = settings.device_profile  # serving has every device: only plans use it
     folder = None if args.config else settings.model
     plan = plan_for(settings, family, folder=folder, **options)
+    decoder = decoder_for(settings, family, plan, options.get("side"))
     modes = None
     if args.quantize is not None:  # asked about quantizing: how each mode fits, beside the plan
         side = options.get("side") or largest_side(family, settings.pixel_limit(family))
@@ -172,14 +174,15 @@ def _plan(args: argparse.Namespace) -> None:
             family, device, settings.torch_dtype, plan.threads or 1, settings.cache_dir
         )
     if args.json:
-        extra = ({"block_costs": side_by_side} if side_by_side else {}) | (
-            {"quantize": {"mode": describe(settings.quantize, settings.denoiser_file), "modes": modes}}
-            if modes
-            else {}
-        )
+        extra: dict = {"vae_decoder": decoder.to_dict()}
+        if side_by_side:
+            extra["block_costs"] = side_by_side
+        if modes:
+            extra["quantize"] = {"mode": describe(settings.quantize, settings.denoiser_file), "modes": modes}
         print(json.dumps(plan.to_dict() | extra, indent=2))
         return
     print(plan)
+    print(decoder)
     if modes:
         print(f"\n--quantize MODE alone, a memory-balanced split over {', '.join(settings.devices)}:")
         for mode, fit in modes.items():
@@ -261,8 +264,10 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
-        plan = plan_for(settings, read_family(settings.model), folder=settings.model)
+        family = read_family(settings.model)
+        plan = plan_for(settings, family, folder=settings.model)
         log.info("%s", plan.headline)
+        log.info("%s", decoder_for(settings, family, plan))
         server: DrainingServer | None = None
 
         def stop() -> None:

@@ -49,6 +49,7 @@ from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.lora import read_adapter
 from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
+from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
 
 log = logging.getLogger("diffshard")
@@ -77,6 +78,25 @@ def plan_for(
         quantize=settings.quantize,
         denoiser_file=settings.denoiser_file,
         **options,
+    )
+
+
+def decoder_for(
+    settings: Settings, family: Family, plan: ParallelPlan, side: int | None = None
+) -> DecoderMemory:
+    """The VAE decoder's predicted peak for the largest allowed image (or `side`²), whole and in
+    tiles, and whether `--vae-tiling` tiles: auto weighs it against the plan's activation reserve
+    on the VAE's device (the first stage's, where the Pipeline puts it), if it has a budget."""
+    first = plan.replicas[0]
+    device = next(d for d in first.devices if d.device == first.stages[0].device)
+    reserve = device.activation_reserve if device.budget is not None else None
+    return decoder_memory(
+        family.config.vae,
+        side=side or largest_side(family, settings.pixel_limit(family)),
+        default_tile=family.native_size,
+        dtype=settings.torch_dtype,
+        setting=settings.vae_tiling,
+        reserve=reserve,
     )
 
 
@@ -109,7 +129,8 @@ def load_service(
         prepare_compiler()  # beside planning and loading
     bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
     threads = fit_threads(settings.threads)
-    plan = plan or plan_for(settings, read_family(settings.model), folder=settings.model)
+    family = read_family(settings.model)
+    plan = plan or plan_for(settings, family, folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(
         settings.model,
@@ -118,6 +139,7 @@ def load_service(
         pool=pool,
         quantize=settings.quantize,
         denoiser_file=settings.denoiser_file,
+        vae_tiling=decoder_for(settings, family, plan).tiling,
     )
     pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
     sizes = settings.compile_sizes or (pipeline.defaults.size,)

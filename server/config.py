@@ -25,6 +25,7 @@ from server.config_values import (
     PoolBudgets,
     QuantizeValue,
     StepCacheSetting,
+    VaeTilingValue,
 )
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
@@ -39,6 +40,7 @@ from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import gguf_tensor_bytes, read_family
 from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
+from server.pipeline.tiling import VaeTiling
 from server.serving import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -205,6 +207,12 @@ class Settings(BaseSettings):
         None,
         description="idle bytes the activation pool may keep per device, SIZE or device=SIZE,... "
         "(default: 5% of the host's RAM for cpu, 10% of a GPU's memory)",
+    )
+    vae_tiling: VaeTilingValue = Field(
+        VaeTiling.AUTO,
+        description="VAE decoding (and an edit's encoding) in tiles, as diffusers' enable_tiling: on "
+        "(images larger than the VAE's tile), off, or auto (on where the VAE's device has a budget and "
+        "the largest image decoded whole is predicted over the plan's activation reserve; plan prints both)",
     )
     threads: int | None = Field(
         None,

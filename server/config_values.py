@@ -15,6 +15,7 @@ from server.engine.hardware.gpus import gpu_profile
 from server.engine.runtime.pool import ANY_DEVICE
 from server.pipeline.quantizing import QuantizeSetting, parse_quantize
 from server.pipeline.stepcache import StepCache, parse_step_cache
+from server.pipeline.tiling import VaeTiling, parse_vae_tiling
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
@@ -91,3 +92,4 @@ QuantizeValue = Annotated[QuantizeSetting, NoDecode, BeforeValidator(parse_quant
 
 # parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
 StepCacheSetting = Annotated[StepCache, NoDecode, BeforeValidator(parse_step_cache)]
+VaeTilingValue = Annotated[VaeTiling, BeforeValidator(parse_vae_tiling)]

@@ -65,38 +65,58 @@ def _text_config(tokenizer, **extra) -> CLIPTextConfig:
     )
 
 
-def _vae() -> AutoencoderKL:
+# A tiny SD-1.5 folder for 1024² images (build_sd15_folder(folder, **LARGE_SD15)): SD's 8x VAE in
+# miniature (four blocks, SD-1.5's 512-pixel tile) makes them 128² latents, where the 2x VAE's 512²
+# would take the UNet's attention minutes; self-attention only at the UNet's lower level keeps a
+# step under a second (at 128² tokens its top-level attention alone takes seconds).
+LARGE_SD15 = {
+    "vae": {"block_out_channels": (8, 16, 16, 16), "norm_num_groups": 4, "sample_size": 512},
+    "unet": {
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    },
+}
+
+
+def _vae(**shape) -> AutoencoderKL:
+    blocks = len(shape.get("block_out_channels", (16, 16)))
     return AutoencoderKL(
-        block_out_channels=(16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=IMAGE_SIZE,
+        **{
+            "block_out_channels": (16, 16),
+            "down_block_types": ("DownEncoderBlock2D",) * blocks,
+            "up_block_types": ("UpDecoderBlock2D",) * blocks,
+            "latent_channels": 4,
+            "norm_num_groups": 8,
+            "sample_size": IMAGE_SIZE,
+        }
+        | shape
     )
 
 
 def _unet(**extra) -> UNet2DConditionModel:
     return UNet2DConditionModel(
-        sample_size=IMAGE_SIZE // 2,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        layers_per_block=1,
-        attention_head_dim=2,
-        norm_num_groups=8,
-        **extra,
+        **{
+            "sample_size": IMAGE_SIZE // 2,
+            "block_out_channels": (32, 64),
+            "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+            "layers_per_block": 1,
+            "attention_head_dim": 2,
+            "norm_num_groups": 8,
+        }
+        | extra
     )
 
 
-def build_sd15_folder(folder: Path) -> Path:
+def build_sd15_folder(folder: Path, vae: dict | None = None, unet: dict | None = None) -> Path:
+    """`vae`, `unet`: their configs where not the tiny defaults (LARGE_SD15)."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     StableDiffusionPipeline(
-        vae=_vae(),
+        vae=_vae(**(vae or {})),
         text_encoder=CLIPTextModel(_text_config(tokenizer)),
         tokenizer=tokenizer,
-        unet=_unet(cross_attention_dim=TEXT_DIM),
+        unet=_unet(cross_attention_dim=TEXT_DIM, **(unet or {})),
         scheduler=DDIMScheduler(**SD_SCHEDULE),
         safety_checker=None,
         feature_extractor=None,

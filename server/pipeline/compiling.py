@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from server.engine import layout_of
 from server.engine.denoisers.blocks import DenoiserInputs
-from server.engine.runtime.compile import CompiledDecoder, CompileMode, row_buckets
+from server.engine.runtime.compile import CompiledDecoder, CompileMode, decodes_in_tiles, row_buckets
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
@@ -35,7 +35,8 @@ def compile_pipeline(
     on_progress: Callable[[CompileStats], None] | None = None,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
-    row bucket up to `max_rows`, and the VAE's decoder for up to half as many images.
+    row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
+    it decodes whole: tiles run eagerly).
 
     Call it before adapters are added: a graph is traced through the model as it is, and the
     adapters' hooks must not be part of it (their rows run eagerly)."""
@@ -55,7 +56,8 @@ def compile_pipeline(
     images = row_buckets(max(1, max_rows // 2), smallest=1)
     decoder = CompiledDecoder(pipeline.vae, store)
     per_bucket = 1 if mode == CompileMode.FULL else len(layout_of(shards[0].model).blocks)
-    stats.graphs_total = len(sizes) * (len(shards) * len(rows) * per_bucket + len(images))
+    whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
+    stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
     for size in sizes:
         request = pipeline.resolve(pipeline.with_defaults(GenerationRequest("warm", width=size, height=size)))
         (state,) = pipeline.start([request])
@@ -70,7 +72,7 @@ def compile_pipeline(
             latents = pipeline.family.unscale_latents(
                 state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
             )
-            for count in images:
+            for count in images if size in whole else ():  # tiled sizes decode eagerly (CompiledDecoder)
                 decoder.warm(latents.expand(count, *latents.shape[1:]).contiguous())
                 _said(stats, f"decoder {size}px × {count}", started, on_progress)
         finally:

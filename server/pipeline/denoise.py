@@ -58,9 +58,9 @@ from server.pipeline.requests import Defaults, GenerationRequest, read_defaults,
 from server.pipeline.schedulers import make_scheduler, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, spans, stack_inputs
 from server.pipeline.stepping import advance
+from server.pipeline.tiling import images_per_call, set_tiling
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
-DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
 
 
 class Pipeline:
@@ -75,6 +75,7 @@ class Pipeline:
         encoder_device: str | None = None,
         defaults: Defaults | None = None,
         lane: Lane | None = None,
+        vae_tiling: bool = False,
     ) -> None:
         if isinstance(deployment, ModelShard):
             deployment = Deployment((deployment,))
@@ -93,7 +94,7 @@ class Pipeline:
         vae = components.vae
         if vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
             vae.to(torch.float32)  # such VAEs overflow in float16: diffusers upcasts them too
-        self.vae = vae.to(self.encoder_device)
+        self.vae = set_tiling(vae, vae_tiling).to(self.encoder_device)  # diffusers' tiles (tiling.py)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
         self.replicas = deployment.replicas
@@ -121,12 +122,13 @@ class Pipeline:
         pool: ActivationPool | None = None,
         quantize: str | QuantizeSetting = "off",
         denoiser_file: Path | None = None,
+        vae_tiling: bool = False,
     ) -> Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
         `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
         A ParallelPlan places every replica; `lanes()` then gives a view per lane. `quantize`:
         `--quantize`'s setting (`server.pipeline.quantizing`); `denoiser_file`: a GGUF file
-        holding the denoiser's weights."""
+        holding the denoiser's weights; `vae_tiling`: decode and encode in diffusers' tiles."""
         family = read_family(folder)
         quantizations = load_quantizations(quantize, family, Path(folder), dtype, denoiser_file)
         components = load_components(folder, dtype, quantizations, denoiser_file)
@@ -137,7 +139,7 @@ class Pipeline:
                 dtype=dtype, block_bytes=held,
             )  # fmt: skip
         deployment = Deployment.of(components.denoiser, plan)
-        pipeline = cls(components, deployment, pool, encoder_device=encoder_device)
+        pipeline = cls(components, deployment, pool, encoder_device=encoder_device, vae_tiling=vae_tiling)
         denoisers = {id(shard.model): shard.model for shard in deployment.replicas}.values()
         quantize_placed(quantizations, family, denoisers, pipeline.encoders)  # float8: where they live
         pipeline.quantization = describe(quantize, denoiser_file)
@@ -333,9 +335,9 @@ class Pipeline:
 
     @torch.inference_mode()
     def decode(self, states: Sequence[RequestState]) -> list[torch.Tensor]:
-        """Decode finished states in VAE calls of at most DECODE_PIXELS (the VAE's activations grow
-        with pixels, and a batch of large images must not run out of memory after all the
-        denoising); each image lands in a buffer its scope rents."""
+        """Decode finished states in VAE calls of at most DECODE_PIXELS (`tiling.images_per_call`:
+        the VAE's activations grow with pixels, and a batch of large images must not run out of
+        memory after all the denoising); each image lands in a buffer its scope rents."""
         if any(s.closed for s in states):
             raise ValueError("a closed request cannot be decoded")
         check_group(states)
@@ -387,5 +389,5 @@ class Pipeline:
 
 
 def _images_per_call(states: Sequence[RequestState]) -> int:
-    """How many images of this (one) size one VAE call decodes: DECODE_PIXELS' worth, at least one."""
-    return max(1, DECODE_PIXELS // (states[0].request.width * states[0].request.height)) if states else 1
+    """How many images of this (one) size one VAE call decodes (`tiling.images_per_call`)."""
+    return images_per_call(states[0].request.width, states[0].request.height) if states else 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -90,6 +91,11 @@ def run_denoiser(spec: Any, model: nn.Module, *inputs: Any) -> torch.Tensor:
 
 def run_decoder(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(latents, return_dict=False)[0]
+
+
+def decodes_in_tiles(vae: nn.Module, shape: Sequence[int]) -> bool:
+    """Whether `vae.decode` tiles latents of `shape`: diffusers' rule once `enable_tiling()`."""
+    return bool(getattr(vae, "use_tiling", False)) and max(shape[-2:]) > vae.tile_latent_min_size
 
 
 def pad_rows(obj: Any, rows: int, bucket: int) -> Any:
@@ -212,7 +218,11 @@ def _flow_signature(flow: Flow, resized: tuple[int, int] | None = None) -> tuple
 
 
 class CompiledDecoder:
-    """A VAE's decode compiled per latent shape (one image per bucket row count)."""
+    """A VAE's decode compiled per latent shape (one image per bucket row count).
+
+    Latents the VAE decodes in tiles (`enable_tiling()`, larger than its tile) are never compiled:
+    they run diffusers' `tiled_decode` eagerly. Traced, its loop would unroll every tile and every
+    blended row into one graph per size; compiling the tile alone would mean copying the loop."""
 
     def __init__(self, vae: nn.Module, store: GraphStore) -> None:
         self.vae, self.store = vae, store
@@ -221,7 +231,7 @@ class CompiledDecoder:
 
     def warm(self, latents: torch.Tensor) -> None:
         key = signature(latents)
-        if key in self._graphs:
+        if key in self._graphs or decodes_in_tiles(self.vae, latents.shape):
             return
         what = {"graph": "decoder", "class": type(self.vae).__name__, "config": self.vae.config, "in": key}
         graph = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})

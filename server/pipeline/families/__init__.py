@@ -18,7 +18,7 @@ from server.pipeline.families.sd3 import SD3
 from server.pipeline.families.sdxl import SDXL
 
 FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux)
-SD_VAE = {"block_out_channels": (128, 256, 512, 512)}  # the 8x VAE every reference model uses
+SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE
 
 
 def pipeline_classes() -> tuple[str, ...]:

@@ -1,0 +1,212 @@
+"""The VAE within bounded memory: decoding in calls of at most DECODE_PIXELS, in tiles above its
+tile size (`--vae-tiling`), and the decoder's peak activation memory counted from its config.
+
+Tiles are diffusers' own (`AutoencoderKL.enable_tiling()`): latents wider or taller than the VAE's
+tile (its config's `sample_size` in pixels: 512 for SD-1.5, 1024 for SDXL, SD3 and FLUX.1)
+decode in tiles of that size overlapping by a quarter, blended; an edit's image that large
+encodes in tiles too. A tile bounds the decoder's activations whatever the image's size, for
+up to ~1.8x its work (the overlaps) and an image a little off the untiled one (a tile sees its own
+latents only).
+
+`--vae-tiling`:
+- `off`: never; every image is diffusers' default pipeline's.
+- `on`: diffusers' rule above.
+- `auto` (default): `on` where the VAE's device has a memory budget and one image of the
+  largest size a request may ask, decoded whole, is predicted over the activation reserve the
+  plan keeps there for the denoiser (the decoder would bound `max_pixels`, not the denoiser),
+  else `off`: images stay diffusers' default pipeline's wherever memory allows. (`auto` as
+  diffusers' rule would be `on` by another name: under it no image at or below the tile tiles.)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.engine.hardware.devices import format_bytes
+
+DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
+OVERLAP = 0.25  # diffusers' tile_overlap_factor
+ATTENTION_LIVE = 7  # tensors of the mid block's attention alive at once: input, norm, q, k, v, out, copy
+
+
+class VaeTiling(enum.StrEnum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+def parse_vae_tiling(value: object) -> VaeTiling:
+    text = str(getattr(value, "value", value)).strip().lower()
+    if text not in set(VaeTiling):
+        raise ValueError(f"write auto, on or off, got {value!r}")
+    return VaeTiling(text)
+
+
+def images_per_call(width: int, height: int) -> int:
+    """Images of this size one VAE call decodes: DECODE_PIXELS' worth, at least one. Tiled, the
+    same: diffusers' `tiled_decode` runs each tile on the call's whole batch, so its activations
+    are images × tile, under this bound, and the tiles it keeps until blended (3 channels, full
+    size) stay bounded too."""
+    return max(1, DECODE_PIXELS // (width * height))
+
+
+def set_tiling(vae: nn.Module, on: bool) -> nn.Module:
+    """`vae` with diffusers' tiling on or off: its decode and encode then tile as its pipelines'."""
+    if on:
+        vae.enable_tiling()
+    elif hasattr(vae, "disable_tiling"):
+        vae.disable_tiling()
+    return vae
+
+
+@dataclass(frozen=True)
+class VaeShape:
+    """What the count reads of an AutoencoderKL's config (diffusers' defaults where unset)."""
+
+    channels: tuple[int, ...]  # block_out_channels; the decoder's up blocks run them reversed
+    layers: int  # layers_per_block: each up block runs one more resnet
+    latent_channels: int
+    out_channels: int
+    attention: bool  # the mid block's
+    post_quant_conv: bool
+    tile: int  # tile_sample_min_size, pixels
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any], default_tile: int) -> VaeShape:
+        tile = config.get("sample_size") or default_tile
+        return cls(
+            tuple(config.get("block_out_channels", (64,))),
+            int(config.get("layers_per_block", 1)),
+            int(config.get("latent_channels", 4)),
+            int(config.get("out_channels", 3)),
+            bool(config.get("mid_block_add_attention", True)),
+            bool(config.get("use_post_quant_conv", True)),
+            int(tile[0] if isinstance(tile, list | tuple) else tile),
+        )
+
+    @property
+    def factor(self) -> int:
+        return 2 ** (len(self.channels) - 1)
+
+    @property
+    def tile_latent(self) -> int:
+        return self.tile // self.factor  # diffusers' tile_latent_min_size
+
+
+def tiles(vae: VaeShape, height: int, width: int) -> bool:
+    """Whether diffusers' rule tiles a `height` × `width` image (once tiling is on)."""
+    return max(height, width) // vae.factor > vae.tile_latent
+
+
+def decoder_peak(
+    vae: VaeShape, height: int, width: int, images: int = 1, element_bytes: int = 4, *, tiled: bool
+) -> int:
+    """Bytes the decoder holds at its peak decoding `images` latents of a `height` × `width` image
+    (the latents included; its weights not), eager and in inference mode, tiled as diffusers'
+    rule tiles it (if `tiled`) or whole. Counted, not run: a tensor lives while a name holds it
+    (diffusers' forwards read line by line), attention is memory-efficient (no score matrix)."""
+    h, w = height // vae.factor, width // vae.factor
+    latents = vae.latent_channels * h * w
+    if not tiled or not tiles(vae, height, width):
+        return images * element_bytes * (latents * (1 + vae.post_quant_conv) + _decoder(vae, h, w))
+    size, stride = vae.tile_latent, int(vae.tile_latent * (1 - OVERLAP))
+    kept = peak = 0  # the decoded tiles, kept until they are blended
+    for i in range(0, h, stride):
+        for j in range(0, w, stride):
+            th, tw = min(size, h - i), min(size, w - j)
+            tile = vae.latent_channels * th * tw * vae.post_quant_conv  # post_quant_conv's output
+            peak = max(peak, latents + kept + tile + _decoder(vae, th, tw))
+            kept += vae.out_channels * th * tw * vae.factor**2
+    image = vae.out_channels * height * width
+    peak = max(peak, latents + kept + 2 * image)  # the blended rows, then their concatenation
+    return images * element_bytes * peak
+
+
+def _decoder(vae: VaeShape, h: int, w: int) -> int:
+    """Elements `Decoder.forward` holds at its peak on one image's `h` × `w` latents, beyond its
+    input. Each up block's input stays named by the decoder while the block runs."""
+    up = vae.channels[::-1]
+    pixels, mid = h * w, up[0]
+    # conv_in; the mid block: resnet, attention, resnet, conv_in's output named throughout
+    peak = pixels * mid * max(4, 1 + ATTENTION_LIVE * vae.attention, 5)
+    for i, out in enumerate(up):
+        into = up[max(0, i - 1)]  # the block's input channels: the previous block's output
+        peak = max(peak, pixels * _resnet(into, out))
+        if vae.layers > 0:  # a later resnet, beside the block's input
+            peak = max(peak, pixels * (into + 4 * out))
+        if i < len(up) - 1:  # the upsampler: its input, nearest x2, conv; beside the block's input
+            peak = max(peak, pixels * (into + out + 8 * out))
+            pixels *= 4
+    # conv_norm_out, silu, conv_out
+    return max(peak, pixels * 2 * up[-1], pixels * (up[-1] + vae.out_channels))
+
+
+def _resnet(into: int, out: int) -> int:
+    """Channels alive at once in a ResnetBlock2D, its input included: norm1 + silu, conv1, and the
+    sum `(input + shortcut(input) + conv2) / scale` (a shortcut conv when channels change)."""
+    return max(3 * into, 2 * into + out, into + 4 * out if into != out else 4 * out)
+
+
+@dataclass(frozen=True)
+class DecoderMemory:
+    """The decoder's predicted peak for one image of the largest size a request may ask, whole and
+    in tiles, and whether `--vae-tiling` tiles it: what `plan` prints. A call decodes `images` of
+    them (its peaks that many times these)."""
+
+    side: int
+    images: int  # in one VAE call (images_per_call)
+    tile: int  # pixels
+    untiled_bytes: int  # one image
+    tiled_bytes: int
+    reserve_bytes: int | None  # the plan's activation reserve on the VAE's device; None: no budget
+    setting: str
+    tiling: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        whole, tiled = format_bytes(self.untiled_bytes), format_bytes(self.tiled_bytes)
+        line = f"VAE decoder at {self.side}²: peak {whole} an image whole, {tiled} in {self.tile}² tiles"
+        if self.images > 1:
+            n = self.images
+            line += (
+                f" ({n} a call: {format_bytes(n * self.untiled_bytes)}, {format_bytes(n * self.tiled_bytes)})"
+            )
+        why = "as set"
+        if self.setting == VaeTiling.AUTO and self.reserve_bytes is None:
+            why = "the VAE's device has no memory budget"
+        elif self.setting == VaeTiling.AUTO:
+            over = "over" if self.tiling else "within"
+            why = f"an image's whole peak is {over} the {format_bytes(self.reserve_bytes)} activation reserve"
+        return f"{line}; --vae-tiling {self.setting}: {'tiles' if self.tiling else 'whole'} ({why})"
+
+
+def decoder_memory(
+    config: Mapping[str, Any],
+    *,
+    side: int,
+    default_tile: int,
+    dtype: torch.dtype,
+    setting: VaeTiling,
+    reserve: int | None,
+) -> DecoderMemory:
+    """The decoder's peak for one `side`² image whole and tiled, from the VAE's `config`, and
+    whether `setting` tiles. auto: where one image's whole peak is over `reserve` (None: the
+    device has no budget, nothing to keep under); a call of many images is not weighed, as fewer
+    images a call would bound it and tiles would not."""
+    vae = VaeShape.of(config, default_tile)
+    if dtype == torch.float16 and config.get("force_upcast", False):
+        dtype = torch.float32  # as the Pipeline upcasts such VAEs
+    whole = decoder_peak(vae, side, side, 1, dtype.itemsize, tiled=False)
+    tiled = decoder_peak(vae, side, side, 1, dtype.itemsize, tiled=True)
+    over = reserve is not None and whole > reserve
+    tiling = setting == VaeTiling.ON or (setting == VaeTiling.AUTO and over)
+    images = images_per_call(side, side)
+    return DecoderMemory(side, images, vae.tile, whole, tiled, reserve, str(setting), tiling)
