@@ -290,3 +290,24 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
     lane = Pipeline.load(sd3_folder, plan=plan, quantize="int8-dynamic").lanes()[0]
     assert float(np.abs(image(lane) - alone).max()) * 255 <= 2
     assert lane.lane.groups.calls == request.steps
+
+
+def test_a_dead_helper_makes_the_lane_unready_until_it_recovers() -> None:
+    """What /readyz reads (`Lane.lost`, in fixed words) from the helper's death to its
+    replacement, and the call it killed answered with WorkerLost (503), not a crash."""
+    from server.errors import WorkerLost
+
+    model, inputs = tiny_transformers()["flux"]
+    shards = [ModelShard(model, plan_shards(model, ["cpu"], "memory"))]
+    shards.append(ModelShard(sharing_weights(model), shards[0].plan))
+    lane = Lane(shards[0], Workers(1, 1), lambda: shards[1:], sequence=2)
+    try:
+        lane.workers.kill_next()
+        with pytest.raises(WorkerLost):
+            lane.forward(inputs, CallPlan.plain(2))
+        assert lane.lost == "a helper thread of a lane died; fresh ones are starting"
+        lane.recover()
+        assert lane.lost is None and lane.workers.restarts == 1
+        assert lane.forward(inputs, CallPlan.plain(2)).out.shape == inputs.sample.shape
+    finally:
+        lane.workers.close()

@@ -68,8 +68,10 @@ class Lane:
 
     @property
     def lost(self) -> str | None:
-        """Why this lane's helper threads cannot run calls now (None: they can)."""
-        return None if self.workers is None else self.workers.lost
+        """Why this lane cannot run calls now, in fixed words for /readyz (None: it can)."""
+        if self.workers is None or self.workers.lost is None:
+            return None
+        return "a helper thread of a lane died; fresh ones are starting"
 
     def recover(self) -> None:
         """A helper thread that died failed its call (503) and took the lane out of /readyz:

@@ -1,6 +1,5 @@
 """What the HTTP layer sees of serving: a `Service` (the loaded model, its step loop, its views)
 and the `Runtime` that holds it through its life (loading → ready → draining, or → failed).
-
 Routes call these and nothing below them: they never touch the pipeline, the shard or torch.
 """
 
@@ -315,6 +314,8 @@ class Service:
         self._closing.set()
         for loop in self.loops:
             loop.close()
+            if loop.pipeline.lane.workers is not None:  # the lane's helper threads go with it
+                loop.pipeline.lane.workers.close()
 
 
 @dataclass
