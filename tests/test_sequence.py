@@ -169,6 +169,8 @@ def test_auto_splits_a_lone_sd3_images_rows_and_refuses_a_group_for_a_unet(run_c
     assert parallel["splits_lone_requests"] and parallel["sequence_degree"] == 1
     done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu", "--parallel", "sequence")
     assert done.returncode == 2 and "UNet2DConditionModel has no blocks to split" in done.stderr
+    done = run_cli("plan", "--config", "flux-dev", "--devices", "cpu", "--parallel", "sequence")
+    assert done.returncode == 2 and "two or more devices" in done.stderr
 
 
 # Served: `--devices cpu,cpu --parallel sequence`.

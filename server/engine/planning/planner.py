@@ -113,6 +113,10 @@ def plan_parallel(
     search.pick_threads, search.latent, search.lone_rows = pick_threads, latent, lone_rows
     search.grouped = parallel == Parallel.SEQUENCE
     search.links = links or (lambda device, threads: Link(BOUNDARY_BYTES_PER_S))
+    if parallel == Parallel.SEQUENCE and len(device_list) < 2:
+        raise PlanError(
+            "--parallel sequence splits tokens over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
+        )
     if parallel == Parallel.SEQUENCE and not search.split:
         raise PlanError(
             f"--parallel sequence splits a DiT's tokens; {type(model).__name__} has no blocks to "
