@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     parallel: Parallel = Field(
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
-        "sequence (every call's tokens split over the replicas: SD3, FLUX.1), auto (the fastest "
+        "sequence (every call's tokens split over the replicas: transformer denoisers), auto (the fastest "
         "predicted; a lone request's rows or tokens split over idle replicas) or off (one split, "
         "one micro-batch: the least memory)",
     )

@@ -100,7 +100,8 @@ def test_plan_for_absent_gpus_predicts_every_candidate_from_a_device_profile(cap
     parallel = plan["parallel"]
     assert parallel["kind"] == "replicas" and plan["dtype"] == "bfloat16"
     assert "predicted from the l4 profile, NVIDIA L4's published peaks" in parallel["costs"]
-    assert {(c["replicas"], c["stages"]) for c in parallel["candidates"]} == {(2, 1), (1, 2)}
+    # two replicas, a pipeline of two stages, and one device (the baseline)
+    assert {(c["replicas"], c["stages"]) for c in parallel["candidates"]} == {(2, 1), (1, 2), (1, 1)}
     assert all(c["predicted_rows_per_s"] and c["predicted_lone_step_s"] for c in parallel["candidates"])
     assert main([*args, "--device-profile", "nope"]) == 2
     assert (

@@ -27,7 +27,6 @@ from tests.tiny_pipelines import IMAGE_SIZE
 TOLERANCE = 1e-3
 CACHES = {
     "sd15": StepCache("deep", interval=2),
-    "sdxl": StepCache("deep", interval=2),
     "sd3": StepCache("first_block", threshold=0.5),
 }
 GUIDED = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=4.0)
@@ -44,7 +43,9 @@ def _images(pipeline: Pipeline, requests: list[GenerationRequest]) -> list[np.nd
 
 @pytest.mark.parametrize(
     ("family", "devices", "mode"),
-    [("sd15", "cpu", "full"), ("sdxl", "cpu", "full"), ("sd3", "cpu,cpu", "blocks")],
+    # SDXL's full graph (28 s on 2 cores) is left out for the suite's time: its UNet adds only
+    # conditioning inputs to SD-1.5's, which the eager tests cover
+    [("sd15", "cpu", "full"), ("sd3", "cpu,cpu", "blocks")],
 )
 def test_compiled_images_equal_eager_ones(
     family: str, devices: str, mode: str, folders: dict[str, Path], sd3_folder: Path, cache_dir: Path

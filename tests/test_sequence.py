@@ -276,7 +276,7 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
     request = GenerationRequest(
-        "a red circle", seed=3, steps=5, guidance_scale=4.0, width=32, height=32,
+        "a red circle", seed=3, steps=3, guidance_scale=4.0, width=32, height=32,
         lora=(("style", 0.8),), step_cache=StepCache("first_block", threshold=0.05),
     )  # fmt: skip
 
