@@ -82,7 +82,10 @@ class Lane:
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
         """One call over this lane's shard and idle replicas, unless the plan keeps its rows
-        together (a deterministic request: its rows' shapes must not depend on what else runs)."""
+        together (a deterministic request: its rows' shapes must not depend on what else runs).
+        Helper threads lost in an earlier call are replaced first (a batch that failed with one
+        is retried job by job: the others must not fail too)."""
+        self.recover()
         if not plan.splittable:
             return self.shard.run(inputs, plan)
         spare = self.spare()

@@ -23,6 +23,7 @@ from server.engine.planning.plan import ShardPlan
 from server.engine.runtime.call import CallPlan, CallResult
 from server.engine.runtime.sequence import first_failure
 from server.engine.runtime.shard import ModelShard
+from server.errors import WorkerLost
 
 
 def build_shards(model: nn.Module, plan: ParallelPlan) -> list[ModelShard]:
@@ -78,8 +79,8 @@ class Workers:
         return ThreadPoolExecutor(self.count, thread_name_prefix="diffshard-micro", initializer=init)
 
     def submit(self, fn: Any, *args: Any) -> Future:
-        if self.lost is not None:
-            raise WorkerDied(self.lost)
+        if self.lost is not None:  # until `restart`: the call fails (503), the loop goes on
+            raise WorkerLost("a helper thread of this lane died; it is being restarted: retry")
         return self._pool.submit(self._run, fn, *args)
 
     def _run(self, fn: Any, *args: Any) -> Any:
