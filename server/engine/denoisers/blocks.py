@@ -154,11 +154,33 @@ def present(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n in names if getattr(model, n, None) is not None)
 
 
+class TensorPart(nn.Module):
+    """A parameter or buffer a block owns outside any submodule (Wan's root `scale_shift_table`),
+    as a module: it holds the very tensor, so `.to(device)` moves the model's own (in place)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        if isinstance(tensor, nn.Parameter):
+            self.register_parameter("tensor", tensor)
+        else:
+            self.register_buffer("tensor", tensor)
+
+
+def part(model: nn.Module, path: str) -> nn.Module:
+    """What a block's `modules` entry names: a submodule, or a parameter or buffer (`TensorPart`)."""
+    parent, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    found = owner._parameters.get(name)
+    if found is None:
+        found = owner._buffers.get(name)
+    return TensorPart(found) if found is not None else model.get_submodule(path)
+
+
 def block_modules(model: nn.Module, layout: Layout) -> Iterator[tuple[str, nn.Module]]:
     """(block name, module) for every module each block owns, in execution order."""
     for block in layout.blocks:
         for path in block.modules:
-            yield block.name, model.get_submodule(path)
+            yield block.name, part(model, path)
 
 
 def tensor_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import (
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+    WanTransformer3DModel,
+)
 from torch import nn
 
-from server.engine.denoisers.blocks import DenoiserSpec, Layout, tensors_of
+from server.engine.denoisers.blocks import DenoiserSpec, Layout, part, tensors_of
 from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
+from server.engine.denoisers.wan import WanTransformerSpec
 
 _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (UNet2DConditionModel, UNetSpec),
     (SD3Transformer2DModel, SD3TransformerSpec),
     (FluxTransformer2DModel, FluxTransformerSpec),
+    (WanTransformer3DModel, WanTransformerSpec),
 ]
 
 
@@ -44,15 +51,14 @@ def native_latent(model: nn.Module) -> int:
 def layout_of(model: nn.Module) -> Layout:
     """The model's blocks in execution order, checked to own every parameter and buffer once."""
     layout = spec_for(model).layout(model)
-    owners: dict[str, str] = {}
+    owners: dict[int, str] = {}  # by identity: a block may own a root tensor (`TensorPart`)
     for block in layout.blocks:
         for path in block.modules:
-            for name, _ in tensors_of(model.get_submodule(path)):
-                full = f"{path}.{name}"
-                if full in owners:
-                    raise ValueError(f"{full} is in both {owners[full]} and {block.name}")
-                owners[full] = block.name
-    orphans = [name for name, _ in tensors_of(model) if name not in owners]
+            for name, tensor in tensors_of(part(model, path)):
+                if id(tensor) in owners:
+                    raise ValueError(f"{path}.{name} is in both {owners[id(tensor)]} and {block.name}")
+                owners[id(tensor)] = block.name
+    orphans = [name for name, tensor in tensors_of(model) if id(tensor) not in owners]
     if orphans:
         raise ValueError(f"the layout of {type(model).__name__} leaves out {orphans[:5]}")
     return layout

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Layout, tensor_bytes
+from server.engine.denoisers.blocks import Layout, part, tensor_bytes
 from server.engine.denoisers.specs import layout_of, native_latent
 from server.engine.hardware.devices import (
     default_budget,
@@ -303,7 +303,7 @@ def count_block_bytes(
     out = dict.fromkeys(layout.names, 0)
     for block in layout.blocks:
         for path in block.modules:
-            module = model.get_submodule(path)
+            module = part(model, path)
             out[block.name] += (
                 quantization.bytes(module, dtype, path) if quantization else tensor_bytes(module, dtype)
             )

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import DenoiserInputs, Flow, block_modules, tensor_bytes
+from server.engine.denoisers.blocks import DenoiserInputs, Flow, block_modules, part, tensor_bytes
 from server.engine.denoisers.specs import layout_of, spec_for
 from server.engine.hardware.devices import format_bytes, worker_names
 from server.engine.hardware.memory import DeviceMemory, read_memory
@@ -71,7 +71,7 @@ class ModelShard:
             for block in stage.blocks:
                 self.stage_of[block] = index
                 for path in layout.blocks[layout.names.index(block)].modules:
-                    model.get_submodule(path).to(stage.device)
+                    part(model, path).to(stage.device)
                     self._owner[path] = index
         self.stage_devices = [torch.device(stage.device) for stage in plan.stages]
         self.device = self.stage_devices[0]

@@ -1,0 +1,119 @@
+"""Wan 2.x's video transformer (`diffusers.WanTransformer3DModel`) as blocks.
+
+A call's sample is [rows, 16, frames, h, w]: a video's latent frames are one row, and its
+tokens are every frame's patches (1×2×2), so self-attention spans the whole clip. forward
+embeds first: `rope` turns the latent's shape into rotary (cos, sin) for every token (buffers
+only), `patch_embedding` (a Conv3d) makes the tokens, `condition_embedder` turns the timestep
+into `temb` and its six modulations (`proj`) and projects UMT5's tokens: the `embed` block.
+Then each `blocks.{i}` maps the tokens with self-attention (rotary), cross-attention to the
+text, and a feed-forward: one block each. `norm_out`, modulated by `temb` and the root's
+`scale_shift_table` (a parameter outside any submodule: a `TensorPart`), and `proj_out` end
+it; unpatchifying is glue in `end`. No skips: the tokens, the text, temb and proj cross every
+boundary. Image-to-video's image embeddings and Wan 2.2's per-token timesteps are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.engine.denoisers.blocks import (
+    Block,
+    BlockCall,
+    CacheBoundary,
+    DenoiserInputs,
+    Flow,
+    Layout,
+    SequenceSplit,
+)
+from server.engine.denoisers.dit import dit_boundary, token_rows
+
+UMT5_TOKENS = 512  # WanPipeline's max_sequence_length default
+NATIVE_LATENT = 60  # 480 px / 8: Wan 2.1's 480p (the planner's square stand-in for 480×832)
+NATIVE_FRAMES = 21  # latent frames of 81 video frames (1 + 80 / 4)
+
+
+class WanTransformerSpec:
+    """`diffusers.WanTransformer3DModel`: Wan 2.1 and 2.2 text-to-video."""
+
+    EMBEDDING = ("rope", "patch_embedding", "condition_embedder")
+    OUTPUT = ("norm_out", "proj_out", "scale_shift_table")
+
+    def native_latent(self, model: nn.Module) -> int:
+        return NATIVE_LATENT
+
+    def layout(self, model: nn.Module) -> Layout:
+        blocks = [Block("embed", self.EMBEDDING)]
+        blocks += [Block(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))]
+        blocks.append(Block("out", self.OUTPUT))
+        return Layout(tuple(blocks))
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
+    ) -> DenoiserInputs:
+        config = model.config
+        size = (batch, config.in_channels, NATIVE_FRAMES, latent_size, latent_size)
+        sample = torch.randn(size, dtype=dtype, device=device)
+        timestep = torch.linspace(1000.0, 1.0, batch, device=device)
+        context = torch.randn(batch, UMT5_TOKENS, config.text_dim, dtype=dtype, device=device)
+        return DenoiserInputs(sample, timestep, context, {})
+
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
+        rows = token_rows(inputs, (), "Wan")
+        sample = rows["sample"]
+        if rows["timestep"].ndim != 1:
+            raise ValueError("the Wan block walk takes one timestep a row (not Wan 2.2's per token)")
+        return Flow(rows, {"size": tuple(sample.shape[2:]), "rotary": model.rope(sample)})  # no weights
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]:
+        calls = {"embed": BlockCall(model, embed)}
+        calls.update((f"blocks.{i}", BlockCall(b, block)) for i, b in enumerate(model.blocks))
+        calls["out"] = BlockCall(model, out)
+        return calls
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
+        hidden, (frames, height, width) = flow.rows["hidden"], flow.shared["size"]
+        p_t, p_h, p_w = model.config.patch_size
+        f, h, w = frames // p_t, height // p_h, width // p_w
+        hidden = hidden.reshape(hidden.shape[0], f, h, w, p_t, p_h, p_w, -1)
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None:
+        return dit_boundary(model.blocks, "blocks")
+
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Each block on a slice of the video's tokens; the text is whole on every rank (its
+        cross-attention's keys: gathered from every rank, they repeat, which leaves softmax's
+        weights as they are: exact, if D times the keys)."""
+        blocks = frozenset(f"blocks.{i}" for i in range(len(model.blocks)))
+        return SequenceSplit(blocks, {"hidden": 1}, rotary_slice)
+
+
+def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The rotary (cos, sin) [1, tokens, 1, d] of a rank's tokens."""
+    start, stop, _ = cuts["hidden"]
+    return {**shared, "rotary": tuple(x[:, start:stop] for x in shared["rotary"])}
+
+
+# The blocks' calls: fn(owner, rows, shared) → rows, as WanTransformer3DModel.forward runs them.
+
+
+def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden = model.patch_embedding(rows["sample"]).flatten(2).transpose(1, 2).contiguous()
+    temb, proj, context, _ = model.condition_embedder(rows["timestep"], rows["context"], None)
+    return {"hidden": hidden, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "context": context}
+
+
+def block(owner: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden = owner(rows["hidden"], rows["context"], rows["proj"], shared["rotary"])
+    return {**rows, "hidden": hidden}
+
+
+def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden, temb = rows["hidden"], rows["temb"]
+    shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+    return {"hidden": model.proj_out(hidden)}
