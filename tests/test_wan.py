@@ -5,6 +5,7 @@ the planner counts every byte it holds."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -13,6 +14,7 @@ from server.engine import CallPlan, ModelShard, layout_of, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, TensorPart, part, tensor_bytes
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.sequence import run_sequence
+from server.pipeline import GenerationRequest, Pipeline
 
 
 def tiny_wan() -> WanTransformer3DModel:
@@ -73,3 +75,80 @@ def test_a_video_split_over_a_sequence_group_equals_the_unsplit_call(degree: int
     finally:
         workers.close()
     assert torch.allclose(out, expected, atol=1e-5), float((out - expected).abs().max())
+
+
+# The Wan family: our pipeline against WanPipeline.
+
+VIDEO = {"width": 32, "height": 32, "frames": 9}
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory: pytest.TempPathFactory):
+    from tests.tiny_pipelines import build_wan_folder
+
+    return build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v")
+
+
+def wan_pipeline_video(folder, request) -> np.ndarray:
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+    ).frames[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("guidance", [5.0, 1.0])  # guided: two rows; unguided: one
+def test_our_videos_equal_wan_pipelines_frame_for_frame(wan_folder, guidance: float) -> None:
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    request = pipeline.resolve(
+        GenerationRequest(
+            "a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=guidance, **VIDEO
+        )
+    )
+    mine, theirs = pipeline.generate([request])[0], wan_pipeline_video(wan_folder, request)
+    assert mine.shape == theirs.shape == (9, 32, 32, 3)
+    assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.05
+
+
+def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone(wan_folder) -> None:
+    """Batched: a video joining another mid-way; split: the same video as a sequence group of 2."""
+    from server.engine import ParallelPlan
+    from server.pipeline.families import meta_denoiser
+    from server.pipeline.loader import read_family
+
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    first = pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0, **VIDEO))
+    second = pipeline.resolve(
+        GenerationRequest("a blue square", seed=4, steps=3, guidance_scale=5.0, **VIDEO)
+    )
+    alone = [pipeline.generate([r])[0] for r in (first, second)]
+    states = pipeline.start([first])
+    pipeline.step(states)  # the first is a step ahead when the second joins
+    states += pipeline.start([second])
+    while active := [s for s in states if not s.done]:
+        pipeline.step(active)
+    pipeline.decode(states)
+    for state, image in zip(states, alone, strict=True):
+        assert float(np.abs(state.image.numpy() - image).max()) < 1e-3
+        state.close()
+    one = plan_shards(meta_denoiser(read_family(wan_folder)), "cpu", "memory")
+    plan = ParallelPlan(
+        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
+    )
+    lane = Pipeline.load(wan_folder, plan=plan).lanes()[0]
+    assert float(np.abs(lane.generate([first])[0] - alone[0]).max()) < 1e-3
+    assert lane.lane.groups.calls == first.steps
+
+
+def test_frames_are_checked_against_the_model(wan_folder) -> None:
+    from server.errors import InvalidRequest
+
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    with pytest.raises(InvalidRequest, match="1 more than a multiple of 4"):
+        pipeline.resolve(GenerationRequest("a cat", frames=10, width=32, height=32))
+    assert pipeline.resolve(GenerationRequest("a cat", width=32, height=32)).frames == 81

@@ -338,3 +338,31 @@ def write_gguf(folder: Path, part: str, file: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return file
+
+
+def build_wan_folder(folder: Path) -> Path:
+    """A tiny Wan 2.1 text-to-video folder (`WanPipeline`): a 2-block video transformer over
+    1×2×2 patches, a 3-channel-base causal 3D VAE (8× spatial, 4× temporal), a UMT5 encoder
+    built from T5's tiny config, and flow matching (shift 7)."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = build_t5_tokenizer()
+    t5 = _t5(tokenizer).config.to_dict()
+    encoder = UMT5EncoderModel(UMT5Config(**{k: v for k, v in t5.items() if k in UMT5Config().to_dict()}))
+    WanPipeline(
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+            out_channels=16, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        ),
+        vae=AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ),
+        text_encoder=encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    ).save_pretrained(folder, safe_serialization=True)  # fmt: skip
+    return folder

@@ -238,7 +238,7 @@ class Pipeline:
         scope = PoolScope(self.pool)
         try:
             family = self.family
-            shape = family.latent_shape(request.width, request.height)
+            shape = family.latent_shape(request.width, request.height, request.frames)
             scheduler = make_scheduler(self.components.scheduler, request.scheduler)
             family.set_timesteps(scheduler, request.steps, self.device, shape)
             edit, begin = request.edit, 0
@@ -259,6 +259,7 @@ class Pipeline:
                 width=request.width,
                 height=request.height,
                 device=self.device,
+                frames=request.frames,
             )
             kept = {}
             for name, rows in {"context": context, **extras}.items():
@@ -354,7 +355,7 @@ class Pipeline:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
-            image = image.permute(1, 2, 0)  # [H, W, 3], as diffusers' output_type="np"
+            image = image.movedim(0, -1)  # [H, W, 3] (a video's [F, H, W, 3]), as output_type="np"
             state.image = state.scope.rent(image.shape, torch.float32, "cpu", pinned=pinned)
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
@@ -390,4 +391,7 @@ class Pipeline:
 
 def _images_per_call(states: Sequence[RequestState]) -> int:
     """How many images of this (one) size one VAE call decodes (`tiling.images_per_call`)."""
-    return images_per_call(states[0].request.width, states[0].request.height) if states else 1
+    if not states:
+        return 1
+    request = states[0].request  # a video's frames count as images
+    return max(1, images_per_call(request.width, request.height) // (request.frames or 1))

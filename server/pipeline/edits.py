@@ -81,11 +81,12 @@ def first_latents(
     width: int,
     height: int,
     device: torch.device,
+    frames: int | None = None,
 ) -> Start:
     """Noise for a generation; for an edit, its image noised to `first_t`, the first timestep it
     runs. An inpainting denoiser (9 input channels) sees every request as inpainting: without a
     mask the whole image is repainted, without an image it starts from black, at strength 1."""
-    shape = family.latent_shape(width, height)
+    shape = family.latent_shape(width, height, frames)
     conditioned = family.inpainting_channels > 0
     if edit is None and not conditioned:
         noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=device.type == "cuda")

@@ -92,6 +92,8 @@ class Family:
         return 2 if request.guidance_scale > 1 else 1
 
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
+    default_frames: ClassVar[int | None] = None  # a video family's frames (None: images)
+    frame_multiple: ClassVar[int] = 1  # a video's frames are 1 + a multiple of this
 
     def cfg_scale(self, request: Asked) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows."""
@@ -152,7 +154,8 @@ class Family:
         """The largest image side the denoiser can take, if it has one."""
         return None
 
-    def latent_shape(self, width: int, height: int) -> tuple[int, int, int, int]:
+    def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
+        """One request's latents: [1, C, h, w] (a video family's: [1, C, latent frames, h, w])."""
         scale = self.vae_scale_factor
         return (1, self.latent_channels, height // scale, width // scale)
 
