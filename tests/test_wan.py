@@ -5,6 +5,8 @@ the planner counts every byte it holds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -151,4 +153,16 @@ def test_frames_are_checked_against_the_model(wan_folder) -> None:
     pipeline = Pipeline.load(wan_folder, devices="cpu")
     with pytest.raises(InvalidRequest, match="1 more than a multiple of 4"):
         pipeline.resolve(GenerationRequest("a cat", frames=10, width=32, height=32))
-    assert pipeline.resolve(GenerationRequest("a cat", width=32, height=32)).frames == 81
+    with pytest.raises(InvalidRequest, match="videos take neither"):
+        pipeline.resolve(GenerationRequest("a cat", frames=9, width=32, height=32, partial_images=1))
+
+
+def test_a_request_without_frames_is_an_image_as_wan_pipeline_draws_one_frame(wan_folder) -> None:
+    """What the Images API asks a Wan model for: a one-frame video's frame, [H, W, 3]."""
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    request = pipeline.resolve(GenerationRequest("a red circle", seed=5, steps=3, width=32, height=32))
+    assert request.frames is None
+    mine = pipeline.generate([request])[0]
+    theirs = wan_pipeline_video(wan_folder, replace(request, frames=1))
+    assert mine.shape == (32, 32, 3) and theirs.shape == (1, 32, 32, 3)
+    assert float(np.abs(mine - theirs[0]).max()) * 255 <= 2

@@ -355,6 +355,8 @@ class Pipeline:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
+            if state.request.frames is None and image.dim() == 4:  # a video model's image: 1 frame
+                image = image[:, 0]
             image = image.movedim(0, -1)  # [H, W, 3] (a video's [F, H, W, 3]), as output_type="np"
             state.image = state.scope.rent(image.shape, torch.float32, "cpu", pinned=pinned)
             state.image.copy_(image, non_blocking=pinned)

@@ -41,7 +41,7 @@ class GenerationRequest:
     edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
     true_cfg_scale: float = 1.0  # guidance-distilled models (FLUX.1): CFG with negative_prompt when > 1
     step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
-    frames: int | None = None  # a video's frames (video families only; their default when None)
+    frames: int | None = None  # a video's frames (video families only); None: an image
 
     @property
     def kind(self) -> str:
@@ -64,7 +64,7 @@ class Defaults:
     size: int  # native image side in pixels
     size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
     step_cache: StepCache = OFF  # --step-cache
-    frames: int | None = None  # a video family's frames (None: the family makes images)
+    frames: int | None = None  # a video family's frames for a video that names none (None: images only)
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -122,7 +122,6 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         width=width if request.width is None else request.width,
         height=height if request.height is None else request.height,
         step_cache=d.step_cache if request.step_cache is None else request.step_cache,
-        frames=request.frames if request.frames is not None or d.frames is None else d.frames,
     )
 
 
@@ -159,7 +158,7 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest(
             "step_cache", f"policy {request.step_cache.policy!r} does not fit this model; it takes {served}"
         )
-    if request.frames is not None or family.default_frames is not None:
+    if request.frames is not None:
         _check_frames(request, family)
     if request.edit is not None:
         _check_edit(request, request.edit, family)
@@ -169,7 +168,7 @@ def _check_frames(request: GenerationRequest, family: Family) -> None:
     if family.default_frames is None:
         raise InvalidRequest("num_frames", "this model makes images, not videos")
     frames, every = request.frames, family.frame_multiple
-    if frames is None or frames < 1 or (frames - 1) % every:
+    if frames < 1 or (frames - 1) % every:
         raise InvalidRequest(
             "num_frames", f"must be 1 more than a multiple of {every} (e.g. 81), got {frames}"
         )

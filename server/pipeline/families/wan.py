@@ -4,8 +4,9 @@ classifier-free guidance as two rows, a flow-matching schedule, and a causal 3D 
 4× temporal: a video of 1 + 4k frames is 1 + k latent frames) whose latents are normalized by
 per-channel means and standard deviations.
 
-A video is one row (two when guided): its frames are latent frames of that row, so requests at
-different steps, videos and images of other families alike, batch the way images do."""
+A video is one row (two when guided): its frames are latent frames of that row, so videos at
+different steps batch the way images do. An image (a request with no frames: the Images API) is
+a one-frame video, as WanPipeline makes it with num_frames=1."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class Wan(Family):
         return self.vae_scale_factor * int(self.config.denoiser.get("patch_size", (1, 2, 2))[-1])
 
     def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
-        scale, frames = self.vae_scale_factor, frames or self.default_frames
+        """A video's latents; an image's (`frames` None) are a one-frame video's, as Wan draws them."""
+        scale, frames = self.vae_scale_factor, frames or 1
         latent_frames = (frames - 1) // self.frame_multiple + 1
         return (1, self.latent_channels, latent_frames, height // scale, width // scale)
 
