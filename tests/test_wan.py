@@ -166,3 +166,31 @@ def test_a_request_without_frames_is_an_image_as_wan_pipeline_draws_one_frame(wa
     theirs = wan_pipeline_video(wan_folder, replace(request, frames=1))
     assert mine.shape == (32, 32, 3) and theirs.shape == (1, 32, 32, 3)
     assert float(np.abs(mine - theirs[0]).max()) * 255 <= 2
+
+
+def test_two_videos_and_two_images_stepped_together_equal_each_alone(wan_folder) -> None:
+    """One Wan model's step loop: two 9-frame videos and two images (one-frame videos) queued
+    together; each equals its alone output within 1e-3. Same-shape requests share a call: the
+    videos' 4 rows (guided) in one, the images' 4 in another, every turn."""
+    from server.serving import Service
+
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=3, guidance_scale=5.0, **VIDEO),
+        GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=5.0, **VIDEO),
+        GenerationRequest("a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32),
+        GenerationRequest("a blue square", seed=4, steps=3, guidance_scale=5.0, width=32, height=32),
+    ]
+    service = Service(Pipeline.load(wan_folder, devices="cpu"), "tiny-wan", max_batch=16)
+    try:
+        alone = [service.submit([r]).future.result(timeout=120)[0] for r in requests]
+        before = dict(service.stats().batch_rows)
+        jobs = [service.submit([r]) for r in requests]  # queued together
+        together = [job.future.result(timeout=120)[0] for job in jobs]
+        calls = {rows: n - before.get(rows, 0) for rows, n in service.stats().batch_rows.items()}
+    finally:
+        service.close()
+    assert [a.shape for a in together] == [(9, 32, 32, 3)] * 2 + [(32, 32, 3)] * 2
+    for mine, reference in zip(together, alone, strict=True):
+        assert float(np.abs(mine - reference).max()) < 1e-3
+    print("rows per call → calls, the four together:", dict(sorted(calls.items())))
+    assert calls.get(4, 0) >= 2 * 2, calls  # each shape's two requests shared their calls
