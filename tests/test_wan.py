@@ -194,3 +194,20 @@ def test_two_videos_and_two_images_stepped_together_equal_each_alone(wan_folder)
         assert float(np.abs(mine - reference).max()) < 1e-3
     print("rows per call → calls, the four together:", dict(sorted(calls.items())))
     assert calls.get(4, 0) >= 2 * 2, calls  # each shape's two requests shared their calls
+
+
+def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> None:
+    """`plan --config wan-14b`: the published architecture on the meta device with UMT5-XXL and
+    Wan's VAE beside it; a lone guided 81-frame 480² video's step as a group of two ≤ 0.6× one GPU's."""
+    import json
+
+    done = run_cli(
+        "plan", "--config", "wan-14b", "--devices", "cuda:0,cuda:1", "--max-memory",
+        "cuda:0=80GiB,cuda:1=80GiB", "--dtype", "bfloat16", "--max-batch", "2", "--parallel", "sequence",
+        "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)["parallel"]["candidates"]
+    group = next(c for c in found if c["sequence_degree"] == 2)
+    one = next(c for c in found if c["note"].startswith("one device"))
+    assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)

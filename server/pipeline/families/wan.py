@@ -16,12 +16,29 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from torch import nn
+from transformers import UMT5Config, UMT5EncoderModel
 
 from server.engine.denoisers.wan import UMT5_TOKENS
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Family, TextEmbeddings
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
+# defaults), text_encoder/config.json (UMT5-XXL's encoder) and vae/config.json (the defaults).
+WAN_1_3B = {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+UMT5_XXL_ENCODER = {
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "vocab_size": 256384,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+    "tie_word_embeddings": False,
+}
+WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True]}
 
 
 def prompt_clean(text: str) -> str:
@@ -43,6 +60,12 @@ class Wan(Family):
     default_guidance: ClassVar[float] = 5.0
     default_frames: ClassVar[int | None] = 81
     default_area: ClassVar[float] = 1.0
+    reference_parts: ClassVar[dict[str, Any]] = {
+        "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL_ENCODER)),
+        "vae": lambda: AutoencoderKLWan.from_config(WAN_VAE),
+    }
+    reference_vae: ClassVar[dict[str, Any] | None] = WAN_VAE
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"wan-1.3b": WAN_1_3B, "wan-14b": {}}
 
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
