@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
 from server import __version__
-from server.api import docs, health, playground, routes
+from server.api import docs, health, playground, routes, videos
 from server.api.errors import install_error_handlers
 from server.api.hosts import TrustedHosts
 from server.api.limits import BodyLimit
@@ -51,6 +51,8 @@ from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
+from server.serving.videos import VideoRunner
+from server.serving.videostore import SqliteJobStore
 
 log = logging.getLogger("diffshard")
 
@@ -218,6 +220,13 @@ async def _load(app: FastAPI) -> None:
         if app.state.on_fatal is not None:
             app.state.on_fatal()
         return
+    if service.video_frames is not None:  # a video model: /v1/videos' jobs, from the job store
+        store = SqliteJobStore(settings.job_store)
+        app.state.videos = VideoRunner(
+            store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
+            serving=lambda: runtime.status == "ready",
+        )  # fmt: skip
+        log.info("video jobs in %s", store.path)
     runtime.service, runtime.load_seconds = service, time.perf_counter() - started
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
@@ -259,6 +268,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             exporter.shutdown()
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
+        if getattr(app.state, "videos", None) is not None:
+            app.state.videos.stop()  # a job cut short stays in progress: the next start runs it
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
 
@@ -292,6 +303,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)
+    app.include_router(videos.router)
     app.include_router(playground.router)
     app.include_router(docs.router)
     install_openapi(

@@ -42,6 +42,7 @@ from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
 from server.serving import Limits
+from server.serving.videostore import default_job_store, parse_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILT_IN_NAME = "diffshard-shapes"
@@ -94,6 +95,13 @@ class Settings(BaseSettings):
         description="where calibrations and measured costs are kept ($XDG_CACHE_HOME/diffshard); "
         "unwritable: a warning, and they are timed again",
     )
+    job_store: str = Field(
+        default_factory=default_job_store,
+        description="where video jobs live (/v1/videos): sqlite:///PATH, by default under "
+        "$XDG_DATA_HOME/diffshard: jobs and finished videos survive a restart",
+    )
+    video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
+    video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
     compile: CompileMode = Field(
         CompileMode.OFF,
         description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "
@@ -227,6 +235,11 @@ class Settings(BaseSettings):
     def _model_folder(cls, folder: Path) -> Path:
         read_family(folder)  # a ModelFolderError (a ValueError) says what is wrong with it
         return folder
+
+    @field_validator("job_store")
+    @classmethod
+    def _job_store(cls, value: str) -> str:
+        return parse_job_store(value)
 
     @field_validator("step_cache")
     @classmethod

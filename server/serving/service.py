@@ -130,37 +130,37 @@ class Service:
         (Overloaded, KeyOverloaded or Draining when the loop cannot take it). On the step loop's
         thread, `on_partial` receives the partial images the requests ask for, and `on_progress`
         hears each turn that the job moved (`Job.queue_position`, `Job.progress`)."""
-        filled = [self.pipeline.with_defaults(r) for r in requests]
-        check_limits(filled, self.limits)  # policy first: its message names the setting to change
-        resolved = [self.pipeline.resolve(r) for r in filled]
+        resolved = self.checked(requests)
         rows = sum(self.pipeline.rows(r) for r in resolved)
+        job = Job(resolved, rows, self.limits.request_timeout_s, owner=owner)
+        job.on_partial, job.on_progress = on_partial, on_progress
         held = {name for r in resolved for name, _ in r.lora}
         self.pipeline.adapters.uses.hold(held)  # an adapter being unloaded: InvalidRequest
         try:
-            queued = self._queue(resolved, rows, request_id, on_partial, on_progress, owner)
+            queued = self._queue(job, request_id)
         except BaseException:
             self.pipeline.adapters.release(held)
             raise
-        # its adapters stay attached until it ends, however it ends
-        queued.future.add_done_callback(lambda _: self.pipeline.adapters.release(held))
+        queued.future.add_done_callback(lambda _: self.pipeline.adapters.release(held))  # however it ends
         return queued
 
-    def _queue(
-        self,
-        resolved: list[GenerationRequest],
-        rows: int,
-        request_id: str | None,
-        on_partial: Callable[[int, int, Any], None] | None,
-        on_progress: Callable[[], None] | None,
-        owner: str | None,
-    ) -> Job:
-        job = Job(resolved, rows, self.limits.request_timeout_s, owner=owner)
+    def checked(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """The requests resolved, or InvalidRequest: policy first (its message names the setting)."""
+        filled = [self.pipeline.with_defaults(r) for r in requests]
+        check_limits(filled, self.limits)
+        return [self.pipeline.resolve(r) for r in filled]
+
+    @property
+    def video_frames(self) -> int | None:
+        """A video model's default frames (None: the model makes images only)."""
+        return self.pipeline.family.default_frames
+
+    def _queue(self, job: Job, request_id: str | None) -> Job:
         if request_id is not None:  # the loop's log lines name the job: the request's own id
             # ids come from clients: one already in use gets a suffix, so /v1/stats keeps both
             taken = request_id in self.stats().owners
             job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
-        job.on_partial, job.on_progress = on_partial, on_progress
-        job.warning = size_warning(resolved[0], self.pipeline.defaults.size)
+        job.warning = size_warning(job.requests[0], self.pipeline.defaults.size)
         queued = min(self.loops, key=StepLoop.load).submit(job)
         if job.warning is not None:
             log.warning("job %s: %s", job.id, job.warning)

@@ -1,0 +1,188 @@
+"""/v1/videos: OpenAI's Videos API, asynchronous: POST makes a job (queued), GET polls it
+(`in_progress` with `progress`, then `completed` or `failed`), `/content` downloads what it made
+(`video`: H.264 MP4; `thumbnail`, `spritesheet`: PNG; `frames`: its frames as PNGs in a ZIP, a
+lossless variant of ours), GET lists them (paged), DELETE removes one. Jobs live in the job store
+(`serving/videostore.py`): they survive a restart, and a key sees only its own."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from server.api.auth import require_key
+from server.api.deps import ServiceDep
+from server.api.editing import json_field
+from server.api.errors import APIError
+from server.api.multipart import FormLimits, read_form
+from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, parse_size
+from server.errors import InvalidRequest
+from server.serving import GenerationRequest, Service, parse_step_cache
+from server.serving.videos import VARIANTS, VideoRunner, new_job_id
+from server.serving.videostore import VideoJob
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["videos"])
+MAX_LIST = 100
+MAX_FORM_BYTES, MAX_FORM_FIELDS = 65536, 32  # a form's text fields, as a JSON body's limit
+
+
+class VideoCreateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    prompt: str
+    model: str | None = None
+    seconds: str | int | None = Field(None, description="the clip's length; num_frames overrides it")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT"; default: the native size')
+    input_reference: object = Field(None, description="image-to-video: not served yet")
+    negative_prompt: str | None = None
+    seed: int | None = Field(None, description=f"0 to {SEED_LIMIT - 1}; -1 or none: a random one")
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    num_frames: int | None = Field(None, description="the clip's frames (1 + a multiple of 4 for Wan)")
+    step_cache: object = Field(None, description='"off", "first_block" or its JSON object')
+
+
+def runner_of(request: Request) -> VideoRunner:
+    runner = getattr(request.app.state, "videos", None)
+    if runner is None:
+        raise APIError(
+            404, "this server's model makes images: /v1/videos serves video models", code="not_found"
+        )
+    return runner
+
+
+RunnerDep = Annotated[VideoRunner, Depends(runner_of)]
+
+
+def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple[GenerationRequest, str]:
+    """The generation a body asks for, and its length in seconds as the Video object says it."""
+    if body.input_reference is not None:
+        raise InvalidRequest("input_reference", "image-to-video is not served yet: send a prompt alone")
+    if body.model is not None and body.model != service.name:
+        raise InvalidRequest("model", f"this server serves {service.name!r}, not {body.model!r}")
+    frames = body.num_frames
+    if frames is None and body.seconds is not None:
+        seconds = str(body.seconds)
+        if not seconds.isdigit() or int(seconds) < 1:
+            raise InvalidRequest("seconds", f"must be a whole number of seconds ≥ 1, got {body.seconds!r}")
+        frames = int(seconds) * fps + 1
+    frames = frames or service.video_frames
+    guidance = body.guidance_scale
+    if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
+        raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
+    if body.seed is not None and not RANDOM_SEED <= body.seed < SEED_LIMIT:
+        raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, or -1, got {body.seed}")
+    width, height = parse_size(body.size) if body.size is not None else (None, None)
+    request = GenerationRequest(
+        body.prompt, negative_prompt=body.negative_prompt,
+        seed=secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed,
+        steps=body.num_inference_steps, guidance_scale=guidance, width=width, height=height, frames=frames,
+        step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
+    )  # fmt: skip
+    return request, f"{(frames - 1) / fps:g}"
+
+
+def stored(request: GenerationRequest) -> dict[str, Any]:
+    """A resolved request as the store keeps it (JSON)."""
+    values = asdict(request)
+    values.pop("edit", None)
+    return values
+
+
+def own_job(runner: VideoRunner, request: Request, video_id: str) -> VideoJob:
+    """The job, if it exists and is the caller's (another key's is as unknown as a missing one)."""
+    job = runner.store.get(video_id)
+    owner = request.state.owner
+    if job is None or (owner is not None and not request.state.admin and job.owner != owner):
+        raise APIError(
+            404, f"no video {video_id!r} (it expired, was deleted, or is not yours)", code="not_found"
+        )
+    return job
+
+
+async def video_body(request: Request) -> VideoCreateRequest:
+    """The body as JSON, or (as OpenAI's SDK sends it) a multipart form of text fields; an
+    `input_reference` file is refused by name (image-to-video is not served yet)."""
+    content_type = request.headers.get("content-type", "")
+    try:
+        if content_type.startswith("multipart/form-data"):
+            limits = FormLimits(1, ((("input_reference",), 0, None),), MAX_FORM_BYTES, MAX_FORM_FIELDS)
+            form = await read_form(request, limits)
+            fields = {
+                k: json_field(k, v) if k == "step_cache" and v.startswith("{") else v
+                for k, v in form.fields.items()
+            }
+            return VideoCreateRequest.model_validate(fields, strict=False)
+        return VideoCreateRequest.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
+
+
+@router.post("/videos", openapi_extra={"requestBody": {"content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/VideoCreateRequest"}}}, "required": True}})  # fmt: skip
+async def create_video(request: Request, service: ServiceDep, runner: RunnerDep) -> dict:
+    body = await video_body(request)
+    generation, seconds = video_request(body, service, runner.fps)
+    (resolved,) = service.checked([generation])  # 400s now, not at the job's turn
+    job = VideoJob(
+        new_job_id(), request.state.owner or "", service.name, body.prompt,
+        f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
+    )  # fmt: skip
+    runner.add(job)
+    return job.public()
+
+
+@router.get("/videos/{video_id}")
+async def retrieve_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
+    return own_job(runner, request, video_id).public()
+
+
+@router.get("/videos/{video_id}/content", response_model=None)
+async def video_content(
+    video_id: str,
+    request: Request,
+    runner: RunnerDep,
+    variant: Literal["video", "thumbnail", "spritesheet", "frames"] = "video",
+) -> FileResponse:
+    job = own_job(runner, request, video_id)
+    if job.status != "completed":
+        raise APIError(409, f"video {video_id!r} is {job.status}: its content comes once it is completed",
+                       code="video_not_ready")  # fmt: skip
+    name, media = VARIANTS[variant]
+    path = runner.store.folder(job.id) / name
+    if not path.is_file():
+        raise APIError(404, f"video {video_id!r} has no {variant} any more", code="not_found")
+    return FileResponse(path, media_type=media, filename=f"{job.id}-{name}")
+
+
+@router.get("/videos")
+async def list_videos(
+    request: Request,
+    runner: RunnerDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict:
+    owner = None if request.state.admin else request.state.owner
+    jobs, more = runner.store.page(owner, after, limit, order)
+    data = [job.public() for job in jobs]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
+
+
+@router.delete("/videos/{video_id}")
+async def delete_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
+    job = own_job(runner, request, video_id)
+    if job.status in ("queued", "in_progress"):
+        raise APIError(
+            409, f"video {video_id!r} is {job.status}: delete it once it ends", code="video_not_ready"
+        )
+    runner.store.delete(job.id)
+    return {"id": job.id, "object": "video.deleted", "deleted": True}
