@@ -224,6 +224,7 @@ async def _load(app: FastAPI) -> None:
         store = SqliteJobStore(settings.job_store)
         app.state.videos = VideoRunner(
             store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
+            max_bytes=settings.video_store_bytes,
             serving=lambda: runtime.status == "ready",
         )  # fmt: skip
         log.info("video jobs in %s", store.path)

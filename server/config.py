@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     )
     video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
     video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
+    video_store_bytes: int = Field(
+        10 * 1024**3, ge=1, description="the finished videos' content in all; past it the oldest go"
+    )
     compile: CompileMode = Field(
         CompileMode.OFF,
         description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "

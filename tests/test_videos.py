@@ -44,7 +44,8 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     wan_folder: Path, tmp_path: Path
 ) -> None:
     store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-    with live_server("--model", str(wan_folder), "--job-store", store) as server:
+    args = ("--model", str(wan_folder), "--job-store", store, "--max-queue-per-key", "1")
+    with live_server(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         video = client.videos.create_and_poll(
             prompt="a red circle", size="32x32", extra_body=FAST, poll_interval_ms=50
@@ -124,4 +125,23 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
     slow = httpx.post(url, json={"prompt": "a cat", "size": "64x64", **FAST, "num_inference_steps": 100})
     early = httpx.get(f"{url}/{slow.json()['id']}/content")
     assert early.status_code == 409 and early.json()["error"]["code"] == "video_not_ready"
+    crowded = httpx.post(url, json={"prompt": "a cat", "size": "32x32", **FAST})  # one unfinished a key
+    assert crowded.status_code == 429 and crowded.json()["error"]["code"] == "rate_limit_exceeded"
     assert httpx.get(f"{base}/readyz").status_code == 200  # and it keeps serving
+
+
+def test_the_store_keeps_jobs_bounded_expired_and_oldest_first(tmp_path: Path) -> None:
+    from server.serving.videostore import SqliteJobStore, VideoJob
+
+    store = SqliteJobStore(f"sqlite:///{tmp_path / 'jobs.sqlite'}")
+    for index, (expires, size) in enumerate([(50, 10), (500, 10), (400, 10), (None, 0)]):
+        job = VideoJob(f"video_{index}", "key", "m", "p", "32x32", "1", {}, created_at=index)
+        job.status, job.expires_at, job.bytes = (
+            ("completed", expires, size) if expires else ("queued", None, 0)
+        )
+        store.add(job)
+        store.folder(job.id).mkdir(parents=True)
+    assert store.unfinished() == store.unfinished("key") == 1 and store.unfinished("other") == 0
+    assert store.tidy(now=100, max_bytes=10) == 2  # the expired one, then the oldest to expire
+    assert [j.id for j in store.finished()] == ["video_1"] and not store.folder("video_0").exists()
+    assert store.claim().id == "video_3" and store.claim() is None and store.requeue() == 1

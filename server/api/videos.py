@@ -23,13 +23,14 @@ from server.api.editing import json_field
 from server.api.errors import APIError
 from server.api.multipart import FormLimits, read_form
 from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, parse_size
-from server.errors import InvalidRequest
+from server.errors import InvalidRequest, KeyOverloaded, Overloaded
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import VideoJob
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["videos"])
 MAX_LIST = 100
+RETRY_AFTER_S = 10  # a video takes a while: come back then
 MAX_FORM_BYTES, MAX_FORM_FIELDS = 65536, 32  # a form's text fields, as a JSON body's limit
 
 
@@ -131,8 +132,13 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
     body = await video_body(request)
     generation, seconds = video_request(body, service, runner.fps)
     (resolved,) = service.checked([generation])  # 400s now, not at the job's turn
+    settings, owner = request.app.state.settings, request.state.owner or ""
+    if runner.store.unfinished(owner) >= settings.key_queue_limit:  # one key's share of the line
+        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)
+    if runner.store.unfinished() >= settings.max_queue:
+        raise Overloaded(RETRY_AFTER_S)
     job = VideoJob(
-        new_job_id(), request.state.owner or "", service.name, body.prompt,
+        new_job_id(), owner, service.name, body.prompt,
         f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
     )  # fmt: skip
     runner.add(job)

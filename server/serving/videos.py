@@ -53,10 +53,12 @@ class VideoRunner:
         *,
         fps: int,
         expiry_s: int,
+        max_bytes: int,
         serving: Callable[[], bool],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
+        self.max_bytes = max_bytes  # the finished videos' content, in all
         self.serving, self.clock = serving, clock
         self._wake, self._stopped = threading.Event(), threading.Event()
         again = store.requeue()
@@ -77,6 +79,8 @@ class VideoRunner:
         while not self._stopped.is_set():
             job = self.store.claim() if self.serving() else None
             if job is None:
+                if gone := self.store.tidy(int(self.clock()), self.max_bytes):
+                    log.info("video jobs: %d expired or over the store's bytes, deleted", gone)
                 self._wake.wait(POLL_S)
                 self._wake.clear()
                 continue
@@ -115,6 +119,7 @@ class VideoRunner:
             self._fail(job, str(err))
             return
         job.bytes = write_video_files(frames, self.store.folder(job.id), self.fps)
+        self.store.tidy(int(self.clock()), self.max_bytes)  # room for it: the oldest go first
         now = int(self.clock())
         job.status, job.progress, job.completed_at, job.expires_at = (
             "completed",

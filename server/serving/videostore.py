@@ -165,15 +165,32 @@ class SqliteJobStore:
         shutil.rmtree(self.folder(job_id), ignore_errors=True)
         return bool(gone)
 
-    def expired(self, now: int) -> list[str]:
-        """Ids of completed jobs past their `expires_at`."""
+    def unfinished(self, owner: str | None = None) -> int:
+        """Jobs queued or in progress (of `owner`; None: everyone's)."""
+        query = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
+        args: tuple = ()
+        if owner is not None:
+            query, args = query + " AND owner = ?", (owner,)
         with self._lock:
-            rows = self._db.execute("SELECT job FROM jobs WHERE status = 'completed'").fetchall()
-        return [
-            job.id
-            for job in (VideoJob(**json.loads(r[0])) for r in rows)
-            if (job.expires_at or now + 1) <= now
-        ]
+            return int(self._db.execute(query, args).fetchone()[0])
+
+    def finished(self) -> list[VideoJob]:
+        """Completed and failed jobs, the first to go first: expired ones, then the oldest."""
+        with self._lock:
+            rows = self._db.execute("SELECT job FROM jobs WHERE status IN ('completed', 'failed')").fetchall()
+        jobs = [VideoJob(**json.loads(r[0])) for r in rows]
+        return sorted(jobs, key=lambda job: (job.expires_at or 0, job.created_at))
+
+    def tidy(self, now: int, max_bytes: int) -> int:
+        """Delete jobs past their `expires_at`, then the oldest finished ones while the content
+        holds more than `max_bytes`; how many went."""
+        finished, gone = self.finished(), 0
+        held = sum(job.bytes for job in finished)
+        for job in finished:
+            if (job.expires_at is not None and job.expires_at <= now) or held > max_bytes:
+                held -= job.bytes
+                gone += self.delete(job.id)
+        return gone
 
     def close(self) -> None:
         with self._lock:
