@@ -340,10 +340,10 @@ def write_gguf(folder: Path, part: str, file: Path) -> Path:
     return file
 
 
-def build_wan_folder(folder: Path) -> Path:
+def build_wan_folder(folder: Path, **transformer: object) -> Path:
     """A tiny Wan 2.1 text-to-video folder (`WanPipeline`): a 2-block video transformer over
-    1×2×2 patches, a 3-channel-base causal 3D VAE (8× spatial, 4× temporal), a UMT5 encoder
-    built from T5's tiny config, and flow matching (shift 7)."""
+    1×2×2 patches (`transformer`: other sizes), a 3-channel-base causal 3D VAE (8× spatial, 4×
+    temporal), a UMT5 encoder built from T5's tiny config, and flow matching (shift 7)."""
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -353,9 +353,12 @@ def build_wan_folder(folder: Path) -> Path:
     encoder = UMT5EncoderModel(UMT5Config(**{k: v for k, v in t5.items() if k in UMT5Config().to_dict()}))
     WanPipeline(
         transformer=WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-            out_channels=16, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2,
-            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+            **{
+                "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12,
+                "in_channels": 16, "out_channels": 16, "text_dim": TEXT_DIM, "freq_dim": 256,
+                "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
+                "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32, **transformer,
+            }
         ),
         vae=AutoencoderKLWan(
             base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
