@@ -154,7 +154,10 @@ class Settings(BaseSettings):
         None, ge=64, description="width x height of one image (default: 4x the model's native area)"
     )
     max_work: float = Field(
-        1000, gt=0, description="n x steps x pixels / native pixels of one request (native-image steps)"
+        1000,
+        gt=0,
+        description="n x steps x pixels (x a video's latent frames) / native pixels of one "
+        "request (native-image steps; a video model's default: x its default clip's latent frames)",
     )
     max_prompt_chars: int = Field(2000, ge=1, description="characters of prompt or negative_prompt")
     max_body_bytes: int = Field(
@@ -353,6 +356,12 @@ class Settings(BaseSettings):
         SD-1.5 1024², the built-in 128²; FLUX.1 less, so two 24 GiB GPUs hold its default plan)."""
         return self.max_pixels or int(family.default_area * family.native_size**2)
 
+    def work_limit(self, family: Family) -> float:
+        """`max_work`; a video model's default × its default clip's latent frames (in bounds)."""
+        if family.default_frames is None or "max_work" in self.model_fields_set:
+            return self.max_work
+        return self.max_work * ((family.default_frames - 1) // family.frame_multiple + 1)
+
     def limits(self, family: Family) -> Limits:
         native_size = family.native_size
         return Limits(
@@ -360,7 +369,7 @@ class Settings(BaseSettings):
             max_steps=self.max_steps,
             max_pixels=self.pixel_limit(family),
             max_prompt_chars=self.max_prompt_chars,
-            max_work=self.max_work,
+            max_work=self.work_limit(family),
             native_pixels=native_size * native_size,
             request_timeout_s=self.request_timeout_s,
             max_image_bytes=self.max_image_bytes,

@@ -42,6 +42,7 @@ class GenerationRequest:
     true_cfg_scale: float = 1.0  # guidance-distilled models (FLUX.1): CFG with negative_prompt when > 1
     step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
     frames: int | None = None  # a video's frames (video families only); None: an image
+    latent_frames: int = 1  # what a video weighs in work: its latent frames (set with the defaults)
 
     @property
     def kind(self) -> str:
@@ -65,6 +66,7 @@ class Defaults:
     size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
     step_cache: StepCache = OFF  # --step-cache
     frames: int | None = None  # a video family's frames for a video that names none (None: images only)
+    frame_multiple: int = 1  # a video's latent frames: 1 + (frames - 1) // this
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -98,6 +100,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         size=int(settings.get("size", family.native_size)),
         size_multiple=family.size_multiple,
         frames=family.default_frames,
+        frame_multiple=family.frame_multiple,
     )
 
 
@@ -122,6 +125,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         width=width if request.width is None else request.width,
         height=height if request.height is None else request.height,
         step_cache=d.step_cache if request.step_cache is None else request.step_cache,
+        latent_frames=1 if request.frames is None else max(1, (request.frames - 1) // d.frame_multiple + 1),
     )
 
 

@@ -71,7 +71,8 @@ class WatchedCalls:
         for item in items:  # requests to start (2 rows each, at most), or states to step or decode
             request = getattr(item, "request", item)
             rows = getattr(item, "rows", 2)
-            work += rows * (request.width or 1) * (request.height or 1) / self.native_pixels
+            frames = getattr(request, "latent_frames", 1)  # a video weighs its latent frames
+            work += rows * (request.width or 1) * (request.height or 1) * frames / self.native_pixels
         return self.step_timeout_s * max(1.0, work / self.max_batch)
 
     def _on_slow(self, running_s: float, deadline_s: float) -> None:

@@ -36,9 +36,9 @@ class Job:
 
     @property
     def pixel_rows(self) -> int:
-        """The work of its step: each request's rows × its image's pixels."""
+        """The work of its step: each request's rows × its image's pixels (× a video's latent frames)."""
         per_request = self.rows // max(1, len(self.requests))
-        return sum(per_request * r.width * r.height for r in self.requests)
+        return sum(per_request * r.width * r.height * r.latent_frames for r in self.requests)
 
     @property
     def deterministic(self) -> bool:

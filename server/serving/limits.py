@@ -49,13 +49,16 @@ def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
         if r.width * r.height > limits.max_pixels:
             message = f"{r.width}x{r.height} is {r.width * r.height} pixels; the limit is {limits.max_pixels}"
             raise InvalidRequest("size", message, "DIFFSHARD_MAX_PIXELS")
-    work = sum(r.steps * r.width * r.height for r in requests) / limits.native_pixels
+    work = sum(r.steps * r.width * r.height * r.latent_frames for r in requests) / limits.native_pixels
     if work > limits.max_work:
+        first, frames = requests[0], requests[0].latent_frames
+        clip = f" x {frames} latent frames" if frames > 1 else ""
         message = (
-            f"n x steps x pixels is {work:g} native-image steps ({len(requests)} x {requests[0].steps} x "
-            f"{requests[0].width}x{requests[0].height}); the limit is {limits.max_work:g}"
+            f"n x steps x pixels{' x latent frames' * (frames > 1)} is {work:g} native-image steps "
+            f"({len(requests)} x {first.steps} x {first.width}x{first.height}{clip}); "
+            f"the limit is {limits.max_work:g}"
         )
-        raise InvalidRequest("n", message, "DIFFSHARD_MAX_WORK")
+        raise InvalidRequest("num_frames" if frames > 1 else "n", message, "DIFFSHARD_MAX_WORK")
 
 
 def fit_defaults(defaults: Defaults, limits: Limits, family: Family) -> Defaults:
