@@ -93,17 +93,23 @@ class VideoRunner:
     def _make(self, job: VideoJob) -> None:
         request = to_request(job)
 
+        running: list[Any] = []  # the step loop's job, once submit returned
+
         def moved() -> None:  # on the step loop's thread: steps done, in percent
-            done = sum(d for d, _ in submitted.progress())
-            total = sum(t for _, t in submitted.progress()) or 1
+            if not running:  # the loop may report before submit has returned
+                return
+            done = sum(d for d, _ in running[0].progress())
+            total = sum(t for _, t in running[0].progress()) or 1
             percent = min(99, 100 * done // total)
             if percent != job.progress:
                 job.progress = percent
                 self.store.save(job)
 
         try:
-            submitted = self.service.submit([request], request_id=job.id, on_progress=moved, owner=job.owner)
-            frames = submitted.future.result()[0]
+            running.append(
+                self.service.submit([request], request_id=job.id, on_progress=moved, owner=job.owner)
+            )
+            frames = running[0].future.result()[0]
         except InvalidRequest as err:
             self._fail(job, str(err))
             return
