@@ -27,6 +27,7 @@ from server.api.schemas import (
     SIZE_PATTERN,
     ImageEditRequest,
 )
+from server.api.videos import VideoCreateRequest
 from server.serving import (
     DEFAULT_INTERVAL,
     DEFAULT_THRESHOLD,
@@ -56,7 +57,10 @@ ERRORS = {
     400: "invalid input: the message names the field (`param`) and the limit or setting",
     401: "a missing or wrong API key (`WWW-Authenticate: Bearer`)",
     408: "the body did not arrive within DIFFSHARD_READ_TIMEOUT_S; the connection is closed",
+    404: "no such video job (or not this key's), or this server's model makes images, not videos",
+    409: "the video job has not completed (content) or has not ended (delete)",
     413: "the body is over DIFFSHARD_MAX_BODY_BYTES (edits: over their images' limits beside it)",
+    429: "this API key has DIFFSHARD_MAX_QUEUE_PER_KEY video jobs unfinished (Retry-After)",
     500: "the generation failed; the message carries the request id the server log names",
     503: "not ready (code: loading, draining, failed, unhealthy), the queue is full (Retry-After), "
     "out of device memory (x-should-retry: false), or too many connections",
@@ -67,6 +71,11 @@ ERRORS = {
 OPERATION_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/images/generations"): (400, 408, 413, 500, 503, 504),
     ("post", "/v1/images/edits"): (400, 408, 413, 500, 503, 504),
+    ("post", "/v1/videos"): (400, 404, 408, 413, 429, 503),
+    ("get", "/v1/videos"): (400, 404, 503),
+    ("get", "/v1/videos/{video_id}"): (404, 503),
+    ("get", "/v1/videos/{video_id}/content"): (400, 404, 409, 503),
+    ("delete", "/v1/videos/{video_id}"): (404, 409, 503),
     ("get", "/v1/models"): (503,),
     ("get", "/v1/shards"): (503,),
     ("get", "/v1/stats"): (503,),
@@ -145,6 +154,7 @@ def openapi_document(app: FastAPI, bounds: Bounds) -> dict[str, Any]:
     schemas["Error"] = ERROR_SCHEMA
     _bound_body(schemas["ImageGenerationRequest"], bounds)
     schemas["ImageEditRequest"] = _edit_form(bounds)
+    schemas["VideoCreateRequest"] = VideoCreateRequest.model_json_schema()  # read by hand: JSON or form
     document["paths"]["/v1/images/edits"]["post"]["requestBody"] = {
         "required": True,
         "content": {"multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"}}},
