@@ -44,7 +44,16 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     wan_folder: Path, tmp_path: Path
 ) -> None:
     store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-    args = ("--model", str(wan_folder), "--job-store", store, "--max-queue-per-key", "1")
+    args = (
+        "--model",
+        str(wan_folder),
+        "--job-store",
+        store,
+        "--max-queue-per-key",
+        "1",
+        "--drain-timeout-s",
+        "0.5",
+    )
     with live_server(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         video = client.videos.create_and_poll(
@@ -73,7 +82,7 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
 def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
     args = ("--model", str(wan_folder), "--job-store", store, "--drain-timeout-s", "0.5")
-    slow = {**FAST, "num_inference_steps": 50, "num_frames": 33}  # seconds, not a blink
+    slow = {**FAST, "num_inference_steps": 40, "num_frames": 33}  # seconds, not a blink
     with live_server(*args) as server:
         made = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a red circle", "size": "64x64", **slow})
         job = made.json()["id"]
