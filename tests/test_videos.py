@@ -82,7 +82,7 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
 def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
     args = ("--model", str(wan_folder), "--job-store", store, "--drain-timeout-s", "0.5")
-    slow = {**FAST, "num_inference_steps": 40, "num_frames": 33}  # seconds, not a blink
+    slow = {**FAST, "num_inference_steps": 40, "num_frames": 17}  # seconds, not a blink
     with live_server(*args) as server:
         made = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a red circle", "size": "64x64", **slow})
         job = made.json()["id"]
@@ -102,7 +102,7 @@ def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, 
     with live_server(*args) as server:  # a completed job's content outlives another restart
         again = httpx.get(f"{server.url}/v1/videos/{job}/content", params={"variant": "frames"})
         assert again.status_code == 200 and again.content == first
-        assert frames_of(first).shape == (33, 64, 64, 3)
+        assert frames_of(first).shape == (17, 64, 64, 3)
 
 
 def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
@@ -154,3 +154,15 @@ def test_the_store_keeps_jobs_bounded_expired_and_oldest_first(tmp_path: Path) -
     assert store.tidy(now=100, max_bytes=10) == 2  # the expired one, then the oldest to expire
     assert [j.id for j in store.finished()] == ["video_1"] and not store.folder("video_0").exists()
     assert store.claim().id == "video_3" and store.claim() is None and store.requeue() == 1
+
+
+def test_an_image_model_answers_videos_404_saying_why(served) -> None:
+    for method, path in (
+        ("GET", "/v1/videos"),
+        ("POST", "/v1/videos"),
+        ("GET", "/v1/videos/video_1/content"),
+    ):
+        answer = httpx.request(
+            method, f"{served.url}{path}", json={"prompt": "a cat"} if method == "POST" else None
+        )
+        assert answer.status_code == 404 and "makes images" in answer.json()["error"]["message"], path

@@ -140,7 +140,11 @@ def test_every_operation_answers_as_its_openapi_document_says(
     fuzzed: LiveServer, mode: GenerationMode, max_examples: int
 ) -> None:
     schema = schemathesis.openapi.from_url(f"{fuzzed.url}/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
+    # the built-in model makes images: its /v1/videos operations answer one documented 404
+    # (checked by tests/test_videos.py's server of a video model), not worth 17 s of cases here
+    operations = [
+        op for result in schema.get_all_operations() if not (op := result.ok()).path.startswith("/v1/videos")
+    ]
     assert len(operations) >= 6, [operation.label for operation in operations]
     found = {operation.label: fuzz(operation, mode, max_examples) for operation in operations}
     FOUND[f"failures_{mode}"] = {label: failures for label, failures in found.items() if failures}
