@@ -15,7 +15,7 @@ import os
 import shutil
 import sqlite3
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class VideoJob:
     expires_at: int | None = None
     error: dict[str, str] | None = None
     bytes: int = 0  # its content's, once completed
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
         """The job as OpenAI's `Video` object."""
@@ -136,18 +135,14 @@ class SqliteJobStore:
         return jobs[:limit], len(jobs) > limit
 
     def claim(self) -> VideoJob | None:
-        """The oldest queued job, now `in_progress` (taken once, whoever else asks)."""
+        """The oldest queued job, now `in_progress` (taken once, in one statement, whoever else asks)."""
         with self._lock:
             row = self._db.execute(
-                "UPDATE jobs SET status = 'in_progress' WHERE id = (SELECT id FROM jobs WHERE status = "
-                "'queued' ORDER BY created_at, id LIMIT 1) RETURNING job"
+                "UPDATE jobs SET status = 'in_progress', job = json_set(job, '$.status', 'in_progress') "
+                "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY created_at, id LIMIT 1) "
+                "RETURNING job"
             ).fetchone()
-        if row is None:
-            return None
-        job = VideoJob(**json.loads(row[0]))
-        job.status = "in_progress"
-        self.save(job)
-        return job
+        return None if row is None else VideoJob(**json.loads(row[0]))
 
     def requeue(self) -> int:
         """Jobs a stopped process left `in_progress`, queued again (at startup); how many."""

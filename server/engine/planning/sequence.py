@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from server.engine.denoisers.specs import spec_for
@@ -85,10 +84,3 @@ def group_step_s(
     if open_tokens:
         exchange += gather()
     return compute + exchange, exchange
-
-
-def device_link(device: str, profile: str | None, streaming_bytes_per_s: float | None) -> Link:
-    """A rank's link on `device`: its GPU profile's, or on a CPU its copies through memory."""
-    if torch.device(device).type == "cpu" and streaming_bytes_per_s:
-        return cpu_link(streaming_bytes_per_s)
-    return gpu_link(profile)
