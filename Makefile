@@ -22,13 +22,15 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 # Debian packages the tests run for real: prometheus and promtool (tests/test_prometheus.py),
-# chromium and chromedriver (tests/test_playground.py), kubectl (tests/deploy renders deploy/k8s).
+# chromium and chromedriver (tests/test_playground.py), redis-server (tests/test_videos.py: the shared
+# job store), kubectl (tests/deploy renders deploy/k8s).
 # Install those missing (apt-get update only if the install fails; sudo only when not root).
 # kubectl is not on PyPI and is in apt only where Kubernetes' own repository (pkgs.k8s.io) or
 # Google Cloud's is set up: Debian 12's kubernetes-client is 1.20, too old for kustomize
 # components. So kubectl is installed when apt has one >= KUBECTL_MIN, and otherwise the tests
 # that render deploy/k8s skip, saying what to install (tests/deploy/manifests.py).
-TEST_PACKAGES := prometheus:prometheus promtool:prometheus chromium:chromium chromedriver:chromium-driver
+TEST_PACKAGES := prometheus:prometheus promtool:prometheus chromium:chromium chromedriver:chromium-driver \
+	redis-server:redis-server
 KUBECTL_MIN := 1.21
 APT := env DEBIAN_FRONTEND=noninteractive apt-get
 test-tools:

@@ -52,7 +52,7 @@ from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
 from server.serving.videos import VideoRunner
-from server.serving.videostore import SqliteJobStore
+from server.serving.videostore import open_job_store, shown
 
 log = logging.getLogger("diffshard")
 
@@ -205,12 +205,26 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
     return budget
 
 
+def start_videos(settings: Settings, service: Service, runtime: Runtime) -> VideoRunner:
+    """The job store opened (ConfigError if it cannot be) and the runner taking its jobs."""
+    store = open_job_store(settings.job_store, service.name, settings.video_lease_s)
+    log.info("video jobs in %s", shown(settings.job_store))
+    runtime.videos = VideoRunner(
+        store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
+        max_bytes=settings.video_store_bytes, lease_s=settings.video_lease_s,
+        serving=lambda: runtime.status == "ready",
+    )  # fmt: skip
+    return runtime.videos
+
+
 async def _load(app: FastAPI) -> None:
     runtime: Runtime = app.state.runtime
     settings: Settings = app.state.settings
     started = time.perf_counter()
     try:
         service = await asyncio.to_thread(load_service, settings, app.state.plan, runtime.compiling)
+        if service.video_frames is not None:  # a video model: /v1/videos' jobs, from the job store
+            app.state.videos = await asyncio.to_thread(start_videos, settings, service, runtime)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         # the cause is in the log (here, and as serve's last line); its traceback only with --debug
@@ -220,14 +234,6 @@ async def _load(app: FastAPI) -> None:
         if app.state.on_fatal is not None:
             app.state.on_fatal()
         return
-    if service.video_frames is not None:  # a video model: /v1/videos' jobs, from the job store
-        store = SqliteJobStore(settings.job_store)
-        app.state.videos = VideoRunner(
-            store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
-            max_bytes=settings.video_store_bytes,
-            serving=lambda: runtime.status == "ready",
-        )  # fmt: skip
-        log.info("video jobs in %s", store.path)
     runtime.service, runtime.load_seconds = service, time.perf_counter() - started
     if runtime.status == "loading":  # not draining already
         runtime.status = "ready"
@@ -270,7 +276,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
         if getattr(app.state, "videos", None) is not None:
-            app.state.videos.stop()  # a job cut short stays in progress: the next start runs it
+            app.state.videos.stop()  # a job cut short goes back to the queue
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
 

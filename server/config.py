@@ -98,8 +98,13 @@ class Settings(BaseSettings):
     job_store: str = Field(
         default_factory=default_job_store,
         description="where video jobs live (/v1/videos): sqlite:///PATH, by default under "
-        "$XDG_DATA_HOME/diffshard: jobs and finished videos survive a restart",
+        "$XDG_DATA_HOME/diffshard (one server: jobs and finished videos survive a restart), or "
+        "redis://HOST:PORT/DB, which several replicas share",
     )
+    video_lease_s: float = Field(
+        30, ge=1, le=3600, description="seconds a running video job stays a replica's without it "
+        "renewing the lease (every step, and a third of this): past it another replica runs the job",
+    )  # fmt: skip
     video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
     video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
     video_store_bytes: int = Field(

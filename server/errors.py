@@ -121,3 +121,12 @@ class Cancelled(Rejected):
 
 class StepFailed(Rejected):
     reason = "failed"
+
+
+class StoreUnavailable(Unavailable):
+    """The job store (Redis) did not answer; the request may be tried again."""
+
+    reason = "job_store_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__("the video job store cannot be reached; retry shortly")

@@ -2,13 +2,15 @@
 SDK. A job's frames equal WanPipeline's within 2/255, its MP4 has every frame and decodes close
 to them, its thumbnail is the first frame; a job a SIGTERM cut short completes after a restart
 on the same job store, without being sent again, and a completed one's content survives another
-restart; bad input gets a 4xx naming the problem."""
+restart; two replicas sharing a real redis-server answer each other's jobs, and one finishes the
+job of the other when it is killed; bad input gets a 4xx naming the problem."""
 
 from __future__ import annotations
 
 import io
 import signal
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import av
@@ -19,7 +21,8 @@ import pytest
 from PIL import Image
 
 from server.pipeline import GenerationRequest
-from tests.live import live_server
+from tests.live import free_port, live_server, sse
+from tests.redis_server import redis_server
 from tests.test_wan import wan_pipeline_video
 from tests.waiting import wait_until
 
@@ -139,21 +142,95 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
     assert httpx.get(f"{base}/readyz").status_code == 200  # and it keeps serving
 
 
-def test_the_store_keeps_jobs_bounded_expired_and_oldest_first(tmp_path: Path) -> None:
-    from server.serving.videostore import SqliteJobStore, VideoJob
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
-    store = SqliteJobStore(f"sqlite:///{tmp_path / 'jobs.sqlite'}")
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_either_store_takes_jobs_once_bounds_them_and_runs_a_lost_one_again(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from server.serving.videostore import VideoJob, open_job_store
+
+    url = request.getfixturevalue("redis_url") if kind == "redis" else f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    model = f"m-{tmp_path.name}"  # a Redis is shared by this module's tests: a model's keys are its own
+    store, other_model = open_job_store(url, model, lease_s=0.3), open_job_store(url, f"{model}-2", 0.3)
     for index, (expires, size) in enumerate([(50, 10), (500, 10), (400, 10), (None, 0)]):
-        job = VideoJob(f"video_{index}", "key", "m", "p", "32x32", "1", {}, created_at=index)
-        job.status, job.expires_at, job.bytes = (
-            ("completed", expires, size) if expires else ("queued", None, 0)
-        )
-        store.add(job)
-        store.folder(job.id).mkdir(parents=True)
+        store.add(VideoJob(f"video_{index}", "key", model, "p", "32x32", "1", {}, created_at=index))
+        if expires:  # taken (the oldest queued), made and finished
+            job = store.claim("w")
+            assert job is not None and job.id == f"video_{index}" and job.status == "in_progress"
+            job.status, job.expires_at, job.bytes = "completed", expires, size
+            assert store.finish(job, "w", {"video.mp4": b"x" * size})
     assert store.unfinished() == store.unfinished("key") == 1 and store.unfinished("other") == 0
-    assert store.tidy(now=100, max_bytes=10) == 2  # the expired one, then the oldest to expire
-    assert [j.id for j in store.finished()] == ["video_1"] and not store.folder("video_0").exists()
-    assert store.claim().id == "video_3" and store.claim() is None and store.requeue() == 1
+    assert other_model.claim("w") is None  # a model sharing the store takes only its own jobs
+    assert {k: v for k, v in store.counts().items() if v} == {"completed": 3, "queued": 1}
+    assert store.tidy(now=100, max_bytes=10) == 2  # the expired one, then the first to expire
+    assert store.content("video_0", "video.mp4") is None
+    kept = store.content("video_1", "video.mp4")
+    assert (kept.read_bytes() if isinstance(kept, Path) else kept) == b"x" * 10
+    assert [[j.id for j in page] for page, _ in [store.page("key", None, 1, "desc")]] == [["video_3"]]
+    assert [j.id for j in store.page("key", "video_3", 5, "desc")[0]] == ["video_1"]
+    assert store.page(None, None, 1, "asc")[1] is True  # more follow
+    job = store.claim("w1")
+    assert job is not None and job.id == "video_3" and store.claim("w2") is None  # taken once
+    job.progress = 40
+    assert store.progress(job, "w1") and store.get("video_3").progress == 40
+    if kind == "redis":  # another replica's runner holds nothing; a lapsed lease frees the job
+        assert not store.progress(job, "w2")
+        assert wait_until(store.recover, 10, "the lease lapsing") == 1
+        again = store.claim("w2")
+        assert (
+            again is not None
+            and again.id == "video_3"
+            and (again.status, again.progress) == ("in_progress", 0)
+        )
+        assert not store.finish(job, "w1", None)  # w1 lost it: its late result is not kept
+    else:  # one server a file: the next start queues what a crash left in progress
+        assert store.recover() == 1 and store.recover() == 0
+
+
+def test_two_replicas_sharing_redis_answer_any_job_and_finish_a_dead_ones(
+    wan_folder: Path, redis_url: str
+) -> None:
+    args = ("--model", str(wan_folder), "--job-store", redis_url, "--video-lease-s", "2")
+    slow = {**FAST, "num_inference_steps": 40, "num_frames": 17}
+    with live_server(*args) as one, live_server(*args, "--metrics-port", str(free_port())) as two:
+        made = httpx.post(f"{one.url}/v1/videos", json={"prompt": "a red circle", "size": "32x32", **FAST})
+        job = made.json()["id"]
+        done = wait_until(
+            lambda: (v := httpx.get(f"{two.url}/v1/videos/{job}").json())["status"] == "completed" and v,
+            60,
+            "the job completing, seen from the other replica",
+        )
+        assert done["progress"] == 100
+        frames = [
+            httpx.get(f"{s.url}/v1/videos/{job}/content", params={"variant": "frames"}) for s in (one, two)
+        ]
+        assert frames[0].status_code == 200 and frames[0].content == frames[1].content
+        assert frames_of(frames[0].content).shape == (9, 32, 32, 3)
+        metrics = httpx.get(two.metrics_url).text
+        assert 'diffshard_video_jobs{state="completed"} 1.0' in metrics
+
+        long = httpx.post(f"{one.url}/v1/videos", json={"prompt": "a blue square", "size": "64x64", **slow})
+        job = long.json()["id"]
+        runner = wait_until(
+            lambda: next((s for s in (one, two) if s.stats()["engine"]["active_jobs"]), None), 60, "a runner"
+        )
+        survivor = two if runner is one else one
+        with httpx.stream("GET", f"{survivor.url}/v1/videos/{job}/events", timeout=120) as events:
+            seen = []
+            for event, data in sse(events):
+                seen.append((event, data))
+                if event == "diffshard.progress" and data["step"] >= 2 and runner.process.poll() is None:
+                    runner.process.kill()  # SIGKILL: no drain, no release; its lease lapses
+        steps = [d["step"] for e, d in seen if e == "diffshard.progress" and d["status"] == "running"]
+        assert steps and steps[-1] >= 2 and seen[-1][0] == "video.completed", seen[-5:]
+        assert seen[-1][1]["id"] == job and seen[-1][1]["progress"] == 100
+        content = httpx.get(f"{survivor.url}/v1/videos/{job}/content", params={"variant": "frames"})
+        assert frames_of(content.content).shape == (17, 64, 64, 3)
 
 
 def test_an_image_model_answers_videos_404_saying_why(served) -> None:

@@ -109,7 +109,7 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-def _stamped(kind: str, data: dict[str, Any]) -> str:
+def stamped(kind: str, data: dict[str, Any]) -> str:
     return _event(kind, {**data, "created_at": int(time.time())})
 
 
@@ -139,7 +139,7 @@ async def image_events(
         while True:
             if with_progress and (now := progress(job)) != said:
                 said = now
-                yield _stamped("diffshard.progress", now)
+                yield stamped("diffshard.progress", now)
             finished, _ = await asyncio.wait(
                 {changed, done}, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED
             )
@@ -154,7 +154,7 @@ async def image_events(
                         "image_index": image,
                         "seed": job.requests[image].seed,
                     }
-                    yield _stamped(f"{kind}.partial_image", {**data, **fields})
+                    yield stamped(f"{kind}.partial_image", {**data, **fields})
                 changed = asyncio.ensure_future(feed.changed.wait())
             elif done in finished:
                 break
@@ -166,11 +166,11 @@ async def image_events(
         yield _event("error", json.loads(domain_response(err, request_id).body))
         return
     if with_progress and (now := progress(job)) != said:
-        yield _stamped("diffshard.progress", now)  # every step done
+        yield stamped("diffshard.progress", now)  # every step done
     for image, pixels in enumerate(images):
         seed = job.requests[image].seed
         data = {"b64_json": await encoded(pixels), "image_index": image, "seed": seed, "usage": USAGE}
-        yield _stamped(f"{kind}.completed", {**data, **fields})
+        yield stamped(f"{kind}.completed", {**data, **fields})
 
 
 def consumed(outcome: asyncio.Future) -> None:

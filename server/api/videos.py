@@ -1,20 +1,24 @@
 """/v1/videos: OpenAI's Videos API, asynchronous: POST makes a job (queued), GET polls it
 (`in_progress` with `progress`, then `completed` or `failed`), `/content` downloads what it made
 (`video`: H.264 MP4; `thumbnail`, `spritesheet`: PNG; `frames`: its frames as PNGs in a ZIP, a
-lossless variant of ours), GET lists them (paged), DELETE removes one. Jobs live in the job store
-(`serving/videostore.py`): they survive a restart, and a key sees only its own."""
+lossless variant of ours), `/events` streams its progress (server-sent events), GET lists them
+(paged), DELETE removes one. Jobs live in the job store (`serving/videostore.py`): they survive a
+restart, any replica sharing the store answers them, and a key sees only its own."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.api.auth import require_key
@@ -23,6 +27,7 @@ from server.api.editing import json_field
 from server.api.errors import APIError
 from server.api.multipart import FormLimits, read_form
 from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, parse_size
+from server.api.streaming import KEEPALIVE, stamped
 from server.errors import InvalidRequest, KeyOverloaded, Overloaded
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
@@ -32,6 +37,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["vid
 MAX_LIST = 100
 RETRY_AFTER_S = 10  # a video takes a while: come back then
 MAX_FORM_BYTES, MAX_FORM_FIELDS = 65536, 32  # a form's text fields, as a JSON body's limit
+EVENT_POLL_S = (0.05, 1.0)  # the progress stream's store polls: first, and the most between two
 
 
 class VideoCreateRequest(BaseModel):
@@ -133,21 +139,21 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
     generation, seconds = video_request(body, service, runner.fps)
     (resolved,) = service.checked([generation])  # 400s now, not at the job's turn
     settings, owner = request.app.state.settings, request.state.owner or ""
-    if runner.store.unfinished(owner) >= settings.key_queue_limit:  # one key's share of the line
-        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)
-    if runner.store.unfinished() >= settings.max_queue:
+    if await asyncio.to_thread(runner.store.unfinished, owner) >= settings.key_queue_limit:
+        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)  # one key's share of the line
+    if await asyncio.to_thread(runner.store.unfinished) >= settings.max_queue:
         raise Overloaded(RETRY_AFTER_S)
     job = VideoJob(
         new_job_id(), owner, service.name, body.prompt,
         f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
     )  # fmt: skip
-    runner.add(job)
+    await asyncio.to_thread(runner.add, job)
     return job.public()
 
 
 @router.get("/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
-    return own_job(runner, request, video_id).public()
+    return (await asyncio.to_thread(own_job, runner, request, video_id)).public()
 
 
 @router.get("/videos/{video_id}/content", response_model=None)
@@ -156,16 +162,63 @@ async def video_content(
     request: Request,
     runner: RunnerDep,
     variant: Literal["video", "thumbnail", "spritesheet", "frames"] = "video",
-) -> FileResponse:
-    job = own_job(runner, request, video_id)
+) -> Response:
+    job = await asyncio.to_thread(own_job, runner, request, video_id)
     if job.status != "completed":
         raise APIError(409, f"video {video_id!r} is {job.status}: its content comes once it is completed",
                        code="video_not_ready")  # fmt: skip
     name, media = VARIANTS[variant]
-    path = runner.store.folder(job.id) / name
-    if not path.is_file():
+    content = await asyncio.to_thread(runner.store.content, job.id, name)
+    if content is None:
         raise APIError(404, f"video {video_id!r} has no {variant} any more", code="not_found")
-    return FileResponse(path, media_type=media, filename=f"{job.id}-{name}")
+    if isinstance(content, Path):
+        return FileResponse(content, media_type=media, filename=f"{job.id}-{name}")
+    disposition = f'attachment; filename="{job.id}-{name}"'
+    return Response(content, media_type=media, headers={"Content-Disposition": disposition})
+
+
+@router.get("/videos/{video_id}/events", response_class=StreamingResponse)
+async def video_progress_events(video_id: str, request: Request, runner: RunnerDep) -> StreamingResponse:
+    """The job's progress as server-sent events, read from the job store (so any replica can
+    answer): `diffshard.progress` at each change (status, step of steps), then `video.completed`
+    or `video.failed` with the Video object."""
+    job = await asyncio.to_thread(own_job, runner, request, video_id)
+    keepalive_s = request.app.state.settings.sse_keepalive_s
+    return StreamingResponse(
+        video_events(runner, job, request, keepalive_s), media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )  # fmt: skip
+
+
+async def video_events(
+    runner: VideoRunner, job: VideoJob, request: Request, keepalive_s: float
+) -> AsyncIterator[str]:
+    """Polls the store: every 50 ms while the job moves, backing off to 1 s while it does not."""
+    said, wait, quiet = None, EVENT_POLL_S[0], 0.0
+    while True:
+        status = "running" if job.status == "in_progress" else job.status
+        now = {"video_id": job.id, "status": status, "progress": job.progress, "step": job.step,
+               "steps": job.steps}  # fmt: skip
+        if job.finished:
+            yield stamped(f"video.{job.status}", job.public())
+            return
+        if now != said:
+            said, wait, quiet = now, EVENT_POLL_S[0], 0.0
+            yield stamped("diffshard.progress", now)
+        elif quiet >= keepalive_s:
+            quiet = 0.0
+            yield KEEPALIVE
+        await asyncio.sleep(wait)  # the store has no push: a poll, backing off while nothing moves
+        quiet, wait = quiet + wait, min(EVENT_POLL_S[1], wait * 2)
+        if await request.is_disconnected():
+            return
+        fresh = await asyncio.to_thread(runner.store.get, job.id)
+        if fresh is None:
+            gone = {"message": f"video {job.id!r} was deleted", "type": "invalid_request_error",
+                    "param": None, "code": "not_found"}  # fmt: skip
+            yield stamped("error", {"error": gone})
+            return
+        job = fresh
 
 
 @router.get("/videos")
@@ -177,7 +230,7 @@ async def list_videos(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
     owner = None if request.state.admin else request.state.owner
-    jobs, more = runner.store.page(owner, after, limit, order)
+    jobs, more = await asyncio.to_thread(runner.store.page, owner, after, limit, order)
     data = [job.public() for job in jobs]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
@@ -185,10 +238,10 @@ async def list_videos(
 
 @router.delete("/videos/{video_id}")
 async def delete_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
-    job = own_job(runner, request, video_id)
-    if job.status in ("queued", "in_progress"):
+    job = await asyncio.to_thread(own_job, runner, request, video_id)
+    if not job.finished:
         raise APIError(
             409, f"video {video_id!r} is {job.status}: delete it once it ends", code="video_not_ready"
         )
-    runner.store.delete(job.id)
+    await asyncio.to_thread(runner.store.delete, job.id)
     return {"id": job.id, "object": "video.deleted", "deleted": True}

@@ -87,6 +87,8 @@ CATALOG = (
         "rejections_total", "counter", "requests", ("reason",), f"requests refused or ended early: {REASONS}"
     ),
     MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
+    MetricSpec("video_jobs", "gauge", "jobs", ("state",), "video jobs in the job store, by state"),
+    MetricSpec("video_seconds_total", "counter", "seconds", (), "seconds of video this replica made"),
     MetricSpec(
         "slow_steps_total",
         "counter",

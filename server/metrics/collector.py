@@ -23,6 +23,7 @@ from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.serving import KINDS
 from server.serving.stats import CACHE_OUTCOMES, DeviceView, Distribution, LoopStats, Snapshot
+from server.serving.videostore import STATUSES
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -120,6 +121,7 @@ class _Collector:
             yield CounterMetricFamily(f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), value)
         yield from self._workers(snapshot)
         yield from self._adapters(snapshot, stats)
+        yield from self._videos(snapshot)
         kinds = CounterMetricFamily(
             f"{PREFIX}_images_admitted", help_of("images_admitted_total"), labels=["kind"]
         )
@@ -142,6 +144,20 @@ class _Collector:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
             yield _histogram("batch_rows", stats.rows_per_step)
+
+    def _videos(self, snapshot: Snapshot) -> Iterator[Metric]:
+        """A video model's: its jobs by state (the store's, so equal on replicas sharing one) and
+        the seconds of video this replica made."""
+        if snapshot.video_seconds is None:
+            return
+        made = CounterMetricFamily(f"{PREFIX}_video_seconds", help_of("video_seconds_total"))
+        made.add_metric([], snapshot.video_seconds)
+        yield made
+        if snapshot.video_jobs is not None:
+            jobs = GaugeMetricFamily(f"{PREFIX}_video_jobs", help_of("video_jobs"), labels=["state"])
+            for state in STATUSES:
+                jobs.add_metric([state], snapshot.video_jobs.get(state, 0))
+            yield jobs
 
     def _adapters(self, snapshot: Snapshot, stats: LoopStats) -> Iterator[Metric]:
         """Per LoRA adapter served (labels bounded to them: requests name only loaded ones)."""

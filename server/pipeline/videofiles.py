@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import zipfile
-from pathlib import Path
 
 import av
 import numpy as np
@@ -27,27 +26,35 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
 
 
-def write_video_files(frames: np.ndarray, folder: Path, fps: int) -> int:
-    """Every variant of `frames` ([F, H, W, 3] in [0, 1]) in `folder`; their bytes in all."""
-    folder.mkdir(parents=True, exist_ok=True)
+def video_files(frames: np.ndarray, fps: int) -> dict[str, bytes]:
+    """Every variant of `frames` ([F, H, W, 3] in [0, 1]), file name → bytes."""
     pixels = to_uint8(frames)
-    _mp4(pixels, folder / VARIANTS["video"][0], fps)
-    Image.fromarray(pixels[0]).save(folder / VARIANTS["thumbnail"][0])
     picks = np.linspace(0, len(pixels) - 1, min(SPRITES, len(pixels))).round().astype(int)
-    Image.fromarray(np.concatenate(list(pixels[picks]), axis=1)).save(folder / VARIANTS["spritesheet"][0])
-    with zipfile.ZipFile(folder / VARIANTS["frames"][0], "w") as archive:
+    frames_zip = io.BytesIO()
+    with zipfile.ZipFile(frames_zip, "w") as archive:
         for index, frame in enumerate(pixels):
-            png = io.BytesIO()
-            Image.fromarray(frame).save(png, format="PNG")
-            archive.writestr(f"frame_{index:04d}.png", png.getvalue())
-    return sum(f.stat().st_size for f in folder.iterdir())
+            archive.writestr(f"frame_{index:04d}.png", _png(frame))
+    return {
+        VARIANTS["video"][0]: _mp4(pixels, fps),
+        VARIANTS["thumbnail"][0]: _png(pixels[0]),
+        VARIANTS["spritesheet"][0]: _png(np.concatenate(list(pixels[picks]), axis=1)),
+        VARIANTS["frames"][0]: frames_zip.getvalue(),
+    }
 
 
-def _mp4(pixels: np.ndarray, path: Path, fps: int) -> None:
-    with av.open(str(path), "w") as container:
+def _png(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _mp4(pixels: np.ndarray, fps: int) -> bytes:
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = pixels.shape[1:3]
         stream.pix_fmt = "yuv420p"
         for frame in pixels:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+    return out.getvalue()

@@ -185,3 +185,5 @@ class Snapshot:
     adapters: tuple[str, ...] = ()  # the LoRA adapters served (their counters start at 0)
     adapter_bytes: dict[str, int] = field(default_factory=dict)  # per device: the adapters' weights
     denoiser_calls: dict[str, int] = field(default_factory=dict)  # compiled, padded (to a bucket), eager
+    video_jobs: dict[str, int] | None = None  # a video model's jobs by state, from the job store
+    video_seconds: float | None = None  # of video this replica made (None: not a video model)

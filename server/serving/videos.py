@@ -2,25 +2,27 @@
 the step loop as any request (it batches with the others, fair between keys), follows its
 progress, and writes its content (MP4, frames, thumbnail, spritesheet) off the step loop.
 
-A job whose run a stopping server cut short stays `in_progress` in the store: the next start
-queues it again (`SqliteJobStore.requeue`) and it runs without being resubmitted.
+A job whose run a stopping server cut short goes back to the queue; one a crash cut short runs
+again once the store sees its runner gone (`JobStore.recover`). Nobody has to resubmit it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from server.errors import InvalidRequest, Overloaded, Rejected
+from server.errors import InvalidRequest, Overloaded, Rejected, StoreUnavailable
 from server.pipeline import GenerationRequest
 from server.pipeline.stepcache import StepCache
-from server.pipeline.videofiles import VARIANTS, write_video_files
-from server.serving.videostore import SqliteJobStore, VideoJob
+from server.pipeline.videofiles import VARIANTS, video_files
+from server.serving.videostore import JobStore, VideoJob
 
 log = logging.getLogger("diffshard")
 
@@ -44,26 +46,27 @@ def to_request(job: VideoJob) -> GenerationRequest:
 
 class VideoRunner:
     """One thread taking the store's queued jobs in order, while `serving()` says the server
-    takes work; stopped with the server."""
+    takes work; stopped with the server, giving back the job it was running."""
 
     def __init__(
         self,
-        store: SqliteJobStore,
+        store: JobStore,
         service: Any,
         *,
         fps: int,
         expiry_s: int,
         max_bytes: int,
+        lease_s: float,
         serving: Callable[[], bool],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
         self.max_bytes = max_bytes  # the finished videos' content, in all
+        self.renew_s = lease_s / 3  # a running job's lease is renewed this often, and at each step
         self.serving, self.clock = serving, clock
+        self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.seconds_made = 0.0  # of video, by this replica (a metric)
         self._wake, self._stopped = threading.Event(), threading.Event()
-        again = store.requeue()
-        if again:
-            log.info("video jobs: %d left in progress by the last run queued again", again)
         self._thread = threading.Thread(target=self._run, name="diffshard-videos", daemon=True)
         self._thread.start()
 
@@ -77,67 +80,81 @@ class VideoRunner:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            job = self.store.claim() if self.serving() else None
-            if job is None:
-                if gone := self.store.tidy(int(self.clock()), self.max_bytes):
-                    log.info("video jobs: %d expired or over the store's bytes, deleted", gone)
-                self._wake.wait(POLL_S)
-                self._wake.clear()
+            try:
+                job = self.store.claim(self.worker) if self.serving() else None
+                if job is None:
+                    self._idle()
+                    continue
+            except StoreUnavailable:
+                log.warning("video jobs: the job store does not answer; trying again in %g s", POLL_S)
+                self._stopped.wait(POLL_S)
                 continue
             try:
                 self._make(job)
+            except StoreUnavailable:  # its lease lapses and a replica that reaches the store runs it
+                log.warning("video job %s: the job store stopped answering while it ran", job.id)
             except Exception:  # a bug here must not end the runner: the job fails, others run
                 log.exception("video job %s", job.id)
                 self._fail(job, "the video could not be made")
 
+    def _idle(self) -> None:
+        """Between jobs: take back jobs whose runner is gone, drop expired content, then wait
+        for a job added here or a while (another process may queue one)."""
+        if again := self.store.recover():
+            log.info("video jobs: %d whose run stopped (a crash or a lost replica) queued again", again)
+        if gone := self.store.tidy(int(self.clock()), self.max_bytes):
+            log.info("video jobs: %d expired or over the store's bytes, deleted", gone)
+        self._wake.wait(POLL_S)
+        self._wake.clear()
+
     def _make(self, job: VideoJob) -> None:
         request = to_request(job)
-
-        running: list[Any] = []  # the step loop's job, once submit returned
-
-        def moved() -> None:  # on the step loop's thread: steps done, in percent
-            if not running:  # the loop may report before submit has returned
-                return
-            done = sum(d for d, _ in running[0].progress())
-            total = sum(t for _, t in running[0].progress()) or 1
-            percent = min(99, 100 * done // total)
-            if percent != job.progress:
-                job.progress = percent
-                self.store.save(job)
-
+        moved = threading.Event()  # set on the step loop's thread: the store is written here
         try:
-            running.append(
-                self.service.submit([request], request_id=job.id, on_progress=moved, owner=job.owner)
+            running = self.service.submit(
+                [request], request_id=job.id, on_progress=moved.set, owner=job.owner
             )
-            frames = running[0].future.result()[0]
         except InvalidRequest as err:
             self._fail(job, str(err))
             return
         except Overloaded:  # the line is full: back in the store's queue, taken again later
-            job.status = "queued"
-            self.store.save(job)
+            self.store.release(job, self.worker)
             self._stopped.wait(POLL_S)
             return
+        running.future.add_done_callback(lambda _: moved.set())
+        while not running.future.done():
+            moved.wait(self.renew_s)
+            moved.clear()
+            done, total = (sum(column) for column in zip(*running.progress(), strict=True))
+            job.progress, job.step, job.steps = min(99, 100 * done // max(total, 1)), done, total
+            if not self.store.progress(job, self.worker):  # its lease lapsed: another replica runs it
+                log.warning("video job %s: taken over by another replica; this run stops", job.id)
+                running.cancel()
+                return
+        try:
+            frames = running.future.result()[0]
         except Rejected as err:
-            if not self.serving():  # the server is stopping: the job runs again at the next start
-                log.info("video job %s interrupted by the shutdown: it runs again at the next start", job.id)
+            if not self.serving():  # the server is stopping: back in the queue, for the next start
+                log.info("video job %s interrupted by the shutdown: it runs again", job.id)
+                self.store.release(job, self.worker)
                 return
             self._fail(job, str(err))
             return
-        job.bytes = write_video_files(frames, self.store.folder(job.id), self.fps)
-        self.store.tidy(int(self.clock()), self.max_bytes)  # room for it: the oldest go first
-        now = int(self.clock())
-        job.status, job.progress, job.completed_at, job.expires_at = (
-            "completed",
-            100,
-            now,
-            now + self.expiry_s,
-        )
-        self.store.save(job)
+        content = video_files(frames, self.fps)
+        job.bytes = sum(len(data) for data in content.values())
+        self.store.tidy(int(self.clock()), self.max_bytes - job.bytes)  # room for it: the oldest go first
+        job.status, job.progress, job.completed_at = "completed", 100, int(self.clock())
+        job.expires_at = job.completed_at + self.expiry_s
+        if self.store.finish(job, self.worker, content):
+            self.seconds_made += float(job.seconds)
+        else:
+            log.warning("video job %s: another replica took it over and made it too", job.id)
 
     def _fail(self, job: VideoJob, message: str) -> None:
+        """Failed, with a message fit for the client; kept until it expires, as a finished one."""
         job.status, job.error = "failed", {"code": "video_failed", "message": message}
-        self.store.save(job)
+        job.expires_at = int(self.clock()) + self.expiry_s
+        self.store.finish(job, self.worker, None)
 
 
 __all__ = ["VARIANTS", "VideoRunner", "new_job_id", "to_request"]

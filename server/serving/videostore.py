@@ -1,25 +1,26 @@
 """Video jobs that outlive the process: OpenAI's Videos API is asynchronous (a job id, polled
-until `completed`), so a job must survive a restart and be answerable after it.
+until `completed`), so a job must survive a restart and be answerable by any replica.
 
-`SqliteJobStore` keeps each job in an embedded SQLite file and its content (the MP4, its frames,
-thumbnail and spritesheet) in a folder per job beside it; `--job-store` (`sqlite:///PATH`) names
-the file, by default under the data directory (`$XDG_DATA_HOME/diffshard`, a volume in compose
-and Kubernetes). A job taken to run is `in_progress`; one a stopped process left so is queued
-again at the next start (`requeue`), so nothing is lost and nothing has to be resubmitted.
+`JobStore` is the one small interface the runner and the API use; `--job-store` picks one:
+- `sqlite:///PATH` (the default, under the data directory `$XDG_DATA_HOME/diffshard`, a volume
+  in compose and Kubernetes): one server's jobs in an embedded file, content in folders beside it
+  (`sqlitestore.py`);
+- `redis://host:port/db`: jobs and content in one Redis that several replicas share: any replica
+  answers any job, jobs are taken from one queue exactly once, and a job whose replica died is
+  taken again once its lease lapses (`redisstore.py`).
+
+A running job is held under a lease its runner renews; a runner that stops gracefully gives its
+job back (`release`), and a job a crash left `in_progress` runs again: at the next start
+(SQLite) or once its lease lapses (Redis). Nothing has to be resubmitted.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import sqlite3
-import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from server.errors import ConfigError
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 
@@ -43,6 +44,8 @@ class VideoJob:
     expires_at: int | None = None
     error: dict[str, str] | None = None
     bytes: int = 0  # its content's, once completed
+    step: int = 0  # denoising steps done of `steps` (the progress events'), while it runs
+    steps: int = 0
 
     def public(self) -> dict[str, Any]:
         """The job as OpenAI's `Video` object."""
@@ -53,6 +56,32 @@ class VideoJob:
             "seconds": self.seconds, "remixed_from_video_id": None,
         }  # fmt: skip
 
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed")
+
+
+class JobStore(Protocol):
+    """Where jobs and their content live. `worker` names the runner holding a job (one per
+    process); only its holder may move a running job on."""
+
+    def add(self, job: VideoJob) -> None: ...
+    def get(self, job_id: str) -> VideoJob | None: ...
+    def page(
+        self, owner: str | None, after: str | None, limit: int, order: str
+    ) -> tuple[list[VideoJob], bool]: ...
+    def claim(self, worker: str) -> VideoJob | None: ...
+    def progress(self, job: VideoJob, worker: str) -> bool: ...
+    def release(self, job: VideoJob, worker: str) -> bool: ...
+    def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool: ...
+    def recover(self) -> int: ...
+    def delete(self, job_id: str) -> bool: ...
+    def content(self, job_id: str, name: str) -> Path | bytes | None: ...
+    def unfinished(self, owner: str | None = None) -> int: ...
+    def counts(self) -> dict[str, int]: ...
+    def tidy(self, now: int, max_bytes: int) -> int: ...
+    def close(self) -> None: ...
+
 
 def default_job_store() -> str:
     home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -60,133 +89,39 @@ def default_job_store() -> str:
 
 
 def parse_job_store(value: object) -> str:
-    """`sqlite:///PATH` (or a bare path); Redis is named for what it will be, not served yet."""
+    """`sqlite:///PATH` (or a bare path) or `redis://[:password@]host[:port][/db]`."""
     text = str(value).strip()
-    if text.startswith("redis://"):
-        raise ValueError("redis:// is not served yet: use sqlite:///PATH (the default: the data directory)")
+    if text.startswith(("redis://", "rediss://")):
+        parts = urlsplit(text)
+        path = parts.path.strip("/")
+        if not parts.hostname or (path and not path.isdigit()):
+            raise ValueError("write redis://HOST[:PORT][/DB] (DB a number), e.g. redis://redis:6379/0")
+        return text
     if text.startswith("sqlite:///"):
         text = text.removeprefix("sqlite:///")
     elif "://" in text:
-        raise ValueError(f"write sqlite:///PATH to a file, got {text!r}")
+        raise ValueError(f"write sqlite:///PATH or redis://HOST:PORT/DB, got {shown(text)!r}")
     if not text:
-        raise ValueError("write sqlite:///PATH to a file")
+        raise ValueError("write sqlite:///PATH to a file, or redis://HOST:PORT/DB")
     return f"sqlite:///{text}"
 
 
-class SqliteJobStore:
-    """Jobs in one SQLite file (thread-safe: one connection under a lock), content in folders
-    beside it. Several processes may share the file; jobs are taken in one UPDATE, once."""
+def shown(url: str) -> str:
+    """A store's URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"***@{netloc}").geturl()
 
-    def __init__(self, url: str) -> None:
-        self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT, status TEXT, "
-                "created_at INTEGER, job TEXT)"
-            )
-        except (OSError, sqlite3.Error) as err:
-            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
-        self._lock = threading.Lock()
-        self.content = self.path.parent / "videos"
 
-    def folder(self, job_id: str) -> Path:
-        return self.content / job_id
+def open_job_store(url: str, model: str, lease_s: float) -> JobStore:
+    """The store `url` names, holding `model`'s jobs (several models may share one Redis; each
+    takes only its own jobs). Fails fast (ConfigError) when it cannot be opened or reached."""
+    if url.startswith(("redis://", "rediss://")):
+        from server.serving.redisstore import RedisJobStore  # the client only where Redis is used
 
-    def add(self, job: VideoJob) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
-                (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
-            )
+        return RedisJobStore(url, model, lease_s)
+    from server.serving.sqlitestore import SqliteJobStore
 
-    def get(self, job_id: str) -> VideoJob | None:
-        with self._lock:
-            row = self._db.execute("SELECT job FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else VideoJob(**json.loads(row[0]))
-
-    def save(self, job: VideoJob) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE jobs SET status = ?, job = ? WHERE id = ?",
-                (job.status, json.dumps(asdict(job)), job.id),
-            )
-
-    def page(
-        self, owner: str | None, after: str | None, limit: int, order: str
-    ) -> tuple[list[VideoJob], bool]:
-        """`limit` jobs (of `owner`; None: everyone's) after the job `after`, newest first unless
-        `order` is "asc"; and whether more follow."""
-        sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where, args = ["1 = 1"], []
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        if after is not None and (anchor := self.get(after)) is not None:
-            where.append(f"(created_at, id) {sign} (?, ?)")
-            args += [anchor.created_at, anchor.id]
-        order_by = f"ORDER BY created_at {direction}, id {direction}"
-        query = f"SELECT job FROM jobs WHERE {' AND '.join(where)} {order_by} LIMIT ?"
-        with self._lock:
-            rows = self._db.execute(query, (*args, limit + 1)).fetchall()
-        jobs = [VideoJob(**json.loads(r[0])) for r in rows]
-        return jobs[:limit], len(jobs) > limit
-
-    def claim(self) -> VideoJob | None:
-        """The oldest queued job, now `in_progress` (taken once, in one statement, whoever else asks)."""
-        with self._lock:
-            row = self._db.execute(
-                "UPDATE jobs SET status = 'in_progress', job = json_set(job, '$.status', 'in_progress') "
-                "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY created_at, id LIMIT 1) "
-                "RETURNING job"
-            ).fetchone()
-        return None if row is None else VideoJob(**json.loads(row[0]))
-
-    def requeue(self) -> int:
-        """Jobs a stopped process left `in_progress`, queued again (at startup); how many."""
-        with self._lock:
-            rows = self._db.execute("SELECT job FROM jobs WHERE status = 'in_progress'").fetchall()
-        for (raw,) in rows:
-            job = VideoJob(**json.loads(raw))
-            job.status, job.progress = "queued", 0
-            self.save(job)
-        return len(rows)
-
-    def delete(self, job_id: str) -> bool:
-        with self._lock:
-            gone = self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
-        return bool(gone)
-
-    def unfinished(self, owner: str | None = None) -> int:
-        """Jobs queued or in progress (of `owner`; None: everyone's)."""
-        query = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
-        args: tuple = ()
-        if owner is not None:
-            query, args = query + " AND owner = ?", (owner,)
-        with self._lock:
-            return int(self._db.execute(query, args).fetchone()[0])
-
-    def finished(self) -> list[VideoJob]:
-        """Completed and failed jobs, the first to go first: expired ones, then the oldest."""
-        with self._lock:
-            rows = self._db.execute("SELECT job FROM jobs WHERE status IN ('completed', 'failed')").fetchall()
-        jobs = [VideoJob(**json.loads(r[0])) for r in rows]
-        return sorted(jobs, key=lambda job: (job.expires_at or 0, job.created_at))
-
-    def tidy(self, now: int, max_bytes: int) -> int:
-        """Delete jobs past their `expires_at`, then the oldest finished ones while the content
-        holds more than `max_bytes`; how many went."""
-        finished, gone = self.finished(), 0
-        held = sum(job.bytes for job in finished)
-        for job in finished:
-            if (job.expires_at is not None and job.expires_at <= now) or held > max_bytes:
-                held -= job.bytes
-                gone += self.delete(job.id)
-        return gone
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+    return SqliteJobStore(url, model)

@@ -1,0 +1,173 @@
+"""The default job store: one server's video jobs in an embedded SQLite file, their content
+(MP4, frames, thumbnail, spritesheet) in a folder per job beside it, under the data directory.
+
+One server runs a file's jobs: the jobs a crash left `in_progress` are queued again when the next
+one starts (`recover`'s first call). Several replicas share a Redis store instead.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from server.errors import ConfigError
+from server.serving.videostore import VideoJob, parse_job_store
+
+
+class SqliteJobStore:
+    """Jobs in one SQLite file (thread-safe: one connection under a lock), content in folders
+    beside it. Leases are not needed with one server a file: `progress`, `release` and `finish`
+    always hold."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
+        self.model = model
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT, status TEXT, "
+                "created_at INTEGER, job TEXT)"
+            )
+        except (OSError, sqlite3.Error) as err:
+            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
+        self._lock = threading.Lock()
+        self._recovered = False
+        self.content_folder = self.path.parent / "videos"
+
+    def folder(self, job_id: str) -> Path:
+        return self.content_folder / job_id
+
+    def add(self, job: VideoJob) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
+                (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
+            )
+
+    def get(self, job_id: str) -> VideoJob | None:
+        with self._lock:
+            row = self._db.execute("SELECT job FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else VideoJob(**json.loads(row[0]))
+
+    def _save(self, job: VideoJob) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE jobs SET status = ?, job = ? WHERE id = ?",
+                (job.status, json.dumps(asdict(job)), job.id),
+            )
+
+    def page(
+        self, owner: str | None, after: str | None, limit: int, order: str
+    ) -> tuple[list[VideoJob], bool]:
+        """`limit` jobs (of `owner`; None: everyone's) after the job `after`, newest first unless
+        `order` is "asc"; and whether more follow."""
+        sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where, args = ["1 = 1"], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if after is not None and (anchor := self.get(after)) is not None:
+            where.append(f"(created_at, id) {sign} (?, ?)")
+            args += [anchor.created_at, anchor.id]
+        order_by = f"ORDER BY created_at {direction}, id {direction}"
+        query = f"SELECT job FROM jobs WHERE {' AND '.join(where)} {order_by} LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(query, (*args, limit + 1)).fetchall()
+        jobs = [VideoJob(**json.loads(r[0])) for r in rows]
+        return jobs[:limit], len(jobs) > limit
+
+    def claim(self, worker: str) -> VideoJob | None:
+        """This model's oldest queued job, now `in_progress` (taken in one statement)."""
+        with self._lock:
+            row = self._db.execute(
+                "UPDATE jobs SET status = 'in_progress', "
+                "job = json_set(job, '$.status', 'in_progress', '$.progress', 0, '$.step', 0) "
+                "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' AND "
+                "json_extract(job, '$.model') = ? ORDER BY created_at, id LIMIT 1) RETURNING job",
+                (self.model,),
+            ).fetchone()
+        return None if row is None else VideoJob(**json.loads(row[0]))
+
+    def progress(self, job: VideoJob, worker: str) -> bool:
+        self._save(job)
+        return True
+
+    def release(self, job: VideoJob, worker: str) -> bool:
+        job.status, job.progress, job.step = "queued", 0, 0
+        self._save(job)
+        return True
+
+    def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
+        if content:
+            folder = self.folder(job.id)
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, data in content.items():
+                (folder / name).write_bytes(data)
+        self._save(job)
+        return True
+
+    def recover(self) -> int:
+        """At the first call (this server's start): the jobs a stopped process left
+        `in_progress`, queued again; how many. Later calls find none: this server runs the file."""
+        if self._recovered:
+            return 0
+        self._recovered = True
+        with self._lock:
+            rows = self._db.execute("SELECT job FROM jobs WHERE status = 'in_progress'").fetchall()
+        for (raw,) in rows:
+            job = VideoJob(**json.loads(raw))
+            job.status, job.progress, job.step = "queued", 0, 0
+            self._save(job)
+        return len(rows)
+
+    def delete(self, job_id: str) -> bool:
+        with self._lock:
+            gone = self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        return bool(gone)
+
+    def content(self, job_id: str, name: str) -> Path | None:
+        path = self.folder(job_id) / name
+        return path if path.is_file() else None
+
+    def unfinished(self, owner: str | None = None) -> int:
+        """Jobs queued or in progress (of `owner`; None: everyone's)."""
+        query = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
+        args: tuple = ()
+        if owner is not None:
+            query, args = query + " AND owner = ?", (owner,)
+        with self._lock:
+            return int(self._db.execute(query, args).fetchone()[0])
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        return dict(rows)
+
+    def finished(self) -> list[VideoJob]:
+        """Completed and failed jobs, the first to go first: those expiring first, then the oldest."""
+        with self._lock:
+            rows = self._db.execute("SELECT job FROM jobs WHERE status IN ('completed', 'failed')").fetchall()
+        jobs = [VideoJob(**json.loads(r[0])) for r in rows]
+        return sorted(jobs, key=lambda job: (job.expires_at or 0, job.created_at))
+
+    def tidy(self, now: int, max_bytes: int) -> int:
+        """Delete jobs past their `expires_at`, then the first to expire while the content
+        holds more than `max_bytes`; how many went."""
+        finished, gone = self.finished(), 0
+        held = sum(job.bytes for job in finished)
+        for job in finished:
+            if (job.expires_at is not None and job.expires_at <= now) or held > max_bytes:
+                held -= job.bytes
+                gone += self.delete(job.id)
+        return gone
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
