@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -168,6 +169,29 @@ def test_image_gives_its_writable_folders_to_its_user(variable: str) -> None:
     created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(folder)}(?:\s|$)"
     chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(folder)}(?:\s|$)"
     assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {folder} root's"
+
+
+@pytest.mark.parametrize("files", [(BASE,), (BASE, GPU)], ids=["base", "gpu"])
+def test_compose_keeps_video_jobs_in_redis_and_the_data_home_in_a_volume(
+    files: tuple[str, ...], tmp_path: Path
+) -> None:
+    """DIFFSHARD_JOB_STORE names the redis service, which starts first and keeps its data in a
+    volume (append-only); the data home (the SQLite default's place) is a writable volume too."""
+    config = rendered(*files, tmp_path=tmp_path)
+    diffshard, services = config["services"]["diffshard"], config["services"]
+    store = urlsplit(diffshard["environment"]["DIFFSHARD_JOB_STORE"])
+    assert store.scheme == "redis" and store.hostname in services, store.geturl()
+    redis = services[store.hostname]
+    assert diffshard["depends_on"][store.hostname]["condition"] == "service_healthy"
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert not redis.get("ports"), "Redis has no auth: publish no port"
+    assert "--appendonly" in redis["command"] and redis.get("read_only") is True
+    redis_mounts = {v["target"]: v for v in redis["volumes"]}
+    assert redis_mounts["/data"]["type"] == "volume", redis_mounts
+    mounts = {v["target"]: v for v in diffshard["volumes"]}
+    data_home = image_env("XDG_DATA_HOME")
+    assert data_home in mounts, f"XDG_DATA_HOME={data_home} is none of the mounts {sorted(mounts)}"
+    assert mounts[data_home]["type"] == "volume" and not mounts[data_home].get("read_only")
 
 
 def test_compose_refuses_to_start_without_a_grafana_password(tmp_path: Path) -> None:
