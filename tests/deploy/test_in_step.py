@@ -118,11 +118,12 @@ def test_ports_and_probes_are_the_servers(name: str) -> None:
     ports = {p["name"]: p["containerPort"] for p in container(objects)["ports"]}
     assert ports == {"http": api, "metrics": metrics}
     assert env.get("DIFFSHARD_HOST") == "0.0.0.0"  # reachable from outside the pod
-    service_ports = {p["name"]: p["targetPort"] for p in the(objects, "Service")["spec"]["ports"]}
+    service = the(objects, "Service", "diffshard")
+    service_ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
     assert set(service_ports.values()) <= set(ports)
     (endpoint,) = the(objects, "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["port"] in service_ports and endpoint["path"] == "/metrics"
-    for rule in the(objects, "NetworkPolicy")["spec"]["ingress"]:
+    for rule in the(objects, "NetworkPolicy", "diffshard")["spec"]["ingress"]:
         assert {p["port"] for p in rule["ports"]} <= set(ports)
     probes = [container(objects)[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
     # on the metrics port, which answers them too: never refused with clients' connections
