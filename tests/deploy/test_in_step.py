@@ -167,6 +167,19 @@ def test_metrics_and_labels_are_exported(path: Path) -> None:
     assert (grouped | templated) - {""} <= all_labels, f"{path.name}: unknown labels"
 
 
+def test_dashboard_panels_have_their_own_ids_and_places() -> None:
+    """Grafana lays out a dashboard by gridPos and tells panels apart by id: no two may share."""
+    panels = json.loads(read(DEPLOY / "grafana" / "dashboards" / "diffshard.json"))["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, f"{panel['title']} runs past the 24 columns"
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in taken, f"{panel['title']} overlaps {taken[cell]}"
+            taken[cell] = panel["title"]
+
+
 def test_the_checks_catch_a_renamed_metric(tmp_path: Path) -> None:
     """The check above is not vacuous: a query on a metric we do not export fails it."""
     query = tmp_path / "bad.yaml"
