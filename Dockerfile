@@ -55,11 +55,15 @@ FROM deps
 # (DIFFSHARD_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR): mount a volume at /var/cache/diffshard to keep
 # them across restarts (compose and deploy/k8s do). Unwritable, it only warns: the calibration
 # is timed again (a few seconds), and with --compile the graphs are compiled again (minutes).
+# XDG_DATA_HOME holds the video jobs' default store (DIFFSHARD_JOB_STORE: the SQLite file and the
+# finished videos, under diffshard/): mount a volume at /var/lib/diffshard to keep them (compose
+# does), or point DIFFSHARD_JOB_STORE at a Redis (compose and the Kubernetes overlays do).
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
     XDG_CACHE_HOME=/tmp/.cache \
+    XDG_DATA_HOME=/var/lib/diffshard \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/diffshard/inductor \
     TRITON_CACHE_DIR=/tmp/triton \
     MPLCONFIGDIR=/tmp/matplotlib \
@@ -76,6 +80,7 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     && groupadd --gid 10001 diffshard \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin diffshard \
     && install -d -o 10001 -g 10001 -m 0750 /var/cache/diffshard \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/diffshard \
     && rm -rf /build
 WORKDIR /app
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it.

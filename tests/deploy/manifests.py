@@ -39,10 +39,10 @@ def overlay(name: str) -> list[dict]:
     return render(K8S / "overlays" / name)
 
 
-def the(objects: list[dict], kind: str) -> dict:
-    """The one object of `kind` among `objects`."""
-    found = [o for o in objects if o["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+def the(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    """The one object of `kind` (named `name`, if given) among `objects`."""
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
 

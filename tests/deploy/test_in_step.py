@@ -118,11 +118,12 @@ def test_ports_and_probes_are_the_servers(name: str) -> None:
     ports = {p["name"]: p["containerPort"] for p in container(objects)["ports"]}
     assert ports == {"http": api, "metrics": metrics}
     assert env.get("DIFFSHARD_HOST") == "0.0.0.0"  # reachable from outside the pod
-    service_ports = {p["name"]: p["targetPort"] for p in the(objects, "Service")["spec"]["ports"]}
+    service = the(objects, "Service", "diffshard")
+    service_ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
     assert set(service_ports.values()) <= set(ports)
     (endpoint,) = the(objects, "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["port"] in service_ports and endpoint["path"] == "/metrics"
-    for rule in the(objects, "NetworkPolicy")["spec"]["ingress"]:
+    for rule in the(objects, "NetworkPolicy", "diffshard")["spec"]["ingress"]:
         assert {p["port"] for p in rule["ports"]} <= set(ports)
     probes = [container(objects)[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
     # on the metrics port, which answers them too: never refused with clients' connections
@@ -164,6 +165,19 @@ def test_metrics_and_labels_are_exported(path: Path) -> None:
         re.findall(r"label_values\([^,]+,\s*(\w+)\)", text)
     )
     assert (grouped | templated) - {""} <= all_labels, f"{path.name}: unknown labels"
+
+
+def test_dashboard_panels_have_their_own_ids_and_places() -> None:
+    """Grafana lays out a dashboard by gridPos and tells panels apart by id: no two may share."""
+    panels = json.loads(read(DEPLOY / "grafana" / "dashboards" / "diffshard.json"))["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, f"{panel['title']} runs past the 24 columns"
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in taken, f"{panel['title']} overlaps {taken[cell]}"
+            taken[cell] = panel["title"]
 
 
 def test_the_checks_catch_a_renamed_metric(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -20,6 +21,7 @@ from kubernetes_validate import utils as kubernetes_schemas
 from server.__main__ import SHUTDOWN_GRACE_S
 from server.config import Settings
 from tests.deploy.manifests import K8S, OVERLAYS, container, overlay, render, settings_env, the
+from tests.deploy.test_images import image_env
 from tests.live import live_server
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
@@ -165,18 +167,71 @@ def test_termination_grace_covers_prestop_drain_and_shutdown(rendered) -> None:
     )
 
 
-def test_cache_dir_is_a_writable_volume(rendered) -> None:
+@pytest.mark.parametrize("variable", ["DIFFSHARD_CACHE_DIR", "XDG_DATA_HOME"])
+def test_writable_folders_are_writable_volumes(rendered, variable: str) -> None:
     """The root filesystem is read-only: the planner's cache (DIFFSHARD_CACHE_DIR) must be a
-    volume mounted writable at that very path, or every pod calibrates again and warns."""
-    cache_dir = settings_env(rendered)["DIFFSHARD_CACHE_DIR"]
+    volume mounted writable at that very path, or every pod calibrates again and warns; so must
+    the image's data home (XDG_DATA_HOME), the video jobs' default store."""
+    folder = settings_env(rendered).get(variable) or image_env(variable)
     assert container(rendered)["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m for m in container(rendered)["volumeMounts"]}
-    assert cache_dir in mounts, f"DIFFSHARD_CACHE_DIR={cache_dir} is none of the mounts {sorted(mounts)}"
-    assert not mounts[cache_dir].get("readOnly") and "subPath" not in mounts[cache_dir]
+    assert folder in mounts, f"{variable}={folder} is none of the mounts {sorted(mounts)}"
+    assert not mounts[folder].get("readOnly") and "subPath" not in mounts[folder]
     volumes = {v["name"]: v for v in the(rendered, "Deployment")["spec"]["template"]["spec"]["volumes"]}
-    volume = volumes[mounts[cache_dir]["name"]]
+    volume = volumes[mounts[folder]["name"]]
     assert "emptyDir" in volume or "persistentVolumeClaim" in volume, volume
     assert not volume.get("persistentVolumeClaim", {}).get("readOnly"), volume
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items() and not selector.get("matchExpressions")
+
+
+def admits(rule: dict, labels: dict, ports: set) -> bool:
+    """An ingress rule lets pods labelled `labels` (in the policy's namespace) in on one of `ports`."""
+    peers = [peer.get("podSelector") for peer in rule.get("from", []) if "namespaceSelector" not in peer]
+    return any(s is not None and selects(s, labels) for s in peers) and any(
+        p["port"] in ports for p in rule.get("ports", [])
+    )
+
+
+def test_overlays_keep_video_jobs_in_a_redis_only_diffshard_reaches(rendered) -> None:
+    """DIFFSHARD_JOB_STORE names the Redis Service, whose pods keep their data on a volume and
+    answer PING; every policy on those pods admits the diffshard pods on the Redis port, and the
+    diffshard pods' own policy restricts no egress."""
+    store = urlsplit(settings_env(rendered)["DIFFSHARD_JOB_STORE"])
+    assert store.scheme == "redis", store.geturl()
+    service = the(rendered, "Service", store.hostname)
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == (store.port or 6379)]
+    redis = the(rendered, "StatefulSet", store.hostname)
+    pod = redis["spec"]["template"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    (server,) = pod["spec"]["containers"]
+    assert "--appendonly" in server["args"] and server["securityContext"]["readOnlyRootFilesystem"]
+    assert {m["name"]: m["mountPath"] for m in server["volumeMounts"]}["data"] == "/data"
+    assert [c["metadata"]["name"] for c in redis["spec"]["volumeClaimTemplates"]] == ["data"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "redis-cli ping" in " ".join(server[probe]["exec"]["command"]), probe
+
+    diffshard_pod = the(rendered, "Deployment", "diffshard")["spec"]["template"]["metadata"]["labels"]
+    redis_ports = {port["targetPort"], *(p["containerPort"] for p in server["ports"])}
+    policies = [o for o in rendered if o["kind"] == "NetworkPolicy"]
+    guarding = [o["spec"] for o in policies if selects(o["spec"]["podSelector"], pod["metadata"]["labels"])]
+    assert guarding, "nothing keeps Redis (no auth) from every pod in the cluster"
+    for spec in guarding:
+        assert any(admits(rule, diffshard_pod, redis_ports) for rule in spec.get("ingress", [])), (
+            f"a NetworkPolicy keeps the diffshard pods from Redis: {spec}"
+        )
+    own = [o["spec"] for o in policies if selects(o["spec"]["podSelector"], diffshard_pod)]
+    assert own and all("Egress" not in spec["policyTypes"] for spec in own), own
+
+
+def test_every_object_lands_in_the_namespace(rendered) -> None:
+    """The components' objects too: without a namespace they would go to kubectl's current one,
+    away from the Deployment they scale, scrape or serve."""
+    namespaced = [o for o in rendered if o["kind"] != "Namespace"]
+    namespace = the(rendered, "Namespace")["metadata"]["name"]
+    assert {o["metadata"].get("namespace") for o in namespaced} == {namespace}
 
 
 @pytest.mark.slow
