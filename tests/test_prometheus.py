@@ -57,7 +57,7 @@ def test_promtool(prometheus_installed, command: list[str]) -> None:
 
 def dashboard_queries() -> list[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    return [target["expr"] for panel in panels for target in panel["targets"]]
+    return [target["expr"] for panel in panels for target in panel.get("targets", [])]
 
 
 def families_in(expr: str) -> set[str]:
@@ -129,6 +129,8 @@ def test_every_dashboard_query_returns_a_series(prometheus) -> None:
         assert families <= known, f"the dashboard reads metrics diffshard does not export: {families - known}"
         if families & cuda_only and not torch.cuda.is_available():
             continue  # allocator series exist on CUDA devices only
+        if any(name.startswith("video_") for name in families):
+            continue  # a video model's (this one makes images); tests/test_videos.py reads them
         promql = expr
         for variable, value in GRAFANA_VARIABLES.items():
             promql = promql.replace(variable, value)
