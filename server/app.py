@@ -321,7 +321,14 @@ def create_app(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.read_timeout_s,
-        by_path={"/v1/images/edits": (settings.edit_body_bytes, image_settings)},
+        by_path={
+            "/v1/images/edits": (settings.edit_body_bytes, image_settings),
+            # a video's first frame (input_reference) beside its fields
+            "/v1/videos": (
+                settings.max_image_bytes + settings.max_body_bytes,
+                "DIFFSHARD_MAX_IMAGE_BYTES, DIFFSHARD_MAX_BODY_BYTES",
+            ),
+        },
     )
     app.add_middleware(TrustedHosts, allowed_hosts=settings.trusted_hosts)  # before any body is read
     app.router.redirect_slashes = False  # a redirect's Location would be built from the client's Host

@@ -211,3 +211,68 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     group = next(c for c in found if c["sequence_degree"] == 2)
     one = next(c for c in found if c["note"].startswith("one device"))
     assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)
+
+
+# Image-to-video (WanImageToVideoPipeline): our pipeline against diffusers'.
+
+
+@pytest.fixture(scope="module")
+def wan_i2v_folder(tmp_path_factory: pytest.TempPathFactory):
+    from tests.tiny_pipelines import build_wan_i2v_folder
+
+    return build_wan_i2v_folder(tmp_path_factory.mktemp("wan") / "i2v")
+
+
+def first_frame():
+    """A 48×40 gradient: resized to the video's 32×32, as the pipeline resizes it."""
+    from PIL import Image
+
+    ys, xs = np.mgrid[0:40, 0:48]
+    return Image.fromarray(np.stack([xs * 5, ys * 6, (xs + ys) * 2], -1).astype(np.uint8))
+
+
+def test_our_image_to_video_equals_wan_image_to_video_pipelines(wan_i2v_folder, monkeypatch) -> None:
+    """Guided, 9 frames, 2 steps: the CLIP image tokens and the first frame's 20 channels as
+    WanImageToVideoPipeline makes them (its prompt cleaning calls ftfy, not installed here, where
+    WanPipeline's checks: WanPipeline's cleaning stands in, as ours is)."""
+    from diffusers import WanImageToVideoPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    monkeypatch.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)
+    pipeline, frame = Pipeline.load(wan_i2v_folder, devices="cpu"), first_frame()
+    request = pipeline.resolve(
+        GenerationRequest(
+            "a red circle", negative_prompt="blue", seed=3, steps=2, guidance_scale=5.0, reference=frame,
+            **VIDEO,
+        )
+    )  # fmt: skip
+    mine = pipeline.generate([request])[0]
+    pipe = WanImageToVideoPipeline.from_pretrained(
+        wan_i2v_folder, local_files_only=True, use_safetensors=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        image=frame, prompt=request.prompt, negative_prompt=request.negative_prompt, height=32, width=32,
+        num_frames=9, num_inference_steps=2, guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+    ).frames[0]  # fmt: skip
+    assert mine.shape == theirs.shape == (9, 32, 32, 3)
+    print("image-to-video, max |ours - diffusers'| × 255:", float(np.abs(mine - theirs).max()) * 255)
+    assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.02
+
+
+def test_a_first_frame_is_asked_where_the_model_takes_one_and_refused_elsewhere(
+    wan_folder, wan_i2v_folder
+) -> None:
+    from server.errors import InvalidRequest
+    from server.pipeline.loader import read_family
+    from server.pipeline.requests import Defaults, resolve
+
+    t2v, i2v = read_family(wan_folder), read_family(wan_i2v_folder)
+    defaults = Defaults(2, 5.0, "default", 32, 16, frames=9, frame_multiple=4)
+    with pytest.raises(InvalidRequest, match="from text only") as refused:
+        resolve(GenerationRequest("a cat", reference=first_frame(), **VIDEO), defaults, t2v)
+    assert refused.value.field == "input_reference"
+    with pytest.raises(InvalidRequest, match="from an image"):
+        resolve(GenerationRequest("a cat", **VIDEO), defaults, i2v)
+    assert resolve(GenerationRequest("a cat", reference=first_frame(), **VIDEO), defaults, i2v).resolved

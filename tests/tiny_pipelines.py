@@ -344,14 +344,45 @@ def build_wan_folder(folder: Path, **transformer: object) -> Path:
     """A tiny Wan 2.1 text-to-video folder (`WanPipeline`): a 2-block video transformer over
     1×2×2 patches (`transformer`: other sizes), a 3-channel-base causal 3D VAE (8× spatial, 4×
     temporal), a UMT5 encoder built from T5's tiny config, and flow matching (shift 7)."""
-    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
+
+    WanPipeline(**_wan_parts(**transformer)).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_wan_i2v_folder(folder: Path) -> Path:
+    """A tiny Wan 2.1 image-to-video folder (`WanImageToVideoPipeline`): `build_wan_folder`'s
+    parts with a transformer taking 36 channels (noise, the first frame's mask and latents) and
+    CLIP image tokens (`image_dim` 32, projected to its 24-wide attention: `added_kv_proj_dim`),
+    and a 2-layer CLIP vision encoder over 8-pixel patches of 32-pixel images (17 tokens): a
+    `CLIPVisionModel`, as Wan-AI's I2V folders hold (the pipeline reads its hidden states only)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = _wan_parts(in_channels=36, image_dim=TEXT_DIM, added_kv_proj_dim=24)
+    torch.manual_seed(1)
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=TEXT_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            image_size=32, patch_size=8,
+        )
+    ).eval()  # fmt: skip
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor).save_pretrained(
+        folder, safe_serialization=True
+    )
+    return folder
+
+
+def _wan_parts(**transformer: object) -> dict:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
     tokenizer = build_t5_tokenizer()
     t5 = _t5(tokenizer).config.to_dict()
     encoder = UMT5EncoderModel(UMT5Config(**{k: v for k, v in t5.items() if k in UMT5Config().to_dict()}))
-    WanPipeline(
+    return dict(
         transformer=WanTransformer3DModel(
             **{
                 "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12,
@@ -367,5 +398,4 @@ def build_wan_folder(folder: Path, **transformer: object) -> Path:
         text_encoder=encoder,
         tokenizer=tokenizer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-    ).save_pretrained(folder, safe_serialization=True)  # fmt: skip
-    return folder
+    )  # fmt: skip

@@ -8,17 +8,20 @@ restart, any replica sharing the store answers them, and a key sees only its own
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import math
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response, StreamingResponse
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.api.auth import require_key
@@ -28,6 +31,7 @@ from server.api.errors import APIError
 from server.api.multipart import FormLimits, read_form
 from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, parse_size
 from server.api.streaming import KEEPALIVE, stamped
+from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, Overloaded
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
@@ -47,7 +51,9 @@ class VideoCreateRequest(BaseModel):
     model: str | None = None
     seconds: str | int | None = Field(None, description="the clip's length; num_frames overrides it")
     size: str | None = Field(None, description='"WIDTHxHEIGHT"; default: the native size')
-    input_reference: object = Field(None, description="image-to-video: not served yet")
+    input_reference: object = Field(
+        None, description="image-to-video models: the first frame, a PNG, JPEG or WebP file (multipart)"
+    )
     negative_prompt: str | None = None
     seed: int | None = Field(None, description=f"0 to {SEED_LIMIT - 1}; -1 or none: a random one")
     num_inference_steps: int | None = None
@@ -70,8 +76,12 @@ RunnerDep = Annotated[VideoRunner, Depends(runner_of)]
 
 def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple[GenerationRequest, str]:
     """The generation a body asks for, and its length in seconds as the Video object says it."""
-    if body.input_reference is not None:
-        raise InvalidRequest("input_reference", "image-to-video is not served yet: send a prompt alone")
+    reference = body.input_reference  # decoded by video_body; anything else is refused here
+    if reference is not None and not isinstance(reference, Image.Image):
+        raise InvalidRequest(
+            "input_reference", "must be an image file (PNG, JPEG or WebP) sent as a multipart upload, "
+            "as OpenAI's SDK sends a file; image_url and file_id references are not served",
+        )  # fmt: skip
     if body.model is not None and body.model != service.name:
         raise InvalidRequest("model", f"this server serves {service.name!r}, not {body.model!r}")
     frames = body.num_frames
@@ -92,14 +102,19 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         seed=secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed,
         steps=body.num_inference_steps, guidance_scale=guidance, width=width, height=height, frames=frames,
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
+        reference=reference,
     )  # fmt: skip
     return request, f"{(frames - 1) / fps:g}"
 
 
 def stored(request: GenerationRequest) -> dict[str, Any]:
     """A resolved request as the store keeps it (JSON)."""
-    values = asdict(request)
+    values = asdict(replace(request, reference=None))  # not deep-copied: stored as a PNG
     values.pop("edit", None)
+    if request.reference is not None:  # bounded: as the upload limits bound what was decoded
+        png = io.BytesIO()
+        request.reference.save(png, format="PNG")
+        values["reference"] = base64.b64encode(png.getvalue()).decode("ascii")
     return values
 
 
@@ -115,18 +130,26 @@ def own_job(runner: VideoRunner, request: Request, video_id: str) -> VideoJob:
 
 
 async def video_body(request: Request) -> VideoCreateRequest:
-    """The body as JSON, or (as OpenAI's SDK sends it) a multipart form of text fields; an
-    `input_reference` file is refused by name (image-to-video is not served yet)."""
+    """The body as JSON, or (as OpenAI's SDK sends it) a multipart form of text fields and an
+    `input_reference` file: the first frame, bounded and decoded as an edit's image is."""
     content_type = request.headers.get("content-type", "")
     try:
         if content_type.startswith("multipart/form-data"):
-            limits = FormLimits(1, ((("input_reference",), 0, None),), MAX_FORM_BYTES, MAX_FORM_FIELDS)
+            bounds = request.app.state.runtime.loaded().limits
+            limits = FormLimits(
+                bounds.max_image_bytes, ((("input_reference",), 1, None),), MAX_FORM_BYTES, MAX_FORM_FIELDS
+            )
             form = await read_form(request, limits)
             fields = {
                 k: json_field(k, v) if k == "step_cache" and v.startswith("{") else v
                 for k, v in form.fields.items()
             }
-            return VideoCreateRequest.model_validate(fields, strict=False)
+            body = VideoCreateRequest.model_validate(fields, strict=False)
+            if upload := form.files.get("input_reference"):
+                size = {"max_bytes": bounds.max_image_bytes, "max_pixels": bounds.max_image_pixels}
+                image = await asyncio.to_thread(read_image, upload[0], "input_reference", **size)
+                body.input_reference = image.convert("RGB")
+            return body
         return VideoCreateRequest.model_validate_json(await request.body())
     except ValidationError as err:
         raise RequestValidationError(err.errors()) from None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils._pytree import tree_map
 
 from server.engine import layout_of
@@ -59,7 +60,9 @@ def compile_pipeline(
     whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
     stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
     for size in sizes:
-        request = pipeline.resolve(pipeline.with_defaults(GenerationRequest("warm", width=size, height=size)))
+        frame = Image.new("RGB", (size, size)) if pipeline.family.takes_reference else None  # image-to-video
+        warm = GenerationRequest("warm", width=size, height=size, reference=frame)
+        request = pipeline.resolve(pipeline.with_defaults(warm))
         (state,) = pipeline.start([request])
         try:
             with pipeline.pool.scope() as batch, torch.inference_mode():

@@ -35,6 +35,7 @@ from server.engine import (
     plan_shards,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.wan import IMAGE
 from server.engine.hardware.devices import normalize_device
 from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
@@ -91,6 +92,8 @@ class Pipeline:
         )
         self.denoiser_dtype = compute_dtype(components.denoiser)
         self.encoders = tuple(encoder.to(self.encoder_device) for encoder in components.text_encoders)
+        if components.image_encoder is not None:  # image-to-video's, beside the text encoders
+            components.image_encoder.to(self.encoder_device)
         vae = components.vae
         if vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
             vae.to(torch.float32)  # such VAEs overflow in float16: diffusers upcasts them too
@@ -212,11 +215,12 @@ class Pipeline:
             finally:
                 for slot in self.encoder_slots:
                     slot.rows = None
-        # 2. Give each request its rows and open its state.
+        # 2. Every first frame's image tokens (image-to-video), in one call; 3. each request's rows.
+        images = self._image_tokens(requests)
         states: list[RequestState] = []
         try:
             row = 0
-            for r in requests:
+            for i, r in enumerate(requests):
                 guided, zeros = self.rows(r) == 2, zero_unset and r.negative_prompt is None
                 take = 1 + (guided and not zeros)
                 context = embeddings.context[row : row + take]
@@ -225,12 +229,22 @@ class Pipeline:
                     context = torch.cat([torch.zeros_like(context), context])
                     pooled = None if pooled is None else torch.cat([torch.zeros_like(pooled), pooled])
                 row += take
-                states.append(self._new_state(r, context, self.family.extras(pooled, r)))
+                extras = self.family.extras(pooled, r)
+                if i in images:  # the same on the negative row, as WanImageToVideoPipeline repeats it
+                    extras[IMAGE] = images[i].expand(context.shape[0], -1, -1)
+                states.append(self._new_state(r, context, extras))
         except BaseException:
             for state in states:
                 state.close()
             raise
         return states
+
+    def _image_tokens(self, requests: Sequence[GenerationRequest]) -> dict[int, torch.Tensor]:
+        """Each first frame's image tokens [1, T, D] by its request's index (image-to-video)."""
+        at = [i for i, r in enumerate(requests) if r.reference is not None]
+        parts, frames = self.components, [requests[i].reference for i in at]
+        tokens = self.family.encode_images(parts.image_encoder, parts.image_processor, frames) if at else None
+        return {i: tokens[k : k + 1] for k, i in enumerate(at)}
 
     def _new_state(
         self, request: GenerationRequest, context: torch.Tensor, extras: dict[str, torch.Tensor]
@@ -249,35 +263,19 @@ class Pipeline:
             # Noise as diffusers' randn_tensor draws it: on the CPU generator, then moved.
             generator = torch.Generator("cpu").manual_seed(request.seed)
             start = first_latents(
-                edit,
-                family=family,
-                vae=self.vae,
-                scheduler=scheduler,
-                first_t=scheduler.timesteps[begin],
-                generator=generator,
-                scope=scope,
-                width=request.width,
-                height=request.height,
-                device=self.device,
-                frames=request.frames,
-            )
+                edit, family=family, vae=self.vae, scheduler=scheduler, first_t=scheduler.timesteps[begin],
+                generator=generator, scope=scope, width=request.width, height=request.height,
+                device=self.device, frames=request.frames, reference=request.reference,
+            )  # fmt: skip
             kept = {}
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
                 kept[name].copy_(rows)
             return RequestState(
-                request,
-                scheduler,
-                generator,
-                start.latents,
-                kept.pop("context"),
-                kept,
-                scope,
-                begin=begin,
-                inpainting=start.inpainting,
-                conditioning=start.conditioning,
+                request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
+                inpainting=start.inpainting, conditioning=start.conditioning,
                 step_kwargs=step_kwargs(type(scheduler), generator),
-            )
+            )  # fmt: skip
         except BaseException:
             scope.close()
             raise

@@ -82,11 +82,21 @@ def first_latents(
     height: int,
     device: torch.device,
     frames: int | None = None,
+    reference: Image.Image | None = None,
 ) -> Start:
     """Noise for a generation; for an edit, its image noised to `first_t`, the first timestep it
     runs. An inpainting denoiser (9 input channels) sees every request as inpainting: without a
-    mask the whole image is repainted, without an image it starts from black, at strength 1."""
+    mask the whole image is repainted, without an image it starts from black, at strength 1.
+    Image-to-video (a `reference`): noise, and the first frame's channels beside it."""
     shape = family.latent_shape(width, height, frames)
+    if reference is not None:  # as WanImageToVideoPipeline: the noise drawn, the frame resized
+        noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)
+        noise.mul_(family.init_noise_sigma(scheduler))
+        frame = reference.convert("RGB")
+        pixels = _processors(family.vae_scale_factor)[0].preprocess(frame, height=height, width=width)
+        condition = family.first_frame(vae, pixels.to(torch.float32), frames or 1)
+        latents, condition = _kept(scope, device, noise.to(device), condition.to(device))
+        return Start(latents, conditioning=condition)
     conditioned = family.inpainting_channels > 0
     if edit is None and not conditioned:
         noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=device.type == "cuda")

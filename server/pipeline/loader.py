@@ -39,7 +39,11 @@ CLOSED_VOCABULARY = 1000  # tokens: a tokenizer this small knows its words only 
 LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
 ALLOWED_BASES: dict[str, tuple[type, ...]] = {
     "diffusers": (diffusers.ModelMixin, diffusers.SchedulerMixin),
-    "transformers": (transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase),
+    "transformers": (
+        transformers.PreTrainedModel,
+        transformers.PreTrainedTokenizerBase,
+        transformers.ImageProcessingMixin,  # image-to-video's image processor: a config, no weights
+    ),
 }
 
 
@@ -73,6 +77,8 @@ class Components:
     text_encoders: tuple[torch.nn.Module, ...]
     tokenizers: tuple[Any, ...]
     scheduler: Any  # the folder's own scheduler
+    image_encoder: torch.nn.Module | None = None  # image-to-video's (families/wan.py: WanI2V)
+    image_processor: Any = None
 
 
 def read_family(folder: str | Path) -> Family:
@@ -148,6 +154,8 @@ def load_components(
         text_encoders=tuple(m.eval() for m in present(family.text_encoders)),
         tokenizers=present(family.tokenizers),
         scheduler=load("scheduler"),
+        image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
+        image_processor=next(iter(present(family.processors)), None),
     )
 
 
@@ -199,7 +207,7 @@ _ITEMSIZE = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
 
 def _loaded_parts(family: Family) -> tuple[str, ...]:
     """The parts `load_components` loads (others, such as a safety checker, are never imported)."""
-    return (*family.weighted, *family.tokenizers, "scheduler")
+    return (*family.weighted, *family.tokenizers, *family.processors, "scheduler")
 
 
 def _check_header(file: Path) -> None:

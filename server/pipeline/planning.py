@@ -111,7 +111,7 @@ def plan_model(
 def resident_bytes(
     family: Family, folder: Path | None, dtype: torch.dtype, setting: QuantizeSetting
 ) -> tuple[int, dict[str, Quantization]]:
-    """Bytes of the text encoders and VAE (the folder's, or a reference architecture's, none for
+    """Bytes of the text (and image) encoders and VAE (the folder's, or a reference architecture's, none for
     most), which sit with the first stage (see Pipeline), quantized as `setting` says; and the
     quantization of every part."""
     if folder is None:
@@ -122,7 +122,8 @@ def resident_bytes(
     index = family.config.index
     quantizations = folder_quantizations(setting, family, folder, dtype)
     total = 0
-    for name in ("vae", *(n for n in family.text_encoders if index.get(n) and index[n][0] is not None)):
+    encoders = (*family.text_encoders, *family.image_encoders)
+    for name in ("vae", *(n for n in encoders if index.get(n) and index[n][0] is not None)):
         if quantization := quantizations.get(name):
             total += quantized_bytes(meta_part(folder, name, class_of(index, name)), quantization, dtype)
         else:

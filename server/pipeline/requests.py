@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from PIL import Image
 
 from server.errors import InvalidRequest
 from server.pipeline.edits import Edit
@@ -43,6 +45,8 @@ class GenerationRequest:
     step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
     frames: int | None = None  # a video's frames (video families only); None: an image
     latent_frames: int = 1  # what a video weighs in work: its latent frames (set with the defaults)
+    # image-to-video's first frame (RGB, resized to the video's size); compared by the others' fields
+    reference: Image.Image | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> str:
@@ -166,6 +170,21 @@ def _check(request: GenerationRequest, family: Family) -> None:
         _check_frames(request, family)
     if request.edit is not None:
         _check_edit(request, request.edit, family)
+    if request.reference is not None or family.takes_reference:
+        _check_reference(request, family)
+
+
+def _check_reference(request: GenerationRequest, family: Family) -> None:
+    if not family.takes_reference:
+        raise InvalidRequest("input_reference", "this model makes video from text only: send a prompt alone")
+    if request.reference is None:
+        raise InvalidRequest(
+            "input_reference", "this model makes video from an image: send input_reference, its first frame"
+        )
+    if request.edit is not None:
+        raise InvalidRequest(
+            "image", "this model makes video from a first frame (input_reference), not edits"
+        )
 
 
 def _check_frames(request: GenerationRequest, family: Family) -> None:

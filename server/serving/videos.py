@@ -8,6 +8,8 @@ again once the store sees its runner gone (`JobStore.recover`). Nobody has to re
 
 from __future__ import annotations
 
+import base64
+import io
 import logging
 import os
 import secrets
@@ -17,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
+
+from PIL import Image
 
 from server.errors import InvalidRequest, Overloaded, Rejected, StoreUnavailable
 from server.pipeline import GenerationRequest
@@ -41,6 +45,8 @@ def to_request(job: VideoJob) -> GenerationRequest:
         values["step_cache"] = StepCache(**values["step_cache"])
     if values.get("lora"):
         values["lora"] = tuple(tuple(pair) for pair in values["lora"])
+    if values.get("reference") is not None:  # image-to-video's first frame: a PNG we wrote, base64
+        values["reference"] = Image.open(io.BytesIO(base64.b64decode(values["reference"]))).convert("RGB")
     return GenerationRequest(**values)
 
 

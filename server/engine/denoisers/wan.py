@@ -9,7 +9,10 @@ Then each `blocks.{i}` maps the tokens with self-attention (rotary), cross-atten
 text, and a feed-forward: one block each. `norm_out`, modulated by `temb` and the root's
 `scale_shift_table` (a parameter outside any submodule: a `TensorPart`), and `proj_out` end
 it; unpatchifying is glue in `end`. No skips: the tokens, the text, temb and proj cross every
-boundary. Image-to-video's image embeddings and Wan 2.2's per-token timesteps are refused.
+boundary. Image-to-video (Wan 2.1 I2V) takes CLIP's image tokens beside the text
+(`encoder_hidden_states_image`, a per-row input): `embed` projects them and puts them before the
+text tokens, where each block's cross-attention splits them off again (the text is 512 tokens).
+Wan 2.2's per-token timesteps are refused.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from server.engine.denoisers.blocks import (
 from server.engine.denoisers.dit import dit_boundary, token_rows
 
 UMT5_TOKENS = 512  # WanPipeline's max_sequence_length default
+IMAGE_TOKENS = 257  # CLIP ViT-H/14's at 224 px (Wan 2.1 I2V's image encoder): 16 × 16 patches + class
+IMAGE = "encoder_hidden_states_image"
 NATIVE_LATENT = 60  # 480 px / 8: Wan 2.1's 480p (the planner's square stand-in for 480×832)
 NATIVE_FRAMES = 21  # latent frames of 81 video frames (1 + 80 / 4)
 
@@ -58,10 +63,13 @@ class WanTransformerSpec:
         sample = torch.randn(size, dtype=dtype, device=device)
         timestep = torch.linspace(1000.0, 1.0, batch, device=device)
         context = torch.randn(batch, UMT5_TOKENS, config.text_dim, dtype=dtype, device=device)
-        return DenoiserInputs(sample, timestep, context, {})
+        image = {}
+        if config.image_dim is not None:  # image-to-video
+            image[IMAGE] = torch.randn(batch, IMAGE_TOKENS, config.image_dim, dtype=dtype, device=device)
+        return DenoiserInputs(sample, timestep, context, image)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
-        rows = token_rows(inputs, (), "Wan")
+        rows = token_rows(inputs, (IMAGE,), "Wan")
         sample = rows["sample"]
         if rows["timestep"].ndim != 1:
             raise ValueError("the Wan block walk takes one timestep a row (not Wan 2.2's per token)")
@@ -103,7 +111,9 @@ def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) 
 
 def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     hidden = model.patch_embedding(rows["sample"]).flatten(2).transpose(1, 2).contiguous()
-    temb, proj, context, _ = model.condition_embedder(rows["timestep"], rows["context"], None)
+    temb, proj, context, image = model.condition_embedder(rows["timestep"], rows["context"], rows.get(IMAGE))
+    if image is not None:  # image-to-video: the image's tokens first, as the model's forward puts them
+        context = torch.concat([image, context], dim=1)
     return {"hidden": hidden, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "context": context}
 
 

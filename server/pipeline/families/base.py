@@ -60,6 +60,9 @@ class Family:
     denoiser_class: ClassVar[type[nn.Module]] = UNet2DConditionModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    image_encoders: ClassVar[tuple[str, ...]] = ()  # image-to-video's image encoder (weighted)
+    processors: ClassVar[tuple[str, ...]] = ()  # and its image processor
+    takes_reference: ClassVar[bool] = False  # every request starts from an image (its first frame)
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
@@ -83,7 +86,7 @@ class Family:
     @property
     def weighted(self) -> tuple[str, ...]:
         """The folder's parts that hold weights (safetensors only)."""
-        return (self.denoiser, "vae", *self.text_encoders)
+        return (self.denoiser, "vae", *self.text_encoders, *self.image_encoders)
 
     # 1. Prompts → conditioning.
 
@@ -121,6 +124,15 @@ class Family:
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The batched extras as keyword arguments of the denoiser's forward."""
         return {}
+
+    def encode_images(self, encoder: nn.Module, processor: Any, images: list[Any]) -> torch.Tensor:
+        """Image-to-video: the image encoder's tokens [N, T, D] for each first frame."""
+        raise NotImplementedError(f"a {self.name} model takes no image")
+
+    def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """Image-to-video: the channels beside the noise at every step, from the first frame's
+        `pixels` [1, 3, H, W] in [-1, 1]."""
+        raise NotImplementedError(f"a {self.name} model takes no image")
 
     # 2. Latents and their schedule.
 

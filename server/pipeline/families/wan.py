@@ -135,3 +135,75 @@ class Wan(Family):
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         if not encoders:
             raise ModelFolderError("a Wan folder needs text_encoder (UMT5) and its tokenizer")
+
+
+class WanI2V(Wan):
+    """Wan 2.1 image-to-video (`WanImageToVideoPipeline`): Wan's text-to-video conditioned on a
+    first frame twice, as the pipeline does it. CLIP's vision encoder (`image_encoder`: its
+    penultimate hidden states, 257 tokens for ViT-H/14) gives `encoder_hidden_states_image`, which
+    the transformer projects (`image_dim`) and attends to beside the text (`added_kv_proj_dim`):
+    a per-row extra, the same on the negative row. The frame itself, resized to the video's size,
+    followed by black frames, is encoded by the VAE (its posterior's mode) and normalized: 16
+    channels beside a 4-channel mask (1 on the first frame's 4 temporal slots, 0 after) make the
+    20 channels concatenated to the noise at every step (`in_channels` 36), as an inpainting
+    UNet's are (`RequestState.conditioning`). Every request needs its frame (`reference`).
+
+    Wan 2.2's variants are refused at load: two experts (`transformer_2`, `boundary_ratio`),
+    per-token timesteps (`expand_timesteps`), and first-last-frame's paired image tokens
+    (`pos_embed_seq_len`)."""
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("WanImageToVideoPipeline",)
+    image_encoders: ClassVar[tuple[str, ...]] = ("image_encoder",)
+    processors: ClassVar[tuple[str, ...]] = ("image_processor",)
+    takes_reference: ClassVar[bool] = True
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @property
+    def inpainting_channels(self) -> int:
+        return 0  # its extra channels are the first frame's (`first_frame`), not an inpainting's
+
+    def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """WanImageToVideoPipeline.prepare_latents' condition for one video: [1, 4 + C, latent
+        frames, h, w] in float32 from `pixels` [1, 3, H, W] in [-1, 1] (the frame, resized)."""
+        every, (height, width) = self.frame_multiple, pixels.shape[-2:]
+        video = torch.cat([pixels[:, :, None], pixels.new_zeros(1, 3, frames - 1, height, width)], dim=2)
+        vae_device = next(vae.parameters()).device
+        latents = vae.encode(video.to(vae_device, vae.dtype)).latent_dist.mode().to(torch.float32)
+        mean, std = self._stats(latents)
+        latents = (latents - mean) * (1.0 / std)  # as the pipeline normalizes (its reciprocal)
+        h, w = latents.shape[-2:]
+        mask = torch.ones(1, 1, frames, h, w)
+        mask[:, :, 1:] = 0
+        mask = torch.cat([mask[:, :, :1].repeat_interleave(every, dim=2), mask[:, :, 1:]], dim=2)
+        mask = mask.view(1, -1, every, h, w).transpose(1, 2)
+        return torch.cat([mask.to(latents.device), latents], dim=1)
+
+    def encode_images(self, encoder: nn.Module, processor: Any, images: list[Any]) -> torch.Tensor:
+        """WanImageToVideoPipeline.encode_image for each image: CLIP's penultimate hidden states."""
+        device = next(encoder.parameters()).device
+        pixels = processor(images=images, return_tensors="pt").pixel_values.to(device, encoder.dtype)
+        return encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(extras)  # encoder_hidden_states_image
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        super().check(encoders, denoiser)
+        index, config = self.config.index, self.config.denoiser
+        served = "diffshard serves Wan 2.1's image-to-video (one transformer, a CLIP image encoder)"
+        if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
+            raise ModelFolderError(f"this folder is Wan 2.2's two-expert image-to-video; {served}")
+        if index.get("expand_timesteps"):
+            raise ModelFolderError(
+                f"this folder's timesteps are per token (Wan 2.2, expand_timesteps); {served}"
+            )
+        if config.get("image_dim") is None or (index.get("image_encoder") or [None])[0] is None:
+            raise ModelFolderError(f"this folder has no image encoder (or no image_dim); {served}")
+        if config.get("pos_embed_seq_len") is not None:
+            raise ModelFolderError(f"this folder pairs first and last frames (FLF2V); {served}")
+        wanted = 2 * self.latent_channels + self.frame_multiple
+        if int(config["in_channels"]) != wanted:
+            raise ModelFolderError(
+                f"an image-to-video transformer takes {wanted} input channels (noise, mask, first "
+                f"frame), this one {config['in_channels']}"
+            )
