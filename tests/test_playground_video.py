@@ -7,6 +7,7 @@ previews, format) are gone. Frames off the step, or a size the server refuses, a
 field; a good job shows its progress while the
 page polls it, then plays the MP4 in a muted, looping <video> from a blob: URL (the content
 fetched as the API serves it, byte for byte), 32×32 and a few frames long, with a download link.
+A job seen running shows its percent until Stop stops watching it; a failed one, its error.
 An image model's page offers no Video (tests/test_playground.py).
 
 `DIFFSHARD_SCREENSHOT=docs/playground-video.png` saves the README's screenshot of video mode
@@ -44,6 +45,18 @@ URL.createObjectURL = (blob) => {
   const url = make(blob);
   window.blobs.push({url, type: blob.type, size: blob.size});
   return url;
+};
+"""
+# Makes the page see each poll of a job (GET /v1/videos/{id}) as `window.fakeJob` says, once set:
+# a job still running or failed on demand (the server's own jobs end in a blink, and well).
+FAKE_POLLS = """
+window.fakeJob = null;
+const send = window.fetch;
+window.fetch = async (path, init = {}) => {
+  const response = await send(path, init);
+  if (!window.fakeJob || !/^\\/v1\\/videos\\/[^/]+$/.test(path)) return response;
+  const job = {...(await response.json()), ...window.fakeJob};
+  return new Response(JSON.stringify(job), {headers: {"content-type": "application/json"}});
 };
 """
 MEDIA = """
@@ -125,3 +138,20 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
 
     wanted = os.environ.get("DIFFSHARD_SCREENSHOT")  # make screenshot: for the README
     browser.save_screenshot(Path(wanted).resolve() if wanted else tmp_path / "playground-video.png")
+
+    # 3. A job still running: its percent on the bar and the badge, until Stop stops watching it.
+    browser.execute_script(FAKE_POLLS + "window.fakeJob = {status: 'in_progress', progress: 40};")
+    browser.find_element(By.ID, "go").click()
+    until(browser, lambda b: progress.text == "Making the video: 40%.", "the job's progress")
+    assert browser.find_element(By.CSS_SELECTOR, ".card .badge").text == "40%"
+    assert browser.find_element(By.ID, "progress").get_attribute("value") == "0.4"
+    browser.find_element(By.ID, "stop").click()
+    until(browser, lambda b: progress.text.startswith("Stopped watching: the server still makes"), "stopped")
+
+    # 4. A job that failed: the server's words for it.
+    failed = {"status": "failed", "error": {"code": "video_failed", "message": "out of memory on cpu"}}
+    browser.execute_script("window.fakeJob = arguments[0];", failed)
+    browser.find_element(By.ID, "go").click()
+    until(browser, lambda b: error.is_displayed() and error.text == "Out of memory on cpu.", "its error")
+    assert progress.text.startswith("Failed after") and browser.find_element(By.ID, "go").is_enabled()
+    assert browser.find_element(By.CSS_SELECTOR, ".card .badge").text == "failed"
