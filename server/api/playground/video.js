@@ -113,7 +113,7 @@ export async function makeVideo(body, signal) {
     // 1. The job: queued, or refused (a 400 names the field).
     const response = await page.api("/v1/videos", { method: "POST", ...init, signal });
     reached = true;
-    if (!response.ok) return page.refused(response);
+    if (!response.ok) return await page.refused(response);
     job = await response.json();
     const item = card(body);
     page.clearResults(item);
