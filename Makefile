@@ -101,3 +101,4 @@ diamond: $(VENV)/.test
 screenshot: $(VENV)/.test test-tools
 	DIFFSHARD_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k red_circle -q
 	DIFFSHARD_SCREENSHOT=docs/playground-edit.png $(PY) -m pytest tests/test_playground_edit.py -k made_here -q
+	DIFFSHARD_SCREENSHOT=docs/playground-video.png $(PY) -m pytest tests/test_playground_video.py -q

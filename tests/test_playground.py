@@ -4,7 +4,8 @@ downloaded at test time), which resolves no host name: only this server can answ
 
 Type "a red circle", press Generate: a partial preview appears, then the image, which the
 built-in model's own judge (server/demo/evaluate.py) calls a red circle and which is the very
-image the API returns for that seed; the devices panel lists /v1/shards' devices and workers. The
+image the API returns for that seed; the devices panel lists /v1/shards' devices and workers (and
+no Video mode: that is a video model's, tests/test_playground_video.py). The
 step caches the OpenAPI document lists for the model are offered, the one chosen sent with a
 generation and an edit. Also: the key field and errors in plain words on a server with keys, Stop
 cancelling the request, and a server's LoRA adapters listed with a scale slider each, the one
@@ -210,6 +211,7 @@ def test_a_red_circle_streams_its_previews_then_the_image(
     assert "diamond" in adapters[0].text
     vocabulary = browser.find_element(By.ID, "vocabulary").text  # the built-in model's words
     assert "red, green, blue" in vocabulary and "circle, square, triangle" in vocabulary
+    assert not browser.find_element(By.CSS_SELECTOR, 'label[for="mode-video"]').is_displayed()  # images only
 
     shards = httpx.get(f"{server.url}/v1/shards").json()
     listed = browser.find_elements(By.CSS_SELECTOR, "#device-list li")

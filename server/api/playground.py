@@ -3,7 +3,8 @@ build step, nothing from a CDN) that streams generations from this server's own 
 
 The page itself is public: it holds no data, and asks for an API key (kept in the tab's session
 storage) only when /v1 answers 401. A strict Content-Security-Policy lets it load its own files
-and talk to this origin only; images arrive as data the page turns into blob URLs.
+and talk to this origin only; images arrive as data the page turns into blob URLs, and so do
+videos (fetched with the page's key, which a <video src> could not send: hence `media-src blob:`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ FILES = {  # what /playground/{name} serves: nothing else can be asked for
     "playground.js": "text/javascript",
     "lora.js": "text/javascript",
     "edit.js": "text/javascript",
+    "mode.js": "text/javascript",
+    "video.js": "text/javascript",
     "playground.css": "text/css",
 }
 HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
-    "img-src 'self' data: blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+    "img-src 'self' data: blob:; media-src blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",

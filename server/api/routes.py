@@ -170,8 +170,13 @@ def _stream(
 
 
 @router.get("/models")
-async def models(runtime: RuntimeDep) -> dict[str, Any]:
+async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     """The model served, with the LoRA adapters a request may ask for (`lora`, an extension)."""
+    videos = getattr(request.app.state, "videos", None)
+    clips = None  # a video model's (/v1/videos): its default frames, their step, the MP4's rate
+    if videos is not None:
+        frames, family = videos.service.video_frames, videos.service.pipeline.family
+        clips = {"num_frames": frames, "frame_multiple": family.frame_multiple, "fps": videos.fps}
     model: dict[str, Any] = {
         "id": runtime.model_name,
         "object": "model",
@@ -182,6 +187,7 @@ async def models(runtime: RuntimeDep) -> dict[str, Any]:
         "adapters": runtime.service.adapters() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,
+        "video": clips,  # null: the model makes images only
     }
     return {"object": "list", "data": [model]}
 

@@ -3,6 +3,8 @@
 // are sent transparent (alpha 0: repaint them), all others opaque; nothing painted sends no mask,
 // so the whole image is reworked as far as the strength says (img2img).
 
+import { mode, setMode } from "./mode.js";
+
 const $ = (id) => document.getElementById(id);
 const KEEP = 12; // sources listed at most; the oldest one not chosen goes first
 const TINT = [255, 0, 170, 255]; // painted pixels on the canvas (drawn at partial opacity by CSS)
@@ -19,20 +21,7 @@ let chosen = null; // {id, width, height, painted: Uint8Array (1 = repaint), pix
 let stroke = null; // the pointer's last point while painting
 let onProblem = () => {};
 
-export const editing = () => $("mode-edit").checked;
-
-export function setMode(mode) {
-  const edit = mode === "edit";
-  $(edit ? "mode-edit" : "mode-generate").checked = true;
-  $("edit").hidden = !edit;
-  $("edit").disabled = !edit; // its fields leave the form's checks in the other mode
-  for (const only of document.querySelectorAll(".generate-only")) {
-    only.hidden = edit;
-    for (const field of only.querySelectorAll("input, select")) field.disabled = edit;
-  }
-  $("go").textContent = edit ? "Edit" : "Generate";
-  $("form-title").textContent = edit ? "Edit an image" : "Generate";
-}
+export const editing = () => mode() === "edit";
 
 // The fields the server's OpenAPI document lists for /v1/images/edits' multipart body.
 export function readEditFields(openapi) {
@@ -196,7 +185,6 @@ export async function editForm(body) {
 
 export function setupEdit({ problem }) {
   onProblem = problem;
-  for (const mode of ["generate", "edit"]) $(`mode-${mode}`).addEventListener("change", () => setMode(mode));
   $("upload").addEventListener("change", (event) => {
     const [file] = event.target.files;
     event.target.value = ""; // the same file again is a new upload
@@ -235,5 +223,4 @@ export function setupEdit({ problem }) {
   const strength = () => ($("strength-value").value = $("strength").valueAsNumber.toFixed(2));
   $("strength").addEventListener("input", strength);
   strength();
-  setMode(editing() ? "edit" : "generate"); // a reload may keep the radio's state
 }

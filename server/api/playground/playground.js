@@ -1,16 +1,19 @@
 // The diffshard playground: a form that streams OpenAI image events from this server
-// (POST /v1/images/generations, or /v1/images/edits in edit mode, with stream: true), and a
-// panel of the devices' memory.
+// (POST /v1/images/generations, or /v1/images/edits in edit mode, with stream: true), or on a
+// video model's server makes videos (video.js), and a panel of the devices' memory.
 // Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
 
 import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
+import { mode, offerVideo, setupModes } from "./mode.js";
+import { makeVideo, setupVideo, showVideoDefaults } from "./video.js";
 
 const $ = (id) => document.getElementById(id);
 const KEY = "diffshard.apiKey"; // session storage only: gone when the tab closes
 const REFRESH_MS = 5000;
-const OPTIONAL = ["negative_prompt", "size", "scheduler", "step_cache"]; // sent only when filled in
-const NUMBERS = ["num_inference_steps", "guidance_scale", "seed"]; // likewise
+// Sent only when filled in, and switched on in the form's mode (mode.js).
+const OPTIONAL = ["negative_prompt", "size", "scheduler", "step_cache"];
+const NUMBERS = ["num_inference_steps", "guidance_scale", "seed", "num_frames"]; // likewise
 // The step-caching policies in words; the OpenAPI document lists those the served model takes.
 const STEP_CACHES = {
   off: "off (every step in full)",
@@ -19,8 +22,8 @@ const STEP_CACHES = {
 };
 
 let running = null; // the AbortController of the generation in flight
-let urls = []; // object URLs of the shown images, revoked when the next generation starts
-let adaptersRead = false; // the server loads its adapters at startup: read once, they stay
+let urls = []; // object URLs of the shown images or video, revoked when the next ones come
+let modelRead = false; // the server loads its model and adapters at startup: read once, they stay
 
 // Talking to the server.
 
@@ -127,17 +130,19 @@ function invalidField() {
 
 function requestBody() {
   const form = $("generate").elements;
-  const body = {
-    prompt: form.prompt.value,
+  const body = { prompt: form.prompt.value };
+  const sent = (name) => !form[name].disabled;
+  for (const name of OPTIONAL.filter(sent)) if (form[name].value.trim()) body[name] = form[name].value.trim();
+  for (const name of NUMBERS.filter(sent)) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
+  body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
+  if (mode() === "video") return body; // a video job (POST /v1/videos) takes no more
+  Object.assign(body, {
     n: form.n.valueAsNumber,
     stream: true,
     stream_progress: true,
     partial_images: Number(form.partial_images.value),
     output_format: form.output_format.value,
-  };
-  for (const name of OPTIONAL) if (form[name].value.trim()) body[name] = form[name].value.trim();
-  for (const name of NUMBERS) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
-  body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
+  });
   const lora = chosenAdapters();
   if (lora) body.lora = lora;
   return body;
@@ -190,6 +195,14 @@ function imageURL(blob) {
   const url = URL.createObjectURL(blob);
   urls.push(url);
   return url;
+}
+
+// The results of a new generation (or video) in place of the last one's, whose URLs go.
+function clearResults(...items) {
+  for (const url of urls) URL.revokeObjectURL(url);
+  urls = [];
+  $("images").replaceChildren(...items);
+  $("results-empty").hidden = true;
 }
 
 function show(img, url, alt) {
@@ -289,11 +302,41 @@ async function request(body) {
   return problem ? { problem } : { path: "/v1/images/edits", kind: "image_edit", init: { body: form } };
 }
 
+// A request the server refused before it began: its reasons, in words.
+async function refused(response) {
+  showError(await problem(response));
+  if (response.status === 401) $("api-key").focus();
+  setProgress("Not started.", 0);
+}
+
+// A request cut off by the network (or by a bug in this page), not answered with an error.
+function lostServer(err, reached) {
+  const text = reached
+    ? "The connection to the server broke off. Try again."
+    : "Cannot reach the server: is it running? Check the address and try again.";
+  showError({ text });
+  setProgress("Not finished.", 0);
+  if (!(err instanceof TypeError)) console.error(err); // a bug in this page, not the network
+}
+
+// A video is a job on the server, watched until it ends (video.js); Stop only stops watching.
+async function generateVideo(body) {
+  running = new AbortController();
+  setRunning(true);
+  try {
+    await makeVideo(body, running.signal);
+  } finally {
+    running = null;
+    setRunning(false);
+  }
+}
+
 async function generate() {
   clearError();
   const invalid = invalidField();
   if (invalid) return showError(invalid);
   const body = requestBody();
+  if (mode() === "video") return generateVideo(body);
   running = new AbortController(); // taken while the request is built: one at a time
   const { path, kind, init, problem: unsendable } = await request(body).catch(() => ({
     problem: { text: "The image to edit could not be read: choose it again.", param: "image" },
@@ -310,16 +353,8 @@ async function generate() {
   try {
     const response = await api(path, { method: "POST", ...init, signal: running.signal });
     reached = true;
-    if (!response.ok) {
-      showError(await problem(response));
-      if (response.status === 401) $("api-key").focus();
-      setProgress("Not started.", 0);
-      return;
-    }
-    for (const url of urls) URL.revokeObjectURL(url); // the last images go once new ones come
-    urls = [];
-    $("images").replaceChildren(...Array.from({ length: body.n }, (_, i) => card(i, body)));
-    $("results-empty").hidden = true;
+    if (!response.ok) return await refused(response);
+    clearResults(...Array.from({ length: body.n }, (_, i) => card(i, body))); // the last ones go now
     for await (const { event, data } of serverEvents(response)) {
       if (event === "diffshard.progress") onProgress(data);
       else if (event === `${kind}.partial_image`) onPartial(data);
@@ -335,14 +370,7 @@ async function generate() {
     }
   } catch (err) {
     if (err.name === "AbortError") setProgress("Stopped: the server drops the request.", 0);
-    else {
-      const text = reached
-        ? "The connection to the server broke off. Try again."
-        : "Cannot reach the server: is it running? Check the address and try again.";
-      showError({ text });
-      setProgress("Not finished.", 0);
-      if (!(err instanceof TypeError)) console.error(err); // a bug in this page, not the network
-    }
+    else lostServer(err, reached);
   } finally {
     running = null;
     setRunning(false);
@@ -449,7 +477,7 @@ async function refreshDevices() {
   );
 }
 
-// Start: the limits from the OpenAPI document, the adapters, the server's state, the devices.
+// Start: the limits from the OpenAPI document, the model, the server's state, the devices.
 
 // An optional field's schema in the OpenAPI document: its branch that is not null.
 const branch = (field) => (field.anyOf || [field]).find((b) => b.type !== "null");
@@ -491,7 +519,8 @@ function readStepCaches(field, select) {
   $("step-cache-field").hidden = false;
 }
 
-async function readAdapters() {
+// The model: its adapters, its words, and whether it makes videos (then Video is offered).
+async function readModel() {
   let response;
   try {
     response = await api("/v1/models");
@@ -502,7 +531,11 @@ async function readAdapters() {
   const model = (await response.json()).data[0];
   showAdapters(model.adapters ?? []);
   showVocabulary(model.vocabulary, model.adapters ?? []);
-  adaptersRead = true;
+  if (model.video) {
+    showVideoDefaults(model.video);
+    offerVideo({ take: !running && !$("results-empty").hidden }); // only while nothing was made yet
+  }
+  modelRead = true;
 }
 
 // A model with a closed vocabulary (the built-in one) knows only its words: say which.
@@ -542,20 +575,22 @@ function start() {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("generate").requestSubmit();
   });
   $("stop").addEventListener("click", () => running?.abort());
+  setupModes();
   setupEdit({
     problem: (problem) => {
       clearError();
       showError(problem);
     },
   });
+  setupVideo({ api, problem, explain, showError, setProgress, refused, lostServer, clearResults, keepURL: imageURL });
   document.addEventListener("visibilitychange", refreshDevices);
   readLimits();
-  readAdapters();
+  readModel();
   readStatus();
   refreshDevices();
   setInterval(() => {
     if (document.hidden) return;
-    if (!adaptersRead) readAdapters();
+    if (!modelRead) readModel();
     readStatus();
     refreshDevices();
   }, REFRESH_MS);
