@@ -93,7 +93,7 @@ def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
     from server.serving.videos import to_request
-    from server.serving.videostore import SqliteJobStore
+    from server.serving.videostore import open_job_store
     from tests.test_wan import first_frame
     from tests.tiny_pipelines import build_wan_i2v_folder
 
@@ -117,7 +117,7 @@ def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
         frames = frames_of(client.videos.download_content(video.id, variant="frames").read())
         without = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a cat", "size": "32x32"})
         assert without.status_code == 400 and "from an image" in without.json()["error"]["message"]
-    kept = to_request(SqliteJobStore(store).get(video.id)).reference  # as a restart would run it
+    kept = to_request(open_job_store(store, "i2v", 1).get(video.id)).reference  # as a restart runs it
     assert np.array_equal(np.asarray(kept), np.asarray(frame))
     monkeypatch.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)  # ftfy: see test_wan
     pipe = WanImageToVideoPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
