@@ -51,8 +51,8 @@ from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
-from server.serving.videos import VideoRunner
-from server.serving.videostore import open_job_store, shown
+from server.serving.videos import VideoRunner, open_job_store
+from server.serving.videostore import shown
 
 log = logging.getLogger("diffshard")
 
@@ -205,6 +205,9 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
     return budget
 
 
+RUNNER_STOP_S = 5.0  # for the video runner to give its job back before the process ends
+
+
 def start_videos(settings: Settings, service: Service, runtime: Runtime) -> VideoRunner:
     """The job store opened (ConfigError if it cannot be) and the runner taking its jobs."""
     store = open_job_store(settings.job_store, service.name, settings.video_lease_s)
@@ -275,10 +278,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             exporter.shutdown()
         runtime.status = "draining" if runtime.status != "failed" else runtime.status
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
-        if getattr(app.state, "videos", None) is not None:
-            app.state.videos.stop()  # a job cut short goes back to the queue
+        videos = getattr(app.state, "videos", None)
+        if videos is not None:
+            videos.stop()  # takes no more jobs; the one the close below cuts short goes back to the queue
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
+        if videos is not None:
+            await asyncio.to_thread(videos.join, RUNNER_STOP_S)
 
 
 def create_app(

@@ -21,6 +21,7 @@ from server.config_values import (
     CompileSizes,
     Devices,
     GpuName,
+    JobStoreURL,
     Loras,
     PoolBudgets,
     QuantizeValue,
@@ -42,7 +43,7 @@ from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
 from server.serving import Limits
-from server.serving.videostore import default_job_store, parse_job_store
+from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILT_IN_NAME = "diffshard-shapes"
@@ -95,16 +96,14 @@ class Settings(BaseSettings):
         description="where calibrations and measured costs are kept ($XDG_CACHE_HOME/diffshard); "
         "unwritable: a warning, and they are timed again",
     )
-    job_store: str = Field(
+    job_store: JobStoreURL = Field(
         default_factory=default_job_store,
-        description="where video jobs live (/v1/videos): sqlite:///PATH, by default under "
-        "$XDG_DATA_HOME/diffshard (one server: jobs and finished videos survive a restart), or "
-        "redis://HOST:PORT/DB, which several replicas share",
+        description="where video jobs live, surviving restarts: sqlite:///PATH (one server; default: "
+        "under $XDG_DATA_HOME/diffshard) or redis://HOST:PORT/DB (replicas share it)",
     )
     video_lease_s: float = Field(
-        30, ge=1, le=3600, description="seconds a running video job stays a replica's without it "
-        "renewing the lease (every step, and a third of this): past it another replica runs the job",
-    )  # fmt: skip
+        30, ge=1, le=3600, description="seconds a running video job's lease lasts unrenewed (Redis store)"
+    )
     video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
     video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
     video_store_bytes: int = Field(
@@ -246,11 +245,6 @@ class Settings(BaseSettings):
     def _model_folder(cls, folder: Path) -> Path:
         read_family(folder)  # a ModelFolderError (a ValueError) says what is wrong with it
         return folder
-
-    @field_validator("job_store")
-    @classmethod
-    def _job_store(cls, value: str) -> str:
-        return parse_job_store(value)
 
     @field_validator("step_cache")
     @classmethod

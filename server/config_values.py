@@ -16,10 +16,12 @@ from server.engine.runtime.pool import ANY_DEVICE
 from server.pipeline.quantizing import QuantizeSetting, parse_quantize
 from server.pipeline.stepcache import StepCache, parse_step_cache
 from server.pipeline.tiling import VaeTiling, parse_vae_tiling
+from server.serving.videostore import parse_job_store
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
 GpuName = Annotated[str, BeforeValidator(lambda v: gpu_profile(v).name)]
+JobStoreURL = Annotated[str, BeforeValidator(parse_job_store)]
 
 
 def _pool_budgets(value: object) -> dict[str, int]:

@@ -47,19 +47,12 @@ def frames_of(archive: bytes) -> np.ndarray:
 def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     wan_folder: Path, tmp_path: Path
 ) -> None:
-    store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-    args = (
-        "--model",
-        str(wan_folder),
-        "--job-store",
-        store,
-        "--max-queue-per-key",
-        "1",
-        "--drain-timeout-s",
-        "0.5",
-    )
+    store, keys = f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "keys"
+    keys.write_text("sk-first\nsk-second\n")
+    args = ("--model", str(wan_folder), "--job-store", store, "--api-key-file", str(keys),
+            "--max-queue-per-key", "1", "--drain-timeout-s", "0.5")  # fmt: skip
     with live_server(*args) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-first", max_retries=0)
         video = client.videos.create_and_poll(
             prompt="a red circle", size="32x32", extra_body=FAST, poll_interval_ms=50
         )
@@ -68,7 +61,7 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
         mp4 = client.videos.download_content(video.id).read()
         thumbnail = client.videos.download_content(video.id, variant="thumbnail").read()
         listed = [v.id for v in client.videos.list()]
-        bad_input_gets_a_4xx_naming_the_problem(server.url)
+        bad_input_gets_a_4xx_naming_the_problem(server.url, video.id)
     request = GenerationRequest(
         "a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32, frames=9
     )
@@ -92,8 +85,7 @@ def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
     from diffusers import WanImageToVideoPipeline
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
-    from server.serving.videos import to_request
-    from server.serving.videostore import open_job_store
+    from server.serving.videos import open_job_store, to_request
     from tests.test_wan import first_frame
     from tests.tiny_pipelines import build_wan_i2v_folder
 
@@ -157,8 +149,14 @@ def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, 
         assert frames_of(first).shape == (17, 64, 64, 3)
 
 
-def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
+def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> None:
+    """As the key sk-first, whose job `first_keys_job` is."""
     url = f"{base}/v1/videos"
+    client = httpx.Client(headers={"Authorization": "Bearer sk-first"})
+    other_key = {"Authorization": "Bearer sk-second"}
+    for path in (first_keys_job, f"{first_keys_job}/content", f"{first_keys_job}/events"):
+        answer = client.get(f"{url}/{path}", headers=other_key)  # another key's job: as if none
+        assert answer.status_code == 404 and "not yours" in answer.json()["error"]["message"], path
 
     def error(response: httpx.Response) -> tuple[int, str | None, str]:
         return (
@@ -167,16 +165,16 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
             response.json()["error"]["message"],
         )
 
-    assert error(httpx.post(url, json={"prompt": "a cat", "size": "33x32"}))[:2] == (400, "size")
-    assert error(httpx.post(url, json={"prompt": "a cat", "size": "32x32", "seconds": "soon"}))[:2] == (
+    assert error(client.post(url, json={"prompt": "a cat", "size": "33x32"}))[:2] == (400, "size")
+    assert error(client.post(url, json={"prompt": "a cat", "size": "32x32", "seconds": "soon"}))[:2] == (
         400,
         "seconds",
     )
     status, param, message = error(
-        httpx.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 10})
+        client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 10})
     )
     assert (status, param) == (400, "num_frames") and "1 more than a multiple of 4" in message
-    picture = httpx.post(
+    picture = client.post(
         url,
         data={"prompt": "a cat", "size": "32x32"},
         files={"input_reference": ("a.txt", b"not an image")},
@@ -185,17 +183,18 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str) -> None:
     assert (status, param) == (400, "input_reference") and "not a png" in message, message
     png = io.BytesIO()
     Image.new("RGB", (32, 32)).save(png, format="PNG")
-    text_only = httpx.post(
+    text_only = client.post(
         url, data={"prompt": "a cat", "size": "32x32"}, files={"input_reference": ("a.png", png.getvalue())}
     )
     assert error(text_only)[:2] == (400, "input_reference") and "from text only" in error(text_only)[2]
-    assert error(httpx.get(f"{url}/video_0123"))[0] == 404
-    slow = httpx.post(url, json={"prompt": "a cat", "size": "64x64", **FAST, "num_inference_steps": 100})
-    early = httpx.get(f"{url}/{slow.json()['id']}/content")
+    assert error(client.get(f"{url}/video_0123"))[0] == 404
+    slow = client.post(url, json={"prompt": "a cat", "size": "64x64", **FAST, "num_inference_steps": 100})
+    early = client.get(f"{url}/{slow.json()['id']}/content")
     assert early.status_code == 409 and early.json()["error"]["code"] == "video_not_ready"
-    crowded = httpx.post(url, json={"prompt": "a cat", "size": "32x32", **FAST})  # one unfinished a key
+    crowded = client.post(url, json={"prompt": "a cat", "size": "32x32", **FAST})  # one unfinished a key
     assert crowded.status_code == 429 and crowded.json()["error"]["code"] == "rate_limit_exceeded"
-    assert httpx.get(f"{base}/readyz").status_code == 200  # and it keeps serving
+    assert client.get(f"{base}/readyz").status_code == 200  # and it keeps serving
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +207,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_either_store_takes_jobs_once_bounds_them_and_runs_a_lost_one_again(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    from server.serving.videostore import VideoJob, open_job_store
+    from server.serving.videos import open_job_store
+    from server.serving.videostore import VideoJob
 
     url = request.getfixturevalue("redis_url") if kind == "redis" else f"sqlite:///{tmp_path / 'jobs.sqlite'}"
     model = f"m-{tmp_path.name}"  # a Redis is shared by this module's tests: a model's keys are its own

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from server.errors import InvalidRequest, ModelFolderError, NotReady, StoreUnavailable
+from server.errors import InvalidRequest, ModelFolderError, NotReady
 from server.pipeline import CompileStats, GenerationRequest, Pipeline, size_warning
 from server.pipeline.adapters import adapter_file
 from server.pipeline.loader import closed_vocabulary
@@ -110,13 +110,7 @@ class Service:
         """Lane `mine`'s view of the others: the shards of the lanes with no job queued or
         running. A lone request's step splits its rows across them (guidance halves, or an n > 1
         request's images)."""
-
-        def idle() -> list:
-            return [
-                loop.pipeline.shard for i, loop in enumerate(self.loops) if i != mine and loop.load() == 0
-            ]
-
-        return idle
+        return lambda: [o.pipeline.shard for i, o in enumerate(self.loops) if i != mine and not o.load()]
 
     def submit(
         self,
@@ -331,7 +325,7 @@ class Runtime:
     error: str | None = None
     load_seconds: float | None = None
     compiling: CompileStats | None = None  # the compiled graphs: progress while loading, then calls
-    videos: Any = None  # a video model's VideoRunner (serving/videos.py), once loaded
+    videos: Any = None  # a video model's VideoRunner (serving/videos.py): its figures() for metrics
     # refusals only HTTP sees (HttpMetrics counts them); keys exist up front: reads copy no growing dict
     http_rejected: Counter = field(default_factory=lambda: Counter(invalid=0, unauthorized=0))
     started: int = field(default_factory=lambda: int(time.time()))
@@ -398,14 +392,5 @@ class Runtime:
             adapter_bytes=service.pipeline.adapters.bytes_on() if service else {},
             denoiser_calls=dict(self.compiling.calls) if self.compiling else {},
             **(service.busy() if service else {}),
-            **(self._videos() if self.videos is not None else {}),
+            **(self.videos.figures() if self.videos is not None else {}),
         )
-
-    def _videos(self) -> dict[str, Any]:
-        """The job store's jobs by state (shared by the replicas of a Redis store; none while it
-        does not answer) and the seconds of video this replica made."""
-        try:
-            jobs = self.videos.store.counts()
-        except StoreUnavailable:
-            jobs = None
-        return {"video_jobs": jobs, "video_seconds": self.videos.seconds_made}

@@ -26,12 +26,23 @@ from server.errors import InvalidRequest, Overloaded, Rejected, StoreUnavailable
 from server.pipeline import GenerationRequest
 from server.pipeline.stepcache import StepCache
 from server.pipeline.videofiles import VARIANTS, video_files
+from server.serving.sqlitestore import SqliteJobStore
 from server.serving.videostore import JobStore, VideoJob
 
 log = logging.getLogger("diffshard")
 
 POLL_S = 1.0  # how often an idle runner looks for jobs another process queued
 REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
+
+
+def open_job_store(url: str, model: str, lease_s: float) -> JobStore:
+    """The store `url` names, holding `model`'s jobs (several models may share one Redis; each
+    takes only its own jobs). Fails fast (ConfigError) when it cannot be opened or reached."""
+    if url.startswith(("redis://", "rediss://")):
+        from server.serving.redisstore import RedisJobStore  # the client only where Redis is used
+
+        return RedisJobStore(url, model, lease_s)
+    return SqliteJobStore(url, model)
 
 
 def new_job_id() -> str:
@@ -83,6 +94,19 @@ class VideoRunner:
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
+
+    def figures(self) -> dict[str, Any]:
+        """For the metrics: the store's jobs by state (shared by the replicas of a Redis store;
+        None while it does not answer) and the seconds of video this replica made."""
+        try:
+            jobs = self.store.counts()
+        except StoreUnavailable:
+            jobs = None
+        return {"video_jobs": jobs, "video_seconds": self.seconds_made}
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the runner to end (after `stop`, once the service is closed)."""
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -163,4 +187,4 @@ class VideoRunner:
         self.store.finish(job, self.worker, None)
 
 
-__all__ = ["VARIANTS", "VideoRunner", "new_job_id", "to_request"]
+__all__ = ["VARIANTS", "VideoRunner", "new_job_id", "open_job_store", "to_request"]

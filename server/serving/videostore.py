@@ -1,7 +1,8 @@
 """Video jobs that outlive the process: OpenAI's Videos API is asynchronous (a job id, polled
 until `completed`), so a job must survive a restart and be answerable by any replica.
 
-`JobStore` is the one small interface the runner and the API use; `--job-store` picks one:
+`JobStore` is the one small interface the runner and the API use; `--job-store` picks one
+(`serving.videos.open_job_store`):
 - `sqlite:///PATH` (the default, under the data directory `$XDG_DATA_HOME/diffshard`, a volume
   in compose and Kubernetes): one server's jobs in an embedded file, content in folders beside it
   (`sqlitestore.py`);
@@ -113,15 +114,3 @@ def shown(url: str) -> str:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
     return parts._replace(netloc=f"***@{netloc}").geturl()
-
-
-def open_job_store(url: str, model: str, lease_s: float) -> JobStore:
-    """The store `url` names, holding `model`'s jobs (several models may share one Redis; each
-    takes only its own jobs). Fails fast (ConfigError) when it cannot be opened or reached."""
-    if url.startswith(("redis://", "rediss://")):
-        from server.serving.redisstore import RedisJobStore  # the client only where Redis is used
-
-        return RedisJobStore(url, model, lease_s)
-    from server.serving.sqlitestore import SqliteJobStore
-
-    return SqliteJobStore(url, model)
