@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,18 @@ from tests.live import free_port
 from tests.waiting import wait_until
 
 
+@dataclass
+class RedisServer:
+    url: str  # database 0
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
 @contextmanager
-def redis_server(folder: Path) -> Iterator[str]:
-    """Its URL (database 0)."""
+def redis_server(folder: Path) -> Iterator[RedisServer]:
     program = shutil.which("redis-server")
     if program is None:
         pytest.fail("redis-server is not on PATH: `make test-tools` installs Debian's redis-server")
@@ -40,7 +50,7 @@ def redis_server(folder: Path) -> Iterator[str]:
 
     try:
         wait_until(answering, 30, "redis-server answering")
-        yield url
+        yield RedisServer(url, process)
     finally:
         client.close()
         process.terminate()

@@ -199,8 +199,8 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> N
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
@@ -249,11 +249,18 @@ def test_either_store_takes_jobs_once_bounds_them_and_runs_a_lost_one_again(
 
 
 def test_two_replicas_sharing_redis_answer_any_job_and_finish_a_dead_ones(
-    wan_folder: Path, redis_url: str
+    wan_folder: Path, tmp_path: Path
 ) -> None:
-    args = ("--model", str(wan_folder), "--job-store", redis_url, "--video-lease-s", "2")
+    """A job made on one replica is polled and downloaded from the other; the replica running a
+    long job is killed (SIGKILL) and the other runs it, as its progress events (read from the
+    survivor) show; then Redis stops: the video routes answer 503 saying so, images are served."""
     slow = {**FAST, "num_inference_steps": 40, "num_frames": 17}
-    with live_server(*args) as one, live_server(*args, "--metrics-port", str(free_port())) as two:
+    with (
+        redis_server(tmp_path) as redis,
+        live_server("--model", str(wan_folder), "--job-store", redis.url, "--video-lease-s", "2") as one,
+        live_server("--model", str(wan_folder), "--job-store", redis.url, "--video-lease-s", "2",
+                    "--metrics-port", str(free_port())) as two,
+    ):  # fmt: skip
         made = httpx.post(f"{one.url}/v1/videos", json={"prompt": "a red circle", "size": "32x32", **FAST})
         job = made.json()["id"]
         done = wait_until(
@@ -287,6 +294,15 @@ def test_two_replicas_sharing_redis_answer_any_job_and_finish_a_dead_ones(
         assert seen[-1][1]["id"] == job and seen[-1][1]["progress"] == 100
         content = httpx.get(f"{survivor.url}/v1/videos/{job}/content", params={"variant": "frames"})
         assert frames_of(content.content).shape == (17, 64, 64, 3)
+
+        redis.stop()  # the store goes away: its routes say so, the rest serves on
+        gone = httpx.get(f"{survivor.url}/v1/videos/{job}")
+        assert gone.status_code == 503 and "job store cannot be reached" in gone.json()["error"]["message"]
+        image = httpx.post(
+            f"{survivor.url}/v1/images/generations",
+            json={"prompt": "a cat", "size": "32x32", "num_inference_steps": 2},
+        )
+        assert image.status_code == 200 and httpx.get(f"{survivor.url}/readyz").status_code == 200
 
 
 def test_an_image_model_answers_videos_404_saying_why(served) -> None:

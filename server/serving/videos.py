@@ -111,21 +111,27 @@ class VideoRunner:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                job = self.store.claim(self.worker) if self.serving() else None
-                if job is None:
-                    self._idle()
-                    continue
-            except StoreUnavailable:
+                self._turn()
+            except StoreUnavailable:  # a running job's lease lapses: a replica reaching the store runs it
                 log.warning("video jobs: the job store does not answer; trying again in %g s", POLL_S)
                 self._stopped.wait(POLL_S)
-                continue
-            try:
-                self._make(job)
-            except StoreUnavailable:  # its lease lapses and a replica that reaches the store runs it
-                log.warning("video job %s: the job store stopped answering while it ran", job.id)
-            except Exception:  # a bug here must not end the runner: the job fails, others run
-                log.exception("video job %s", job.id)
-                self._fail(job, "the video could not be made")
+            except Exception:  # a bug here must not end the runner
+                log.exception("video jobs: the runner's turn failed")
+                self._stopped.wait(POLL_S)
+
+    def _turn(self) -> None:
+        """Run the next queued job, or idle a while when there is none."""
+        job = self.store.claim(self.worker) if self.serving() else None
+        if job is None:
+            self._idle()
+            return
+        try:
+            self._make(job)
+        except StoreUnavailable:
+            raise
+        except Exception:  # a bug making this job: it fails, others run
+            log.exception("video job %s", job.id)
+            self._fail(job, "the video could not be made")
 
     def _idle(self) -> None:
         """Between jobs: take back jobs whose runner is gone, drop expired content, then wait
@@ -157,7 +163,12 @@ class VideoRunner:
             moved.clear()
             done, total = (sum(column) for column in zip(*running.progress(), strict=True))
             job.progress, job.step, job.steps = min(99, 100 * done // max(total, 1)), done, total
-            if not self.store.progress(job, self.worker):  # its lease lapsed: another replica runs it
+            try:
+                held = self.store.progress(job, self.worker)  # and the lease renewed
+            except StoreUnavailable:
+                running.cancel()  # its lease will lapse: a replica that reaches the store runs it
+                raise
+            if not held:  # its lease lapsed: another replica runs it
                 log.warning("video job %s: taken over by another replica; this run stops", job.id)
                 running.cancel()
                 return
