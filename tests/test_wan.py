@@ -196,6 +196,77 @@ def test_two_videos_and_two_images_stepped_together_equal_each_alone(wan_folder)
     assert calls.get(4, 0) >= 2 * 2, calls  # each shape's two requests shared their calls
 
 
+def random_wan_lora(folder, out, seed: int):
+    """A rank-4 LoRA on every attention projection of the transformer (what Wan's LoRA loader
+    takes: no text-encoder part), in the diffusers/PEFT file format."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from tests.test_lora import UNET_TARGETS, random_pairs
+
+    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer", local_files_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+    parts = (("transformer", transformer, UNET_TARGETS),)
+    list(random_pairs(parts, torch.Generator().manual_seed(seed), 4, tensors))
+    save_file(tensors, out)
+    return out
+
+
+def test_adapters_step_caching_and_int8_compose_for_videos(wan_folder, tmp_path) -> None:
+    """One engine path for video too: a LoRA video equals WanPipeline's after `load_lora_weights`;
+    on an int8-dynamic base, a LoRA video, a first-block-cached video and a plain one stepped
+    together each equal what they give alone, and the cached one reused rows."""
+    from diffusers import WanPipeline
+
+    from server.pipeline.lora import read_adapter
+    from server.pipeline.stepcache import StepCache
+    from server.serving import Service
+
+    style = random_wan_lora(wan_folder, tmp_path / "style.safetensors", 1)
+    styled = GenerationRequest(
+        "a red circle", seed=3, steps=3, guidance_scale=5.0, lora=(("style", 0.8),), **VIDEO
+    )
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    pipeline.add_adapter(read_adapter("style", style, pipeline.family))
+    mine = pipeline.generate([pipeline.resolve(styled)])[0]
+    plain = pipeline.generate([pipeline.resolve(replace(styled, lora=()))])[0]
+    pipe = WanPipeline.from_pretrained(wan_folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(style, adapter_name="style")
+    pipe.set_adapters(["style"], [0.8])
+    theirs = pipe(
+        prompt="a red circle", height=32, width=32, num_frames=9, num_inference_steps=3,
+        guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+    ).frames[0]  # fmt: skip
+    assert float(np.abs(mine - theirs).max()) * 255 <= 2
+    assert float(np.abs(mine - plain).max()) * 255 > 10  # the adapter changes the video
+
+    requests = {
+        "adapter": styled,
+        "cached": GenerationRequest(
+            "a blue square", seed=4, steps=6, guidance_scale=5.0,
+            step_cache=StepCache("first_block", threshold=0.5), **VIDEO,
+        ),
+        "plain": GenerationRequest("a green star", seed=5, steps=3, guidance_scale=5.0, **VIDEO),
+    }  # fmt: skip
+    quantized = Pipeline.load(wan_folder, devices="cpu", quantize="int8-dynamic")
+    quantized.add_adapter(read_adapter("style", style, quantized.family))
+    service = Service(quantized, "tiny-wan", max_batch=16)
+    try:
+        alone = {name: service.submit([r]).future.result(timeout=120)[0] for name, r in requests.items()}
+        reused = service.stats().cache_rows["reused"]
+        jobs = {name: service.submit([r]) for name, r in requests.items()}  # queued together
+        together = {name: job.future.result(timeout=120)[0] for name, job in jobs.items()}
+        calls = service.stats().batch_rows
+    finally:
+        service.close()
+    for name in requests:
+        assert float(np.abs(together[name] - alone[name]).max()) < 1e-3, name
+    assert reused > 0
+    print("rows per call → calls:", dict(sorted(calls.items())))
+    assert max(calls) >= 6, calls  # the three videos' guided rows shared calls
+
+
 def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> None:
     """`plan --config wan-14b`: the published architecture on the meta device with UMT5-XXL and
     Wan's VAE beside it; a lone guided 81-frame 480² video's step as a group of two ≤ 0.6× one GPU's."""
