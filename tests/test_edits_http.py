@@ -128,6 +128,10 @@ def test_img2img_without_a_mask_and_several_images(client: openai.OpenAI) -> Non
         image=[("a.png", source), ("b.png", source)], prompt="a blue circle", n=2, extra_body=EXTRA
     )
     assert len(several.data) == 4
+    # the SDK sends an object in a form as one field a key (lora[name]=scale): read as JSON's
+    with pytest.raises(openai.BadRequestError) as refused_lora:
+        client.images.edit(image=("a.png", source), prompt="a cat", extra_body={"lora": {"nope": 1}})
+    assert "lora: no adapter named 'nope'" in str(refused_lora.value), refused_lora.value
     assert [d.model_extra["seed"] for d in several.data] == [3, 4, 5, 6]
 
 

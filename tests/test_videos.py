@@ -24,7 +24,7 @@ from PIL import Image
 from server.pipeline import GenerationRequest
 from tests.live import free_port, live_server, sse
 from tests.redis_server import redis_server
-from tests.test_wan import wan_pipeline_video
+from tests.test_wan import random_wan_lora, wan_pipeline_video
 from tests.waiting import wait_until
 
 # openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
@@ -49,10 +49,17 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
 ) -> None:
     store, keys = f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "keys"
     keys.write_text("sk-first\nsk-second\n")
+    style = random_wan_lora(wan_folder, tmp_path / "style.safetensors", 1)
     args = ("--model", str(wan_folder), "--job-store", store, "--api-key-file", str(keys),
-            "--max-queue-per-key", "1", "--drain-timeout-s", "0.5")  # fmt: skip
+            "--max-queue-per-key", "1", "--drain-timeout-s", "0.5", "--lora", f"style={style}")  # fmt: skip
     with live_server(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-first", max_retries=0)
+        styled = client.videos.create_and_poll(
+            prompt="a red circle", size="32x32", extra_body={**FAST, "lora": {"style": 0.8}},
+            poll_interval_ms=50,
+        )  # fmt: skip
+        styled_frames = frames_of(client.videos.download_content(styled.id, variant="frames").read())
+        client.videos.delete(styled.id)
         video = client.videos.create_and_poll(
             prompt="a red circle", size="32x32", extra_body=FAST, poll_interval_ms=50
         )
@@ -74,6 +81,11 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     assert np.abs(decoded - frames).mean() <= 12, np.abs(decoded - frames).mean()  # of 255
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail))), frames[0])
     assert listed == [video.id]
+    # an adapter as for images: WanPipeline's frames after load_lora_weights, not the plain ones
+    assert styled.status == "completed", styled.error
+    adapted = (wan_pipeline_video(wan_folder, request, lora=(style, 0.8)) * 255).round().astype(int)
+    assert int(np.abs(styled_frames.astype(int) - adapted).max()) <= 2
+    assert int(np.abs(styled_frames.astype(int) - frames).max()) > 10
 
 
 def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
@@ -188,6 +200,15 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> N
     )
     assert error(text_only)[:2] == (400, "input_reference") and "from text only" in error(text_only)[2]
     assert error(client.get(f"{url}/video_0123"))[0] == 404
+    status, param, message = error(client.post(url, json={"prompt": "a cat", "lora": {"stlye": 1}}))
+    assert (status, param) == (400, "lora") and "did you mean 'style'" in message, message
+    status, param, message = error(client.post(url, json={"prompt": "a cat", "lora": {"style": 99}}))
+    assert (status, param) == (400, "lora") and "between -4 and 4" in message, message
+    form = client.post(url, files={"prompt": (None, "a cat"), "lora": (None, "style")})  # multipart
+    assert error(form)[:2] == (400, "lora") and "not valid JSON" in error(form)[2]
+    nested = {"step_cache[policy]": "first_block", "step_cache[threshold]": "2"}  # as the SDK sends objects
+    form = client.post(url, files={"prompt": (None, "a cat"), **{k: (None, v) for k, v in nested.items()}})
+    assert error(form)[:2] == (400, "step_cache.threshold") and "from 0 to 1, got 2" in error(form)[2]
     slow = client.post(url, json={"prompt": "a cat", "size": "64x64", **FAST, "num_inference_steps": 100})
     early = client.get(f"{url}/{slow.json()['id']}/content")
     assert early.status_code == 409 and early.json()["error"]["code"] == "video_not_ready"

@@ -91,11 +91,15 @@ def wan_folder(tmp_path_factory: pytest.TempPathFactory):
     return build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v")
 
 
-def wan_pipeline_video(folder, request) -> np.ndarray:
+def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray:
+    """WanPipeline's frames for `request`, with `lora` (a file, its scale) loaded if given."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora[0], adapter_name="style")
+        pipe.set_adapters(["style"], [lora[1]])
     return pipe(
         prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
         width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
@@ -216,8 +220,6 @@ def test_adapters_step_caching_and_int8_compose_for_videos(wan_folder, tmp_path)
     """One engine path for video too: a LoRA video equals WanPipeline's after `load_lora_weights`;
     on an int8-dynamic base, a LoRA video, a first-block-cached video and a plain one stepped
     together each equal what they give alone, and the cached one reused rows."""
-    from diffusers import WanPipeline
-
     from server.pipeline.lora import read_adapter
     from server.pipeline.stepcache import StepCache
     from server.serving import Service
@@ -230,14 +232,7 @@ def test_adapters_step_caching_and_int8_compose_for_videos(wan_folder, tmp_path)
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     mine = pipeline.generate([pipeline.resolve(styled)])[0]
     plain = pipeline.generate([pipeline.resolve(replace(styled, lora=()))])[0]
-    pipe = WanPipeline.from_pretrained(wan_folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(style, adapter_name="style")
-    pipe.set_adapters(["style"], [0.8])
-    theirs = pipe(
-        prompt="a red circle", height=32, width=32, num_frames=9, num_inference_steps=3,
-        guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+    theirs = wan_pipeline_video(wan_folder, pipeline.resolve(styled), lora=(style, 0.8))
     assert float(np.abs(mine - theirs).max()) * 255 <= 2
     assert float(np.abs(mine - plain).max()) * 255 > 10  # the adapter changes the video
 

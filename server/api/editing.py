@@ -32,12 +32,8 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
         message = f"send an edit as multipart/form-data (image, mask, prompt, ...), not {content_type!r}"
         raise APIError(400, message, code="invalid_content_type")
     form = await read_form(request, form_limits(limits, request.app.state.settings.max_body_bytes))
-    fields: dict[str, object] = dict(form.fields)
-    for name in JSON_FIELDS:  # as the JSON route parses its body: too deep is a 400, not a crash
-        if name in fields and (name == "lora" or str(fields[name]).lstrip().startswith("{")):
-            fields[name] = json_field(name, str(fields[name]))
     try:
-        body = ImageEditRequest.model_validate(fields)
+        body = ImageEditRequest.model_validate(form_fields(form.fields))
     except ValidationError as err:
         raise RequestValidationError(err.errors()) from None
     fidelity = body.input_fidelity
@@ -73,6 +69,35 @@ def form_limits(limits: Limits, max_text_bytes: int) -> FormLimits:
         max_text_bytes=max_text_bytes,
         max_fields=MAX_FORM_FIELDS,
     )
+
+
+def form_fields(text: dict[str, str]) -> dict[str, object]:
+    """A form's text fields as a JSON body holds them: `lora`, and `step_cache` as an object, sent
+    either as JSON text or as OpenAI's SDKs send a nested object in a form, a field a key
+    (`lora[style]=0.8`, `step_cache[threshold]=0.2`), whose numbers are read as numbers."""
+    fields: dict[str, object] = {}
+    nested: dict[str, dict[str, object]] = {}
+    for name, value in text.items():
+        outer, bracket, inner = name.partition("[")
+        if bracket and outer in JSON_FIELDS and inner.endswith("]") and "[" not in inner:
+            nested.setdefault(outer, {})[inner[:-1]] = _number_or_text(value)
+        elif name in JSON_FIELDS and (name == "lora" or value.lstrip().startswith("{")):
+            fields[name] = json_field(name, value)  # as the JSON route: too deep is a 400, not a crash
+        else:
+            fields[name] = value
+    for name, value in nested.items():
+        if name in fields:
+            raise InvalidRequest(name, f"send it once: as JSON text or as {name}[KEY] fields, not both")
+        fields[name] = value
+    return fields
+
+
+def _number_or_text(value: str) -> object:
+    try:
+        number = json.loads(value)
+    except ValueError:
+        return value
+    return number if isinstance(number, int | float) and not isinstance(number, bool) else value
 
 
 def json_field(name: str, text: str) -> object:

@@ -194,6 +194,21 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def checked_lora(lora: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
+    """A request's `lora` as (adapter, scale) pairs, within MAX_LORAS and ±MAX_LORA_SCALE (whether
+    the adapters exist is the pipeline's check)."""
+    lora = lora or {}
+    if len(lora) > MAX_LORAS:
+        raise InvalidRequest("lora", f"at most {MAX_LORAS} adapters a request, got {len(lora)}")
+    for name, scale in lora.items():
+        if not (math.isfinite(scale) and -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE):
+            raise InvalidRequest(
+                "lora",
+                f"{name}: scale must be between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {scale}",
+            )
+    return tuple(lora.items())
+
+
 def check_output(body: ImageGenerationRequest) -> None:
     """The OpenAI fields about the output: honoured, or refused naming the field."""
     if body.output_format not in FORMATS:
@@ -249,15 +264,7 @@ def generation_requests(
         raise InvalidRequest("stream_progress", "needs stream: true")
     if partials is not None and not 0 <= partials <= MAX_PARTIAL_IMAGES:
         raise InvalidRequest("partial_images", f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {partials}")
-    lora = body.lora or {}
-    if len(lora) > MAX_LORAS:
-        raise InvalidRequest("lora", f"at most {MAX_LORAS} adapters a request, got {len(lora)}")
-    for name, scale in lora.items():
-        if not (math.isfinite(scale) and -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE):
-            raise InvalidRequest(
-                "lora",
-                f"{name}: scale must be between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {scale}",
-            )
+    lora = checked_lora(body.lora)
     seed = secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed
     step_cache = None if body.step_cache is None else parse_step_cache(body.step_cache)
     return [
@@ -272,7 +279,7 @@ def generation_requests(
             height=height,
             partial_images=partials or 0,
             deterministic=body.deterministic,
-            lora=tuple(lora.items()),
+            lora=lora,
             edit=edit,
             true_cfg_scale=1.0 if true_cfg is None else true_cfg,
             step_cache=step_cache,

@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.api.auth import require_key
 from server.api.deps import ServiceDep
-from server.api.editing import json_field
+from server.api.editing import form_fields
 from server.api.errors import APIError
 from server.api.multipart import FormLimits, read_form
-from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, parse_size
+from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, checked_lora, parse_size
 from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, Overloaded
@@ -60,6 +60,9 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = None
     num_frames: int | None = Field(None, description="the clip's frames (1 + a multiple of 4 for Wan)")
     step_cache: object = Field(None, description='"off", "first_block" or its JSON object')
+    lora: dict[str, float] | None = Field(
+        None, description="LoRA adapters (GET /v1/models lists them) and their scales, as for images"
+    )
 
 
 def runner_of(request: Request) -> VideoRunner:
@@ -102,7 +105,7 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         seed=secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed,
         steps=body.num_inference_steps, guidance_scale=guidance, width=width, height=height, frames=frames,
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
-        reference=reference,
+        lora=checked_lora(body.lora), reference=reference,
     )  # fmt: skip
     return request, f"{(frames - 1) / fps:g}"
 
@@ -140,11 +143,7 @@ async def video_body(request: Request) -> VideoCreateRequest:
                 bounds.max_image_bytes, ((("input_reference",), 1, None),), MAX_FORM_BYTES, MAX_FORM_FIELDS
             )
             form = await read_form(request, limits)
-            fields = {
-                k: json_field(k, v) if k == "step_cache" and v.startswith("{") else v
-                for k, v in form.fields.items()
-            }
-            body = VideoCreateRequest.model_validate(fields, strict=False)
+            body = VideoCreateRequest.model_validate(form_fields(form.fields), strict=False)
             if upload := form.files.get("input_reference"):
                 size = {"max_bytes": bounds.max_image_bytes, "max_pixels": bounds.max_image_pixels}
                 image = await asyncio.to_thread(read_image, upload[0], "input_reference", **size)
