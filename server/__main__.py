@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
-from server.app import check_quantization_runs, create_app, decoder_for, plan_for
+from server.app import check_quantization_runs, create_app, decoder_for, fitted_plan
 from server.config import Settings, is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
@@ -153,7 +153,7 @@ def _plan(args: argparse.Namespace) -> None:
         options["side"] = args.resolution
     options["device_profile"] = settings.device_profile  # serving has every device: only plans use it
     folder = None if args.config else settings.model
-    plan = plan_for(settings, family, folder=folder, **options)
+    settings, plan = fitted_plan(settings, family, folder=folder, **options)
     decoder = decoder_for(settings, family, plan, options.get("side"))
     modes = None
     if args.quantize is not None:  # asked about quantizing: how each mode fits, beside the plan
@@ -265,7 +265,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
         family = read_family(settings.model)
-        plan = plan_for(settings, family, folder=settings.model)
+        settings, plan = fitted_plan(settings, family, folder=settings.model)
         log.info("%s", plan.headline)
         log.info("%s", decoder_for(settings, family, plan))
         server: DrainingServer | None = None

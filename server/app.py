@@ -40,7 +40,7 @@ from server.engine.quantize import refusal
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, prepare_compiler
 from server.engine.runtime.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
-from server.errors import ConfigError
+from server.errors import ConfigError, PlanError
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
@@ -81,6 +81,32 @@ def plan_for(
         denoiser_file=settings.denoiser_file,
         **options,
     )
+
+
+def fitted_plan(
+    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
+) -> tuple[Settings, ParallelPlan]:
+    """`plan_for`, and the settings it holds for. With --max-batch left to its default, a reserve
+    for that many rows that does not fit beside the weights is halved until it does (down to a
+    lone request's rows): a video model's 16 rows of 81 frames would not fit one GPU. Said in the
+    log; an explicit --max-batch is kept, and a plan that fits at no batch fails at the smallest."""
+    batch = settings.max_batch
+    while True:
+        try:
+            plan = plan_for(settings, family, folder=folder, **dict(options))
+        except PlanError:
+            if "max_batch" in settings.model_fields_set or batch // 2 < family.lone_rows:
+                raise
+            batch //= 2
+            settings = settings.model_copy(update={"max_batch": batch})
+            continue
+        if batch != Settings.model_fields["max_batch"].default:
+            log.warning(
+                "--max-batch: the default's activation reserve does not fit beside the weights, so a "
+                "step runs at most %d rows (set --max-batch to choose; `plan` shows the reserve)",
+                batch,
+            )
+        return settings, plan
 
 
 def decoder_for(
@@ -132,7 +158,8 @@ def load_service(
     bound_kernel_cache()  # `serve` did already, before planning; an app made in tests does here
     threads = fit_threads(settings.threads)
     family = read_family(settings.model)
-    plan = plan or plan_for(settings, family, folder=settings.model)
+    if plan is None:
+        settings, plan = fitted_plan(settings, family, folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
     pipeline = Pipeline.load(
         settings.model,

@@ -167,11 +167,17 @@ class DecoderMemory:
     reserve_bytes: int | None  # the plan's activation reserve on the VAE's device; None: no budget
     setting: str
     tiling: bool
+    counted: bool = True  # False: a video VAE, whose peak this count does not model (bytes 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
+        if not self.counted:
+            return (
+                "VAE decoder: a video VAE (one latent frame a call, with cached features): its peak "
+                f"is not counted; --vae-tiling {self.setting}: {'tiles' if self.tiling else 'whole'}"
+            )
         whole, tiled = format_bytes(self.untiled_bytes), format_bytes(self.tiled_bytes)
         line = f"VAE decoder at {self.side}²: peak {whole} an image whole, {tiled} in {self.tile}² tiles"
         if self.images > 1:
@@ -201,6 +207,9 @@ def decoder_memory(
     whether `setting` tiles. auto: where one image's whole peak is over `reserve` (None: the
     device has no budget, nothing to keep under); a call of many images is not weighed, as fewer
     images a call would bound it and tiles would not."""
+    if "temperal_downsample" in config:  # a video VAE (diffusers' spelling): the 2D count would mislead
+        tiling = setting == VaeTiling.ON
+        return DecoderMemory(side, 1, default_tile, 0, 0, reserve, str(setting), tiling, counted=False)
     vae = VaeShape.of(config, default_tile)
     if dtype == torch.float16 and config.get("force_upcast", False):
         dtype = torch.float32  # as the Pipeline upcasts such VAEs

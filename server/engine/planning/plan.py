@@ -339,7 +339,8 @@ def _raise_no_fit(
             kept += f" and {format_bytes(resident)} for text encoders and VAE"
         return f"{device} (budget {format_bytes(budgets[device])}, {kept}{shared})"
 
-    hint = "Raise --max-memory, add devices, use a smaller dtype or quantize (--quantize)."
+    lower = "lower --max-batch or --max-pixels (the activation reserve), " if reserve else ""
+    hint = f"Raise --max-memory, {lower}add devices, use a smaller dtype or quantize (--quantize)."
     big = max(range(len(sizes)), key=sizes.__getitem__)
     roomy = max(range(len(devices)), key=capacities.__getitem__)
     if sizes[big] > capacities[roomy]:
