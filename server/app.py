@@ -90,7 +90,7 @@ def fitted_plan(
     for that many rows that does not fit beside the weights is halved until it does (down to a
     lone request's rows): a video model's 16 rows of 81 frames would not fit one GPU. Said in the
     log; an explicit --max-batch is kept, and a plan that fits at no batch fails at the smallest."""
-    batch = settings.max_batch
+    asked = batch = settings.max_batch
     while True:
         try:
             plan = plan_for(settings, family, folder=folder, **dict(options))
@@ -100,7 +100,7 @@ def fitted_plan(
             batch //= 2
             settings = settings.model_copy(update={"max_batch": batch})
             continue
-        if batch != Settings.model_fields["max_batch"].default:
+        if batch != asked:
             log.warning(
                 "--max-batch: the default's activation reserve does not fit beside the weights, so a "
                 "step runs at most %d rows (set --max-batch to choose; `plan` shows the reserve)",

@@ -294,6 +294,8 @@ def test_wan_14b_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli) -> None:
     )
     asked = run_cli(*args, "--max-batch", "16")
     assert asked.returncode != 0 and "lower --max-batch" in asked.stderr, asked.stderr
+    four = run_cli(*args, "--max-batch", "4")
+    assert "batch=4 " in four.stdout and "--max-batch:" not in four.stderr
 
 
 # Image-to-video (WanImageToVideoPipeline): our pipeline against diffusers'.
