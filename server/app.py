@@ -91,11 +91,12 @@ def fitted_plan(
     lone request's rows): a video model's 16 rows of 81 frames would not fit one GPU. Said in the
     log; an explicit --max-batch is kept, and a plan that fits at no batch fails at the smallest."""
     asked = batch = settings.max_batch
+    fixed = "max_batch" in settings.model_fields_set
     while True:
         try:
             plan = plan_for(settings, family, folder=folder, **dict(options))
         except PlanError:
-            if "max_batch" in settings.model_fields_set or batch // 2 < family.lone_rows:
+            if fixed or batch // 2 < family.lone_rows:
                 raise
             batch //= 2
             settings = settings.model_copy(update={"max_batch": batch})

@@ -155,6 +155,8 @@ def test_frames_are_checked_against_the_model(wan_folder) -> None:
     from server.errors import InvalidRequest
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
+    video, image = (pipeline.resolve(GenerationRequest("a cat", frames=f)) for f in (81, None))
+    assert (video.width, video.height, image.width, image.height) == (832, 480, 480, 480)  # WanPipeline's
     with pytest.raises(InvalidRequest, match="1 more than a multiple of 4"):
         pipeline.resolve(GenerationRequest("a cat", frames=10, width=32, height=32))
     with pytest.raises(InvalidRequest, match="videos take neither"):
@@ -279,23 +281,22 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)
 
 
-def test_wan_14b_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli) -> None:
-    """16 rows of 81-frame 480² video do not fit an 80 GiB GPU beside Wan 14B's weights and UMT5:
-    left to its default, --max-batch halves until the reserve fits (said); asked for, it is kept
-    and the refusal says to lower it. The 3D VAE's peak is said to be uncounted, not miscounted."""
-    args = ("plan", "--config", "wan-14b", "--devices", "cuda:0", "--max-memory", "cuda:0=80GiB",
+@pytest.mark.parametrize("config, memory, rows", [("wan-14b", "80GiB", 8), ("wan-1.3b", "24GiB", 4)])
+def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memory, rows) -> None:
+    """16 rows of 81-frame 832×480 video do not fit one GPU beside Wan's weights and UMT5: left
+    to its default, --max-batch halves until the reserve fits (said); asked for, it is kept and
+    the refusal says to lower it. The 3D VAE's peak is said to be uncounted, not miscounted."""
+    args = ("plan", "--config", config, "--devices", "cuda:0", "--max-memory", f"cuda:0={memory}",
             "--dtype", "bfloat16")  # fmt: skip
     fitted = run_cli(*args)
     assert fitted.returncode == 0, fitted.stderr
-    assert "batch=8 " in fitted.stdout and "a step runs at most 8 rows" in fitted.stderr
-    assert (
-        "a video VAE (one latent frame a call, with cached features): its peak is not counted"
-        in fitted.stdout
-    )
-    asked = run_cli(*args, "--max-batch", "16")
-    assert asked.returncode != 0 and "lower --max-batch" in asked.stderr, asked.stderr
-    four = run_cli(*args, "--max-batch", "4")
-    assert "batch=4 " in four.stdout and "--max-batch:" not in four.stderr
+    assert f"batch={rows} " in fitted.stdout and f"a step runs at most {rows} rows" in fitted.stderr
+    assert "a video VAE (one latent frame a call, with cached features): its peak is not" in fitted.stdout
+    if config == "wan-14b":
+        asked = run_cli(*args, "--max-batch", "16")
+        assert asked.returncode != 0 and "lower --max-batch" in asked.stderr, asked.stderr
+        four = run_cli(*args, "--max-batch", "4")
+        assert "batch=4 " in four.stdout and "--max-batch:" not in four.stderr
 
 
 # Image-to-video (WanImageToVideoPipeline): our pipeline against diffusers'.

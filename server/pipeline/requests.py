@@ -70,6 +70,7 @@ class Defaults:
     size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
     step_cache: StepCache = OFF  # --step-cache
     frames: int | None = None  # a video family's frames for a video that names none (None: images only)
+    video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
     frame_multiple: int = 1  # a video's latent frames: 1 + (frames - 1) // this
 
 
@@ -104,6 +105,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         size=int(settings.get("size", family.native_size)),
         size_multiple=family.size_multiple,
         frames=family.default_frames,
+        video_size=family.default_video_size,
         frame_multiple=family.frame_multiple,
     )
 
@@ -119,6 +121,8 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
     """`request` with every unset field filled in from `defaults`; nothing checked."""
     d = defaults
     width, height = d.size, d.size
+    if request.frames is not None and d.video_size is not None:
+        width, height = d.video_size
     if request.edit is not None:  # an edit's size is its image's, as diffusers' edit pipelines
         width, height = (side - side % d.size_multiple for side in request.edit.image.size)
     return replace(

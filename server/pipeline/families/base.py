@@ -96,6 +96,7 @@ class Family:
 
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
     default_frames: ClassVar[int | None] = None  # a video family's frames (None: images)
+    default_video_size: ClassVar[tuple[int, int] | None] = None  # (width, height); None: native²
     frame_multiple: ClassVar[int] = 1  # a video's frames are 1 + a multiple of this
 
     def cfg_scale(self, request: Asked) -> float:

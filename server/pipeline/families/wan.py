@@ -59,7 +59,8 @@ class Wan(Family):
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 5.0
     default_frames: ClassVar[int | None] = 81
-    default_area: ClassVar[float] = 1.0
+    default_video_size: ClassVar[tuple[int, int] | None] = (832, 480)  # WanPipeline's default, 480p
+    default_area: ClassVar[float] = 832 * 480 / 480**2  # 480p either way round (832x480, 480x832)
     reference_parts: ClassVar[dict[str, Any]] = {
         "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL_ENCODER)),
         "vae": lambda: AutoencoderKLWan.from_config(WAN_VAE),
@@ -100,7 +101,7 @@ class Wan(Family):
 
     @property
     def native_size(self) -> int:
-        return 480  # Wan 2.1's 480p (its pipeline's default is 480×832)
+        return 480  # Wan 2.1's 480p: an image's side; a video's default is 832×480 (default_video_size)
 
     @property
     def size_multiple(self) -> int:
