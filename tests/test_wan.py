@@ -153,10 +153,22 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
 
 def test_frames_are_checked_against_the_model(wan_folder) -> None:
     from server.errors import InvalidRequest
+    from server.pipeline.families import reference_family
+    from server.pipeline.requests import read_defaults, resolve
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
-    video, image = (pipeline.resolve(GenerationRequest("a cat", frames=f)) for f in (81, None))
-    assert (video.width, video.height, image.width, image.height) == (832, 480, 480, 480)  # WanPipeline's
+    wan = reference_family("wan-1.3b")  # WanPipeline's default size, where the model runs it
+    video, image = (resolve(GenerationRequest("a cat", frames=f), read_defaults(wan_folder, wan), wan)
+                    for f in (81, None))  # fmt: skip
+    assert (video.width, video.height, image.width, image.height) == (832, 480, 480, 480)
+    video = pipeline.resolve(GenerationRequest("a cat", frames=9))  # 832 is past the tiny one's 512
+    assert (video.width, video.height) == (480, 480)
+    # past its RoPE's 32 positions an axis (tiny: rope_max_seq_len=32), as the model cannot run it
+    with pytest.raises(InvalidRequest, match="at most 125 for this model, got 129"):
+        pipeline.resolve(GenerationRequest("a cat", frames=129, width=32, height=32))
+    with pytest.raises(InvalidRequest, match="at most 512 for this model, got 528x32"):
+        pipeline.resolve(GenerationRequest("a cat", frames=9, width=528, height=32))
+    pipeline.resolve(GenerationRequest("a cat", frames=125, width=512, height=32))  # the limits run
     with pytest.raises(InvalidRequest, match="1 more than a multiple of 4"):
         pipeline.resolve(GenerationRequest("a cat", frames=10, width=32, height=32))
     with pytest.raises(InvalidRequest, match="videos take neither"):

@@ -167,6 +167,11 @@ class Family:
         """The largest image side the denoiser can take, if it has one."""
         return None
 
+    @property
+    def max_frames(self) -> int | None:
+        """The longest video the denoiser can take, if it has a limit."""
+        return None
+
     def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
         """One request's latents: [1, C, h, w] (a video family's: [1, C, latent frames, h, w])."""
         scale = self.vae_scale_factor

@@ -107,6 +107,20 @@ class Wan(Family):
     def size_multiple(self) -> int:
         return self.vae_scale_factor * int(self.config.denoiser.get("patch_size", (1, 2, 2))[-1])
 
+    @property
+    def _positions(self) -> int:
+        """Rotary positions the transformer has along each axis: past them its RoPE has none."""
+        return int(self.config.denoiser.get("rope_max_seq_len", 1024))
+
+    @property
+    def max_size(self) -> int | None:
+        return self._positions * self.size_multiple  # a position a patch
+
+    @property
+    def max_frames(self) -> int | None:
+        patch_frames = int(self.config.denoiser.get("patch_size", (1, 2, 2))[0])
+        return (self._positions // patch_frames - 1) * self.frame_multiple + 1
+
     def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
         """A video's latents; an image's (`frames` None) are a one-frame video's, as Wan draws them."""
         scale, frames = self.vae_scale_factor, frames or 1
