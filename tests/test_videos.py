@@ -182,6 +182,8 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> N
         400,
         "seconds",
     )
+    status, param, message = error(client.post(url, json={"prompt": "a cat", "size": "32x32", "seconds": 8}))
+    assert (status, param) == (400, "seconds") and "8 s is 129 frames at 16 fps" in message, message
     status, param, message = error(
         client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 10})
     )
