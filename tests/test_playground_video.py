@@ -2,7 +2,8 @@
 tests/test_playground.py, against a real server on a tiny Wan folder (/v1/videos).
 
 /v1/models says the model makes videos, so the page offers Video and starts in it, with the
-model's default frames and their step; fields a video job does not take (images, scheduler,
+model's default frames, their step and its clips' default size (an image's in Generate), and its
+LoRA adapters (one switched on is sent with the job); fields a video job does not take (images, scheduler,
 previews, format) are gone. Frames off the step, or a size the server refuses, are named on their
 field; a good job shows its progress while the
 page polls it, then plays the MP4 in a muted, looping <video> from a blob: URL (the content
@@ -68,11 +69,15 @@ return {src: v.src, ready: v.readyState, error: v.error && v.error.code, duratio
 
 @pytest.fixture(scope="module")
 def wan_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    from tests.test_wan import random_wan_lora
     from tests.tiny_pipelines import build_wan_folder
 
-    folder = build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v")
+    # RoPE for 64 positions an axis: 832x480, WanPipeline's default clip size, is the model's too
+    folder = build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v", rope_max_seq_len=64)
+    style = random_wan_lora(folder, tmp_path_factory.mktemp("lora") / "style.safetensors", 1)
     store = f"sqlite:///{tmp_path_factory.mktemp('jobs') / 'jobs.sqlite'}"
-    args = ("--model", str(folder), "--job-store", store, "--video-fps", str(FPS), "--drain-timeout-s", "0.5")
+    args = ("--model", str(folder), "--job-store", store, "--video-fps", str(FPS), "--drain-timeout-s", "0.5",
+            "--lora", f"style={style}")  # fmt: skip
     with live_server(*args) as running:
         yield running
 
@@ -88,7 +93,12 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     assert browser.find_element(By.ID, "num_frames").get_attribute("placeholder") == "81"  # Wan's
     for image_only in ("n", "scheduler", "partial_images", "output_format"):
         assert not browser.find_element(By.ID, image_only).is_displayed()
-    assert browser.find_element(By.ID, "size").is_displayed()
+    size = browser.find_element(By.ID, "size")
+    assert size.is_displayed() and size.get_attribute("placeholder") == "832x480"  # a clip's default
+    browser.find_element(By.CSS_SELECTOR, 'label[for="mode-generate"]').click()
+    assert size.get_attribute("placeholder") == "480x480"  # an image's
+    browser.find_element(By.CSS_SELECTOR, 'label[for="mode-video"]').click()
+    assert "default 832x480" in browser.find_element(By.ID, "size-help").text
 
     # 1. Frames the model cannot make (the browser knows its step), then a size it cannot (the
     # server says why): each named on its field.
@@ -104,8 +114,10 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     assert browser.find_element(By.ID, "size").get_attribute("aria-invalid") == "true"
     browser.get_log("browser")  # drop the 400 the console logged
 
-    # 2. A good one: its progress, then the video.
+    # 2. A good one, with the server's adapter on: its progress, then the video.
     fill(browser, size="32x32")
+    browser.find_element(By.CSS_SELECTOR, "#lora-list input[type=checkbox]").click()
+    browser.execute_script(page.RECORD_REQUESTS)
     browser.find_element(By.ID, "go").click()
     played = browser.find_elements  # the card's <video>, once shown
     video = until(browser, lambda b: [v for v in played(By.CSS_SELECTOR, ".card video") if v.is_displayed()],
@@ -126,6 +138,8 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     texts = browser.execute_script("return window.progress")
     assert "Waiting in line." in texts or any(t.startswith("Making the video") for t in texts), texts
 
+    [sent] = browser.execute_script("return window.sent")
+    assert sent["lora"] == {"style": 1} and sent["size"] == "32x32", sent  # (test_videos: what it does)
     [job] = httpx.get(f"{wan_server.url}/v1/videos").json()["data"]  # the one the server made
     assert (job["status"], job["size"], job["prompt"]) == ("completed", "32x32", "a red circle")
     mp4 = httpx.get(f"{wan_server.url}/v1/videos/{job['id']}/content").content
@@ -137,6 +151,7 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     assert not [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
 
     wanted = os.environ.get("DIFFSHARD_SCREENSHOT")  # make screenshot: for the README
+    browser.execute_script("window.scrollTo(0, 0)")  # switching the adapter on scrolled the form
     browser.save_screenshot(Path(wanted).resolve() if wanted else tmp_path / "playground-video.png")
 
     # 3. A job still running: its percent on the bar and the badge, until Stop stops watching it.

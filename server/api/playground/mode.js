@@ -16,6 +16,7 @@ export function setMode(name) {
     const fields = part.matches("fieldset") ? [part] : part.querySelectorAll("input, select, textarea");
     for (const field of fields) field.disabled = !on;
   }
+  showSize();
   $("go").textContent = BUTTONS[name];
   $("form-title").textContent = TITLES[name];
 }
@@ -35,4 +36,19 @@ export function setupModes() {
   }
   // A reload may keep the radio's state; Video only once the server says it serves videos.
   setMode($("mode-video").hidden && mode() === "video" ? "generate" : mode());
+}
+
+// The size a request that names none gets, per mode: a video model's clips have their own.
+const defaultSizes = {};
+
+export function showDefaultSize(forMode, size) {
+  defaultSizes[forMode] = size;
+  showSize();
+}
+
+function showSize() {
+  const size = defaultSizes[mode()] ?? defaultSizes.generate;
+  if (!size) return;
+  $("size").placeholder = size;
+  $("size-help").textContent = `width×height; default ${size}`;
 }

@@ -5,7 +5,7 @@
 
 import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
-import { mode, offerVideo, setupModes } from "./mode.js";
+import { mode, offerVideo, setupModes, showDefaultSize } from "./mode.js";
 import { makeVideo, setupVideo, showVideoDefaults } from "./video.js";
 
 const $ = (id) => document.getElementById(id);
@@ -135,6 +135,8 @@ function requestBody() {
   for (const name of OPTIONAL.filter(sent)) if (form[name].value.trim()) body[name] = form[name].value.trim();
   for (const name of NUMBERS.filter(sent)) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
   body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
+  const lora = chosenAdapters();
+  if (lora) body.lora = lora;
   if (mode() === "video") return body; // a video job (POST /v1/videos) takes no more
   Object.assign(body, {
     n: form.n.valueAsNumber,
@@ -143,8 +145,6 @@ function requestBody() {
     partial_images: Number(form.partial_images.value),
     output_format: form.output_format.value,
   });
-  const lora = chosenAdapters();
-  if (lora) body.lora = lora;
   return body;
 }
 
@@ -494,10 +494,7 @@ async function readLimits() {
   form.num_inference_steps.max = branch(fields.num_inference_steps).maximum;
   form.seed.max = Math.min(branch(fields.seed).maximum, Number.MAX_SAFE_INTEGER); // typed: a number
   const size = branch(fields.size).examples?.[0];
-  if (size) {
-    form.size.placeholder = size;
-    $("size-help").textContent = `width×height; default ${size}`;
-  }
+  if (size) showDefaultSize("generate", size);
   for (const name of branch(fields.scheduler).enum || []) {
     if (name !== "default") form.scheduler.add(new Option(name, name));
   }

@@ -3,6 +3,8 @@
 // card's badge), then the MP4 from /v1/videos/{id}/content plays in a <video>, with a download
 // link. The job runs on the server whatever this page does: Stop (or leaving) only stops watching.
 
+import { showDefaultSize } from "./mode.js";
+
 const $ = (id) => document.getElementById(id);
 // Polls back off gently: a short job is seen soon after it ends, a long one costs a poll a second.
 const POLL_MS = { first: 250, growth: 1.5, most: 1000 };
@@ -15,7 +17,8 @@ export function setupVideo(helpers) {
 
 // The frames the model makes by default, the step they take (the browser checks it), and at how
 // many a second the MP4 plays them.
-export function showVideoDefaults({ num_frames: frames, frame_multiple: every, fps }) {
+export function showVideoDefaults({ num_frames: frames, frame_multiple: every, fps, size }) {
+  if (size) showDefaultSize("video", size);
   Object.assign($("num_frames"), { placeholder: String(frames), step: String(every) }); // min 1: 1, 1 + every…
   const seconds = (frames - 1) / fps;
   $("frames-help").textContent = `1 + a multiple of ${every}; default ${frames} (${seconds} s at ${fps} frames a second)`;
