@@ -6,6 +6,7 @@ the planner counts every byte it holds."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,6 +150,21 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
     lane = Pipeline.load(wan_folder, plan=plan).lanes()[0]
     assert float(np.abs(lane.generate([first])[0] - alone[0]).max()) < 1e-3
     assert lane.lane.groups.calls == first.steps
+
+
+@pytest.mark.parametrize("variant", [{"boundary_ratio": 0.875}, {"expand_timesteps": True}])
+def test_wan_2_2_folders_are_refused_at_load_saying_what_is_served(wan_folder, tmp_path, variant) -> None:
+    """Two experts switching at a step, or per-token timesteps, would load and make wrong videos."""
+    import json
+    import shutil
+
+    from server.errors import ModelFolderError
+
+    folder = Path(shutil.copytree(wan_folder, tmp_path / "wan-2.2"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **variant}))
+    with pytest.raises(ModelFolderError, match=r"Wan 2\.2.*diffshard serves Wan 2\.1's text-to-video"):
+        Pipeline.load(folder, devices="cpu")
 
 
 def test_frames_are_checked_against_the_model(wan_folder) -> None:

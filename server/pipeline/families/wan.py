@@ -49,6 +49,7 @@ def prompt_clean(text: str) -> str:
 class Wan(Family):
     name: ClassVar[str] = "wan"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("WanPipeline",)
+    served: ClassVar[str] = "diffshard serves Wan 2.1's text-to-video (one transformer)"  # refusals say it
     denoiser: ClassVar[str] = "transformer"
     denoiser_class: ClassVar[type[nn.Module]] = WanTransformer3DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -148,8 +149,18 @@ class Wan(Family):
         return (latents - mean) / std
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        """Wan 2.2's variants are refused: two experts switching at a step (`transformer_2`,
+        `boundary_ratio`) and per-token timesteps (`expand_timesteps`, TI2V-5B) would load, run
+        and make the wrong videos."""
         if not encoders:
             raise ModelFolderError("a Wan folder needs text_encoder (UMT5) and its tokenizer")
+        index = self.config.index
+        if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
+            raise ModelFolderError(f"this folder is Wan 2.2's two experts (transformer_2); {self.served}")
+        if index.get("expand_timesteps"):
+            raise ModelFolderError(
+                f"this folder's timesteps are per token (Wan 2.2, expand_timesteps); {self.served}"
+            )
 
 
 class WanI2V(Wan):
@@ -163,11 +174,11 @@ class WanI2V(Wan):
     20 channels concatenated to the noise at every step (`in_channels` 36), as an inpainting
     UNet's are (`RequestState.conditioning`). Every request needs its frame (`reference`).
 
-    Wan 2.2's variants are refused at load: two experts (`transformer_2`, `boundary_ratio`),
-    per-token timesteps (`expand_timesteps`), and first-last-frame's paired image tokens
+    Refused at load beside Wan 2.2's (`Wan.check`): first-last-frame's paired image tokens
     (`pos_embed_seq_len`)."""
 
     pipeline_classes: ClassVar[tuple[str, ...]] = ("WanImageToVideoPipeline",)
+    served: ClassVar[str] = "diffshard serves Wan 2.1's image-to-video (one transformer, a CLIP encoder)"
     image_encoders: ClassVar[tuple[str, ...]] = ("image_encoder",)
     processors: ClassVar[tuple[str, ...]] = ("image_processor",)
     takes_reference: ClassVar[bool] = True
@@ -204,14 +215,7 @@ class WanI2V(Wan):
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         super().check(encoders, denoiser)
-        index, config = self.config.index, self.config.denoiser
-        served = "diffshard serves Wan 2.1's image-to-video (one transformer, a CLIP image encoder)"
-        if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
-            raise ModelFolderError(f"this folder is Wan 2.2's two-expert image-to-video; {served}")
-        if index.get("expand_timesteps"):
-            raise ModelFolderError(
-                f"this folder's timesteps are per token (Wan 2.2, expand_timesteps); {served}"
-            )
+        index, config, served = self.config.index, self.config.denoiser, self.served
         if config.get("image_dim") is None or (index.get("image_encoder") or [None])[0] is None:
             raise ModelFolderError(f"this folder has no image encoder (or no image_dim); {served}")
         if config.get("pos_embed_seq_len") is not None:
