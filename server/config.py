@@ -43,6 +43,7 @@ from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
 from server.serving import Limits
+from server.serving.limits import clip_limits
 from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -362,18 +363,18 @@ class Settings(BaseSettings):
         return self.max_work * ((family.default_frames - 1) // family.frame_multiple + 1)
 
     def limits(self, family: Family) -> Limits:
-        native_size = family.native_size
         return Limits(
             max_n=self.max_n,
             max_steps=self.max_steps,
             max_pixels=self.pixel_limit(family),
             max_prompt_chars=self.max_prompt_chars,
             max_work=self.work_limit(family),
-            native_pixels=native_size * native_size,
+            native_pixels=family.native_size**2,
             request_timeout_s=self.request_timeout_s,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(family),
             max_edit_images=self.max_edit_images,
+            **clip_limits(family, self.max_batch, self.pixel_limit(family)),
         )
 
     @property

@@ -309,6 +309,28 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)
 
 
+def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp_path) -> None:
+    """A video's row is never split: Wan 14B planned for 8 rows of the 81-frame clip at 832x480's
+    area (one 80 GiB GPU) holds a guided 832x480 video of at most 333 frames a step."""
+    from server.config import Settings
+    from server.errors import InvalidRequest
+    from server.pipeline.families import reference_family
+    from server.pipeline.requests import read_defaults, with_defaults
+    from server.serving.limits import check_limits
+
+    family = reference_family("wan-14b")
+    limits, defaults = Settings(max_batch=8).limits(family), read_defaults(tmp_path, family)
+
+    def video(frames: int) -> GenerationRequest:
+        return with_defaults(GenerationRequest("a fox", frames=frames, steps=4), defaults)
+
+    check_limits([video(333)], limits, family.rows)
+    with pytest.raises(InvalidRequest, match=r"337 frames at 832x480 \(2 rows\) need more") as refused:
+        check_limits([video(337)], limits, family.rows)
+    assert "at most 333 frames at this size" in str(refused.value) and refused.value.field == "num_frames"
+    check_limits([replace(video(337), guidance_scale=1.0)], limits, family.rows)  # one row: 665 frames
+
+
 @pytest.mark.parametrize("config, memory, rows", [("wan-14b", "80GiB", 8), ("wan-1.3b", "24GiB", 4)])
 def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memory, rows) -> None:
     """16 rows of 81-frame 832×480 video do not fit one GPU beside Wan's weights and UMT5: left

@@ -6,8 +6,10 @@ bounds it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from server.errors import InvalidRequest
 from server.pipeline import Defaults, GenerationRequest
@@ -29,10 +31,31 @@ class Limits:
     max_image_bytes: int = 4 * 2**20  # one image (or mask) sent to edit
     max_image_pixels: int = 4 * 1024 * 1024  # its width x height, read from its header before decoding
     max_edit_images: int = 4
+    # one video's rows x latent frames x pixels: what the plan's activation reserve holds a step
+    # (--max-batch rows of the model's default clip at the largest size); a row is not split
+    max_clip: float = math.inf
+    default_frames: int | None = None  # the clip the reserve is sized by (said when refusing)
+    frame_multiple: int = 1  # a clip's frames are 1 + a multiple of this
 
 
-def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
-    """Raise InvalidRequest for the first limit a job of resolved `requests` breaks."""
+def clip_limits(family: Family, max_batch: int, max_pixels: int) -> dict[str, Any]:
+    """A video model's Limits fields: one video's rows x latent frames x pixels within what the
+    plan's activation reserve holds (`max_batch` rows of the default clip at the largest size)."""
+    if family.default_frames is None:
+        return {}
+    latent = (family.default_frames - 1) // family.frame_multiple + 1
+    return {
+        "max_clip": max_batch * latent * max_pixels,
+        "default_frames": family.default_frames,
+        "frame_multiple": family.frame_multiple,
+    }
+
+
+def check_limits(
+    requests: Sequence[GenerationRequest], limits: Limits, rows: Callable[[GenerationRequest], int]
+) -> None:
+    """Raise InvalidRequest for the first limit a job of resolved `requests` breaks; `rows`: the
+    denoiser rows a request takes (2 when guided)."""
     if not 1 <= len(requests) <= limits.max_n:
         raise InvalidRequest(
             "n", f"must be between 1 and {limits.max_n}, got {len(requests)}", "DIFFSHARD_MAX_N"
@@ -49,6 +72,8 @@ def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
         if r.width * r.height > limits.max_pixels:
             message = f"{r.width}x{r.height} is {r.width * r.height} pixels; the limit is {limits.max_pixels}"
             raise InvalidRequest("size", message, "DIFFSHARD_MAX_PIXELS")
+        if r.frames is not None and rows(r) * r.latent_frames * r.width * r.height > limits.max_clip:
+            raise InvalidRequest("num_frames", _clip_message(r, rows(r), limits), "DIFFSHARD_MAX_BATCH")
     work = sum(r.steps * r.width * r.height * r.latent_frames for r in requests) / limits.native_pixels
     if work > limits.max_work:
         first, frames = requests[0], requests[0].latent_frames
@@ -59,6 +84,17 @@ def check_limits(requests: Sequence[GenerationRequest], limits: Limits) -> None:
             f"the limit is {limits.max_work:g}"
         )
         raise InvalidRequest("num_frames" if frames > 1 else "n", message, "DIFFSHARD_MAX_WORK")
+
+
+def _clip_message(request: GenerationRequest, rows: int, limits: Limits) -> str:
+    """What a video too long for the reserve may be at its size, in frames."""
+    latent = int(limits.max_clip // (rows * request.width * request.height))
+    longest = f"at most {(latent - 1) * limits.frame_multiple + 1}" if latent else "no video"
+    return (
+        f"{request.frames} frames at {request.width}x{request.height} ({rows} rows) need more activation "
+        f"memory a step than the plan keeps: {longest} frames at this size (the plan keeps --max-batch "
+        f"rows of the {limits.default_frames}-frame clip at the largest size)"
+    )
 
 
 def fit_defaults(defaults: Defaults, limits: Limits, family: Family) -> Defaults:

@@ -141,7 +141,7 @@ class Service:
     def checked(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
         """The requests resolved, or InvalidRequest: policy first (its message names the setting)."""
         filled = [self.pipeline.with_defaults(r) for r in requests]
-        check_limits(filled, self.limits)
+        check_limits(filled, self.limits, self.pipeline.family.rows)
         return [self.pipeline.resolve(r) for r in filled]
 
     @property
