@@ -309,6 +309,19 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)
 
 
+def test_a_default_clip_size_past_max_pixels_falls_back_to_the_image_size(tmp_path) -> None:
+    from server.config import Settings
+    from server.pipeline.families import reference_family
+    from server.pipeline.requests import read_defaults
+    from server.serving.limits import fit_defaults
+
+    family = reference_family("wan-1.3b")
+    defaults = read_defaults(tmp_path, family)
+    assert fit_defaults(defaults, Settings().limits(family), family).video_size == (832, 480)
+    square = Settings(max_pixels=480 * 480).limits(family)  # an operator's lower bound
+    assert fit_defaults(defaults, square, family).video_size is None  # 480x480, not a refusal
+
+
 def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp_path) -> None:
     """A video's row is never split: Wan 14B planned for 8 rows of the 81-frame clip at 832x480's
     area (one 80 GiB GPU) holds a guided 832x480 video of at most 333 frames a step."""
