@@ -309,10 +309,10 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     assert group["predicted_lone_step_s"] <= 0.6 * one["predicted_lone_step_s"], (group, one)
 
 
-def test_a_default_clip_size_past_max_pixels_falls_back_to_the_image_size(tmp_path) -> None:
+def test_a_clip_is_sized_against_its_own_default_and_within_max_pixels(tmp_path) -> None:
     from server.config import Settings
     from server.pipeline.families import reference_family
-    from server.pipeline.requests import read_defaults
+    from server.pipeline.requests import read_defaults, size_warning
     from server.serving.limits import fit_defaults
 
     family = reference_family("wan-1.3b")
@@ -320,6 +320,11 @@ def test_a_default_clip_size_past_max_pixels_falls_back_to_the_image_size(tmp_pa
     assert fit_defaults(defaults, Settings().limits(family), family).video_size == (832, 480)
     square = Settings(max_pixels=480 * 480).limits(family)  # an operator's lower bound
     assert fit_defaults(defaults, square, family).video_size is None  # 480x480, not a refusal
+    # a clip is warned about against its own native size, an image against the image's
+    clip = GenerationRequest("a fox", frames=81, width=832, height=480)
+    assert size_warning(clip, defaults) is None
+    assert "(480x480)" in size_warning(replace(clip, frames=None), defaults)
+    assert "(832x480)" in size_warning(replace(clip, width=256, height=256), defaults)
 
 
 def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp_path) -> None:

@@ -79,16 +79,20 @@ class Defaults:
 TRAINED_AREA = 1.5
 
 
-def size_warning(request: GenerationRequest, native: int) -> str | None:
+def size_warning(request: GenerationRequest, defaults: Defaults) -> str | None:
     """A word for the client when the request's size is far from the model's native one (where
-    images often repeat or lose their subject); None at sizes near it."""
+    images often repeat or lose their subject); None at sizes near it. A video's native size is
+    its model's default clip's (Wan: 832x480), where it has one."""
     assert request.width is not None and request.height is not None  # resolved
-    area = request.width * request.height / native**2
+    width, height = defaults.size, defaults.size
+    if request.frames is not None and defaults.video_size is not None:
+        width, height = defaults.video_size
+    area = request.width * request.height / (width * height)
     if 1 / TRAINED_AREA <= area <= TRAINED_AREA:
         return None
     return (
         f"{request.width}x{request.height} is {area:.3g}x the area this model was trained at "
-        f"({native}x{native}): images may repeat or lose their subject; the native size works best"
+        f"({width}x{height}): images may repeat or lose their subject; the native size works best"
     )
 
 

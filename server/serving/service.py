@@ -154,7 +154,7 @@ class Service:
             # ids come from clients: one already in use gets a suffix, so /v1/stats keeps both
             taken = request_id in self.stats().owners
             job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
-        job.warning = size_warning(job.requests[0], self.pipeline.defaults.size)
+        job.warning = size_warning(job.requests[0], self.pipeline.defaults)
         queued = min(self.loops, key=StepLoop.load).submit(job)
         if job.warning is not None:
             log.warning("job %s: %s", job.id, job.warning)
