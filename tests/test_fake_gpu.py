@@ -1,6 +1,7 @@
 """The GPU paths on a CPU-only build (issue 37): a model whose stages sit on fake `cuda:0` and
 `cuda:1` runs generation, img2img and inpainting's start, a step's split forward with LoRA rows
-and the step cache's walk, and the edits' first latents and blend with the VAE on another fake GPU. Last, the
+and the step cache's walk, and the edits' first latents and blend with the VAE on another fake GPU; a Wan video's rows
+over two fake GPUs and image-to-video's first frame from a VAE on another (issue 41). Last, the
 issue's other GPU defects that a CPU can show.
 
 PyTorch's own `FakeTensorMode` is the one fake here, at a true boundary: this build has no CUDA.
@@ -301,6 +302,78 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
     finally:
         for state in states:
             state.close()
+
+
+# Wan 2.1 (issue 41): a video's rows over two fake GPUs, and image-to-video's first frame.
+
+
+def _wan_family(parts: dict) -> Family:
+    from server.pipeline.families.wan import Wan, WanI2V
+
+    model, vae = parts["transformer"], parts["vae"]
+    kind = WanI2V if model.config.image_dim else Wan
+    return kind(ModelConfig({"_class_name": kind.pipeline_classes[0]}, dict(model.config), dict(vae.config)))
+
+
+def _wan(fake: FakeCuda) -> Pipeline:
+    """Tiny Wan parts (tests/tiny_pipelines, CPU weights the moves turn into fakes): the
+    transformer split over fake cuda:0 and cuda:1, UMT5 and the VAE on cuda:0."""
+    from tests.tiny_pipelines import _wan_parts
+
+    parts = _wan_parts()
+    model = parts["transformer"]
+    plan = plan_shards(model, ["cpu", "cpu"], strategy="even")
+    plan = replace(plan, stages=tuple(replace(s, device=f"cuda:{i}") for i, s in enumerate(plan.stages)))
+    components = Components(
+        _wan_family(parts), Path("."), model, parts["vae"], (parts["text_encoder"],), (parts["tokenizer"],),
+        parts["scheduler"],
+    )  # fmt: skip
+    defaults = Defaults(steps=3, guidance_scale=5.0, scheduler="default", size=32, frames=9, frame_multiple=4)
+    return Pipeline(components, ModelShard(model, plan), defaults=defaults)
+
+
+def test_a_video_step_over_two_fake_gpus(fake: FakeCuda) -> None:
+    """A guided video and an unguided one with first-block caching in one call, the transformer
+    on two fake GPUs: prompts encoded on cuda:0, latents made there, each stage on its own."""
+    pipeline = _wan(fake)
+    assert pipeline.shard.devices == ["cuda:0", "cuda:1"]
+    requests = [
+        GenerationRequest("a red circle", seed=1, steps=3, frames=9, width=32, height=32),
+        GenerationRequest(
+            "a blue square", seed=2, steps=3, frames=9, width=32, height=32, guidance_scale=1.0,
+            step_cache=StepCache("first_block", threshold=0.5),
+        ),
+    ]  # fmt: skip
+    states = pipeline.start([pipeline.resolve(r) for r in requests])
+    try:
+        assert {s.latents.device for s in states} == {torch.device("cuda:0")}
+        with pipeline.pool.scope() as batch:
+            inputs = pipeline.stacked(states, batch)
+            assert inputs.sample.shape == (3, 16, 3, 4, 4)  # 9 frames: 3 latent frames of 4x4
+            result = pipeline.forward(inputs, pipeline.call_plan(states))
+            assert result.out.device == torch.device("cuda:0") and result.out.shape == (3, 16, 3, 4, 4)
+    finally:
+        for state in states:
+            state.close()
+
+
+def test_a_first_frame_is_encoded_on_the_vaes_fake_gpu_and_lands_with_the_latents(fake: FakeCuda) -> None:
+    """Image-to-video: the reference frame encoded by a VAE on cuda:1, its mask made on the CPU,
+    both beside noise drawn on the CPU: every tensor of the start on the latents' cuda:0."""
+    from tests.tiny_pipelines import TEXT_DIM, _wan_parts
+
+    parts = _wan_parts(in_channels=36, image_dim=TEXT_DIM, added_kv_proj_dim=24)
+    vae, device = parts["vae"].to("cuda:1"), torch.device("cuda:0")
+    family, scheduler = _wan_family(parts), parts["scheduler"]
+    family.set_timesteps(scheduler, 3, device, family.latent_shape(32, 32, 9))
+    with ActivationPool().scope() as scope:
+        start = first_latents(
+            None, family=family, vae=vae, scheduler=scheduler, first_t=scheduler.timesteps[0],
+            generator=torch.Generator("cpu").manual_seed(0), scope=scope, width=32, height=32,
+            device=device, frames=9, reference=source(),
+        )  # fmt: skip
+        assert start.latents.device == start.conditioning.device == device
+        assert start.conditioning.shape == (1, 20, 3, 4, 4)  # the mask's 4 and the frame's 16 channels
 
 
 # The other GPU defects of issue 37 that a CPU can show.
