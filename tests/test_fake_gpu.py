@@ -1,8 +1,8 @@
 """The GPU paths on a CPU-only build (issue 37): a model whose stages sit on fake `cuda:0` and
 `cuda:1` runs generation, img2img and inpainting's start, a step's split forward with LoRA rows
-and the step cache's walk, and the edits' first latents and blend with the VAE on another fake GPU; a Wan video's rows
-over two fake GPUs and image-to-video's first frame from a VAE on another (issue 41). Last, the
-issue's other GPU defects that a CPU can show.
+and the step cache's walk, and the edits' first latents and blend with the VAE on another fake
+GPU; a Wan video's rows over two fake GPUs and image-to-video's first frame from a VAE on
+another (issue 41). Last, the issue's other GPU defects that a CPU can show.
 
 PyTorch's own `FakeTensorMode` is the one fake here, at a true boundary: this build has no CUDA.
 Its tensors carry shapes, dtypes and devices but no data, and it raises "Expected all tensors to
