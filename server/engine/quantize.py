@@ -173,5 +173,9 @@ def refusal(mode: QuantMode, device: str) -> str | None:
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype `model` computes in: its floating weights' (a GGUF file's blocks are uint8)."""
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    """The dtype `model` computes in: its floating weights' (a GGUF file's blocks are uint8), but
+    for those diffusers keeps in float32 (`_keep_in_fp32_modules`: Wan's `scale_shift_table`
+    comes first), as diffusers' own `ModelMixin.dtype` reads it."""
+    kept = getattr(model, "_keep_in_fp32_modules", None) or ()
+    floating = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()]
+    return next((d for n, d in floating if not any(m in n for m in kept)), floating[0][1])

@@ -97,6 +97,7 @@ class Family:
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
     default_frames: ClassVar[int | None] = None  # a video family's frames (None: images)
     default_video_size: ClassVar[tuple[int, int] | None] = None  # (width, height); None: native²
+    vae_float32: ClassVar[bool] = False  # its VAE in float32 whatever --dtype (Wan: as diffusers loads it)
     frame_multiple: ClassVar[int] = 1  # a video's frames are 1 + a multiple of this
 
     def cfg_scale(self, request: Asked) -> float:

@@ -61,6 +61,7 @@ class Wan(Family):
     default_guidance: ClassVar[float] = 5.0
     default_frames: ClassVar[int | None] = 81
     default_video_size: ClassVar[tuple[int, int] | None] = (832, 480)  # WanPipeline's default, 480p
+    vae_float32: ClassVar[bool] = True  # as diffusers' and Wan-AI's examples load it: 0.5 GB
     default_area: ClassVar[float] = 832 * 480 / 480**2  # 480p either way round (832x480, 480x832)
     reference_parts: ClassVar[dict[str, Any]] = {
         "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL_ENCODER)),
