@@ -125,24 +125,27 @@ def test_our_videos_equal_wan_pipelines_frame_for_frame(wan_folder, guidance: fl
 def test_in_bfloat16_as_gpus_serve_it_the_vae_stays_float32_and_videos_follow_diffusers(wan_folder) -> None:
     """bfloat16, every GPU's default: the transformer computes in it though diffusers keeps its
     `scale_shift_table` in float32 (read as the model's dtype, the inputs were float32 and the
-    first step failed); the VAE stays float32, as diffusers' examples load Wan's. Against
-    WanPipeline in bfloat16 with that VAE: close on average (this tiny random model amplifies
-    bfloat16's rounding over steps: a pixel may differ by 25/255; measured mean 1.0/255)."""
+    first step failed); the VAE stays float32, as diffusers' examples load Wan's. A guided video
+    runs; an unguided one follows WanPipeline in bfloat16 with that VAE, within its rounding
+    (diffusers' scheduler step returns the model's dtype, so its latents round to bfloat16 at
+    every step, ours stay float32: measured mean 0.15/255; guided, its guidance is bfloat16
+    too and a tiny random model amplifies the gap: mean 2.4/255, 0.0 when ours rounds as it)."""
     from diffusers import AutoencoderKLWan, WanPipeline
 
     pipeline = Pipeline.load(wan_folder, devices="cpu", dtype=torch.bfloat16)
     assert pipeline.vae.dtype == torch.float32 and pipeline.denoiser_dtype == torch.bfloat16
-    request = GenerationRequest("a red circle", seed=3, steps=3, guidance_scale=5.0, **VIDEO)
-    mine = pipeline.generate([pipeline.resolve(request)])[0]
+    guided = GenerationRequest("a red circle", seed=3, steps=3, guidance_scale=5.0, **VIDEO)
+    video = pipeline.generate([pipeline.resolve(guided)])[0]
+    assert video.shape == (9, 32, 32, 3) and np.isfinite(video).all()
+    mine = pipeline.generate([pipeline.resolve(replace(guided, guidance_scale=1.0))])[0]
     vae = AutoencoderKLWan.from_pretrained(wan_folder, subfolder="vae", dtype=torch.float32)
     pipe = WanPipeline.from_pretrained(wan_folder, vae=vae, dtype=torch.bfloat16, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt="a red circle", height=32, width=32, num_frames=9, num_inference_steps=3, guidance_scale=5.0,
+        prompt="a red circle", height=32, width=32, num_frames=9, num_inference_steps=3, guidance_scale=1.0,
         generator=torch.Generator("cpu").manual_seed(3), output_type="np",
     ).frames[0]  # fmt: skip
-    assert mine.shape == theirs.shape == (9, 32, 32, 3)
-    assert float(np.abs(mine - theirs).mean()) * 255 <= 2 and float(theirs.std()) > 0.05
+    assert float(np.abs(mine - theirs).mean()) * 255 <= 1 and float(theirs.std()) > 0.05
 
 
 def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone(wan_folder) -> None:

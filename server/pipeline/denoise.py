@@ -95,7 +95,8 @@ class Pipeline:
         if components.image_encoder is not None:  # image-to-video's, beside the text encoders
             components.image_encoder.to(self.encoder_device)
         vae = components.vae
-        if self.family.vae_float32 or (vae.dtype == torch.float16 and vae.config.get("force_upcast", False)):
+        upcast = vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
+        if vae.dtype != torch.float32 and (upcast or self.family.vae_float32):
             vae.to(torch.float32)  # such VAEs overflow in float16: diffusers upcasts them too
         self.vae = set_tiling(vae, vae_tiling).to(self.encoder_device)  # diffusers' tiles (tiling.py)
         self.defaults = defaults or read_defaults(components.folder, self.family)
