@@ -296,3 +296,22 @@ def test_tiny_dits_as_a_sequence_group_of_two_gpus_equal_one_gpu(tmp_path: Path,
     lane = grouped.lanes()[0]
     assert float(np.abs(lane.generate([request])[0] - one).max()) < 1e-3
     assert lane.lane.groups.calls == request.steps
+
+
+@pytest.mark.parametrize("guidance", [1.0, 5.0])
+def test_a_wan_video_in_bfloat16_on_cuda_follows_the_cpu_one(tmp_path: Path, guidance: float) -> None:
+    """Wan as a GPU serves it (bfloat16, its VAE float32): the tiny folder's video on cuda:0
+    against the same on the CPU, in bfloat16 both (kernels round differently: mean ≤ 2/255)."""
+    from tests.tiny_pipelines import build_wan_folder
+
+    folder = build_wan_folder(tmp_path / "wan")
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=3, guidance_scale=guidance, width=32, height=32, frames=9
+    )
+    videos = []
+    for device in ("cuda:0", "cpu"):
+        pipeline = Pipeline.load(folder, devices=device, dtype=torch.bfloat16)
+        assert pipeline.vae.dtype == torch.float32 and pipeline.denoiser_dtype == torch.bfloat16
+        videos.append(pipeline.generate([pipeline.resolve(request)])[0])
+    assert videos[0].shape == (9, 32, 32, 3)
+    assert float(np.abs(videos[0] - videos[1]).mean()) * 255 <= 2
