@@ -67,6 +67,7 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
         frames = frames_of(client.videos.download_content(video.id, variant="frames").read())
         mp4 = client.videos.download_content(video.id).read()
         thumbnail = client.videos.download_content(video.id, variant="thumbnail").read()
+        sprites = client.videos.download_content(video.id, variant="spritesheet").read()
         listed = [v.id for v in client.videos.list()]
         bad_input_gets_a_4xx_naming_the_problem(server.url, video.id)
     request = GenerationRequest(
@@ -80,6 +81,9 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     assert decoded.shape == frames.shape
     assert np.abs(decoded - frames).mean() <= 12, np.abs(decoded - frames).mean()  # of 255
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail))), frames[0])
+    # the spritesheet: 8 of the 9 frames, evenly spaced, side by side
+    sheet = np.asarray(Image.open(io.BytesIO(sprites)))
+    assert np.array_equal(sheet, np.concatenate(list(frames[[0, 1, 2, 3, 5, 6, 7, 8]]), axis=1))
     assert listed == [video.id]
     # an adapter as for images: WanPipeline's frames after load_lora_weights, not the plain ones
     assert styled.status == "completed", styled.error
