@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -119,11 +120,13 @@ def decoder_for(
     first = plan.replicas[0]
     device = next(d for d in first.devices if d.device == first.stages[0].device)
     reserve = device.activation_reserve if device.budget is not None else None
+    clip = family.default_frames  # a video model's: its default clip, whole
     return decoder_memory(
         family.config.vae,
         side=side or largest_side(family, settings.pixel_limit(family)),
         default_tile=family.native_size,
-        dtype=settings.torch_dtype,
+        dtype=torch.float32 if family.vae_float32 else settings.torch_dtype,
+        latent_frames=None if clip is None else (clip - 1) // family.frame_multiple + 1,
         setting=settings.vae_tiling,
         reserve=reserve,
     )

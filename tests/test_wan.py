@@ -193,6 +193,28 @@ def test_wan_2_2_folders_are_refused_at_load_saying_what_is_served(wan_folder, t
         Pipeline.load(folder, devices="cpu")
 
 
+def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -> None:
+    """--vae-tiling on (or auto, over the reserve): diffusers' own tiles (256 px), as WanPipeline
+    decodes with `vae.enable_tiling()`; 512 px wide, so it tiles (whole differs by 36/255)."""
+    from diffusers import WanPipeline
+
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=2, guidance_scale=5.0, width=512, height=32, frames=5
+    )
+    tiled = Pipeline.load(wan_folder, devices="cpu", vae_tiling=True)
+    mine = tiled.generate([tiled.resolve(request)])[0]
+    whole = Pipeline.load(wan_folder, devices="cpu").generate([tiled.resolve(request)])[0]
+    pipe = WanPipeline.from_pretrained(wan_folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling()
+    theirs = pipe(
+        prompt="a red circle", height=32, width=512, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+    ).frames[0]  # fmt: skip
+    assert float(np.abs(mine - theirs).max()) * 255 <= 2
+    assert float(np.abs(mine - whole).max()) * 255 > 10
+
+
 def test_frames_are_checked_against_the_model(wan_folder) -> None:
     from server.errors import InvalidRequest
     from server.pipeline.families import reference_family
@@ -379,13 +401,19 @@ def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp
 def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memory, rows) -> None:
     """16 rows of 81-frame 832×480 video do not fit one GPU beside Wan's weights and UMT5: left
     to its default, --max-batch halves until the reserve fits (said); asked for, it is kept and
-    the refusal says to lower it. The 3D VAE's peak is said to be uncounted, not miscounted."""
+    the refusal says to lower it. The 3D VAE's peak, counted on meta, decides its tiles."""
     args = ("plan", "--config", config, "--devices", "cuda:0", "--max-memory", f"cuda:0={memory}",
             "--dtype", "bfloat16")  # fmt: skip
     fitted = run_cli(*args)
     assert fitted.returncode == 0, fitted.stderr
     assert f"batch={rows} " in fitted.stdout and f"a step runs at most {rows} rows" in fitted.stderr
-    assert "a video VAE (one latent frame a call, with cached features): its peak is not" in fitted.stdout
+    # the 81-frame clip decoded whole: 7.4 GiB counted, over 1.3B's reserve on 24 GiB, so it tiles
+    tiles = (
+        "tiles (a clip's whole peak is over"
+        if config == "wan-1.3b"
+        else "whole (a clip's whole peak is within"
+    )
+    assert "VAE decoder at 624², 81 frames: peak 7.4 GiB whole" in fitted.stdout and tiles in fitted.stdout
     if config == "wan-14b":
         asked = run_cli(*args, "--max-batch", "16")
         assert asked.returncode != 0 and "lower --max-batch" in asked.stderr, asked.stderr

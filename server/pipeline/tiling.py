@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from server.engine.hardware.devices import format_bytes
+from server.engine.planning.live import peak_bytes
 
 DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
 OVERLAP = 0.25  # diffusers' tile_overlap_factor
@@ -167,17 +168,18 @@ class DecoderMemory:
     reserve_bytes: int | None  # the plan's activation reserve on the VAE's device; None: no budget
     setting: str
     tiling: bool
-    counted: bool = True  # False: a video VAE, whose peak this count does not model (bytes 0)
+    frames: int | None = None  # a video VAE's: the clip counted (whole only: tiles are not counted)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
-        if not self.counted:
-            return (
-                "VAE decoder: a video VAE (one latent frame a call, with cached features): its peak "
-                f"is not counted; --vae-tiling {self.setting}: {'tiles' if self.tiling else 'whole'}"
+        if self.frames is not None:
+            whole = format_bytes(self.untiled_bytes)
+            line = (
+                f"VAE decoder at {self.side}², {self.frames} frames: peak {whole} whole (tiles not counted)"
             )
+            return f"{line}; --vae-tiling {self.setting}: {self._choice()}"
         whole, tiled = format_bytes(self.untiled_bytes), format_bytes(self.tiled_bytes)
         line = f"VAE decoder at {self.side}²: peak {whole} an image whole, {tiled} in {self.tile}² tiles"
         if self.images > 1:
@@ -185,13 +187,33 @@ class DecoderMemory:
             line += (
                 f" ({n} a call: {format_bytes(n * self.untiled_bytes)}, {format_bytes(n * self.tiled_bytes)})"
             )
+        return f"{line}; --vae-tiling {self.setting}: {self._choice()}"
+
+    def _choice(self) -> str:
         why = "as set"
         if self.setting == VaeTiling.AUTO and self.reserve_bytes is None:
             why = "the VAE's device has no memory budget"
         elif self.setting == VaeTiling.AUTO:
             over = "over" if self.tiling else "within"
-            why = f"an image's whole peak is {over} the {format_bytes(self.reserve_bytes)} activation reserve"
-        return f"{line}; --vae-tiling {self.setting}: {'tiles' if self.tiling else 'whole'} ({why})"
+            what = "a clip's" if self.frames is not None else "an image's"
+            why = f"{what} whole peak is {over} the {format_bytes(self.reserve_bytes)} activation reserve"
+        return f"{'tiles' if self.tiling else 'whole'} ({why})"
+
+
+def video_decoder_peak(config: Mapping[str, Any], side: int, latent_frames: int, dtype: torch.dtype) -> int:
+    """Bytes Wan's VAE (`AutoencoderKLWan`) holds decoding one clip of `latent_frames` at `side`²,
+    whole: its causal 3D convolutions run a latent frame at a time, each keeping the last two
+    frames of its input, while the clip's frames gather. Counted by running it on the meta device
+    (`live.py`): ~1.5 s for Wan's 21 latent frames at 624²."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(dict(config)).to(dtype).eval()
+    factor = 2 ** len(config["temperal_downsample"])
+    latents = torch.empty(
+        1, vae.config.z_dim, latent_frames, side // factor, side // factor, device="meta", dtype=dtype
+    )
+    return peak_bytes(lambda: vae.decode(latents).sample)
 
 
 def decoder_memory(
@@ -202,14 +224,18 @@ def decoder_memory(
     dtype: torch.dtype,
     setting: VaeTiling,
     reserve: int | None,
+    latent_frames: int | None = None,
 ) -> DecoderMemory:
     """The decoder's peak for one `side`² image whole and tiled, from the VAE's `config`, and
     whether `setting` tiles. auto: where one image's whole peak is over `reserve` (None: the
     device has no budget, nothing to keep under); a call of many images is not weighed, as fewer
     images a call would bound it and tiles would not."""
-    if "temperal_downsample" in config:  # a video VAE (diffusers' spelling): the 2D count would mislead
-        tiling = setting == VaeTiling.ON
-        return DecoderMemory(side, 1, default_tile, 0, 0, reserve, str(setting), tiling, counted=False)
+    if "temperal_downsample" in config:  # a video VAE (diffusers' spelling): counted on meta
+        whole = video_decoder_peak(config, side, latent_frames or 1, dtype)
+        over = reserve is not None and whole > reserve
+        tiling = setting == VaeTiling.ON or (setting == VaeTiling.AUTO and over)
+        frames = ((latent_frames or 1) - 1) * 2 ** sum(config["temperal_downsample"]) + 1
+        return DecoderMemory(side, 1, default_tile, whole, 0, reserve, str(setting), tiling, frames=frames)
     vae = VaeShape.of(config, default_tile)
     if dtype == torch.float16 and config.get("force_upcast", False):
         dtype = torch.float32  # as the Pipeline upcasts such VAEs
