@@ -21,6 +21,7 @@ latents only).
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from torch import nn
 
 from server.engine.hardware.devices import format_bytes
 from server.engine.planning.live import peak_bytes
+
+log = logging.getLogger("diffshard")
 
 DECODE_PIXELS = 1024 * 1024  # pixels one VAE call decodes at most (at least one image)
 OVERLAP = 0.25  # diffusers' tile_overlap_factor
@@ -175,7 +178,7 @@ class DecoderMemory:
 
     def __str__(self) -> str:
         if self.frames is not None:
-            whole = format_bytes(self.untiled_bytes)
+            whole = format_bytes(self.untiled_bytes) if self.untiled_bytes else "not counted,"
             line = (
                 f"VAE decoder at {self.side}², {self.frames} frames: peak {whole} whole (tiles not counted)"
             )
@@ -231,7 +234,11 @@ def decoder_memory(
     device has no budget, nothing to keep under); a call of many images is not weighed, as fewer
     images a call would bound it and tiles would not."""
     if "temperal_downsample" in config:  # a video VAE (diffusers' spelling): counted on meta
-        whole = video_decoder_peak(config, side, latent_frames or 1, dtype)
+        try:
+            whole = video_decoder_peak(config, side, latent_frames or 1, dtype)
+        except Exception as err:  # a VAE the meta run cannot take: said, and the start goes on
+            log.warning("the video VAE's peak could not be counted (%s): auto decodes it whole", err)
+            whole = 0
         over = reserve is not None and whole > reserve
         tiling = setting == VaeTiling.ON or (setting == VaeTiling.AUTO and over)
         frames = ((latent_frames or 1) - 1) * 2 ** sum(config["temperal_downsample"]) + 1
