@@ -192,6 +192,8 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> N
         client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 10})
     )
     assert (status, param) == (400, "num_frames") and "1 more than a multiple of 4" in message
+    none = client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 0})
+    assert error(none)[:2] == (400, "num_frames") and "got 0" in error(none)[2]  # not the default clip
     picture = client.post(
         url,
         data={"prompt": "a cat", "size": "32x32"},

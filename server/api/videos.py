@@ -93,7 +93,8 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         if not seconds.isdigit() or int(seconds) < 1:
             raise InvalidRequest("seconds", f"must be a whole number of seconds ≥ 1, got {body.seconds!r}")
         frames = int(seconds) * fps + 1
-    frames = frames or service.video_frames
+    if frames is None:
+        frames = service.video_frames
     guidance = body.guidance_scale
     if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
         raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
