@@ -21,6 +21,7 @@ latents only).
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -203,6 +204,9 @@ class DecoderMemory:
         return f"{'tiles' if self.tiling else 'whole'} ({why})"
 
 
+_VIDEO_PEAKS: dict[tuple, int] = {}  # (config, side, latent frames, dtype) → bytes, this process's
+
+
 def video_decoder_peak(config: Mapping[str, Any], side: int, latent_frames: int, dtype: torch.dtype) -> int:
     """Bytes Wan's VAE (`AutoencoderKLWan`) holds decoding one clip of `latent_frames` at `side`²,
     whole: its causal 3D convolutions run a latent frame at a time, each keeping the last two
@@ -210,13 +214,17 @@ def video_decoder_peak(config: Mapping[str, Any], side: int, latent_frames: int,
     (`live.py`): ~1.5 s for Wan's 21 latent frames at 624²."""
     from diffusers import AutoencoderKLWan
 
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(dict(config)).to(dtype).eval()
-    factor = 2 ** len(config["temperal_downsample"])
-    latents = torch.empty(
-        1, vae.config.z_dim, latent_frames, side // factor, side // factor, device="meta", dtype=dtype
-    )
-    return peak_bytes(lambda: vae.decode(latents).sample)
+    key = (json.dumps(dict(config), sort_keys=True, default=str), side, latent_frames, str(dtype))
+    if key not in _VIDEO_PEAKS:  # `serve` plans, then loads: counted once
+        with torch.device("meta"):
+            vae = AutoencoderKLWan.from_config(dict(config)).eval()
+        if dtype != torch.float32:  # built in float32 (diffusers warns of a cast it need not make)
+            vae = vae.to(dtype)
+        factor = 2 ** len(config["temperal_downsample"])
+        shape = (1, vae.config.z_dim, latent_frames, side // factor, side // factor)
+        latents = torch.empty(shape, device="meta", dtype=dtype)
+        _VIDEO_PEAKS[key] = peak_bytes(lambda: vae.decode(latents).sample)
+    return _VIDEO_PEAKS[key]
 
 
 def decoder_memory(
