@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -120,13 +119,12 @@ def decoder_for(
     first = plan.replicas[0]
     device = next(d for d in first.devices if d.device == first.stages[0].device)
     reserve = device.activation_reserve if device.budget is not None else None
-    clip = family.default_frames  # a video model's: its default clip, whole
     return decoder_memory(
         family.config.vae,
         side=side or largest_side(family, settings.pixel_limit(family)),
         default_tile=family.native_size,
-        dtype=torch.float32 if family.vae_float32 else settings.torch_dtype,
-        latent_frames=None if clip is None else (clip - 1) // family.frame_multiple + 1,
+        dtype=family.held_dtype("vae", settings.torch_dtype),
+        frames=family.default_frames,  # a video model's default clip, decoded whole
         setting=settings.vae_tiling,
         reserve=reserve,
     )

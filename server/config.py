@@ -360,7 +360,7 @@ class Settings(BaseSettings):
         """`max_work`; a video model's default × its default clip's latent frames (in bounds)."""
         if family.default_frames is None or "max_work" in self.model_fields_set:
             return self.max_work
-        return self.max_work * ((family.default_frames - 1) // family.frame_multiple + 1)
+        return self.max_work * family.default_latent_frames
 
     def limits(self, family: Family) -> Limits:
         return Limits(

@@ -56,6 +56,7 @@ class InvalidRequest(DiffshardError, ValueError):
     def __init__(self, field: str, message: str, limit: str | None = None) -> None:
         super().__init__(f"{field}: {message}" + (f" ({limit})" if limit else ""))
         self.field = field
+        self.message = message
         self.limit = limit
 
 

@@ -165,9 +165,8 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
     except InvalidRequest as err:
         if err.field != "num_frames" or body.num_frames is not None or body.seconds is None:
             raise
-        message = str(err).removeprefix("num_frames: ").removesuffix(f" ({err.limit})" if err.limit else "")
         asked = f"{body.seconds} s is {generation.frames} frames at {runner.fps} fps (--video-fps): "
-        raise InvalidRequest("seconds", asked + message, err.limit) from None
+        raise InvalidRequest("seconds", asked + err.message, err.limit) from None
     settings, owner = request.app.state.settings, request.state.owner or ""
     if await asyncio.to_thread(runner.store.unfinished, owner) >= settings.key_queue_limit:
         raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)  # one key's share of the line

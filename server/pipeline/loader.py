@@ -136,8 +136,7 @@ def load_components(
         kwargs: dict[str, Any] = {}
         if name in family.weighted:  # diffusers and transformers name the dtype argument differently
             dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"
-            held = torch.float32 if name == "vae" and family.vae_float32 else dtype
-            kwargs = {dtype_arg: held, "use_safetensors": True}
+            kwargs = {dtype_arg: family.held_dtype(name, dtype), "use_safetensors": True}
         model = cls.from_pretrained(root / name, local_files_only=True, **kwargs)
         if (quantization := (quantize or {}).get(name)) and not quantization.on_device:
             converted = quantization.apply(model)

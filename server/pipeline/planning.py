@@ -114,15 +114,12 @@ def resident_bytes(
     """Bytes of the text (and image) encoders and VAE (the folder's, or a reference architecture's, none for
     most), which sit with the first stage (see Pipeline), quantized as `setting` says; and the
     quantization of every part."""
-
-    def held(name: str) -> torch.dtype:  # a family's float32 VAE stays float32
-        return torch.float32 if name == "vae" and family.vae_float32 else dtype
-
     if folder is None:
         parts = reference_parts(family)
         encoders = {n: tensor_bytes(m, dtype) for n, m in parts.items() if n in family.text_encoders}
         quantizations = part_quantizations(setting, family, encoders)
-        return sum(quantized_bytes(m, quantizations.get(n), held(n)) for n, m in parts.items()), quantizations
+        held = {n: family.held_dtype(n, dtype) for n in parts}
+        return sum(quantized_bytes(m, quantizations.get(n), held[n]) for n, m in parts.items()), quantizations
     index = family.config.index
     quantizations = folder_quantizations(setting, family, folder, dtype)
     total = 0
@@ -131,7 +128,7 @@ def resident_bytes(
         if quantization := quantizations.get(name):
             total += quantized_bytes(meta_part(folder, name, class_of(index, name)), quantization, dtype)
         else:
-            total += part_bytes(folder, (name,), held(name))
+            total += part_bytes(folder, (name,), family.held_dtype(name, dtype))
     return total, quantizations
 
 

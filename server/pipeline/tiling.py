@@ -235,22 +235,23 @@ def decoder_memory(
     dtype: torch.dtype,
     setting: VaeTiling,
     reserve: int | None,
-    latent_frames: int | None = None,
+    frames: int | None = None,
 ) -> DecoderMemory:
     """The decoder's peak for one `side`² image whole and tiled, from the VAE's `config`, and
     whether `setting` tiles. auto: where one image's whole peak is over `reserve` (None: the
     device has no budget, nothing to keep under); a call of many images is not weighed, as fewer
     images a call would bound it and tiles would not."""
     if "temperal_downsample" in config:  # a video VAE (diffusers' spelling): counted on meta
+        clip = frames or 1
+        latent_frames = (clip - 1) // 2 ** sum(config["temperal_downsample"]) + 1
         try:
-            whole = video_decoder_peak(config, side, latent_frames or 1, dtype)
+            whole = video_decoder_peak(config, side, latent_frames, dtype)
         except Exception as err:  # a VAE the meta run cannot take: said, and the start goes on
             log.warning("the video VAE's peak could not be counted (%s): auto decodes it whole", err)
             whole = 0
         over = reserve is not None and whole > reserve
         tiling = setting == VaeTiling.ON or (setting == VaeTiling.AUTO and over)
-        frames = ((latent_frames or 1) - 1) * 2 ** sum(config["temperal_downsample"]) + 1
-        return DecoderMemory(side, 1, default_tile, whole, 0, reserve, str(setting), tiling, frames=frames)
+        return DecoderMemory(side, 1, default_tile, whole, 0, reserve, str(setting), tiling, frames=clip)
     vae = VaeShape.of(config, default_tile)
     if dtype == torch.float16 and config.get("force_upcast", False):
         dtype = torch.float32  # as the Pipeline upcasts such VAEs

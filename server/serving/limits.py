@@ -43,9 +43,8 @@ def clip_limits(family: Family, max_batch: int, max_pixels: int) -> dict[str, An
     plan's activation reserve holds (`max_batch` rows of the default clip at the largest size)."""
     if family.default_frames is None:
         return {}
-    latent = (family.default_frames - 1) // family.frame_multiple + 1
     return {
-        "max_clip": max_batch * latent * max_pixels,
+        "max_clip": max_batch * family.default_latent_frames * max_pixels,
         "default_frames": family.default_frames,
         "frame_multiple": family.frame_multiple,
     }

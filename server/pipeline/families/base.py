@@ -169,6 +169,15 @@ class Family:
         return None
 
     @property
+    def default_latent_frames(self) -> int | None:
+        """The latent frames of a video family's default clip (what its limits are sized by)."""
+        return None if self.default_frames is None else (self.default_frames - 1) // self.frame_multiple + 1
+
+    def held_dtype(self, part: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype `part` is loaded (and counted) in when the weights are in `dtype`."""
+        return torch.float32 if part == "vae" and self.vae_float32 else dtype
+
+    @property
     def max_frames(self) -> int | None:
         """The longest video the denoiser can take, if it has a limit."""
         return None
