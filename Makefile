@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test lint bench model samples diamond test-tools screenshot
+.PHONY: run test lint bench model samples diamond test-tools screenshot gpu-bundle
 
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -102,3 +102,9 @@ screenshot: $(VENV)/.test test-tools
 	DIFFSHARD_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k red_circle -q
 	DIFFSHARD_SCREENSHOT=docs/playground-edit.png $(PY) -m pytest tests/test_playground_edit.py -k made_here -q
 	DIFFSHARD_SCREENSHOT=docs/playground-video.png $(PY) -m pytest tests/test_playground_video.py -q
+
+# The wheels a lent GPU machine lacks (no network there), into .gpu/ (ignored), for the GPU check:
+# fails if they and the tree that travels with every call are over 62 MiB (docs/benchmarks.md).
+# Then, on the GPU machine: python3 -m benchmarks.gpu_check --bundle .gpu
+gpu-bundle:
+	python3 -m benchmarks.gpu.bundle --dest .gpu

@@ -4,7 +4,7 @@ as its pipeline calls it (the block walker must give the same output)."""
 from __future__ import annotations
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
@@ -12,9 +12,10 @@ from server.engine.denoisers.flux import image_ids, pack, unpack
 
 
 def diffusers_forward(model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
-    """`model(...)` on `inputs`: UNet2DConditionModel, SD3Transformer2DModel (a scalar timestep
-    broadcast as the pipeline's `t.expand(batch)`) or FluxTransformer2DModel (latents packed,
-    position ids made and the timestep scaled as FluxPipeline does)."""
+    """`model(...)` on `inputs`: UNet2DConditionModel, SD3Transformer2DModel or
+    WanTransformer3DModel (a scalar timestep broadcast as the pipeline's `t.expand(batch)`) or
+    FluxTransformer2DModel (latents packed, position ids made and the timestep scaled as
+    FluxPipeline does)."""
     sample, context, cond = inputs.sample, inputs.context, inputs.conditioning
     with torch.inference_mode():
         if isinstance(model, FluxTransformer2DModel):
@@ -30,6 +31,15 @@ def diffusers_forward(model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
                 **cond,
             )[0]
             return unpack(out, h, w)
+        if isinstance(model, WanTransformer3DModel):  # as WanPipeline calls it: a timestep a row
+            timestep = torch.as_tensor(inputs.timestep, device=sample.device).expand(sample.shape[0])
+            return model(
+                hidden_states=sample,
+                timestep=timestep,
+                encoder_hidden_states=context,
+                return_dict=False,
+                **cond,
+            )[0]
         if isinstance(model, SD3Transformer2DModel):
             timestep = torch.as_tensor(inputs.timestep, device=sample.device).expand(sample.shape[0])
             return model(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import zipfile
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -49,6 +48,8 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def _mp4(pixels: np.ndarray, fps: int) -> bytes:
+    import av  # PyAV (36 MB, FFmpeg inside) where a video is encoded: image-only hosts go without
+
     out = io.BytesIO()
     with av.open(out, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
