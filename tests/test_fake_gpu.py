@@ -48,6 +48,7 @@ from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
 from server.engine import ModelShard, Workers, plan_shards, run_micro_batches, spec_for
+from server.engine.hardware.devices import worker_names
 from server.engine.planning.calibrate import RUN_S
 from server.engine.planning.calibrate import _rate as calibrate_rate
 from server.engine.runtime.pool import ActivationPool
@@ -237,16 +238,20 @@ def test_edits_start_and_blend_with_the_vae_on_another_fake_gpu(
             blend(family, scheduler, start.latents, kept, None)
 
 
-def _fake_pipeline(fake: FakeCuda, channels: int) -> Pipeline:
-    """A tiny SD pipeline whose UNet is split in two stages on fake cuda:0 and cuda:1, its CLIP and
-    VAE on cuda:0 (the first stage's device)."""
+def _fake_pipeline(
+    fake: FakeCuda, channels: int, devices: tuple[str, ...] = ("cuda:0", "cuda:1")
+) -> Pipeline:
+    """A tiny SD pipeline whose UNet is split in two stages on fake `devices` (cuda:0 and cuda:1,
+    or cuda:0 twice), its CLIP and VAE on cuda:0 (the first stage's device)."""
     vae, unet, family = _meta_parts(channels)
     tokenizer = build_tokenizer()
     with torch.device("meta"):
         clip = CLIPTextModel(_text_config(tokenizer))
     # planned on two CPU stages (the planner asks the host for its CUDA devices), then re-placed
     plan = plan_shards(unet, ["cpu", "cpu"], strategy="even")
-    plan = replace(plan, stages=tuple(replace(s, device=f"cuda:{i}") for i, s in enumerate(plan.stages)))
+    plan = replace(
+        plan, stages=tuple(replace(s, device=d) for d, s in zip(devices, plan.stages, strict=True))
+    )
     for model in (unet, vae, clip):
         model.to_empty(device="cpu")  # storage the moves below turn into fakes; never read
     components = Components(family, Path("."), unet, vae, (clip,), (tokenizer,), DDIMScheduler(**SD_SCHEDULE))
@@ -265,12 +270,18 @@ def _adapter() -> Adapter:
 TARGETS = ("down_blocks.0", "up_blocks.1")  # on cuda:0 and cuda:1
 
 
-@pytest.mark.parametrize("channels", [4, 9], ids=["unet", "inpainting-unet"])
-def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
-    pipeline = _fake_pipeline(fake, channels)
-    assert pipeline.shard.devices == ["cuda:0", "cuda:1"]
+@pytest.mark.parametrize(
+    ("channels", "devices"),
+    [(4, ("cuda:0", "cuda:1")), (9, ("cuda:0", "cuda:1")), (4, ("cuda:0", "cuda:0"))],
+    ids=["unet", "inpainting-unet", "unet-one-gpu-twice"],
+)
+def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int, devices: tuple[str, ...]) -> None:
+    """Two stages on cuda:0 and cuda:1, or both on cuda:0 (workers cuda:0#0 and cuda:0#1)."""
+    pipeline = _fake_pipeline(fake, channels, devices)
+    assert pipeline.shard.devices == list(dict.fromkeys(devices))
+    assert pipeline.shard.gates.names == worker_names(devices)
     pipeline.add_adapter(_adapter())  # a layer on each stage: its pairs moved to that stage's device
-    assert set(pipeline.adapters.bytes_on()) == {"cuda:0", "cuda:1"}
+    assert set(pipeline.adapters.bytes_on()) == set(devices)
     cache = StepCache("deep", interval=2)
     requests = [
         GenerationRequest("a red circle", seed=1, steps=3, lora=(("red", 0.8),)),
@@ -290,6 +301,7 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int) -> None:
             # blocks; through both stages: cuda:0, then cuda:1, back
             result = pipeline.forward(inputs, pipeline.call_plan(states))
             assert result.out.device == torch.device("cuda:0") and result.out.shape == (7, 4, 16, 16)
+            assert min(pipeline.shard.gates.stats().busy_s.values()) > 0  # both workers ran
             keep(states[-1], result.outcomes[-1])
             assert states[-1].cache.last == "refreshed"
             states[-1].index += 1  # its next step reuses what it kept (interval 2)

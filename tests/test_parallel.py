@@ -26,7 +26,7 @@ from server.engine import (
     spec_for,
 )
 from server.engine.hardware.devices import planning_absent_devices, worker_names
-from server.engine.planning.parallel import Candidate, fill_cores, weighed_shapes
+from server.engine.planning.parallel import Candidate, fill_cores, shared_budgets, weighed_shapes
 from server.engine.planning.planner import HTTP_CORES
 from server.engine.runtime.call import CacheAsk
 from server.engine.runtime.gates import StageGates
@@ -131,10 +131,62 @@ def test_gates_let_two_forwards_hold_different_stages_at_once() -> None:
 
 
 def test_worker_names_index_a_repeated_device() -> None:
+    """A GPU listed twice is two workers named apart from any other GPU's index (`cuda:0#1`, not
+    `cuda:0:1` or `cuda:1`); the CPU's keep their names (dashboards read them)."""
     assert worker_names(["cpu", "cpu"]) == ["cpu:0", "cpu:1"]
     assert worker_names(["cuda:0", "cuda:1"]) == ["cuda:0", "cuda:1"]
+    assert worker_names(["cuda:0", "cuda:0"]) == ["cuda:0#0", "cuda:0#1"]
+    assert worker_names(["cuda:1", "cuda:0", "cuda:1", "cpu"]) == ["cuda:1#0", "cuda:0", "cuda:1#1", "cpu"]
     with pytest.raises(ValueError, match="listed twice"):
-        worker_names(["cuda:0", "cuda:0"])
+        worker_names(["cuda:0#0", "cuda:0", "cuda:0"])  # never a normalized device list
+
+
+def test_replicas_on_one_gpu_share_its_budget() -> None:
+    """Each replica gets its stages' part of a shared GPU's budget, the first replica the encoders'
+    and VAE's bytes beside it; a replica's own GPU and the CPU (whose replicas share weights) keep
+    theirs whole."""
+    assert shared_budgets([["cuda:0"], ["cuda:0"]], {"cuda:0": 110}, resident=10) == [
+        {"cuda:0": 60},
+        {"cuda:0": 50},
+    ]
+    assert (
+        shared_budgets([["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]], {"cuda:0": 100, "cuda:1": 80})
+        == [{"cuda:0": 50, "cuda:1": 40}] * 2
+    )
+    own = [["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]]  # 2 × 2 on two GPUs: each replica its own
+    assert shared_budgets(own, {"cuda:0": 100, "cuda:1": 80}) == [{"cuda:0": 100}, {"cuda:1": 80}]
+    assert shared_budgets([["cpu"], ["cpu"]], {"cpu": 100}) == [{"cpu": 100}] * 2
+    assert shared_budgets([["cpu"], ["cpu"]], {}) == [{}, {}]
+
+
+def test_a_gpu_listed_twice_holds_both_replicas_or_stages_within_its_one_budget() -> None:
+    """`cuda:0,cuda:0` (as on a host with one GPU): two replicas fit only where the GPU holds two
+    copies of the weights and two activation reserves beside the encoders and VAE; two stages
+    split one copy under the same budget. The workers are cuda:0#0 and cuda:0#1."""
+    model = tiny_sd15_unet()
+    options = {"block_costs": lambda *_, **__: _unit_costs(model), "dtype": torch.bfloat16, "resident": 2**20}
+    with planning_absent_devices():
+        alone = plan_shards(model, "cuda:14", max_memory="cuda:14=1GiB", dtype=torch.bfloat16).devices[0]
+        one = alone.param_bytes + alone.activation_reserve  # a replica's weights and reserve
+        for budget, fits in ((2 * one + 2**20, True), (2 * one + 2**20 - 1, False)):
+            plan = plan_parallel(model, "cuda:14,cuda:14", "auto", max_memory=f"cuda:14={budget}", **options)
+            shapes = {(c.replicas, c.stages): c for c in plan.candidates}
+            assert (shapes[(2, 1)].rows_per_s is not None) == fits, shapes[(2, 1)]
+            assert shapes[(1, 2)].rows_per_s is not None  # one copy, split in two stages
+            # its two workers take turns on the one GPU: no more rows/s than one device predicted
+            assert max(c.rows_per_s or 0 for c in plan.candidates) == pytest.approx(shapes[(1, 1)].rows_per_s)
+        with pytest.raises(PlanError, match="no replicas configuration"):
+            plan_parallel(model, "cuda:14,cuda:14", "replicas", max_memory=f"cuda:14={budget}", **options)
+        replicas = plan_parallel(
+            model, "cuda:14,cuda:14", "replicas", max_memory=f"cuda:14={budget + 1}", **options
+        )
+        pipeline = plan_parallel(model, "cuda:14,cuda:14", "pipeline", max_memory="cuda:14=1GiB", **options)
+    assert replicas.workers == pipeline.workers == ("cuda:14#0", "cuda:14#1")
+    assert [r.devices[0].budget for r in replicas.replicas] == [one + 2**20, one]
+    assert [r.devices[0].other_bytes for r in replicas.replicas] == [2**20, 0]
+    (split,) = pipeline.replicas
+    assert [s.device for s in split.stages] == ["cuda:14", "cuda:14"] and len(split.devices) == 1
+    assert split.devices[0].param_bytes == alone.param_bytes and split.devices[0].budget == 2**30
 
 
 def _unit_costs(model: nn.Module) -> dict[str, float]:

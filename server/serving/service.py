@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +249,13 @@ class Service:
         }
 
     def devices(self) -> dict[str, DeviceView]:
-        views = {}
+        views: dict[str, DeviceView] = {}
         for shard in self.pipeline.replicas:  # CPU replicas share the "cpu" device and its reading
-            views |= {device: DeviceView(shard.blocks_on(device), m) for device, m in shard.memory().items()}
+            for device, m in shard.memory().items():  # replicas on one GPU hold a copy each
+                held = views[device].memory.shard_bytes if device in views and device != "cpu" else 0
+                views[device] = DeviceView(
+                    shard.blocks_on(device), replace(m, shard_bytes=m.shard_bytes + held)
+                )
         return views
 
     def shards(self) -> dict[str, Any]:

@@ -175,14 +175,19 @@ def _cpu_name() -> str:
 
 
 def worker_names(devices: Sequence[str]) -> list[str]:
-    """A name per stage or replica: its device, indexed where a device is listed more than once
-    (`cpu,cpu`: two CPU workers sharing the host's cores are `cpu:0` and `cpu:1`)."""
+    """A name per stage or replica: its device, indexed where a device is listed more than once.
+    `cpu,cpu`: two CPU workers sharing the host's cores are `cpu:0` and `cpu:1`; `cuda:0,cuda:0`:
+    two workers on one GPU are `cuda:0#0` and `cuda:0#1` (`#`, so no name reads as another GPU's
+    index). A name labels books and metrics only: never a device to pass to torch."""
     counts = Counter(devices)
     seen: Counter[str] = Counter()
     names = []
     for device in devices:
-        names.append(f"{device}:{seen[device]}" if counts[device] > 1 and ":" not in device else device)
+        if counts[device] == 1:
+            names.append(device)
+        else:
+            names.append(f"{device}{'#' if ':' in device else ':'}{seen[device]}")
         seen[device] += 1
     if len(set(names)) != len(names):
-        raise ValueError(f"a device is listed twice: {list(devices)}")
+        raise ValueError(f"a device is listed twice under different names: {list(devices)}")
     return names

@@ -18,17 +18,21 @@ busy), and the intra-op threads each CPU worker runs. Words: a *lane* is a step 
 own requests; a *micro-batch* is a slice of one step's rows (`replicas.run_micro_batches`).
 
 CPU workers are the testbed: `cpu,cpu` is two workers sharing the host's cores, named `cpu:0`
-and `cpu:1`; CPU replicas share one copy of the weights, so replicas cost no memory there.
+and `cpu:1`; CPU replicas share one copy of the weights, so replicas cost no memory there. One
+GPU listed twice (`cuda:0,cuda:0`: workers `cuda:0#0` and `cuda:0#1`) runs the same code paths
+on one card; its replicas each hold their own weights, within that card's one budget
+(`shared_budgets`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from server.engine.hardware.devices import worker_names
+from server.engine.hardware.devices import default_budget, worker_names
 from server.engine.planning.plan import ShardPlan
 
 
@@ -168,6 +172,32 @@ def single(plan: ShardPlan, threads: int | None = None, **details: Any) -> Paral
     """One lane through `plan`: a single device, or the layer split (one stage busy at a time)."""
     workers = tuple(worker_names([s.device for s in plan.stages]))
     return ParallelPlan((plan,), 1, threads, workers=workers, **details)
+
+
+def shared_budgets(
+    groups: Sequence[Sequence[str]], budgets: Mapping[str, int], resident: int = 0
+) -> list[dict[str, int]]:
+    """Each replica's budgets (`groups`: its stages' devices) where replicas share a GPU: its
+    stages' part of that GPU's one budget (`budgets`' or the default), less the `resident` bytes
+    (encoders and VAE) the first replica's first device keeps, which stay with that replica; so
+    two replicas on `cuda:0` never count its memory twice. Other devices keep their budgets
+    whole: a replica's own GPU, and the CPU, whose single-stage replicas share one copy of the
+    weights (`replicas.build_shards`)."""
+    everyone = Counter(d for group in groups for d in group)
+    out = []
+    for index, group in enumerate(groups):
+        mine = Counter(group)
+        own = {d: b for d, b in budgets.items() if d in mine}
+        for device, count in mine.items():
+            if device == "cpu" or count == everyone[device]:
+                continue
+            total = budgets[device] if device in budgets else default_budget(device)
+            if total is None:
+                continue
+            held = resident if device == groups[0][0] else 0
+            own[device] = max(0, total - held) * count // everyone[device] + (held if index == 0 else 0)
+        out.append(own)
+    return out
 
 
 def weighed_shapes(count: int, parallel: Parallel, quota: int | None = None) -> list[tuple[int, int]]:

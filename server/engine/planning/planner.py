@@ -31,6 +31,7 @@ calibration is too noisy to trust an idle core's predicted gain).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from server.engine.planning.parallel import (
     Candidate,
     Parallel,
     ParallelPlan,
+    shared_budgets,
     single,
     weighed_shapes,
 )
@@ -164,6 +166,9 @@ class _Search:
         self.quota, self.batch = max(1, threads), int(options.get("batch", 2))
         self.block_costs = block_costs
         self.all_cpu = all(d == "cpu" for d in devices)
+        self.turns = max(
+            Counter(d for d in devices if d != "cpu").values(), default=1
+        )  # a GPU listed k times
         self.candidates: list[Candidate] = []
         self.crowded: set[int] = set()  # candidates with more busy CPU workers than cores
         self.pick_threads = True
@@ -187,7 +192,7 @@ class _Search:
         rows = self.batch if self.grouped else self._lane_rows(stages)
         costs = self.block_costs(groups[0][0], threads, rows=rows, **self._sharing(workers, threads))
         try:
-            split = tuple(self._split(group, costs, stages, i == 0) for i, group in enumerate(groups))
+            split = tuple(self._split(groups, i, costs, stages) for i in range(replicas))
         except PlanError as err:
             return self.add(Candidate(replicas, stages, None, str(err), grouped=self.grouped))
         step_s = self._slowest_stage_s(split[0], costs, rows) * self._stretch(workers, threads)
@@ -312,11 +317,13 @@ class _Search:
             self.singles[key] = plan_shards(self.model, list(devices), self.strategy, **costs, **options)
         return self.singles[key]
 
-    def _split(self, group: list[str], costs: Mapping[str, float], stages: int, first: bool) -> ShardPlan:
-        """One replica's plan over `group`: a pipeline balances its blocks' seconds (its slowest
+    def _split(self, groups: list[list[str]], i: int, costs: Mapping[str, float], stages: int) -> ShardPlan:
+        """Replica `i`'s plan over its group: a pipeline balances its blocks' seconds (its slowest
         stage sets the pace), a single stage just has to fit. The encoders and VAE sit with the
-        `first` replica's first stage only (`Pipeline.load`)."""
-        options = self._options(group) | ({} if first else {"resident": 0})
+        first replica's first stage only (`Pipeline.load`); replicas on one GPU share its budget."""
+        group, resident = groups[i], self.options.get("resident", 0)
+        budgets = shared_budgets(groups, self.options["max_memory"], resident)[i]
+        options = self.options | {"max_memory": budgets, "resident": resident if i == 0 else 0}
         if stages > 1:
             return plan_shards(self.model, group, Strategy.COST, block_costs=costs, **options)
         return plan_shards(self.model, group, self.strategy, **options)
@@ -328,15 +335,12 @@ class _Search:
         return self.options | {"max_memory": budgets}
 
     def _stretch(self, workers: int, threads: int) -> float:
-        """How much slower CPU workers run when, with the server's own threads, they ask for more
-        cores than the quota has (1 on GPUs): they share the cores (and their memory bandwidth)."""
+        """How much slower workers run together: CPU ones asking, with the server's threads, for more
+        cores than the quota (sharing cores and memory bandwidth); a GPU's k workers take turns."""
         if not self.all_cpu:
-            return 1.0
-        return (
-            max(1.0, (workers * threads + HTTP_CORES) / self.quota)
-            if workers * threads >= self.quota
-            else 1.0
-        )
+            return float(min(workers, self.turns))
+        busy = workers * threads
+        return max(1.0, (busy + HTTP_CORES) / self.quota) if busy >= self.quota else 1.0
 
     def _slowest_stage_s(self, plan: ShardPlan, costs: Mapping[str, float], rows: int) -> float:
         """Seconds of the slowest stage for one micro-batch, its incoming boundary copy included."""
