@@ -110,6 +110,19 @@ def test_plan_for_absent_gpus_predicts_every_candidate_from_a_device_profile(cap
     )
 
 
+def test_plan_for_one_absent_gpu_listed_twice_names_its_workers_apart(capsys) -> None:
+    """`--devices cuda:14,cuda:14` (a one-GPU host's check of the replica path): the workers are
+    cuda:14#0 and cuda:14#1, and both replicas sit within the one budget: each half of what the
+    encoders and VAE leave, the first with them."""
+    args = ["plan", "--config", "sd15", "--devices", "cuda:14,cuda:14", "--max-memory", "cuda:14=24GiB"]
+    assert main([*args, "--parallel", "replicas", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallel"]["workers"] == ["cuda:14#0", "cuda:14#1"]
+    assert plan["parallel"]["replica_devices"] == [["cuda:14"], ["cuda:14"]]
+    (first,) = plan["devices"]  # the first replica's
+    assert first["budget"] == (24 * 2**30 - first["other_bytes"]) // 2 + first["other_bytes"]
+
+
 def test_every_option_has_help_and_help_prints(run_cli: Cli) -> None:
     for command in ("serve", "plan"):
         done = run_cli(command, "-h")

@@ -1,7 +1,11 @@
 """On a CUDA host: mixed cuda:0 + cpu plans run, match the GPU model or the CPU pipeline, and place
-every weight where the plan says; on two GPUs, pipelined stages and replicas match one GPU with
-both devices busy; edits on one GPU and two match the CPU pipeline; the idle housekeeping and
-compiled-code keys' CUDA sides (issue 37)."""
+every weight where the plan says; on a pair of GPUs, pipelined stages, replicas and sequence
+groups match one GPU with both workers busy; edits on one GPU and a pair match the CPU pipeline;
+the idle housekeeping and compiled-code keys' CUDA sides (issue 37).
+
+The pair is `cuda:0,cuda:1` where the host has two GPUs, else `cuda:0,cuda:0`: two workers on one
+GPU (`cuda:0#0`, `cuda:0#1`) run the same code paths, so a one-GPU host checks their parity; the
+speed tests (a pair against one GPU) need two."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from server.engine import (
     run_micro_batches,
     spec_for,
 )
+from server.engine.hardware.devices import worker_names
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.serving.housekeeping import empty_device_caches
@@ -30,6 +35,17 @@ from tests.reference import diffusers_forward
 from tests.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
 
 pytestmark = pytest.mark.gpu
+
+# Two workers' devices: two GPUs where there are, else one GPU twice; its workers' names, and the
+# distinct GPUs to synchronize.
+GPU_PAIR = "cuda:0,cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0,cuda:0"
+PAIR_WORKERS = tuple(worker_names(GPU_PAIR.split(",")))
+PAIR_GPUS = tuple(dict.fromkeys(GPU_PAIR.split(",")))
+
+
+def synchronize_pair() -> None:
+    for device in PAIR_GPUS:
+        torch.cuda.synchronize(device)
 
 
 def test_mixed_cuda_and_cpu_plan_matches_the_gpu_model(tiny_unet: nn.Module) -> None:
@@ -75,9 +91,8 @@ def test_pipeline_on_cuda_and_cpu_matches_the_cpu_pipeline(folders: dict[str, Pa
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
-@two_gpus
 @pytest.mark.parametrize("parallel", ["pipeline", "replicas"])
-def test_two_gpus_pipelined_or_replicated_match_one_gpu_with_both_busy(
+def test_a_gpu_pair_pipelined_or_replicated_matches_one_gpu_with_both_busy(
     tiny_unet: nn.Module, parallel
 ) -> None:
     spec = spec_for(tiny_unet)
@@ -86,15 +101,15 @@ def test_two_gpus_pipelined_or_replicated_match_one_gpu_with_both_busy(
     with torch.inference_mode():
         expected = diffusers_forward(unet, inputs)
     costs = dict.fromkeys(layout_of(unet).names, 0.001)
-    plan = plan_parallel(unet, "cuda:0,cuda:1", parallel, block_costs=lambda *_, **__: costs)
-    assert plan.workers == ("cuda:0", "cuda:1")
+    plan = plan_parallel(unet, GPU_PAIR, parallel, block_costs=lambda *_, **__: costs)
+    assert plan.workers == PAIR_WORKERS  # cuda:0, cuda:1; or one GPU's cuda:0#0, cuda:0#1
+    assert [s.device for r in plan.replicas for s in r.stages] == GPU_PAIR.split(",")
     shards = build_shards(unet, plan)
     out = run_micro_batches(shards, inputs, micro_batches=2).out
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
+    synchronize_pair()
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
     busy = {w: s for shard in shards for w, s in shard.gates.stats().busy_s.items()}
-    assert set(busy) == {"cuda:0", "cuda:1"} and min(busy.values()) > 0
+    assert set(busy) == set(PAIR_WORKERS) and min(busy.values()) > 0
 
 
 @two_gpus
@@ -131,14 +146,15 @@ def test_a_lone_step_split_over_two_gpu_replicas_takes_at_most_065_of_one_gpu() 
     assert split <= 0.65 * one, f"split {split * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
 
 
-@two_gpus
-def test_a_tiny_flux_split_over_two_gpus_equals_one_gpu(tmp_path: Path) -> None:
-    """FLUX.1's two streams, temb and rotary embeddings cross from cuda:0 to cuda:1 (issue 25)."""
+def test_a_tiny_flux_split_over_a_gpu_pair_equals_one_gpu(tmp_path: Path) -> None:
+    """FLUX.1's two streams, temb and rotary embeddings cross from cuda:0 to cuda:1 (issue 25), or
+    from one stage to the next on one GPU."""
     folder = build_flux_folder(tmp_path / "flux")
     request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
     one = Pipeline.load(folder, devices="cuda:0").generate([request])[0]
-    split = Pipeline.load(folder, devices="cuda:0,cuda:1", strategy="even")
-    assert [stage.device for stage in split.shard.plan.stages] == ["cuda:0", "cuda:1"]
+    split = Pipeline.load(folder, devices=GPU_PAIR, strategy="even")
+    assert [stage.device for stage in split.shard.plan.stages] == GPU_PAIR.split(",")
+    assert split.shard.gates.names == list(PAIR_WORKERS)
     assert float(np.abs(split.generate([request])[0] - one).max()) < 1e-3
 
 
@@ -156,15 +172,13 @@ def _edit_requests() -> list[GenerationRequest]:
     ]
 
 
-@pytest.mark.parametrize(
-    "devices", ["cuda:0", pytest.param("cuda:0,cuda:1", marks=two_gpus)], ids=["one-gpu", "two-gpus"]
-)
+@pytest.mark.parametrize("devices", ["cuda:0", GPU_PAIR], ids=["one-gpu", "gpu-pair"])
 @pytest.mark.parametrize("unet", ["sd15", "inpainting-unet"])
 def test_edits_on_cuda_match_the_cpu_pipeline(
     folders: dict[str, Path], tmp_path: Path, devices: str, unet: str
 ) -> None:
     """img2img and inpainting (a regular and a 9-channel UNet) with the denoiser on one GPU or
-    split over two (issue 37: the CPU noise met the VAE's latents on the GPU)."""
+    split over a pair (issue 37: the CPU noise met the VAE's latents on the GPU)."""
     folder = folders["sd15"] if unet == "sd15" else build_sd15_inpainting_folder(tmp_path / "inpainting")
     requests = _edit_requests()
     on_cpu = Pipeline.load(folder, devices="cpu").generate(requests)
@@ -276,10 +290,10 @@ def test_a_flux_shaped_sequence_group_of_two_gpus_takes_at_most_06_of_one_gpu() 
     assert group <= 0.6 * one, f"group {group * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
 
 
-@two_gpus
 @pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_tiny_dits_as_a_sequence_group_of_two_gpus_equal_one_gpu(tmp_path: Path, family: str) -> None:
-    """Parity on CUDA: every rank's slice and exchange on its own device (issue 40)."""
+def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Path, family: str) -> None:
+    """Parity on CUDA: every rank's slice and exchange on its own device (issue 40), or both
+    ranks on one GPU (each its own replica's weights)."""
     from server.pipeline.loader import read_family
     from server.pipeline.planning import plan_model
     from tests.tiny_pipelines import build_sd3_folder
@@ -288,11 +302,12 @@ def test_tiny_dits_as_a_sequence_group_of_two_gpus_equal_one_gpu(tmp_path: Path,
     request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
     one = Pipeline.load(folder, devices="cuda:0").generate([request])[0]
     plan = plan_model(
-        read_family(folder), "cuda:0,cuda:1", "memory", dtype=torch.float32, batch=2, side=32,
+        read_family(folder), GPU_PAIR, "memory", dtype=torch.float32, batch=2, side=32,
         folder=folder, parallel="sequence",
     )  # fmt: skip
     grouped = Pipeline.load(folder, plan=plan)
     assert grouped.deployment.grouped and grouped.deployment.sequence == 2
+    assert [r.device for r in grouped.deployment.replicas] == [torch.device(d) for d in GPU_PAIR.split(",")]
     lane = grouped.lanes()[0]
     assert float(np.abs(lane.generate([request])[0] - one).max()) < 1e-3
     assert lane.lane.groups.calls == request.steps
