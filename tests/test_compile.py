@@ -131,3 +131,19 @@ def test_an_unwritable_cache_dir_warns_and_keeps_nothing(
         store = GraphStore(not_a_folder, torch.device("cpu"), CompileStats("full"))
     assert store.folder is None and store._path("any") is None
     assert "cannot keep compiled graphs" in caplog.text and "compiled again at every start" in caplog.text
+
+
+def test_a_graph_traced_where_torch_has_no_ahead_of_time_compile_runs_as_eager() -> None:
+    """PyTorch 2.11 (the lent GPUs') has no `aot_compile`: the graph is compiled when made, not
+    kept on disk, and gives the eager function's result."""
+    from server.engine.runtime.graphs import _Traced
+
+    def fn(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.nn.functional.gelu(x * scale) + 1
+
+    x = torch.randn(4, 8)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    traced = _Traced(compiled, (x, 2.0))
+    torch.testing.assert_close(traced(x, 2.0), fn(x, 2.0))
+    with pytest.raises(NotImplementedError, match="cannot save"):
+        traced.save_compiled_function("unused", external_data={})

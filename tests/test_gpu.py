@@ -330,3 +330,22 @@ def test_a_wan_video_in_bfloat16_on_cuda_follows_the_cpu_one(tmp_path: Path, gui
         videos.append(pipeline.generate([pipeline.resolve(request)])[0])
     assert videos[0].shape == (9, 32, 32, 3)
     assert float(np.abs(videos[0] - videos[1]).mean()) * 255 <= 2
+
+
+def test_wan_with_float8_weights_makes_the_bfloat16_video(tmp_path: Path) -> None:
+    """`--quantize float8` on Wan (issue 48's first GPU run: torchao refused the time embedder,
+    which diffusers keeps in float32): it loads, holds fewer bytes, and follows bfloat16's video."""
+    from tests.tiny_pipelines import build_wan_folder
+
+    folder = build_wan_folder(tmp_path / "wan")
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32, frames=9
+    )
+    held, videos = [], []
+    for quantize in ("off", "denoiser=float8"):
+        pipeline = Pipeline.load(folder, devices="cuda:0", dtype=torch.bfloat16, quantize=quantize)
+        held.append(pipeline.shard.param_bytes()["cuda:0"])
+        videos.append(pipeline.generate([pipeline.resolve(request)])[0])
+    assert held[1] < held[0]
+    assert videos[1].shape == (9, 32, 32, 3) and np.isfinite(videos[1]).all()
+    assert float(np.abs(videos[0] - videos[1]).mean()) * 255 <= 25  # float8 per row against bfloat16

@@ -287,3 +287,22 @@ def test_an_inpainting_edit_beside_a_plain_request_on_an_int8_base_equals_it_alo
         assert np.abs(mixed - single).max() < 1e-3
     kept = np.asarray(source_image(), dtype=np.float32)[:, IMAGE_SIZE // 2 :] / 255
     assert np.abs(together[0][:, IMAGE_SIZE // 2 :] - kept).max() < 1e-6  # the unmasked half is the image's
+
+
+def test_layers_diffusers_keeps_in_float32_are_never_quantized() -> None:
+    """Wan's time embedder is in `_keep_in_fp32_modules`: diffusers holds it in float32 under any
+    dtype, and torchao's float8 refuses float32 weights (the lent H100 found `--quantize float8`
+    failing on Wan's first time-embedder layer)."""
+    from diffusers import WanTransformer3DModel
+
+    from server.pipeline.families.wan import Wan
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+        )  # fmt: skip
+    for mode in (QuantMode.FLOAT8, QuantMode.INT8):
+        names = [name for name, _ in Quantization(mode, Wan.keep_precise).targets(model)]
+        assert "blocks.0.ffn.net.0.proj" in names and "condition_embedder.text_embedder.linear_1" in names
+        assert not [n for n in names if "time_embedder" in n.split(".")], names

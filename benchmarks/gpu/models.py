@@ -224,8 +224,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def paired(clock: Clock, first: Callable, second: Callable, rounds: int) -> dict[str, Any]:
-    """Both once to warm, then `rounds` rounds in alternating order: medians and paired ratio."""
-    clock(first), clock(second)
+    """Both 3 times to warm (the GPU's clocks, cuDNN's choices), then `rounds` rounds in
+    alternating order: medians and the median of paired ratios."""
+    for _ in range(3):
+        clock(first), clock(second)
     a_s, b_s = [], []
     for r in range(rounds):
         order = [(first, a_s), (second, b_s)]

@@ -63,9 +63,13 @@ class Quantization:
         return bool(self) and isinstance(module, nn.Linear) and not kept
 
     def targets(self, model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Linear]]:
-        """The Linear layers of `model` (named from the root as `prefix` says) this mode converts."""
+        """The Linear layers of `model` (named from the root as `prefix` says) this mode converts:
+        never those under a module diffusers keeps in float32 (`_keep_in_fp32_modules`, matched by
+        name part as its loader does: Wan's time embedder), which stay as precise as diffusers
+        holds them (and torchao's float8 refuses float32 weights)."""
+        fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
         for name, module in model.named_modules(prefix=prefix):
-            if self.converts(name, module):
+            if self.converts(name, module) and not fp32.intersection(name.split(".")):
                 yield name, module
 
     def bytes(self, model: nn.Module, dtype: torch.dtype, prefix: str = "") -> int:

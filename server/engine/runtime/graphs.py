@@ -102,7 +102,8 @@ class GraphStore:
             compiled = self._read(key, external)
             if compiled is None:
                 compiled = self._compile(fn, example)
-                self._write(key, compiled, external)
+                if not isinstance(compiled, _Traced):
+                    self._write(key, compiled, external)
                 self.stats.compiled += 1
             else:
                 self.stats.loaded += 1
@@ -134,6 +135,8 @@ class GraphStore:
             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},  # `signature` instead
         )
         with torch.inference_mode():
+            if not hasattr(compiled, "aot_compile"):  # torch < 2.13: compiled here, never kept
+                return _Traced(compiled, example)
             return compiled.aot_compile((example, {}))
 
     def _write(self, key: str, compiled: Any, external: dict[str, Any]) -> None:
@@ -145,6 +148,25 @@ class GraphStore:
             compiled.save_compiled_function(str(path), external_data=external)
         except Exception as err:
             log.warning("cannot keep the compiled graph %s (%s): it is compiled again next start", path, err)
+
+
+class _Traced:
+    """A `torch.compile`d function traced now, where torch has no ahead-of-time compile (2.11 on
+    the lent GPUs): it runs as a precompiled one does, but cannot be saved (a start compiles it
+    again) and dynamo's guards, skipped by `skip_all_guards_unsafe`, are not there to check."""
+
+    def __init__(self, compiled: Callable, example: tuple) -> None:
+        self.fn = compiled
+        compiled(*example)  # trace and compile for this signature now, not on the serving path
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def disable_guard_check(self) -> None:
+        pass  # guards already skipped
+
+    def save_compiled_function(self, path: str, external_data: dict[str, Any]) -> None:
+        raise NotImplementedError(f"torch {torch.__version__} cannot save a compiled function")
 
 
 def _writable(folder: Path) -> Path | None:
