@@ -55,7 +55,7 @@ def phases(quick: bool) -> list[Phase]:
         Phase("serve", "benchmarks.gpu.served", (), 90),
         Phase("bench:sdxl", bench, ("sdxl",), 75),
         Phase("bench:flux", bench, ("flux",), 90),
-        Phase("bench:wan", bench, ("wan",), 75),
+        Phase("bench:wan", bench, ("wan",), 120),
         Phase("compile", bench, (*compiled, "--compile"), 150),
     ]
 

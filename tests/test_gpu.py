@@ -190,11 +190,15 @@ def test_edits_on_cuda_match_the_cpu_pipeline(
 
 
 def test_idle_housekeeping_empties_the_cuda_caching_allocator() -> None:
+    """Against the reservation before: earlier tests' tensors may still hold blocks (the lent H100
+    ran this after the others, with 68 MiB reserved by then)."""
+    before = torch.cuda.memory_reserved("cuda:0")
     buffer = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:0")
     del buffer  # freed to PyTorch's cache, still reserved from the driver
-    assert torch.cuda.memory_reserved("cuda:0") >= 64 * 2**20
+    cached = torch.cuda.memory_reserved("cuda:0")
+    assert cached >= before + 64 * 2**20
     empty_device_caches()
-    assert torch.cuda.memory_reserved("cuda:0") < 64 * 2**20
+    assert torch.cuda.memory_reserved("cuda:0") <= cached - 64 * 2**20
 
 
 def test_compiled_code_is_keyed_by_every_device_it_runs_on() -> None:
@@ -215,7 +219,7 @@ def test_float8_and_nf4_load_serve_and_match_diffusers(folders: dict[str, Path],
         TorchAoConfig,
     )
 
-    from server.engine.quantize import QuantMode, refusal, torchao_config
+    from server.engine.quantize import Quantization, QuantMode, refusal, torchao_config
     from tests.tiny_pipelines import diffusers_image
 
     if problem := refusal(QuantMode(mode), "cuda:0"):
@@ -226,7 +230,14 @@ def test_float8_and_nf4_load_serve_and_match_diffusers(folders: dict[str, Path],
     ours = pipeline.generate([request])[0]
     held = sum(m.shard_bytes for m in pipeline.shard.memory().values())
     full = Pipeline.load(folder, devices="cuda:0", dtype=torch.bfloat16)
-    assert held < 0.8 * sum(m.shard_bytes for m in full.shard.memory().values())
+    # only Linear layers convert (the tiny UNet is mostly convolutions: 0.87 of bfloat16's bytes
+    # on the lent H100): each converted weight saves a byte an entry, less its per-row scales
+    converted = [layer for _, layer in Quantization(QuantMode(mode), ()).targets(full.shard.model)]
+    saved = sum(layer.weight.numel() - 4 * layer.out_features for layer in converted)
+    full_bytes = sum(m.shard_bytes for m in full.shard.memory().values())
+    assert converted and held < full_bytes
+    if mode == "float8":  # exact on the lent H100: 199424 bytes saved of 1585928
+        assert full_bytes - held == pytest.approx(saved, rel=0.01)
     config = (
         TorchAoConfig(torchao_config(QuantMode.FLOAT8))
         if mode == "float8"
@@ -337,7 +348,9 @@ def test_wan_with_float8_weights_makes_the_bfloat16_video(tmp_path: Path) -> Non
     which diffusers keeps in float32): it loads, holds fewer bytes, and follows bfloat16's video."""
     from tests.tiny_pipelines import build_wan_folder
 
-    folder = build_wan_folder(tmp_path / "wan")
+    # 16-wide heads: torchao's float8 leaves Linear layers alone unless both sides are multiples
+    # of 16 (the tests' 12-wide tiny Wan converted nothing on the lent H100)
+    folder = build_wan_folder(tmp_path / "wan", attention_head_dim=16)
     request = GenerationRequest(
         "a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32, frames=9
     )

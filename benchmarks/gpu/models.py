@@ -369,8 +369,12 @@ def bench(name: str, shape: Shape, device: torch.device, rounds: int, lines: Lin
 def bench_compiled(name: str, shape: Shape, device: torch.device, rounds: int, lines: Lines) -> None:
     """`--compile blocks` (inductor, per block kind) against eager at the lone rows."""
     from server.engine.runtime.compile import CompileMode
-    from server.engine.runtime.graphs import CompileStats, GraphStore
+    from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
 
+    if problem := compile_refusal():
+        lines.write({"model": name, "measure": "compile_blocks", "refused": problem})
+        lines.write({"headline": f"{name} not compiled: {problem}"})
+        return
     dtype, clock = torch.bfloat16, Clock(device)
     model = build_on_device(shape, dtype, device)
     shard = ModelShard(model, plan_shards(model, [str(device)], "even", latent_size=shape.latent[-1]))

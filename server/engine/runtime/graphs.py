@@ -69,6 +69,15 @@ class CompileStats:
         }
 
 
+def compile_refusal() -> str | None:
+    """Why this PyTorch cannot compile as `--compile` does, or None. Graphs are compiled ahead of
+    time (`torch.compile(...).aot_compile`, kept on disk): PyTorch 2.11 (the lent GPUs') lacks it,
+    and tracing there instead failed inside dynamo on FLUX's blocks (KeyError 'norm1')."""
+    if hasattr(torch.compile(lambda x: x), "aot_compile"):
+        return None
+    return f"--compile needs PyTorch 2.13's ahead-of-time compile, which torch {torch.__version__} lacks"
+
+
 class GraphStore:
     """Precompiled functions on disk and in memory, by a key of what they were compiled from."""
 
@@ -102,8 +111,7 @@ class GraphStore:
             compiled = self._read(key, external)
             if compiled is None:
                 compiled = self._compile(fn, example)
-                if not isinstance(compiled, _Traced):
-                    self._write(key, compiled, external)
+                self._write(key, compiled, external)
                 self.stats.compiled += 1
             else:
                 self.stats.loaded += 1
@@ -135,8 +143,6 @@ class GraphStore:
             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},  # `signature` instead
         )
         with torch.inference_mode():
-            if not hasattr(compiled, "aot_compile"):  # torch < 2.13: compiled here, never kept
-                return _Traced(compiled, example)
             return compiled.aot_compile((example, {}))
 
     def _write(self, key: str, compiled: Any, external: dict[str, Any]) -> None:
@@ -148,25 +154,6 @@ class GraphStore:
             compiled.save_compiled_function(str(path), external_data=external)
         except Exception as err:
             log.warning("cannot keep the compiled graph %s (%s): it is compiled again next start", path, err)
-
-
-class _Traced:
-    """A `torch.compile`d function traced now, where torch has no ahead-of-time compile (2.11 on
-    the lent GPUs): it runs as a precompiled one does, but cannot be saved (a start compiles it
-    again) and dynamo's guards, skipped by `skip_all_guards_unsafe`, are not there to check."""
-
-    def __init__(self, compiled: Callable, example: tuple) -> None:
-        self.fn = compiled
-        compiled(*example)  # trace and compile for this signature now, not on the serving path
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def disable_guard_check(self) -> None:
-        pass  # guards already skipped
-
-    def save_compiled_function(self, path: str, external_data: dict[str, Any]) -> None:
-        raise NotImplementedError(f"torch {torch.__version__} cannot save a compiled function")
 
 
 def _writable(folder: Path) -> Path | None:
