@@ -112,6 +112,16 @@ def runtime_requirements(dist: Distribution) -> set[str]:
     return needed
 
 
+def optional_requirements(dist: Distribution) -> set[str]:
+    """What `dist` offers under an extra: imported where present, skipped where not (requests
+    tries PySocks), so the device need not have it."""
+    return {
+        normalize(Requirement(line).name)
+        for line in dist.requires or ()
+        if Requirement(line).marker is not None and "extra" in str(Requirement(line).marker)
+    }
+
+
 def installed() -> dict[str, Distribution]:
     return {normalize(dist.metadata["Name"]): dist for dist in distributions()}
 
@@ -126,12 +136,15 @@ def test_the_bundle_names_every_package_the_check_imports_that_the_image_lacks(
     report, _ = dry_run
     (imported,) = [line["imported"] for line in report["phases"]["facts"]["results"] if "imported" in line]
     required_by: dict[str, set[str]] = {}
+    optional: set[str] = set()
     for name, dist in installed().items():
         if name != "diffshard":
             for needed in runtime_requirements(dist) - {name}:
                 required_by.setdefault(needed, set()).add(name)
-    # a package imported only because another needs it is that one's to bring (or the image's)
-    direct = {normalize(name) for name in imported} - set(required_by) - {"diffshard"}
+            optional |= optional_requirements(dist)
+    # a package imported only because another needs it is that one's to bring (or the image's);
+    # one another offers as an extra is tried and skipped where absent
+    direct = {normalize(name) for name in imported} - set(required_by) - optional - {"diffshard"}
     assert direct - the_device_has() == set(), "imported, but neither in image.txt nor in bundle.txt"
 
 
