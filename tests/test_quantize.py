@@ -306,3 +306,18 @@ def test_layers_diffusers_keeps_in_float32_are_never_quantized() -> None:
         names = [name for name, _ in Quantization(mode, Wan.keep_precise).targets(model)]
         assert "blocks.0.ffn.net.0.proj" in names and "condition_embedder.text_embedder.linear_1" in names
         assert not [n for n in names if "time_embedder" in n.split(".")], names
+
+
+def test_float8_quantizes_an_all_zero_activation_row_to_zeros_not_nan() -> None:
+    """Wan's text context is zeros after each prompt's tokens: without a floor under the row's
+    scale (0), torchao quantizes such a row to 0/0 = NaN (the lent H100's NaN float8 videos). The
+    quantization step itself runs on a CPU; float8 matmuls do not."""
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+    config = torchao_config(QuantMode.FLOAT8)
+    rows = torch.randn(4, 32, dtype=torch.bfloat16)
+    rows[2] = 0
+    scale = _choose_scale_float8(rows, [1, 32], hp_value_lb=config.activation_value_lb)
+    quantized = _quantize_affine_float8(rows, scale, config.activation_dtype).float()
+    assert torch.isfinite(quantized).all() and quantized[2].eq(0).all()
+    assert quantized[0].ne(0).any()

@@ -39,6 +39,7 @@ WEIGHT_BYTES = {
     QuantMode.FLOAT8: 1.0,
     QuantMode.NF4: 0.5 + 4 / 64,
 }
+FLOAT8_SCALE_FLOOR = 1e-12  # the smallest absolute maximum a float8 activation row is scaled from
 ROW_BYTES = {QuantMode.INT8: 5, QuantMode.INT8_DYNAMIC: 5, QuantMode.FLOAT8: 4, QuantMode.NF4: 0}
 
 
@@ -113,7 +114,11 @@ def torchao_config(mode: QuantMode) -> Any:
     configs = {
         QuantMode.INT8: Int8WeightOnlyConfig,
         QuantMode.INT8_DYNAMIC: Int8DynamicActivationInt8WeightConfig,
-        QuantMode.FLOAT8: lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        # a floor under each row's scale: an all-zero row (Wan's padded text context) otherwise
+        # gets scale 0 and quantizes to NaN (0/0), which the lent H100 found as NaN videos
+        QuantMode.FLOAT8: lambda: Float8DynamicActivationFloat8WeightConfig(
+            granularity=PerRow(), activation_value_lb=FLOAT8_SCALE_FLOOR
+        ),
     }
     return configs[mode]()
 
