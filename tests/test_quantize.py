@@ -299,7 +299,7 @@ def test_layers_diffusers_keeps_in_float32_are_never_quantized() -> None:
 
     with torch.device("meta"):
         model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
             out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
         )  # fmt: skip
     for mode in (QuantMode.FLOAT8, QuantMode.INT8):
@@ -321,3 +321,15 @@ def test_float8_quantizes_an_all_zero_activation_row_to_zeros_not_nan() -> None:
     quantized = _quantize_affine_float8(rows, scale, config.activation_dtype).float()
     assert torch.isfinite(quantized).all() and quantized[2].eq(0).all()
     assert quantized[0].ne(0).any()
+
+
+def test_float8_counts_only_the_layers_torchao_converts() -> None:
+    """torchao's float8 leaves a Linear layer alone unless both sides are multiples of 16 (the
+    lent H100 converted nothing of a 12-wide tiny Wan): the planner's bytes follow it."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 24), torch.nn.Linear(24, 32))
+    names = [name for name, _ in Quantization(QuantMode.FLOAT8).targets(model)]
+    assert names == ["0"]
+    assert [name for name, _ in Quantization(QuantMode.INT8).targets(model)] == ["0", "1", "2"]
+    assert Quantization(QuantMode.FLOAT8).bytes(model, torch.bfloat16) == (
+        32 * 64 + 64 * 4 + 64 * 2 + (64 * 24 + 24 + 24 * 32 + 32) * 2
+    )

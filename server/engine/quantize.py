@@ -61,7 +61,11 @@ class Quantization:
 
     def converts(self, name: str, module: nn.Module) -> bool:
         kept = any(name == k or name.startswith(f"{k}.") for k in self.keep)
-        return bool(self) and isinstance(module, nn.Linear) and not kept
+        if not bool(self) or not isinstance(module, nn.Linear) or kept:
+            return False
+        # torchao's float8 matmul needs both sides a multiple of 16 and leaves other layers as
+        # they are: counted as such, so the planner's bytes are what the GPU holds
+        return self.mode != QuantMode.FLOAT8 or not any(side % 16 for side in module.weight.shape)
 
     def targets(self, model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Linear]]:
         """The Linear layers of `model` (named from the root as `prefix` says) this mode converts:
