@@ -60,6 +60,9 @@ def phases(quick: bool) -> list[Phase]:
     ]
 
 
+PHASE_NAMES = [phase.name for phase in phases(quick=False)]
+
+
 def install_bundle(bundle: Path) -> Path:
     """`bundle`'s wheels installed into a fresh temporary site (no index: the machine has no network),
     compiled to bytecode there: Python 3.12 warns of torchao's invalid escapes when it compiles
@@ -113,7 +116,7 @@ def table(report: dict) -> list[str]:
     rows = [f"{'phase':<11} {'status':<24} {'s':>6}  headline"]
     for name, section in report["phases"].items():
         headline = "; ".join(r["headline"] for r in section["results"] if "headline" in r)
-        rows.append(f"{name:<11} {section['status'][:24]:<24} {section['seconds']:>6}  {headline[:160]}")
+        rows.append(f"{name:<11} {section['status'][:24]:<24} {section['seconds']:>6}  {headline[:400]}")
     return rows
 
 
@@ -137,6 +140,8 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     common = ["--device", args.device, *(["--quick"] if args.quick else [])]
     chosen = set(args.only.split(",")) if args.only else None
+    if unknown := (chosen or set()) - {phase.name for phase in phases(args.quick)}:
+        parser.error(f"--only: no phase {', '.join(sorted(unknown))}; phases: {', '.join(PHASE_NAMES)}")
 
     report: dict = {"device": args.device, "quick": args.quick, "budget_s": args.budget_s, "phases": {}}
     deadline = time.monotonic() + args.budget_s

@@ -40,13 +40,12 @@ def main() -> None:
     code = subprocess.run(
         command, cwd=ROOT, env={**os.environ, "GPU_CHECK_LINES": str(args.lines)}
     ).returncode
-    outcomes = Counter(
-        result["outcome"]
-        for line in args.lines.read_text().splitlines()
-        if "outcome" in (result := json.loads(line))
-    )
+    results = [json.loads(line) for line in args.lines.read_text().splitlines()]
+    outcomes = Counter(result["outcome"] for result in results if "outcome" in result)
     counted = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
-    lines.write({"pytest_exit": code, "headline": f"gpu tests: {counted or 'none ran'}"})
+    failed = [r["test"].split("::")[-1] for r in results if r.get("outcome") in ("failed", "error")]
+    headline = f"gpu tests: {counted or 'none ran'}" + (f" ({', '.join(failed)})" if failed else "")
+    lines.write({"pytest_exit": code, "headline": headline})
     sys.exit(0 if code in (0, 5) and not outcomes["failed"] + outcomes["error"] else 1)
 
 
