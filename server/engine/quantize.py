@@ -68,11 +68,13 @@ class Quantization:
         return self.mode != QuantMode.FLOAT8 or not any(side % 16 for side in module.weight.shape)
 
     def targets(self, model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Linear]]:
-        """The Linear layers of `model` (named from the root as `prefix` says) this mode converts:
-        never those under a module diffusers keeps in float32 (`_keep_in_fp32_modules`, matched by
-        name part as its loader does: Wan's time embedder), which stay as precise as diffusers
-        holds them (and torchao's float8 refuses float32 weights)."""
-        fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        """The Linear layers of `model` (named from the root as `prefix` says) this mode converts.
+        float8 leaves those under a module the loader keeps in float32 (`_keep_in_fp32_modules`,
+        matched by name part as diffusers and transformers do: Wan's time embedder, T5's `wo`):
+        torchao's float8 refuses float32 weights (the lent H100 found it on Wan's). The int8
+        modes take float32 weights and convert them."""
+        keep = getattr(model, "_keep_in_fp32_modules", None) if self.mode == QuantMode.FLOAT8 else None
+        fp32 = set(keep or ())
         for name, module in model.named_modules(prefix=prefix):
             if self.converts(name, module) and not fp32.intersection(name.split(".")):
                 yield name, module
