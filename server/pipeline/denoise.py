@@ -391,13 +391,6 @@ class Pipeline:
 
 
 def _images_per_call(states: Sequence[RequestState]) -> int:
-    """How many images of this (one) size one VAE call decodes (`tiling.images_per_call`)."""
-    if not states:
-        return 1
-    request = states[0].request
-    if request.frames is not None:
-        # One video a call: the plan counts one clip's decode peak, and a clip's pixels must not
-        # depend on its batch-mates (the tiny Wan's causal 3D VAE decoded a clip 0.021 apart
-        # beside another than alone, on an AVX2-only EPYC)
-        return 1
-    return images_per_call(request.width, request.height)
+    """How many images (or videos) of this (one) size one VAE call decodes."""
+    request = states[0].request if states else None
+    return 1 if request is None else images_per_call(request.width, request.height, request.frames)

@@ -53,11 +53,15 @@ def parse_vae_tiling(value: object) -> VaeTiling:
     return VaeTiling(text)
 
 
-def images_per_call(width: int, height: int) -> int:
+def images_per_call(width: int, height: int, frames: int | None = None) -> int:
     """Images of this size one VAE call decodes: DECODE_PIXELS' worth, at least one. Tiled, the
     same: diffusers' `tiled_decode` runs each tile on the call's whole batch, so its activations
     are images × tile, under this bound, and the tiles it keeps until blended (3 channels, full
-    size) stay bounded too."""
+    size) stay bounded too. A video (`frames`): one clip a call, as the plan counts one clip's
+    decode peak; and a clip's pixels must not depend on its batch-mates (the tiny Wan's causal
+    3D VAE decoded a clip 0.021 apart beside another than alone, on an AVX2-only EPYC)."""
+    if frames is not None:
+        return 1
     return max(1, DECODE_PIXELS // (width * height))
 
 
