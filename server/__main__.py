@@ -27,7 +27,8 @@ from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
 from server.app import check_quantization_runs, create_app, decoder_for, fitted_plan
-from server.config import Settings, is_loopback
+from server.config import Settings
+from server.config_values import is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
 from server.engine.hardware.memory import bound_kernel_cache

@@ -28,7 +28,8 @@ from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
 from server.api.uploads import bound_decoder
-from server.config import Settings, read_api_keys
+from server.config import Settings
+from server.config_values import read_api_keys
 from server.engine import ParallelPlan
 from server.engine.hardware.memory import (
     bound_kernel_cache,
@@ -244,7 +245,7 @@ def start_videos(settings: Settings, service: Service, runtime: Runtime) -> Vide
     runtime.videos = VideoRunner(
         store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
         max_bytes=settings.video_store_bytes, lease_s=settings.video_lease_s,
-        serving=lambda: runtime.status == "ready",
+        takes_work=lambda: runtime.takes_work,
     )  # fmt: skip
     return runtime.videos
 

@@ -5,8 +5,6 @@ device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,6 +25,8 @@ from server.config_values import (
     QuantizeValue,
     StepCacheSetting,
     VaeTilingValue,
+    is_loopback,
+    read_api_keys,
 )
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
@@ -106,6 +106,10 @@ class Settings(BaseSettings):
         30, ge=1, le=3600, description="seconds a running video job's lease lasts unrenewed (Redis store)"
     )
     video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
+    video_timeout_s: float = Field(
+        3600, gt=0, description="a video job's deadline, from when a runner takes it from the store "
+        "(waiting in the step loop's line counts, waiting in the store does not); past it: failed",
+    )  # fmt: skip
     video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
     video_store_bytes: int = Field(
         10 * 1024**3, ge=1, description="the finished videos' content in all; past it the oldest go"
@@ -371,6 +375,7 @@ class Settings(BaseSettings):
             max_work=self.work_limit(family),
             native_pixels=family.native_size**2,
             request_timeout_s=self.request_timeout_s,
+            video_timeout_s=self.video_timeout_s,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(family),
             max_edit_images=self.max_edit_images,
@@ -381,20 +386,3 @@ class Settings(BaseSettings):
     def edit_body_bytes(self) -> int:
         """An edit's body: its images and mask at their limit, beside the other fields."""
         return (self.max_edit_images + 1) * self.max_image_bytes + self.max_body_bytes
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address `host` names is a loopback one."""
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-    except socket.gaierror:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
-
-
-def read_api_keys(path: Path) -> frozenset[str]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}") from err
-    return frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))

@@ -3,7 +3,9 @@ a ValueError's message says what to write (pydantic names the setting)."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -95,3 +97,20 @@ QuantizeValue = Annotated[QuantizeSetting, NoDecode, BeforeValidator(parse_quant
 # parse_step_cache raises InvalidRequest, a ValueError: pydantic reports it with the setting's name
 StepCacheSetting = Annotated[StepCache, NoDecode, BeforeValidator(parse_step_cache)]
 VaeTilingValue = Annotated[VaeTiling, BeforeValidator(parse_vae_tiling)]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def read_api_keys(path: Path) -> frozenset[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from err
+    return frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))

@@ -168,15 +168,16 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
         asked = f"{body.seconds} s is {generation.frames} frames at {runner.fps} fps (--video-fps): "
         raise InvalidRequest("seconds", asked + err.message, err.limit) from None
     settings, owner = request.app.state.settings, request.state.owner or ""
-    if await asyncio.to_thread(runner.store.unfinished, owner) >= settings.key_queue_limit:
-        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)  # one key's share of the line
-    if await asyncio.to_thread(runner.store.unfinished) >= settings.max_queue:
-        raise Overloaded(RETRY_AFTER_S)
     job = VideoJob(
         new_job_id(), owner, service.name, body.prompt,
         f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
     )  # fmt: skip
-    await asyncio.to_thread(runner.add, job)
+    # one key's share of the line, and the line: counted with the add, in one step
+    refused = await asyncio.to_thread(runner.add, job, settings.key_queue_limit, settings.max_queue)
+    if refused == "owner":
+        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)
+    if refused is not None:
+        raise Overloaded(RETRY_AFTER_S)
     return job.public()
 
 

@@ -8,7 +8,8 @@ from server.pipeline.stepcache import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_I
 from server.serving.jobs import Job
 from server.serving.limits import Limits
 from server.serving.loop import StepLoop
-from server.serving.service import Runtime, Service
+from server.serving.runtime import Runtime
+from server.serving.service import Service
 from server.serving.stats import Distribution, LoopStats, Snapshot
 
 __all__ = [

@@ -33,6 +33,7 @@ class Job:
     on_partial: Callable[[int, int, torch.Tensor], None] | None = None
     on_progress: Callable[[], None] | None = None
     warning: str | None = None  # for the client: a size the model was not trained at
+    timeout_setting: str = "DIFFSHARD_REQUEST_TIMEOUT_S"  # what sets `timeout_s` (said past it)
 
     @property
     def pixel_rows(self) -> int:
@@ -84,9 +85,7 @@ def leaving_outcome(job: Job) -> Rejected:
     """How a job that leaves before its images are done ends: its client went, or its deadline."""
     if job.cancel_requested:
         return Cancelled("the client disconnected")
-    return DeadlineExceeded(
-        f"the request ran past its deadline: {job.timeout_s:g} s (DIFFSHARD_REQUEST_TIMEOUT_S)"
-    )
+    return DeadlineExceeded(f"the request ran past its deadline: {job.timeout_s:g} s ({job.timeout_setting})")
 
 
 def failure_outcome(err: Exception) -> Rejected:

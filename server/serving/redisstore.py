@@ -37,6 +37,22 @@ redis.call('HSET', p .. 'job:' .. id, 'status', '"in_progress"', 'progress', '0'
 return id
 """
 
+# ARGV: prefix, id, owner, created_at, the owner's bound, the store's (-1: none), then field,
+# value pairs. Counted and added as one: concurrent creates never pass a bound together.
+ADD = """
+local p, id, owner, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local per_owner, total = tonumber(ARGV[5]), tonumber(ARGV[6])
+if per_owner >= 0 and redis.call('SCARD', p .. 'unfinished:' .. owner) >= per_owner then return 'owner' end
+if total >= 0 and redis.call('SCARD', p .. 'unfinished') >= total then return 'total' end
+redis.call('HSET', p .. 'job:' .. id, unpack(ARGV, 7))
+redis.call('ZADD', p .. 'jobs', at, id)
+redis.call('ZADD', p .. 'owner:' .. owner, at, id)
+redis.call('ZADD', p .. 'queue', at, id)
+redis.call('SADD', p .. 'unfinished', id)
+redis.call('SADD', p .. 'unfinished:' .. owner, id)
+return false
+"""
+
 # ARGV: prefix, id, worker, lease ms, then field, value pairs to write. Only while `worker`
 # holds the job; renews its lease.
 PROGRESS = """
@@ -129,7 +145,7 @@ class RedisJobStore:
             ) from None
         self._scripts = {
             name: self._redis.register_script(text)
-            for name, text in [("claim", CLAIM), ("progress", PROGRESS), ("release", RELEASE),
+            for name, text in [("add", ADD), ("claim", CLAIM), ("progress", PROGRESS), ("release", RELEASE),
                                ("finish", FINISH), ("recover", RECOVER), ("delete", DELETE)]
         }  # fmt: skip
 
@@ -145,16 +161,11 @@ class RedisJobStore:
         except redis.RedisError as err:
             raise StoreUnavailable() from err
 
-    def add(self, job: VideoJob) -> None:
-        p, ids = self.prefix, {job.id: job.created_at}
-        try:
-            with self._redis.pipeline() as batch:  # MULTI: all of it or none
-                batch.hset(f"{p}job:{job.id}", mapping={k: json.dumps(v) for k, v in asdict(job).items()})
-                batch.zadd(f"{p}jobs", ids).zadd(f"{p}owner:{job.owner}", ids).zadd(f"{p}queue", ids)
-                batch.sadd(f"{p}unfinished", job.id).sadd(f"{p}unfinished:{job.owner}", job.id)
-                batch.execute()
-        except redis.RedisError as err:
-            raise StoreUnavailable() from err
+    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
+        pairs = [x for k, v in asdict(job).items() for x in (k, json.dumps(v))]
+        bounds = [-1 if b is None else b for b in (per_owner, total)]
+        refused = self._run("add", job.id, job.owner, job.created_at, *bounds, *pairs)
+        return None if refused is None else refused.decode() if isinstance(refused, bytes) else str(refused)
 
     def get(self, job_id: str) -> VideoJob | None:
         return self._decode(self._call("hgetall", f"{self.prefix}job:{job_id}"))

@@ -1,6 +1,6 @@
-"""What the HTTP layer sees of serving: a `Service` (the loaded model, its step loop, its views)
-and the `Runtime` that holds it through its life (loading → ready → draining, or → failed).
-Routes call these and nothing below them: they never touch the pipeline, the shard or torch.
+"""What the HTTP layer sees of serving: a `Service` (the loaded model, its step loops, its views;
+`runtime.py` holds it through its life). Routes call these and nothing below them: they never
+touch the pipeline, the shard or torch.
 """
 
 from __future__ import annotations
@@ -10,16 +10,15 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from server.errors import InvalidRequest, ModelFolderError, NotReady
-from server.pipeline import CompileStats, GenerationRequest, Pipeline, size_warning
+from server.errors import InvalidRequest, ModelFolderError
+from server.pipeline import GenerationRequest, Pipeline, size_warning
 from server.pipeline.adapters import adapter_file
 from server.pipeline.loader import closed_vocabulary
 from server.pipeline.lora import read_adapter
@@ -27,16 +26,9 @@ from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
 from server.serving.loop import StepLoop
-from server.serving.stats import DeviceView, LoopStats, Snapshot, rejections
+from server.serving.stats import DeviceView, LoopStats
 
 log = logging.getLogger("diffshard")
-
-STATUS = {
-    "loading": "the model is loading; retry shortly",
-    "ready": "ready",
-    "draining": "the server is shutting down",
-    "failed": "the model failed to load",
-}
 
 
 class Service:
@@ -119,14 +111,17 @@ class Service:
         on_partial: Callable[[int, int, Any], None] | None = None,
         on_progress: Callable[[], None] | None = None,
         owner: str | None = None,
+        video: bool = False,
     ) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job of `owner`
         (Overloaded, KeyOverloaded or Draining when the loop cannot take it). On the step loop's
         thread, `on_partial` receives the partial images the requests ask for, and `on_progress`
-        hears each turn that the job moved (`Job.queue_position`, `Job.progress`)."""
+        hears each turn that the job moved (`Job.queue_position`, `Job.progress`). A `video`
+        job (the video runner's) has a video's deadline, not an image request's."""
         resolved = self.checked(requests)
         rows = sum(self.pipeline.rows(r) for r in resolved)
-        job = Job(resolved, rows, self.limits.request_timeout_s, owner=owner)
+        timeout_s, setting = self.limits.deadline(video)
+        job = Job(resolved, rows, timeout_s, owner=owner, timeout_setting=setting)
         job.on_partial, job.on_progress = on_partial, on_progress
         held = {name for r in resolved for name, _ in r.lora}
         self.pipeline.adapters.uses.hold(held)  # an adapter being unloaded: InvalidRequest
@@ -314,87 +309,3 @@ class Service:
             loop.close()
             if loop.pipeline.lane.workers is not None:  # the lane's helper threads go with it
                 loop.pipeline.lane.workers.close()
-
-
-@dataclass
-class Runtime:
-    """The service through its life; what health probes, routes and metrics ask."""
-
-    model_name: str
-    dtype: str
-    queue_capacity: int
-    quantization: str = "off"  # --quantize as written (server.app.quantization_of)
-    service: Service | None = None
-    status: str = "loading"  # loading → ready → draining, or loading → failed
-    error: str | None = None
-    load_seconds: float | None = None
-    compiling: CompileStats | None = None  # the compiled graphs: progress while loading, then calls
-    videos: Any = None  # a video model's VideoRunner (serving/videos.py): its figures() for metrics
-    # refusals only HTTP sees (HttpMetrics counts them); keys exist up front: reads copy no growing dict
-    http_rejected: Counter = field(default_factory=lambda: Counter(invalid=0, unauthorized=0))
-    started: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def problem(self) -> str | None:
-        """Why the service cannot take requests now (for /readyz); None when it can."""
-        if self.status != "ready" or self.service is None:
-            return STATUS[self.status]  # the load error itself (paths and all) is in the log only
-        return self.service.problem()
-
-    @property
-    def serving(self) -> bool:
-        return self.problem is None
-
-    @property
-    def code(self) -> str:
-        """The error code /readyz answers: loading, draining, failed, or unhealthy."""
-        return self.status if self.status != "ready" else "unhealthy"
-
-    @property
-    def live_problem(self) -> str | None:
-        """Why the process should be restarted (for /livez): its step loop is dead, stuck or on a
-        broken device. Loading, draining and a failed load are alive: they end by themselves."""
-        return None if self.service is None else self.service.live_problem()
-
-    def status_message(self) -> str:
-        return self.problem or STATUS["ready"]
-
-    def loaded(self) -> Service:
-        """The service once the model has loaded (its views stay readable when draining or when
-        its loop died; `Service.submit` refuses then); NotReady while loading or if loading failed."""
-        if self.service is None:
-            raise NotReady(self.status, self.status_message())
-        return self.service
-
-    def drain(self, timeout_s: float) -> bool:
-        """Stop admitting (readyz and new requests say 503); wait for in-flight requests to end."""
-        if self.status == "ready":
-            self.status = "draining"
-        return True if self.service is None else self.service.drain(timeout_s)
-
-    def rejected(self) -> dict[str, int]:
-        """Requests refused or ended early, by reason (what /v1/stats and /metrics both show)."""
-        return rejections(self.service.stats().rejected if self.service else Counter(), self.http_rejected)
-
-    def snapshot(self) -> Snapshot:
-        service = self.service
-        loop = service.stats() if service else None
-        return Snapshot(
-            model=self.model_name,
-            dtype=self.dtype,
-            quantization=self.quantization,
-            queue_capacity=self.queue_capacity,
-            loop=loop,
-            devices=service.devices() if service else {},
-            pool=service.pipeline.pool.stats() if service else {},
-            load_seconds=self.load_seconds,
-            threads=service.threads if service else None,
-            ready=self.serving,
-            last_step_at=service.last_step_at if service else None,
-            rejected=rejections(loop.rejected if loop else Counter(), self.http_rejected),
-            adapters=tuple(service.pipeline.adapters.loaded) if service else (),
-            adapter_bytes=service.pipeline.adapters.bytes_on() if service else {},
-            denoiser_calls=dict(self.compiling.calls) if self.compiling else {},
-            **(service.busy() if service else {}),
-            **(self.videos.figures() if self.videos is not None else {}),
-        )

@@ -43,12 +43,23 @@ class SqliteJobStore:
     def folder(self, job_id: str) -> Path:
         return self.content_folder / job_id
 
-    def add(self, job: VideoJob) -> None:
+    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
+        unfinished = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
         with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
-                (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
-            )
+            self._db.execute("BEGIN IMMEDIATE")  # the file's write lock: counts and insert as one
+            try:
+                mine = self._db.execute(unfinished + " AND owner = ?", (job.owner,)).fetchone()[0]
+                if per_owner is not None and mine >= per_owner:
+                    return "owner"
+                if total is not None and self._db.execute(unfinished).fetchone()[0] >= total:
+                    return "total"
+                self._db.execute(
+                    "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
+                    (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
+                )
+                return None
+            finally:
+                self._db.execute("COMMIT")
 
     def get(self, job_id: str) -> VideoJob | None:
         with self._lock:

@@ -22,7 +22,15 @@ from typing import Any
 
 from PIL import Image
 
-from server.errors import InvalidRequest, Overloaded, Rejected, StoreUnavailable
+from server.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    OutOfMemory,
+    Rejected,
+    StepFailed,
+    StoreUnavailable,
+    Unavailable,
+)
 from server.pipeline import GenerationRequest
 from server.pipeline.stepcache import StepCache
 from server.pipeline.videofiles import VARIANTS, video_files
@@ -32,6 +40,10 @@ from server.serving.videostore import JobStore, VideoJob
 log = logging.getLogger("diffshard")
 
 POLL_S = 1.0  # how often an idle runner looks for jobs another process queued
+# How a run ends that the job itself caused (its size, its steps): it fails. Any other end (the
+# replica draining, unhealthy, a helper thread lost) says nothing of the job: it goes back to the
+# queue untouched, for this replica once it can take work again or for another one.
+JOB_FAULTS = (InvalidRequest, OutOfMemory, DeadlineExceeded, StepFailed)
 REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
 
 
@@ -62,8 +74,9 @@ def to_request(job: VideoJob) -> GenerationRequest:
 
 
 class VideoRunner:
-    """One thread taking the store's queued jobs in order, while `serving()` says the server
-    takes work; stopped with the server, giving back the job it was running."""
+    """One thread taking the store's queued jobs in order, while `takes_work()` says the step
+    loops can take one (ready, not draining, none stuck or slow); stopped with the server, giving
+    back the job it was running."""
 
     def __init__(
         self,
@@ -74,22 +87,25 @@ class VideoRunner:
         expiry_s: int,
         max_bytes: int,
         lease_s: float,
-        serving: Callable[[], bool],
+        takes_work: Callable[[], bool],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
         self.max_bytes = max_bytes  # the finished videos' content, in all
         self.renew_s = lease_s / 3  # a running job's lease is renewed this often, and at each step
-        self.serving, self.clock = serving, clock
+        self.takes_work, self.clock = takes_work, clock
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.seconds_made = 0.0  # of video, by this replica (a metric)
         self._wake, self._stopped = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffshard-videos", daemon=True)
         self._thread.start()
 
-    def add(self, job: VideoJob) -> None:
-        self.store.add(job)
+    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
+        """Queue `job` within the bounds (`JobStore.add`): None once queued, else the bound it met."""
+        if refused := self.store.add(job, per_owner, total):
+            return refused
         self._wake.set()
+        return None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -121,7 +137,7 @@ class VideoRunner:
 
     def _turn(self) -> None:
         """Run the next queued job, or idle a while when there is none."""
-        job = self.store.claim(self.worker) if self.serving() else None
+        job = self.store.claim(self.worker) if self.takes_work() else None
         if job is None:
             self._idle()
             return
@@ -148,14 +164,13 @@ class VideoRunner:
         moved = threading.Event()  # set on the step loop's thread: the store is written here
         try:
             running = self.service.submit(
-                [request], request_id=job.id, on_progress=moved.set, owner=job.owner
+                [request], request_id=job.id, on_progress=moved.set, owner=job.owner, video=True
             )
         except InvalidRequest as err:
             self._fail(job, str(err))
             return
-        except Overloaded:  # the line is full: back in the store's queue, taken again later
-            self.store.release(job, self.worker)
-            self._stopped.wait(POLL_S)
+        except Unavailable as err:  # the line is full, or the loops cannot take work: not the job's doing
+            self._give_back(job, err)
             return
         running.future.add_done_callback(lambda _: moved.set())
         while not running.future.done():
@@ -174,12 +189,11 @@ class VideoRunner:
                 return
         try:
             frames = running.future.result()[0]
-        except Rejected as err:
-            if not self.serving():  # the server is stopping: back in the queue, for the next start
-                log.info("video job %s interrupted by the shutdown: it runs again", job.id)
-                self.store.release(job, self.worker)
-                return
+        except JOB_FAULTS as err:
             self._fail(job, str(err))
+            return
+        except Rejected as err:  # the replica's state (a shutdown, a stuck loop): not the job's
+            self._give_back(job, err)
             return
         content = video_files(frames, self.fps)
         job.bytes = sum(len(data) for data in content.values())
@@ -190,6 +204,13 @@ class VideoRunner:
             self.seconds_made += float(job.seconds)
         else:
             log.warning("video job %s: another replica took it over and made it too", job.id)
+
+    def _give_back(self, job: VideoJob, why: Exception) -> None:
+        """Back in the store's queue as it was, for whichever replica can take work next; this one
+        waits a while before it looks again (it claims only once its loops take work)."""
+        log.info("video job %s goes back to the queue: %s", job.id, why)
+        self.store.release(job, self.worker)
+        self._stopped.wait(POLL_S)
 
     def _fail(self, job: VideoJob, message: str) -> None:
         """Failed, with a message fit for the client; kept until it expires, as a finished one."""

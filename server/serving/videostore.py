@@ -66,7 +66,12 @@ class JobStore(Protocol):
     """Where jobs and their content live. `worker` names the runner holding a job (one per
     process); only its holder may move a running job on."""
 
-    def add(self, job: VideoJob) -> None: ...
+    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
+        """Queue `job` unless its owner already has `per_owner` jobs unfinished ("owner") or the
+        store `total` ("total"): counted and added in one step, so concurrent adds never pass a
+        bound together. None once added."""
+        ...
+
     def get(self, job_id: str) -> VideoJob | None: ...
     def page(
         self, owner: str | None, after: str | None, limit: int, order: str
