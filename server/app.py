@@ -334,6 +334,7 @@ def create_app(
     )
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
     app.state.serve_metrics = serve_metrics
+    app.state.makes_videos = read_family(settings.model).default_frames is not None  # configs only
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")

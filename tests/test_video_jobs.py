@@ -133,3 +133,26 @@ def test_twenty_concurrent_creates_of_one_key_queue_its_share(wan_folder: Path, 
         codes = sorted(a.status_code for a in answers)
         assert codes == [200] * 2 + [429] * 18, codes
         assert "has 2 requests waiting" in next(a for a in answers if a.status_code == 429).text
+
+
+def test_while_a_video_model_loads_its_jobs_answer_503_not_404(wan_folder: Path) -> None:
+    """Pollers of a job that exists must try again while the model loads (before: 404 "this
+    server's model makes images"); an image model answers 404 saying why."""
+    from server.app import create_app
+    from server.config import Settings
+    from tests.test_app import request
+
+    loading = request(create_app(Settings(model=wan_folder)), "GET", "/v1/videos/video_0")
+    assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"
+    images = request(create_app(Settings()), "GET", "/v1/videos/video_0")
+    assert images.status_code == 404 and "makes images" in images.json()["error"]["message"]
+
+
+def test_a_store_url_is_shown_without_its_password() -> None:
+    """In the log and in errors: before the host, or in the query (redis-py reads both)."""
+    from server.serving.videostore import shown
+
+    assert shown("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
+    assert "s3cret" not in shown("redis://h:6379/0?password=s3cret&socket_timeout=5")
+    assert "socket_timeout=5" in shown("redis://h:6379/0?password=s3cret&socket_timeout=5")
+    assert shown("sqlite:///tmp/jobs.sqlite") == "sqlite:///tmp/jobs.sqlite"

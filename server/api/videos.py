@@ -32,7 +32,7 @@ from server.api.multipart import FormLimits, read_form
 from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, checked_lora, parse_size
 from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
-from server.errors import InvalidRequest, KeyOverloaded, Overloaded
+from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import VideoJob
@@ -67,11 +67,12 @@ class VideoCreateRequest(BaseModel):
 
 def runner_of(request: Request) -> VideoRunner:
     runner = getattr(request.app.state, "videos", None)
-    if runner is None:
-        raise APIError(
-            404, "this server's model makes images: /v1/videos serves video models", code="not_found"
-        )
-    return runner
+    if runner is not None:
+        return runner
+    runtime = request.app.state.runtime
+    if request.app.state.makes_videos and runtime.service is None:  # a video model, not loaded (yet)
+        raise NotReady(runtime.status, runtime.status_message())  # 503: pollers try again
+    raise APIError(404, "this server's model makes images: /v1/videos serves video models", code="not_found")
 
 
 RunnerDep = Annotated[VideoRunner, Depends(runner_of)]

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 
@@ -113,9 +113,13 @@ def parse_job_store(value: object) -> str:
 
 
 def shown(url: str) -> str:
-    """A store's URL without its password, for messages and logs."""
+    """A store's URL without its password, for messages and logs: the one before the host, and
+    one in the query (`redis://host/0?password=...`, which redis-py reads too)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and not any(k.lower() == "password" for k, _ in query):
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"***@{netloc}").geturl()
+    if parts.password is not None:
+        parts = parts._replace(netloc=f"***@{parts.netloc.rsplit('@', 1)[1]}")
+    query = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+    return parts._replace(query=urlencode(query, safe="*")).geturl()
