@@ -484,3 +484,20 @@ def test_a_first_frame_is_asked_where_the_model_takes_one_and_refused_elsewhere(
     with pytest.raises(InvalidRequest, match="from an image"):
         resolve(GenerationRequest("a cat", **VIDEO), defaults, i2v)
     assert resolve(GenerationRequest("a cat", reference=first_frame(), **VIDEO), defaults, i2v).resolved
+
+
+def test_a_wan_image_streams_partial_images_as_images(wan_folder) -> None:
+    """A video model's image (one frame) asked with partial images: each preview is [H, W, 3]
+    like the final image (before: a 500 on a [3, 1, H, W] preview, counted as a failed step)."""
+    pipeline = Pipeline.load(wan_folder, devices="cpu")
+    request = pipeline.resolve(GenerationRequest("a cat", width=32, height=32, steps=4, partial_images=2))
+    (state,) = states = pipeline.start([request])
+    previews = []
+    while not state.done:
+        pipeline.step(states)
+        if state.preview is not None:
+            previews.append(tuple(state.preview[1].shape))
+            state.preview = None
+    pipeline.decode(states)
+    assert previews == [(32, 32, 3)] * 2 and tuple(state.image.shape) == (32, 32, 3)
+    state.close()

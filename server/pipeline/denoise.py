@@ -313,7 +313,7 @@ class Pipeline:
                     chunk = due[start : start + per_call]
                     pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]))
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
-                        state.preview = (index, image.permute(1, 2, 0).float().cpu())
+                        state.preview = (index, _channels_last(state, image).float().cpu())
 
     def stacked(self, states: Sequence[RequestState], batch: PoolScope) -> DenoiserInputs:
         """The denoiser's inputs for every state's rows, in buffers `batch` rents."""
@@ -354,9 +354,7 @@ class Pipeline:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
-            if state.request.frames is None and image.dim() == 4:  # a video model's image: 1 frame
-                image = image[:, 0]
-            image = image.movedim(0, -1)  # [H, W, 3] (a video's [F, H, W, 3]), as output_type="np"
+            image = _channels_last(state, image)
             state.image = state.scope.rent(image.shape, torch.float32, "cpu", pinned=pinned)
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
@@ -388,6 +386,12 @@ class Pipeline:
         finally:
             for state in states:
                 state.close()
+
+
+def _channels_last(state: RequestState, image: torch.Tensor) -> torch.Tensor:
+    """[H, W, 3] (a video's [F, H, W, 3]), as output_type="np", from one VAE output [3, H, W] (a
+    video model's [3, F, H, W]: an image of one is its one frame, a partial image's too)."""
+    return (image[:, 0] if state.request.frames is None and image.dim() == 4 else image).movedim(0, -1)
 
 
 def _images_per_call(states: Sequence[RequestState]) -> int:
