@@ -156,3 +156,26 @@ def test_a_store_url_is_shown_without_its_password() -> None:
     assert "s3cret" not in shown("redis://h:6379/0?password=s3cret&socket_timeout=5")
     assert "socket_timeout=5" in shown("redis://h:6379/0?password=s3cret&socket_timeout=5")
     assert shown("sqlite:///tmp/jobs.sqlite") == "sqlite:///tmp/jobs.sqlite"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_claims_go_round_the_keys(kind: str, tmp_path: Path) -> None:
+    """One key's 8 queued videos, then another's 1: the other's is the second taken, not the
+    ninth (before: the oldest of any key); then the first key's next, and so on by turns."""
+    from server.serving.videos import open_job_store
+    from server.serving.videostore import VideoJob
+
+    with contextlib.ExitStack() as stack:
+        if kind == "redis":
+            url = stack.enter_context(redis_server(tmp_path)).url
+        else:
+            url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+        store = open_job_store(url, "m", lease_s=30)
+        jobs = [("flood", index) for index in range(8)] + [("lone", 8)]
+        for owner, index in jobs:
+            store.add(VideoJob(f"video_{owner}_{index}", owner, "m", "p", "32x32", "1", {}, created_at=index))
+        taken = [job.id for _ in range(4) if (job := store.claim("w")) is not None]
+        assert taken == ["video_flood_0", "video_lone_8", "video_flood_1", "video_flood_2"]
+        store.add(VideoJob("video_late_9", "late", "m", "p", "32x32", "1", {}, created_at=9))
+        next_job = store.claim("w")
+        assert next_job is not None and next_job.id == "video_late_9"  # a key with no turn yet goes next

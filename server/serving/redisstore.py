@@ -9,6 +9,7 @@ Keys, under `diffshard:<model>:` (models sharing a Redis take only their own job
   queue           sorted set of queued ids by created_at
   running         hash, id → the worker holding it;  lease:<id> that worker, expiring
   unfinished, unfinished:<o>, failed   sets;  finished  sorted set by expires_at;  bytes  a count
+  turns           hash, owner → its last claim's number from `turn` (a count): claims go round owners
 Every move between states is one Lua script, so replicas never see a job half moved. One Redis,
 not a cluster: the scripts name keys they derive.
 """
@@ -25,12 +26,21 @@ from server.serving.videostore import VideoJob, shown
 
 FIELDS = [f.name for f in fields(VideoJob)]
 
-# KEYS: none. ARGV: prefix, worker, lease ms. The oldest queued job, held by `worker`.
+# KEYS: none. ARGV: prefix, worker, lease ms. The next queued job, held by `worker`: the oldest
+# of the owner whose last turn (`turns`: owner → a count from `turn`) is longest ago, or who never
+# had one, so one key's queue does not hold up another's. The scan is over the queue, which the
+# store's bound (--max-queue) keeps short.
 CLAIM = """
 local p = ARGV[1]
-local popped = redis.call('ZPOPMIN', p .. 'queue')
-local id = popped[1]
+local id, owner, last
+for _, queued in ipairs(redis.call('ZRANGE', p .. 'queue', 0, -1)) do
+  local whose = redis.call('HGET', p .. 'job:' .. queued, 'owner')
+  local turn = tonumber(redis.call('HGET', p .. 'turns', whose) or '0')
+  if id == nil or turn < last then id, owner, last = queued, whose, turn end
+end
 if not id then return false end
+redis.call('ZREM', p .. 'queue', id)
+redis.call('HSET', p .. 'turns', owner, redis.call('INCR', p .. 'turn'))
 redis.call('HSET', p .. 'running', id, ARGV[2])
 redis.call('SET', p .. 'lease:' .. id, ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', p .. 'job:' .. id, 'status', '"in_progress"', 'progress', '0', 'step', '0')

@@ -34,6 +34,11 @@ class SqliteJobStore:
                 "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT, status TEXT, "
                 "created_at INTEGER, job TEXT)"
             )
+            # each owner's last turn at a claim (one row an API key): claims go round the owners
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS turns (model TEXT, owner TEXT, turn INTEGER, "
+                "PRIMARY KEY (model, owner))"
+            )
         except (OSError, sqlite3.Error) as err:
             raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
         self._lock = threading.Lock()
@@ -94,16 +99,29 @@ class SqliteJobStore:
         return jobs[:limit], len(jobs) > limit
 
     def claim(self, worker: str) -> VideoJob | None:
-        """This model's oldest queued job, now `in_progress` (taken in one statement)."""
+        """This model's next queued job, now `in_progress`: the oldest of the owner whose last turn
+        is longest ago (or who never had one), so one key's queue does not hold up another's."""
         with self._lock:
-            row = self._db.execute(
-                "UPDATE jobs SET status = 'in_progress', "
-                "job = json_set(job, '$.status', 'in_progress', '$.progress', 0, '$.step', 0) "
-                "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' AND "
-                "json_extract(job, '$.model') = ? ORDER BY created_at, id LIMIT 1) RETURNING job",
-                (self.model,),
-            ).fetchone()
-        return None if row is None else VideoJob(**json.loads(row[0]))
+            self._db.execute("BEGIN IMMEDIATE")  # choose, take and count the turn as one
+            try:
+                row = self._db.execute(
+                    "UPDATE jobs SET status = 'in_progress', "
+                    "job = json_set(job, '$.status', 'in_progress', '$.progress', 0, '$.step', 0) "
+                    "WHERE id = (SELECT j.id FROM jobs j "
+                    "LEFT JOIN turns t ON t.model = ? AND t.owner = j.owner "
+                    "WHERE j.status = 'queued' AND json_extract(j.job, '$.model') = ? "
+                    "ORDER BY COALESCE(t.turn, 0), j.created_at, j.id LIMIT 1) RETURNING owner, job",
+                    (self.model, self.model),
+                ).fetchone()
+                if row is not None:
+                    self._db.execute(
+                        "INSERT INTO turns VALUES (?1, ?2, (SELECT COALESCE(MAX(turn), 0) + 1 FROM turns "
+                        "WHERE model = ?1)) ON CONFLICT (model, owner) DO UPDATE SET turn = excluded.turn",
+                        (self.model, row[0]),
+                    )
+            finally:
+                self._db.execute("COMMIT")
+        return None if row is None else VideoJob(**json.loads(row[1]))
 
     def progress(self, job: VideoJob, worker: str) -> bool:
         self._save(job)
