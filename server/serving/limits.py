@@ -29,13 +29,6 @@ class Limits:
     native_pixels: int = 512 * 512
     request_timeout_s: float = 300.0
     video_timeout_s: float = 3600.0  # a video job's deadline: minutes of work, not an image's
-
-    def deadline(self, video: bool) -> tuple[float, str]:
-        """A job's seconds from arrival, and the setting that sets them (said when it runs out)."""
-        if video:
-            return self.video_timeout_s, "DIFFSHARD_VIDEO_TIMEOUT_S"
-        return self.request_timeout_s, "DIFFSHARD_REQUEST_TIMEOUT_S"
-
     max_image_bytes: int = 4 * 2**20  # one image (or mask) sent to edit
     max_image_pixels: int = 4 * 1024 * 1024  # its width x height, read from its header before decoding
     max_edit_images: int = 4
@@ -44,6 +37,12 @@ class Limits:
     max_clip: float = math.inf
     default_frames: int | None = None  # the clip the reserve is sized by (said when refusing)
     frame_multiple: int = 1  # a clip's frames are 1 + a multiple of this
+
+    def deadline(self, video: bool) -> tuple[float, str]:
+        """A job's seconds from arrival, and the setting that sets them (said when it runs out)."""
+        if video:
+            return self.video_timeout_s, "DIFFSHARD_VIDEO_TIMEOUT_S"
+        return self.request_timeout_s, "DIFFSHARD_REQUEST_TIMEOUT_S"
 
 
 def clip_limits(family: Family, max_batch: int, max_pixels: int) -> dict[str, Any]:
