@@ -31,16 +31,7 @@ def diffusers_forward(model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
                 **cond,
             )[0]
             return unpack(out, h, w)
-        if isinstance(model, WanTransformer3DModel):  # as WanPipeline calls it: a timestep a row
-            timestep = torch.as_tensor(inputs.timestep, device=sample.device).expand(sample.shape[0])
-            return model(
-                hidden_states=sample,
-                timestep=timestep,
-                encoder_hidden_states=context,
-                return_dict=False,
-                **cond,
-            )[0]
-        if isinstance(model, SD3Transformer2DModel):
+        if isinstance(model, SD3Transformer2DModel | WanTransformer3DModel):  # a timestep a row
             timestep = torch.as_tensor(inputs.timestep, device=sample.device).expand(sample.shape[0])
             return model(
                 hidden_states=sample,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +17,8 @@ import pytest
 
 from server.serving.jobs import Job, leaving_outcome
 from server.serving.limits import Limits
+from server.serving.videos import open_job_store
+from server.serving.videostore import JobStore, VideoJob
 from tests.live import live_server
 from tests.redis_server import redis_server
 from tests.tiny_pipelines import build_wan_folder
@@ -29,6 +31,22 @@ ENDED = ("completed", "failed")
 @pytest.fixture(scope="module")
 def wan_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_wan_folder(tmp_path_factory.mktemp("wan") / "tiny-wan")
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def job_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    """Model "m"'s store in a SQLite file of this test's, or in a real redis-server of its own."""
+    with contextlib.ExitStack() as stack:
+        if request.param == "redis":
+            url = stack.enter_context(redis_server(tmp_path)).url
+        else:
+            url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+        yield open_job_store(url, "m", lease_s=30)
+
+
+def queued(job_id: str, owner: str, created_at: int) -> VideoJob:
+    """A queued job of model "m" (its request's fields are not read by the store)."""
+    return VideoJob(job_id, owner, "m", "p", "32x32", "1", {}, created_at=created_at)
 
 
 def ended(base: str, job: str) -> Callable[[], dict | None]:
@@ -93,33 +111,23 @@ def test_a_replica_that_cannot_take_work_leaves_the_shared_queue_to_the_other(
             wedge.join(timeout=30)
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis"])
-def test_concurrent_adds_never_pass_a_bound_together(kind: str, tmp_path: Path) -> None:
+def test_concurrent_adds_never_pass_a_bound_together(job_store: JobStore) -> None:
     """Counted and added in one step (SQLite's write lock, a Redis script): 20 threads adding one
     owner's jobs under a bound of 2 add exactly 2; the store's bound holds the same way."""
-    from server.serving.videos import open_job_store
-    from server.serving.videostore import VideoJob
+    start = threading.Barrier(20)
 
-    with contextlib.ExitStack() as stack:
-        if kind == "redis":
-            url = stack.enter_context(redis_server(tmp_path)).url
-        else:
-            url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-        store = open_job_store(url, "m", lease_s=30)
-        start = threading.Barrier(20)
+    def add(index: int, owner: str, per_owner: int | None, total: int | None) -> str | None:
+        start.wait(timeout=30)
+        job = queued(f"video_{owner}_{index}", owner, index)
+        return job_store.add(job, per_owner, total)
 
-        def add(index: int, owner: str, per_owner: int | None, total: int | None) -> str | None:
-            start.wait(timeout=30)
-            job = VideoJob(f"video_{owner}_{index}", owner, "m", "p", "32x32", "1", {}, created_at=index)
-            return store.add(job, per_owner, total)
-
-        with ThreadPoolExecutor(20) as pool:
-            outcomes = list(pool.map(lambda i: add(i, "key", 2, None), range(20)))
-        assert outcomes.count(None) == 2 and outcomes.count("owner") == 18
-        with ThreadPoolExecutor(20) as pool:  # others' jobs: the store's bound of 5 (2 already in)
-            outcomes = list(pool.map(lambda i: add(i, f"other{i}", None, 5), range(20)))
-        assert outcomes.count(None) == 3 and outcomes.count("total") == 17
-        assert store.unfinished() == 5 and store.unfinished("key") == 2
+    with ThreadPoolExecutor(20) as pool:
+        outcomes = list(pool.map(lambda i: add(i, "key", 2, None), range(20)))
+    assert outcomes.count(None) == 2 and outcomes.count("owner") == 18
+    with ThreadPoolExecutor(20) as pool:  # others' jobs: the store's bound of 5 (2 already in)
+        outcomes = list(pool.map(lambda i: add(i, f"other{i}", None, 5), range(20)))
+    assert outcomes.count(None) == 3 and outcomes.count("total") == 17
+    assert job_store.unfinished() == 5 and job_store.unfinished("key") == 2
 
 
 def test_twenty_concurrent_creates_of_one_key_queue_its_share(wan_folder: Path, tmp_path: Path) -> None:
@@ -158,24 +166,15 @@ def test_a_store_url_is_shown_without_its_password() -> None:
     assert shown("sqlite:///tmp/jobs.sqlite") == "sqlite:///tmp/jobs.sqlite"
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis"])
-def test_claims_go_round_the_keys(kind: str, tmp_path: Path) -> None:
+def test_claims_go_round_the_keys(job_store: JobStore) -> None:
     """One key's 8 queued videos, then another's 1: the other's is the second taken, not the
     ninth (before: the oldest of any key); then the first key's next, and so on by turns."""
-    from server.serving.videos import open_job_store
-    from server.serving.videostore import VideoJob
-
-    with contextlib.ExitStack() as stack:
-        if kind == "redis":
-            url = stack.enter_context(redis_server(tmp_path)).url
-        else:
-            url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-        store = open_job_store(url, "m", lease_s=30)
-        jobs = [("flood", index) for index in range(8)] + [("lone", 8)]
-        for owner, index in jobs:
-            store.add(VideoJob(f"video_{owner}_{index}", owner, "m", "p", "32x32", "1", {}, created_at=index))
-        taken = [job.id for _ in range(4) if (job := store.claim("w")) is not None]
-        assert taken == ["video_flood_0", "video_lone_8", "video_flood_1", "video_flood_2"]
-        store.add(VideoJob("video_late_9", "late", "m", "p", "32x32", "1", {}, created_at=9))
-        next_job = store.claim("w")
-        assert next_job is not None and next_job.id == "video_late_9"  # a key with no turn yet goes next
+    store = job_store
+    jobs = [("flood", index) for index in range(8)] + [("lone", 8)]
+    for owner, index in jobs:
+        store.add(queued(f"video_{owner}_{index}", owner, index))
+    taken = [job.id for _ in range(4) if (job := store.claim("w")) is not None]
+    assert taken == ["video_flood_0", "video_lone_8", "video_flood_1", "video_flood_2"]
+    store.add(queued("video_late_9", "late", 9))
+    next_job = store.claim("w")
+    assert next_job is not None and next_job.id == "video_late_9"  # a key with no turn yet goes next
