@@ -235,17 +235,17 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
     return budget
 
 
-RUNNER_STOP_S = 5.0  # for the video runner to give its job back before the process ends
+RUNNER_STOP_S = 5.0  # for the video runner to give its job back before the process ends (at least)
 
 
 def start_videos(settings: Settings, service: Service, runtime: Runtime) -> VideoRunner:
     """The job store opened (ConfigError if it cannot be) and the runner taking its jobs."""
-    store = open_job_store(settings.job_store, service.name, settings.video_lease_s)
+    store = open_job_store(settings.job_store, service.name, settings.video_lease_s, runs=True)
     log.info("video jobs in %s", shown(settings.job_store))
     runtime.videos = VideoRunner(
         store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
         max_bytes=settings.video_store_bytes, lease_s=settings.video_lease_s,
-        takes_work=lambda: runtime.takes_work,
+        takes_work=lambda: runtime.takes_work, inject_faults=settings.inject_faults,
     )  # fmt: skip
     return runtime.videos
 
@@ -290,7 +290,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     if settings.inject_faults:
         log.warning(
             "fault injection is on (DIFFSHARD_INJECT_FAULTS): prompts holding [[fail]], [[oom]], [[hang]], "
-            "[[slow]], [[decode]] or [[kill]] fail on purpose; this is for tests, never for serving"
+            "[[slow]], [[slow-encode]], [[decode]] or [[kill]] fail on purpose; for tests, never for serving"
         )
     exporter = None
     if settings.metrics_port and app.state.serve_metrics:  # Prometheus scrapes its own port
@@ -313,8 +313,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             videos.stop()  # takes no more jobs; the one the close below cuts short goes back to the queue
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
-        if videos is not None:
-            await asyncio.to_thread(videos.join, RUNNER_STOP_S)
+        if videos is not None:  # a video being encoded and written is waited for, as a request is
+            await asyncio.to_thread(videos.join, max(RUNNER_STOP_S, settings.drain_timeout_s))
 
 
 def create_app(

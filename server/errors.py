@@ -131,3 +131,8 @@ class StoreUnavailable(Unavailable):
 
     def __init__(self) -> None:
         super().__init__("the video job store cannot be reached; retry shortly")
+
+
+class StoreRefused(RuntimeError):
+    """The job store answered but would not keep a job's content (Redis at its `maxmemory` or its
+    largest value, a full disk): trying again refuses again, so the job fails with this message."""

@@ -80,6 +80,20 @@ def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The default job store (`$XDG_DATA_HOME/diffshard/jobs.sqlite`) in a folder of this session,
+    not the user's: servers started by tests inherit it."""
+    folder = tmp_path_factory.mktemp("data-home")
+    before = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def float32_by_default() -> Iterator[None]:
     """Tests compare images with diffusers' float32 ones: `--dtype auto` would pick bfloat16 on a
     CPU that runs it natively and faster (config.py), so servers and settings made in tests take

@@ -8,7 +8,6 @@ restart, any replica sharing the store answers them, and a key sees only its own
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import math
 import secrets
@@ -35,7 +34,7 @@ from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
-from server.serving.videostore import VideoJob
+from server.serving.videostore import Content, VideoJob
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["videos"])
 MAX_LIST = 100
@@ -113,14 +112,21 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
 
 
 def stored(request: GenerationRequest) -> dict[str, Any]:
-    """A resolved request as the store keeps it (JSON)."""
+    """A resolved request as the store keeps it in the job's record (JSON); its reference image
+    is kept beside it (`reference_png`)."""
     values = asdict(replace(request, reference=None))  # not deep-copied: stored as a PNG
     values.pop("edit", None)
-    if request.reference is not None:  # bounded: as the upload limits bound what was decoded
-        png = io.BytesIO()
-        request.reference.save(png, format="PNG")
-        values["reference"] = base64.b64encode(png.getvalue()).decode("ascii")
     return values
+
+
+def reference_png(request: GenerationRequest) -> bytes | None:
+    """The first frame as the PNG the store keeps (bounded: as the upload limits bound what was
+    decoded). Seconds for a large image: off the event loop."""
+    if request.reference is None:
+        return None
+    png = io.BytesIO()
+    request.reference.save(png, format="PNG")
+    return png.getvalue()
 
 
 def own_job(runner: VideoRunner, request: Request, video_id: str) -> VideoJob:
@@ -174,7 +180,8 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
         f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
     )  # fmt: skip
     # one key's share of the line, and the line: counted with the add, in one step
-    refused = await asyncio.to_thread(runner.add, job, settings.key_queue_limit, settings.max_queue)
+    reference = await asyncio.to_thread(reference_png, resolved)
+    refused = await runner.ask(runner.add, job, settings.key_queue_limit, settings.max_queue, reference)
     if refused == "owner":
         raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)
     if refused is not None:
@@ -184,7 +191,7 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
 
 @router.get("/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
-    return (await asyncio.to_thread(own_job, runner, request, video_id)).public()
+    return (await runner.ask(own_job, runner, request, video_id)).public()
 
 
 @router.get("/videos/{video_id}/content", response_model=None)
@@ -194,18 +201,27 @@ async def video_content(
     runner: RunnerDep,
     variant: Literal["video", "thumbnail", "spritesheet", "frames"] = "video",
 ) -> Response:
-    job = await asyncio.to_thread(own_job, runner, request, video_id)
+    job = await runner.ask(own_job, runner, request, video_id)
     if job.status != "completed":
         raise APIError(409, f"video {video_id!r} is {job.status}: its content comes once it is completed",
                        code="video_not_ready")  # fmt: skip
     name, media = VARIANTS[variant]
-    content = await asyncio.to_thread(runner.store.content, job.id, name)
+    content = await runner.ask(runner.store.content, job.id, name)
     if content is None:
         raise APIError(404, f"video {video_id!r} has no {variant} any more", code="not_found")
     if isinstance(content, Path):
         return FileResponse(content, media_type=media, filename=f"{job.id}-{name}")
-    disposition = f'attachment; filename="{job.id}-{name}"'
-    return Response(content, media_type=media, headers={"Content-Disposition": disposition})
+    headers = {"Content-Disposition": f'attachment; filename="{job.id}-{name}"',
+               "Content-Length": str(content.size)}  # fmt: skip
+    return StreamingResponse(pieces_of(runner, content), media_type=media, headers=headers)
+
+
+async def pieces_of(runner: VideoRunner, content: Content) -> AsyncIterator[bytes]:
+    """A file from the store a piece at a time: a download holds one piece, not the file (each
+    sent before the next is read: uvicorn waits while the client's socket is full)."""
+    pieces = content.pieces()
+    while (piece := await runner.ask(next, pieces, None)) is not None:
+        yield piece
 
 
 @router.get("/videos/{video_id}/events", response_class=StreamingResponse)
@@ -213,7 +229,7 @@ async def video_progress_events(video_id: str, request: Request, runner: RunnerD
     """The job's progress as server-sent events, read from the job store (so any replica can
     answer): `diffshard.progress` at each change (status, step of steps), then `video.completed`
     or `video.failed` with the Video object."""
-    job = await asyncio.to_thread(own_job, runner, request, video_id)
+    job = await runner.ask(own_job, runner, request, video_id)
     keepalive_s = request.app.state.settings.sse_keepalive_s
     return StreamingResponse(
         video_events(runner, job, request, keepalive_s), media_type="text/event-stream",
@@ -243,7 +259,7 @@ async def video_events(
         quiet, wait = quiet + wait, min(EVENT_POLL_S[1], wait * 2)
         if await request.is_disconnected():
             return
-        fresh = await asyncio.to_thread(runner.store.get, job.id)
+        fresh = await runner.ask(runner.store.get, job.id)
         if fresh is None:
             gone = {"message": f"video {job.id!r} was deleted", "type": "invalid_request_error",
                     "param": None, "code": "not_found"}  # fmt: skip
@@ -261,7 +277,7 @@ async def list_videos(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
     owner = None if request.state.admin else request.state.owner
-    jobs, more = await asyncio.to_thread(runner.store.page, owner, after, limit, order)
+    jobs, more = await runner.ask(runner.store.page, owner, after, limit, order)
     data = [job.public() for job in jobs]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
@@ -269,10 +285,10 @@ async def list_videos(
 
 @router.delete("/videos/{video_id}")
 async def delete_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
-    job = await asyncio.to_thread(own_job, runner, request, video_id)
+    job = await runner.ask(own_job, runner, request, video_id)
     if not job.finished:
         raise APIError(
             409, f"video {video_id!r} is {job.status}: delete it once it ends", code="video_not_ready"
         )
-    await asyncio.to_thread(runner.store.delete, job.id)
+    await runner.ask(runner.store.delete, job.id)
     return {"id": job.id, "object": "video.deleted", "deleted": True}

@@ -89,6 +89,7 @@ CATALOG = (
     MetricSpec("images_generated_total", "counter", "images", (), "images returned"),
     MetricSpec("video_jobs", "gauge", "jobs", ("state",), "video jobs in the job store, by state"),
     MetricSpec("video_seconds_total", "counter", "seconds", (), "seconds of video this replica made"),
+    MetricSpec("video_runs_total", "counter", "runs", (), "video job runs this replica started (reruns too)"),
     MetricSpec(
         "slow_steps_total",
         "counter",

@@ -146,13 +146,16 @@ class _Collector:
             yield _histogram("batch_rows", stats.rows_per_step)
 
     def _videos(self, snapshot: Snapshot) -> Iterator[Metric]:
-        """A video model's: its jobs by state (the store's, so equal on replicas sharing one) and
-        the seconds of video this replica made."""
+        """A video model's: its jobs by state (the store's, so equal on replicas sharing one), the
+        seconds of video this replica made and the runs it started (more runs than jobs: reruns)."""
         if snapshot.video_seconds is None:
             return
         made = CounterMetricFamily(f"{PREFIX}_video_seconds", help_of("video_seconds_total"))
         made.add_metric([], snapshot.video_seconds)
         yield made
+        runs = CounterMetricFamily(f"{PREFIX}_video_runs", help_of("video_runs_total"))
+        runs.add_metric([], snapshot.video_runs)
+        yield runs
         if snapshot.video_jobs is not None:
             jobs = GaugeMetricFamily(f"{PREFIX}_video_jobs", help_of("video_jobs"), labels=["state"])
             for state in STATUSES:

@@ -6,6 +6,7 @@ machines cannot produce real ones on demand. A fake at that boundary, off by def
     [[hang]]   the step never returns (until close)   [[decode]] the VAE decode raises
     [[kill]]   the step loop thread dies              [[slow]]   the step takes twice its deadline
     [[kill-worker]]  a helper thread of the lane (a sequence group's rank) dies in the step
+    [[slow-encode]]  a video job's encode takes SLOW_ENCODE_S longer (longer than a short lease)
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ STEP_FAULTS = {"[[fail]]": RuntimeError, "[[oom]]": torch.OutOfMemoryError, "[[k
 
 
 SLOW = 2.0  # [[slow]]: the step takes this many times its deadline (slow, not stuck)
+SLOW_ENCODE_S = 5.0  # [[slow-encode]]: added to a video's encode
+
+
+def slow_encode(prompt: str) -> None:
+    """`[[slow-encode]]`: the encode of a long clip, which outlasts a lease, in a tiny one."""
+    if "[[slow-encode]]" in prompt:
+        threading.Event().wait(SLOW_ENCODE_S)
 
 
 def inject_fault(

@@ -4,7 +4,10 @@ and a job whose replica died runs again elsewhere once its lease lapses.
 
 Keys, under `diffshard:<model>:` (models sharing a Redis take only their own jobs):
   job:<id>        hash, the VideoJob's fields each as JSON
-  content:<id>    hash, file name → bytes (MP4, frames ZIP, thumbnail, spritesheet)
+  files:<id>      set of its content's file names;  file:<id>:<name>  the file (MP4, frames ZIP,
+                  thumbnail, spritesheet), a string written and read in pieces (APPEND, GETRANGE),
+                  so no command carries a whole frames ZIP; upload:<id>:<worker>:<name> while it
+                  is written (expiring: a runner that dies mid-write leaves nothing for long)
   jobs, owner:<o> sorted sets of ids by created_at (listing, paging)
   queue           sorted set of queued ids by created_at
   running         hash, id → the worker holding it;  lease:<id> that worker, expiring
@@ -16,15 +19,17 @@ not a cluster: the scripts name keys they derive.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, fields
 
 import redis
 
-from server.errors import ConfigError, StoreUnavailable
-from server.serving.videostore import VideoJob, shown
+from server.errors import ConfigError, StoreRefused, StoreUnavailable
+from server.serving.videostore import PIECE, Content, VideoJob, shown
 
 FIELDS = [f.name for f in fields(VideoJob)]
+UPLOAD_LAPSE_MS = 600_000  # an upload's key lives this long after its last piece unless finished
 
 # KEYS: none. ARGV: prefix, worker, lease ms. The next queued job, held by `worker`: the oldest
 # of the owner whose last turn (`turns`: owner → a count from `turn`) is longest ago, or who never
@@ -47,14 +52,25 @@ redis.call('HSET', p .. 'job:' .. id, 'status', '"in_progress"', 'progress', '0'
 return id
 """
 
-# ARGV: prefix, id, owner, created_at, the owner's bound, the store's (-1: none), then field,
-# value pairs. Counted and added as one: concurrent creates never pass a bound together.
+# ARGV: prefix, id, owner, created_at, the owner's bound, the store's (-1: none), the number of
+# files uploaded with it (the reference image), their names, then field, value pairs. Counted and
+# added as one: concurrent creates never pass a bound together.
 ADD = """
 local p, id, owner, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local per_owner, total = tonumber(ARGV[5]), tonumber(ARGV[6])
-if per_owner >= 0 and redis.call('SCARD', p .. 'unfinished:' .. owner) >= per_owner then return 'owner' end
-if total >= 0 and redis.call('SCARD', p .. 'unfinished') >= total then return 'total' end
-redis.call('HSET', p .. 'job:' .. id, unpack(ARGV, 7))
+local per_owner, total, files = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local refused = false
+if per_owner >= 0 and redis.call('SCARD', p .. 'unfinished:' .. owner) >= per_owner then refused = 'owner'
+elseif total >= 0 and redis.call('SCARD', p .. 'unfinished') >= total then refused = 'total' end
+for i = 8, 7 + files do
+  local upload = p .. 'upload:' .. id .. ':create:' .. ARGV[i]
+  if refused then redis.call('DEL', upload) else
+    redis.call('RENAME', upload, p .. 'file:' .. id .. ':' .. ARGV[i])
+    redis.call('PERSIST', p .. 'file:' .. id .. ':' .. ARGV[i])
+    redis.call('SADD', p .. 'files:' .. id, ARGV[i])
+  end
+end
+if refused then return refused end
+redis.call('HSET', p .. 'job:' .. id, unpack(ARGV, 8 + files))
 redis.call('ZADD', p .. 'jobs', at, id)
 redis.call('ZADD', p .. 'owner:' .. owner, at, id)
 redis.call('ZADD', p .. 'queue', at, id)
@@ -85,16 +101,25 @@ return 1
 """
 
 # ARGV: prefix, id, worker, owner key, expires_at, bytes, failed (1/0), then field, value pairs,
-# then '--', then content name, bytes pairs. Completed or failed, if `worker` holds it.
+# then '--', then the names of the files uploaded. Completed or failed, if `worker` holds it: its
+# uploads become its files; else they are dropped.
 FINISH = """
-local p, id = ARGV[1], ARGV[2]
-if redis.call('HGET', p .. 'running', id) ~= ARGV[3] then return 0 end
-redis.call('HDEL', p .. 'running', id)
-redis.call('DEL', p .. 'lease:' .. id)
+local p, id, worker = ARGV[1], ARGV[2], ARGV[3]
 local split = 8
 while ARGV[split] ~= '--' do split = split + 1 end
+if redis.call('HGET', p .. 'running', id) ~= worker then
+  for i = split + 1, #ARGV do redis.call('DEL', p .. 'upload:' .. id .. ':' .. worker .. ':' .. ARGV[i]) end
+  return 0
+end
+redis.call('HDEL', p .. 'running', id)
+redis.call('DEL', p .. 'lease:' .. id)
 redis.call('HSET', p .. 'job:' .. id, unpack(ARGV, 8, split - 1))
-if #ARGV > split then redis.call('HSET', p .. 'content:' .. id, unpack(ARGV, split + 1)) end
+for i = split + 1, #ARGV do
+  local file = p .. 'file:' .. id .. ':' .. ARGV[i]
+  redis.call('RENAME', p .. 'upload:' .. id .. ':' .. worker .. ':' .. ARGV[i], file)
+  redis.call('PERSIST', file)
+  redis.call('SADD', p .. 'files:' .. id, ARGV[i])
+end
 redis.call('SREM', p .. 'unfinished', id)
 redis.call('SREM', p .. 'unfinished:' .. ARGV[4], id)
 redis.call('ZADD', p .. 'finished', ARGV[5], id)
@@ -127,7 +152,10 @@ local key = p .. 'job:' .. id
 local owner = redis.call('HGET', key, 'owner')
 if not owner then return 0 end
 redis.call('DECRBY', p .. 'bytes', tonumber(redis.call('HGET', key, 'bytes') or '0'))
-redis.call('DEL', key, p .. 'content:' .. id)
+for _, name in ipairs(redis.call('SMEMBERS', p .. 'files:' .. id)) do
+  redis.call('DEL', p .. 'file:' .. id .. ':' .. name)
+end
+redis.call('DEL', key, p .. 'files:' .. id, p .. 'content:' .. id)  -- content: before 0.49's files
 redis.call('ZREM', p .. 'jobs', id)
 redis.call('ZREM', p .. 'owner:' .. cjson.decode(owner), id)
 redis.call('ZREM', p .. 'finished', id)
@@ -146,6 +174,7 @@ class RedisJobStore:
     def __init__(self, url: str, model: str, lease_s: float) -> None:
         self.prefix = f"diffshard:{model}:"
         self.lease_ms = max(1, round(lease_s * 1000))
+        self.upload_lapse_ms = max(UPLOAD_LAPSE_MS, 2 * self.lease_ms)
         self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         try:
             self._redis.ping()
@@ -171,10 +200,22 @@ class RedisJobStore:
         except redis.RedisError as err:
             raise StoreUnavailable() from err
 
-    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
+    def add(
+        self,
+        job: VideoJob,
+        per_owner: int | None = None,
+        total: int | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> str | None:
+        files = files or {}
         pairs = [x for k, v in asdict(job).items() for x in (k, json.dumps(v))]
         bounds = [-1 if b is None else b for b in (per_owner, total)]
-        refused = self._run("add", job.id, job.owner, job.created_at, *bounds, *pairs)
+        try:
+            for name, data in files.items():
+                self._upload(job.id, "create", name, data)
+        except redis.RedisError as err:
+            raise StoreUnavailable() from err
+        refused = self._run("add", job.id, job.owner, job.created_at, *bounds, len(files), *files, *pairs)
         return None if refused is None else refused.decode() if isinstance(refused, bytes) else str(refused)
 
     def get(self, job_id: str) -> VideoJob | None:
@@ -219,12 +260,34 @@ class RedisJobStore:
         return bool(self._run("release", job.id, worker, *encoded(job, "status", "progress", "step")))
 
     def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
-        files = [part for name, data in (content or {}).items() for part in (name, data)]
+        content = content or {}
         changed = encoded(job, "status", "progress", "completed_at", "expires_at", "error", "bytes")
-        return bool(self._run(
-            "finish", job.id, worker, job.owner, job.expires_at or 0, job.bytes,
-            int(job.status == "failed"), *changed, "--", *files,
-        ))  # fmt: skip
+        try:
+            for name, data in content.items():
+                self._upload(job.id, worker, name, data)
+            return bool(self._scripts["finish"](args=[
+                self.prefix, job.id, worker, job.owner, job.expires_at or 0, job.bytes,
+                int(job.status == "failed"), *changed, "--", *content,
+            ]))  # fmt: skip
+        except redis.ResponseError as err:  # it answered, and said no: the same again says no again
+            for name in content:
+                with contextlib.suppress(redis.RedisError):
+                    self._redis.delete(self._upload_key(job.id, worker, name))
+            raise StoreRefused(refusal(err, job.bytes)) from err
+        except redis.RedisError as err:
+            raise StoreUnavailable() from err
+
+    def _upload_key(self, job_id: str, worker: str, name: str) -> str:
+        return f"{self.prefix}upload:{job_id}:{worker}:{name}"
+
+    def _upload(self, job_id: str, worker: str, name: str, data: bytes) -> None:
+        """`data` appended a piece at a time to its upload key, which lapses unless FINISH keeps it."""
+        key, view = self._upload_key(job_id, worker, name), memoryview(data)
+        self._redis.delete(key)
+        for offset in range(0, len(data), PIECE):
+            with self._redis.pipeline(transaction=False) as batch:
+                batch.append(key, bytes(view[offset : offset + PIECE])).pexpire(key, self.upload_lapse_ms)
+                batch.execute()
 
     def recover(self) -> int:
         """Running jobs whose replica stopped renewing their lease, queued again; how many."""
@@ -233,8 +296,12 @@ class RedisJobStore:
     def delete(self, job_id: str) -> bool:
         return bool(self._run("delete", job_id))
 
-    def content(self, job_id: str, name: str) -> bytes | None:
-        return self._call("hget", f"{self.prefix}content:{job_id}", name)  # type: ignore[return-value]
+    def content(self, job_id: str, name: str) -> Content | None:
+        key = f"{self.prefix}file:{job_id}:{name}"
+        size = int(self._call("strlen", key))  # type: ignore[call-overload]
+        if not size:
+            return None
+        return Content(size, lambda offset, length: self._call("getrange", key, offset, offset + length - 1))
 
     def unfinished(self, owner: str | None = None) -> int:
         key = f"{self.prefix}unfinished" if owner is None else f"{self.prefix}unfinished:{owner}"
@@ -265,3 +332,16 @@ class RedisJobStore:
 
     def close(self) -> None:
         self._redis.close()
+
+
+def refusal(err: redis.ResponseError, size: int) -> str:
+    """What to tell the job's client when Redis will not keep its content: the limit it met."""
+    said = str(err)
+    if "maxmemory" in said:
+        limit = "the job store's memory limit (Redis maxmemory)"
+    elif "maximum allowed size" in said or "max_bulk_len" in said:
+        limit = "the job store's largest value (Redis proto-max-bulk-len)"
+    else:
+        limit = "the job store's limits"
+    return (f"the video's content ({size / 2**20:.1f} MiB) is over {limit}: ask for fewer frames or a "
+            "smaller size, or ask the operator for room")  # fmt: skip

@@ -1,21 +1,30 @@
 """The default job store: one server's video jobs in an embedded SQLite file, their content
 (MP4, frames, thumbnail, spritesheet) in a folder per job beside it, under the data directory.
 
-One server runs a file's jobs: the jobs a crash left `in_progress` are queued again when the next
-one starts (`recover`'s first call). Several replicas share a Redis store instead.
+One server runs a model's jobs in a file (a lock file says which; a second one is refused at
+start): the jobs a crash left `in_progress` are queued again when the next one starts (`recover`'s
+first call). Servers of other models may share the file, each seeing only its own jobs. Several
+replicas share a Redis store instead.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import shutil
 import sqlite3
 import threading
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO
 
-from server.errors import ConfigError
+from server.errors import ConfigError, StoreRefused
 from server.serving.videostore import VideoJob, parse_job_store
+
+UNFINISHED = "status IN ('queued', 'in_progress')"
+MINE = "json_extract(job, '$.model') = ?"  # this store's model's jobs (others' may share the file)
 
 
 class SqliteJobStore:
@@ -23,7 +32,7 @@ class SqliteJobStore:
     beside it. Leases are not needed with one server a file: `progress`, `release` and `finish`
     always hold."""
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, *, runs: bool = False) -> None:
         self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
         self.model = model
         try:
@@ -44,27 +53,54 @@ class SqliteJobStore:
         self._lock = threading.Lock()
         self._recovered = False
         self.content_folder = self.path.parent / "videos"
+        self._runs = self._hold_model_lock() if runs else None  # a reader (a tool, a test) runs nothing
+
+    def _hold_model_lock(self) -> IO[str]:
+        """This process runs the model's jobs in this file; ConfigError if another one does (it
+        would queue again, and tidy, the jobs this one runs). The OS drops the lock with the process."""
+        digest = hashlib.sha256(self.model.encode()).hexdigest()[:12]
+        path = self.path.with_name(f"{self.path.name}.{digest}.lock")
+        held = path.open("a+")
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held.close()
+            raise ConfigError(
+                f"--job-store (DIFFSHARD_JOB_STORE): another server runs {self.model}'s video jobs in "
+                f"{self.path}; give this one a file of its own (sqlite:///PATH), or share a redis:// store"
+            ) from None
+        return held
 
     def folder(self, job_id: str) -> Path:
         return self.content_folder / job_id
 
-    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
-        unfinished = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
+    def add(
+        self,
+        job: VideoJob,
+        per_owner: int | None = None,
+        total: int | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> str | None:
+        if files:  # before the job, which a runner may take at once; gone again if it is refused
+            self._write(job.id, files)
+        refused: str | None = None
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")  # the file's write lock: counts and insert as one
             try:
-                mine = self._db.execute(unfinished + " AND owner = ?", (job.owner,)).fetchone()[0]
-                if per_owner is not None and mine >= per_owner:
-                    return "owner"
-                if total is not None and self._db.execute(unfinished).fetchone()[0] >= total:
-                    return "total"
-                self._db.execute(
-                    "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
-                    (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
-                )
-                return None
+                if per_owner is not None and self._unfinished(job.owner) >= per_owner:
+                    refused = "owner"
+                elif total is not None and self._unfinished(None) >= total:
+                    refused = "total"
+                else:
+                    self._db.execute(
+                        "INSERT INTO jobs VALUES (?, ?, ?, ?, ?)",
+                        (job.id, job.owner, job.status, job.created_at, json.dumps(asdict(job))),
+                    )
             finally:
                 self._db.execute("COMMIT")
+        if refused and files:
+            shutil.rmtree(self.folder(job.id), ignore_errors=True)
+        return refused
 
     def get(self, job_id: str) -> VideoJob | None:
         with self._lock:
@@ -84,7 +120,7 @@ class SqliteJobStore:
         """`limit` jobs (of `owner`; None: everyone's) after the job `after`, newest first unless
         `order` is "asc"; and whether more follow."""
         sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where, args = ["1 = 1"], []
+        where, args = [MINE], [self.model]
         if owner is not None:
             where.append("owner = ?")
             args.append(owner)
@@ -124,8 +160,13 @@ class SqliteJobStore:
         return None if row is None else VideoJob(**json.loads(row[1]))
 
     def progress(self, job: VideoJob, worker: str) -> bool:
-        self._save(job)
-        return True
+        """Its progress fields only (a renewal on another thread never writes a status), while it runs."""
+        with self._lock:
+            return bool(self._db.execute(
+                "UPDATE jobs SET job = json_set(job, '$.progress', ?, '$.step', ?, '$.steps', ?) "
+                "WHERE id = ? AND status = 'in_progress'",
+                (job.progress, job.step, job.steps, job.id),
+            ).rowcount)  # fmt: skip
 
     def release(self, job: VideoJob, worker: str) -> bool:
         job.status, job.progress, job.step = "queued", 0, 0
@@ -134,12 +175,30 @@ class SqliteJobStore:
 
     def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
         if content:
-            folder = self.folder(job.id)
-            folder.mkdir(parents=True, exist_ok=True)
-            for name, data in content.items():
-                (folder / name).write_bytes(data)
+            try:
+                self._write(job.id, content)
+            except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                raise StoreRefused(
+                    f"the video's content ({job.bytes / 2**20:.1f} MiB) does not fit on the job store's "
+                    "disk: ask for fewer frames or a smaller size, or ask the operator for room"
+                ) from err
         self._save(job)
         return True
+
+    def _write(self, job_id: str, files: dict[str, bytes]) -> None:
+        """`files` into the job's folder, each written beside it and then moved in: a download
+        never meets half a file."""
+        folder = self.folder(job_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            written = folder / f".{name}.writing"
+            try:
+                written.write_bytes(data)
+                written.replace(folder / name)
+            finally:
+                written.unlink(missing_ok=True)
 
     def recover(self) -> int:
         """At the first call (this server's start): the jobs a stopped process left
@@ -148,7 +207,9 @@ class SqliteJobStore:
             return 0
         self._recovered = True
         with self._lock:
-            rows = self._db.execute("SELECT job FROM jobs WHERE status = 'in_progress'").fetchall()
+            rows = self._db.execute(
+                f"SELECT job FROM jobs WHERE status = 'in_progress' AND {MINE}", (self.model,)
+            ).fetchall()
         for (raw,) in rows:
             job = VideoJob(**json.loads(raw))
             job.status, job.progress, job.step = "queued", 0, 0
@@ -166,23 +227,30 @@ class SqliteJobStore:
         return path if path.is_file() else None
 
     def unfinished(self, owner: str | None = None) -> int:
-        """Jobs queued or in progress (of `owner`; None: everyone's)."""
-        query = "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
-        args: tuple = ()
-        if owner is not None:
-            query, args = query + " AND owner = ?", (owner,)
+        """This model's jobs queued or in progress (of `owner`; None: everyone's)."""
         with self._lock:
-            return int(self._db.execute(query, args).fetchone()[0])
+            return self._unfinished(owner)
+
+    def _unfinished(self, owner: str | None) -> int:
+        query, args = f"SELECT COUNT(*) FROM jobs WHERE {UNFINISHED} AND {MINE}", [self.model]
+        if owner is not None:
+            query, args = query + " AND owner = ?", [*args, owner]
+        return int(self._db.execute(query, args).fetchone()[0])
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+            rows = self._db.execute(
+                f"SELECT status, COUNT(*) FROM jobs WHERE {MINE} GROUP BY status", (self.model,)
+            ).fetchall()
         return dict(rows)
 
     def finished(self) -> list[VideoJob]:
-        """Completed and failed jobs, the first to go first: those expiring first, then the oldest."""
+        """This model's completed and failed jobs, the first to go first: those expiring first,
+        then the oldest."""
         with self._lock:
-            rows = self._db.execute("SELECT job FROM jobs WHERE status IN ('completed', 'failed')").fetchall()
+            rows = self._db.execute(
+                f"SELECT job FROM jobs WHERE status IN ('completed', 'failed') AND {MINE}", (self.model,)
+            ).fetchall()
         jobs = [VideoJob(**json.loads(r[0])) for r in rows]
         return sorted(jobs, key=lambda job: (job.expires_at or 0, job.created_at))
 
@@ -200,3 +268,5 @@ class SqliteJobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._runs is not None:
+            self._runs.close()

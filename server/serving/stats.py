@@ -187,3 +187,4 @@ class Snapshot:
     denoiser_calls: dict[str, int] = field(default_factory=dict)  # compiled, padded (to a bucket), eager
     video_jobs: dict[str, int] | None = None  # a video model's jobs by state, from the job store
     video_seconds: float | None = None  # of video this replica made (None: not a video model)
+    video_runs: int = 0  # video job runs this replica started (a job run again counts again)

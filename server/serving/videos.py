@@ -8,6 +8,7 @@ again once the store sees its runner gone (`JobStore.recover`). Nobody has to re
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -17,8 +18,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields, replace
+from functools import partial
+from typing import Any, TypeVar
 
 from PIL import Image
 
@@ -28,55 +31,68 @@ from server.errors import (
     OutOfMemory,
     Rejected,
     StepFailed,
+    StoreRefused,
     StoreUnavailable,
     Unavailable,
 )
 from server.pipeline import GenerationRequest
 from server.pipeline.stepcache import StepCache
 from server.pipeline.videofiles import VARIANTS, video_files
+from server.serving.faults import slow_encode
 from server.serving.sqlitestore import SqliteJobStore
-from server.serving.videostore import JobStore, VideoJob
+from server.serving.videolease import Lease
+from server.serving.videostore import JobStore, VideoJob, read_whole
 
 log = logging.getLogger("diffshard")
 
 POLL_S = 1.0  # how often an idle runner looks for jobs another process queued
+# The API's calls to the store run on threads of their own: a store that hangs (until its socket
+# timeout) holds these, never the default executor's, which encode image responses.
+STORE_THREADS = 8
 # How a run ends that the job itself caused (its size, its steps): it fails. Any other end (the
 # replica draining, unhealthy, a helper thread lost) says nothing of the job: it goes back to the
 # queue untouched, for this replica once it can take work again or for another one.
 JOB_FAULTS = (InvalidRequest, OutOfMemory, DeadlineExceeded, StepFailed)
 REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
+T = TypeVar("T")
+REFERENCE = "reference.png"  # an image-to-video job's first frame, stored beside the job
 
 
-def open_job_store(url: str, model: str, lease_s: float) -> JobStore:
-    """The store `url` names, holding `model`'s jobs (several models may share one Redis; each
-    takes only its own jobs). Fails fast (ConfigError) when it cannot be opened or reached."""
+def open_job_store(url: str, model: str, lease_s: float, *, runs: bool = False) -> JobStore:
+    """The store `url` names, holding `model`'s jobs (several models may share one store; each
+    takes only its own jobs); `runs`: this process runs them (a SQLite file's model has one such
+    server). Fails fast (ConfigError) when it cannot be opened or reached, or is run already."""
     if url.startswith(("redis://", "rediss://")):
         from server.serving.redisstore import RedisJobStore  # the client only where Redis is used
 
         return RedisJobStore(url, model, lease_s)
-    return SqliteJobStore(url, model)
+    return SqliteJobStore(url, model, runs=runs)
 
 
 def new_job_id() -> str:
     return f"video_{secrets.token_hex(12)}"
 
 
-def to_request(job: VideoJob) -> GenerationRequest:
-    """The generation a job runs (its stored fields: JSON-safe values only)."""
+def to_request(job: VideoJob, reference: bytes | None = None) -> GenerationRequest:
+    """The generation a job runs (its stored fields: JSON-safe values only; `reference`: the PNG
+    stored beside it, an image-to-video's first frame)."""
     values = {k: v for k, v in job.request.items() if k in REQUEST_FIELDS}
     if values.get("step_cache") is not None:
         values["step_cache"] = StepCache(**values["step_cache"])
     if values.get("lora"):
         values["lora"] = tuple(tuple(pair) for pair in values["lora"])
-    if values.get("reference") is not None:  # image-to-video's first frame: a PNG we wrote, base64
-        values["reference"] = Image.open(io.BytesIO(base64.b64decode(values["reference"]))).convert("RGB")
+    if reference is None and values.get("reference") is not None:  # a job queued before 0.49: inline
+        reference = base64.b64decode(values["reference"])
+    if reference is not None:
+        values["reference"] = Image.open(io.BytesIO(reference)).convert("RGB")
     return GenerationRequest(**values)
 
 
 class VideoRunner:
     """One thread taking the store's queued jobs in order, while `takes_work()` says the step
     loops can take one (ready, not draining, none stuck or slow); stopped with the server, giving
-    back the job it was running."""
+    back the job it was running. Another thread, on a timer, queues again the jobs whose runner
+    died and drops expired content, however busy the first is."""
 
     def __init__(
         self,
@@ -88,21 +104,36 @@ class VideoRunner:
         max_bytes: int,
         lease_s: float,
         takes_work: Callable[[], bool],
+        inject_faults: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
         self.max_bytes = max_bytes  # the finished videos' content, in all
-        self.renew_s = lease_s / 3  # a running job's lease is renewed this often, and at each step
-        self.takes_work, self.clock = takes_work, clock
+        self.lease_s, self.takes_work, self.clock = lease_s, takes_work, clock
+        self.inject_faults = inject_faults  # [[slow-encode]] (serving/faults.py): tests only
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.seconds_made = 0.0  # of video, by this replica (a metric)
-        self._wake, self._stopped = threading.Event(), threading.Event()
+        self.seconds_made, self.runs = 0.0, 0  # of video, and runs started, by this replica (metrics)
+        self._wake, self._stopped, self._kept = threading.Event(), threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffshard-videos", daemon=True)
+        self._keeper = threading.Thread(target=self._keep, name="diffshard-video-store", daemon=True)
+        self._asks = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="diffshard-store")
+        self._keeper.start()
         self._thread.start()
 
-    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
-        """Queue `job` within the bounds (`JobStore.add`): None once queued, else the bound it met."""
-        if refused := self.store.add(job, per_owner, total):
+    async def ask(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` (a store read or write of the API's) on the store's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._asks, partial(call, *args))
+
+    def add(
+        self,
+        job: VideoJob,
+        per_owner: int | None = None,
+        total: int | None = None,
+        reference: bytes | None = None,
+    ) -> str | None:
+        """Queue `job` (its reference image's PNG beside it) within the bounds (`JobStore.add`):
+        None once queued, else the bound it met."""
+        if refused := self.store.add(job, per_owner, total, {REFERENCE: reference} if reference else None):
             return refused
         self._wake.set()
         return None
@@ -110,21 +141,41 @@ class VideoRunner:
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
+        self._asks.shutdown(wait=False, cancel_futures=True)
 
     def figures(self) -> dict[str, Any]:
         """For the metrics: the store's jobs by state (shared by the replicas of a Redis store;
-        None while it does not answer) and the seconds of video this replica made."""
+        None while it does not answer), the seconds of video this replica made and its runs."""
         try:
             jobs = self.store.counts()
         except StoreUnavailable:
             jobs = None
-        return {"video_jobs": jobs, "video_seconds": self.seconds_made}
+        return {"video_jobs": jobs, "video_seconds": self.seconds_made, "video_runs": self.runs}
 
     def join(self, timeout_s: float) -> None:
-        """Wait for the runner to end (after `stop`, once the service is closed)."""
+        """Wait for the runner to end (after `stop`, once the service is closed): for a video being
+        encoded and written, up to `timeout_s`."""
         self._thread.join(timeout_s)
 
+    def _keep(self) -> None:
+        """Every POLL_S: jobs whose runner is gone queued again (a SQLite file's: those a stopped
+        process left, at the first pass, before this runner claims any), expired content dropped."""
+        while True:
+            try:
+                if again := self.store.recover():
+                    log.info("video jobs: %d whose runner stopped (a crash?) queued again", again)
+                if gone := self.store.tidy(int(self.clock()), self.max_bytes):
+                    log.info("video jobs: %d expired or over the store's bytes, deleted", gone)
+            except StoreUnavailable:
+                log.warning("video jobs: the job store does not answer; trying again in %g s", POLL_S)
+            except Exception:  # a bug here must not end the keeper
+                log.exception("video jobs: the store's housekeeping failed")
+            self._kept.set()
+            if self._stopped.wait(POLL_S):
+                return
+
     def _run(self) -> None:
+        self._kept.wait()
         while not self._stopped.is_set():
             try:
                 self._turn()
@@ -136,31 +187,23 @@ class VideoRunner:
                 self._stopped.wait(POLL_S)
 
     def _turn(self) -> None:
-        """Run the next queued job, or idle a while when there is none."""
+        """Run the next queued job, or wait for one a while (another process may queue one)."""
         job = self.store.claim(self.worker) if self.takes_work() else None
         if job is None:
-            self._idle()
+            self._wake.wait(POLL_S)
+            self._wake.clear()
             return
+        self.runs += 1
         try:
-            self._make(job)
+            self._make(job, Lease(self.store, job, self.worker, self.lease_s))
         except StoreUnavailable:
             raise
         except Exception:  # a bug making this job: it fails, others run
             log.exception("video job %s", job.id)
             self._fail(job, "the video could not be made")
 
-    def _idle(self) -> None:
-        """Between jobs: take back jobs whose runner is gone, drop expired content, then wait
-        for a job added here or a while (another process may queue one)."""
-        if again := self.store.recover():
-            log.info("video jobs: %d whose run stopped (a crash or a lost replica) queued again", again)
-        if gone := self.store.tidy(int(self.clock()), self.max_bytes):
-            log.info("video jobs: %d expired or over the store's bytes, deleted", gone)
-        self._wake.wait(POLL_S)
-        self._wake.clear()
-
-    def _make(self, job: VideoJob) -> None:
-        request = to_request(job)
+    def _make(self, job: VideoJob, lease: Lease) -> None:
+        request = to_request(job, read_whole(self.store.content(job.id, REFERENCE)))
         moved = threading.Event()  # set on the step loop's thread: the store is written here
         try:
             running = self.service.submit(
@@ -174,16 +217,16 @@ class VideoRunner:
             return
         running.future.add_done_callback(lambda _: moved.set())
         while not running.future.done():
-            moved.wait(self.renew_s)
+            moved.wait(lease.every_s)
             moved.clear()
             done, total = (sum(column) for column in zip(*running.progress(), strict=True))
             job.progress, job.step, job.steps = min(99, 100 * done // max(total, 1)), done, total
             try:
-                held = self.store.progress(job, self.worker)  # and the lease renewed
+                held = lease.renew()
             except StoreUnavailable:
-                running.cancel()  # its lease will lapse: a replica that reaches the store runs it
+                running.cancel()  # its lease has lapsed: a replica that reaches the store runs it
                 raise
-            if not held:  # its lease lapsed: another replica runs it
+            if not held:
                 log.warning("video job %s: taken over by another replica; this run stops", job.id)
                 running.cancel()
                 return
@@ -195,12 +238,30 @@ class VideoRunner:
         except Rejected as err:  # the replica's state (a shutdown, a stuck loop): not the job's
             self._give_back(job, err)
             return
+        with lease.kept():  # an encode and a write can outlast the lease
+            self._finish(job, frames)
+
+    def _finish(self, job: VideoJob, frames: Any) -> None:
+        """Encoded, kept in the store (room made for it within the byte cap), completed."""
+        if self.inject_faults:
+            slow_encode(job.prompt)
         content = video_files(frames, self.fps)
-        job.bytes = sum(len(data) for data in content.values())
-        self.store.tidy(int(self.clock()), self.max_bytes - job.bytes)  # room for it: the oldest go first
-        job.status, job.progress, job.completed_at = "completed", 100, int(self.clock())
-        job.expires_at = job.completed_at + self.expiry_s
-        if self.store.finish(job, self.worker, content):
+        size = sum(len(data) for data in content.values())
+        if size > self.max_bytes:  # made room for, it would push out every other job, and not fit
+            self._fail(job, f"the video's content ({size / 2**20:.1f} MiB) is over the store's room for "
+                       f"videos ({self.max_bytes / 2**20:.1f} MiB, DIFFSHARD_VIDEO_STORE_BYTES): ask for "
+                       "fewer frames or a smaller size")  # fmt: skip
+            return
+        self.store.tidy(int(self.clock()), self.max_bytes - size)  # room for it: the first to expire go
+        now = int(self.clock())
+        made = replace(job, status="completed", progress=100, completed_at=now,
+                       expires_at=now + self.expiry_s, bytes=size)  # fmt: skip
+        try:
+            kept = self.store.finish(made, self.worker, content)
+        except StoreRefused as err:  # for its size: made again, it would be refused again
+            self._fail(job, str(err))
+            return
+        if kept:
             self.seconds_made += float(job.seconds)
         else:
             log.warning("video job %s: another replica took it over and made it too", job.id)
@@ -214,9 +275,13 @@ class VideoRunner:
 
     def _fail(self, job: VideoJob, message: str) -> None:
         """Failed, with a message fit for the client; kept until it expires, as a finished one."""
-        job.status, job.error = "failed", {"code": "video_failed", "message": message}
-        job.expires_at = int(self.clock()) + self.expiry_s
-        self.store.finish(job, self.worker, None)
+        failed = replace(job, status="failed", error={"code": "video_failed", "message": message},
+                         expires_at=int(self.clock()) + self.expiry_s)  # fmt: skip
+        try:
+            self.store.finish(failed, self.worker, None)
+        except StoreRefused:  # a store that takes no write at all (Redis at maxmemory, noeviction)
+            log.error("video job %s: the job store refused even its failure; it runs again once "
+                      "its lease lapses", job.id)  # fmt: skip
 
 
-__all__ = ["VARIANTS", "VideoRunner", "new_job_id", "open_job_store", "to_request"]
+__all__ = ["REFERENCE", "VARIANTS", "VideoRunner", "new_job_id", "open_job_store", "to_request"]

@@ -18,12 +18,37 @@ job back (`release`), and a job a crash left `in_progress` runs again: at the ne
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
+PIECE = 1 << 20  # content is written to and read from a store in pieces of this many bytes
+
+
+@dataclass(frozen=True)
+class Content:
+    """A stored file read a piece at a time (`read(offset, length)`), so a download of a large
+    frames ZIP never holds it whole: a Redis value, read with GETRANGE."""
+
+    size: int
+    read: Callable[[int, int], bytes]
+
+    def pieces(self) -> Iterator[bytes]:
+        for offset in range(0, self.size, PIECE):
+            piece = self.read(offset, PIECE)
+            if not piece:  # deleted while being read
+                return
+            yield piece
+
+
+def read_whole(content: Path | Content | None) -> bytes | None:
+    """A small stored file's bytes (a reference image), wherever the store keeps it."""
+    if content is None or isinstance(content, Path):
+        return None if content is None else content.read_bytes()
+    return b"".join(content.pieces())
 
 
 @dataclass
@@ -66,10 +91,16 @@ class JobStore(Protocol):
     """Where jobs and their content live. `worker` names the runner holding a job (one per
     process); only its holder may move a running job on."""
 
-    def add(self, job: VideoJob, per_owner: int | None = None, total: int | None = None) -> str | None:
-        """Queue `job` unless its owner already has `per_owner` jobs unfinished ("owner") or the
-        store `total` ("total"): counted and added in one step, so concurrent adds never pass a
-        bound together. None once added."""
+    def add(
+        self,
+        job: VideoJob,
+        per_owner: int | None = None,
+        total: int | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> str | None:
+        """Queue `job`, with `files` beside it (its reference image), unless its owner already
+        has `per_owner` jobs unfinished ("owner") or the store `total` ("total"): counted and
+        added in one step, so concurrent adds never pass a bound together. None once added."""
         ...
 
     def get(self, job_id: str) -> VideoJob | None: ...
@@ -77,12 +108,19 @@ class JobStore(Protocol):
         self, owner: str | None, after: str | None, limit: int, order: str
     ) -> tuple[list[VideoJob], bool]: ...
     def claim(self, worker: str) -> VideoJob | None: ...
-    def progress(self, job: VideoJob, worker: str) -> bool: ...
+    def progress(self, job: VideoJob, worker: str) -> bool:
+        """`job`'s progress fields written and its lease renewed, while `worker` holds it."""
+        ...
+
     def release(self, job: VideoJob, worker: str) -> bool: ...
-    def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool: ...
+    def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
+        """Completed (with `content`) or failed, if `worker` holds it; StoreRefused when the store
+        will not keep the content (its size), StoreUnavailable when it does not answer."""
+        ...
+
     def recover(self) -> int: ...
     def delete(self, job_id: str) -> bool: ...
-    def content(self, job_id: str, name: str) -> Path | bytes | None: ...
+    def content(self, job_id: str, name: str) -> Path | Content | None: ...
     def unfinished(self, owner: str | None = None) -> int: ...
     def counts(self) -> dict[str, int]: ...
     def tidy(self, now: int, max_bytes: int) -> int: ...
