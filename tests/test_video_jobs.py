@@ -6,10 +6,12 @@ and store bounds hold under concurrent creates (SQLite and a real redis-server).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -18,8 +20,8 @@ import pytest
 from server.serving.jobs import Job, leaving_outcome
 from server.serving.limits import Limits
 from server.serving.videos import open_job_store
-from server.serving.videostore import JobStore, VideoJob
-from tests.live import live_server
+from server.serving.videostore import JobStore, VideoJob, read_whole
+from tests.live import LiveServer, free_port, live_server
 from tests.redis_server import redis_server
 from tests.tiny_pipelines import build_wan_folder
 from tests.waiting import wait_until
@@ -47,6 +49,16 @@ def job_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobSto
 def queued(job_id: str, owner: str, created_at: int) -> VideoJob:
     """A queued job of model "m" (its request's fields are not read by the store)."""
     return VideoJob(job_id, owner, "m", "p", "32x32", "1", {}, created_at=created_at)
+
+
+def completed_before(store: JobStore, job_id: str, owner: str, model: str, content: dict[str, bytes]) -> None:
+    """A completed job in `store`, as an earlier runner left it: added, claimed, finished."""
+    store.add(replace(queued(job_id, owner, 0), model=model))
+    job = store.claim("earlier")
+    assert job is not None and job.id == job_id
+    size = sum(len(data) for data in content.values())
+    done = replace(job, status="completed", progress=100, expires_at=2**40, bytes=size)
+    assert store.finish(done, "earlier", content)
 
 
 def ended(base: str, job: str) -> Callable[[], dict | None]:
@@ -178,3 +190,195 @@ def test_claims_go_round_the_keys(job_store: JobStore) -> None:
     store.add(queued("video_late_9", "late", 9))
     next_job = store.claim("w")
     assert next_job is not None and next_job.id == "video_late_9"  # a key with no turn yet goes next
+
+
+def runs_of(server: LiveServer) -> float:
+    """The video job runs a replica started (`diffshard_video_runs_total`)."""
+    assert server.metrics_url is not None
+    text = httpx.get(server.metrics_url).text
+    return next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("diffshard_video_runs_total")
+    )
+
+
+def test_a_job_whose_encode_outlasts_its_lease_is_made_once(wan_folder: Path, tmp_path: Path) -> None:
+    """`[[slow-encode]]` adds 8 s to the encode, past a 2 s lease: the lease is renewed while it
+    encodes, so the other replica (recovering lapsed jobs every second) never takes it over
+    (before: it did, and made the video a second time)."""
+    with redis_server(tmp_path) as redis:
+        flags = (
+            "--model",
+            str(wan_folder),
+            "--job-store",
+            redis.url,
+            "--video-lease-s",
+            "2",
+            "--inject-faults",
+        )
+        with (
+            live_server(*flags, "--metrics-port", str(free_port())) as one,
+            live_server(*flags, "--metrics-port", str(free_port())) as two,
+        ):
+            made = httpx.post(f"{one.url}/v1/videos", json={"prompt": "[[slow-encode]] a red circle", **FAST})
+            done = wait_until(ended(one.url, made.json()["id"]), 120, "the video job ending")
+            assert done["status"] == "completed", done
+            assert runs_of(one) + runs_of(two) == 1
+
+
+def test_sigterm_while_a_video_encodes_waits_for_it(wan_folder: Path, tmp_path: Path) -> None:
+    """A drain waits for an encode in progress (up to `--drain-timeout-s`): the video is kept,
+    not thrown away with its finished frames."""
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    flags = ("--model", str(wan_folder), "--job-store", url, "--inject-faults", "--drain-timeout-s", "30")
+    with live_server(*flags) as server:
+        made = httpx.post(f"{server.url}/v1/videos", json={"prompt": "[[slow-encode]] a red circle", **FAST})
+        job = made.json()["id"]
+        # progress 99: every step done, the video being encoded (100 once it is stored)
+        wait_until(
+            lambda: httpx.get(f"{server.url}/v1/videos/{job}").json()["progress"] == 99, 60, "the encode"
+        )
+        server.process.terminate()
+        assert server.process.wait(timeout=60) == 0
+    store = open_job_store(url, wan_folder.name, lease_s=30)
+    kept = store.get(job)
+    assert kept is not None and kept.status == "completed", kept
+    assert read_whole(store.content(job, "frames.zip"))
+
+
+def test_a_video_over_the_byte_cap_fails_and_leaves_the_others(wan_folder: Path, tmp_path: Path) -> None:
+    """`--video-store-bytes 2000`: a video whose content is larger fails naming the setting, and
+    another key's finished job stays (before: the budget went negative and every finished job of
+    every key was deleted to make room it could not make)."""
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    store = open_job_store(url, wan_folder.name, lease_s=30)
+    completed_before(store, "video_theirs", "other-key", wan_folder.name, {"video.mp4": b"x" * 10})
+    with live_server("--model", str(wan_folder), "--job-store", url, "--video-store-bytes", "2000") as server:
+        made = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a red circle", **FAST})
+        done = wait_until(ended(server.url, made.json()["id"]), 120, "the video job ending")
+        assert done["status"] == "failed" and "DIFFSHARD_VIDEO_STORE_BYTES" in done["error"]["message"], done
+        still = httpx.get(f"{server.url}/v1/videos/video_theirs")
+        assert still.status_code == 200 and still.json()["status"] == "completed"
+
+
+def test_a_lapsed_job_is_queued_again_while_the_runner_is_busy(wan_folder: Path, tmp_path: Path) -> None:
+    """Recovery runs on a timer: a dead replica's job goes back to the queue within seconds while
+    this replica runs a long job (before: only once a runner was idle, so never under load)."""
+    with redis_server(tmp_path) as redis:
+        flags = ("--job-store", redis.url, "--video-lease-s", "2", "--inject-faults", "--step-timeout-s", "6")
+        with live_server("--model", str(wan_folder), *flags) as server:
+            long = httpx.post(f"{server.url}/v1/videos", json={"prompt": "[[slow]] a red circle", **FAST})
+            status = f"{server.url}/v1/videos/{long.json()['id']}"
+            wait_until(
+                lambda: httpx.get(status).json()["status"] == "in_progress", 60, "the long job running"
+            )
+            dead = open_job_store(redis.url, wan_folder.name, lease_s=1)  # a replica that then dies
+            dead.add(replace(queued("video_dead", "key", 0), model=wan_folder.name))
+            assert (taken := dead.claim("dead-replica")) is not None and taken.id == "video_dead"
+            wait_until(lambda: dead.get("video_dead").status == "queued", 15, "the lapsed job queued again")
+            assert httpx.get(status).json()["status"] == "in_progress"
+
+
+def test_content_the_store_refuses_fails_its_job_naming_the_limit(tmp_path: Path) -> None:
+    """Redis at its `maxmemory` refuses a frames ZIP: `finish` says so (StoreRefused, naming the
+    limit), leaves no half-written upload, and the job can be failed (before: a transient error,
+    the job regenerated and refused again, forever)."""
+    import redis as redis_py
+
+    from server.errors import StoreRefused
+
+    with redis_server(tmp_path) as server:
+        client = redis_py.Redis.from_url(server.url)
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used + 4 * 2**20)
+        store = open_job_store(server.url, "m", lease_s=30)
+        store.add(queued("video_big", "key", 0))
+        job = store.claim("w")
+        assert job is not None
+        done = replace(job, status="completed", bytes=16 * 2**20)
+        with pytest.raises(StoreRefused, match="maxmemory"):
+            store.finish(done, "w", {"frames.zip": b"\0" * 16 * 2**20})
+        assert not client.keys("*upload*")
+        failed = replace(job, status="failed", error={"code": "video_failed", "message": "too big"})
+        assert store.finish(failed, "w", None) and store.get("video_big").status == "failed"
+
+
+def peak_rss_growth(pid: int, work: Callable[[], None]) -> int:
+    """How far `pid`'s peak resident memory rose above its resident memory while `work` ran
+    (the peak reset first: /proc/PID/clear_refs)."""
+
+    def status(field: str) -> int:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field))
+        return int(line.split()[1]) * 1024
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = status("VmRSS:")
+    work()
+    return status("VmHWM:") - before
+
+
+def test_parallel_downloads_of_a_large_frames_zip_stream_from_redis(wan_folder: Path, tmp_path: Path) -> None:
+    """8 downloads at once of a 56 MiB frames ZIP from a Redis-backed server: each gets every byte,
+    and the server's peak memory grows by at most 64 MiB (before: each download read the file
+    whole into memory, 8 × 56 MiB)."""
+    import hashlib
+
+    size = 56 * 2**20
+    archive = os.urandom(size)
+    with redis_server(tmp_path) as redis:
+        store = open_job_store(redis.url, wan_folder.name, lease_s=30)
+        completed_before(store, "video_large", "", wan_folder.name, {"frames.zip": archive})
+        del archive  # the test's copy: only its digest is kept
+        digest = hashlib.sha256(read_whole(store.content("video_large", "frames.zip"))).hexdigest()
+        with live_server("--model", str(wan_folder), "--job-store", redis.url) as server:
+            url = f"{server.url}/v1/videos/video_large/content"
+
+            def download(_: int) -> tuple[int, str]:
+                seen, got = hashlib.sha256(), 0
+                with httpx.stream("GET", url, params={"variant": "frames"}, timeout=120) as response:
+                    assert response.status_code == 200 and response.headers["content-length"] == str(size)
+                    for piece in response.iter_bytes():
+                        seen.update(piece)
+                        got += len(piece)
+                return got, seen.hexdigest()
+
+            got: list[tuple[int, str]] = []
+            grew = peak_rss_growth(
+                server.process.pid, lambda: got.extend(ThreadPoolExecutor(8).map(download, range(8)))
+            )
+        assert got == [(size, digest)] * 8
+        assert grew <= 64 * 2**20, f"the server's peak memory grew {grew / 2**20:.0f} MiB"
+
+
+def test_a_lease_survives_a_missed_renewal_and_is_given_up_after_a_whole_lease() -> None:
+    """A renewal the store does not answer (a blip) is tried again at the next beat; the lease
+    is given up only when none has landed for a whole lease (before: at the first miss). The store
+    is faked here, at its boundary: a real one cannot be made to miss one call on cue."""
+    from server.errors import StoreUnavailable
+    from server.serving.videolease import Lease
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.answers: list[bool | None] = []  # None: it does not answer
+
+        def progress(self, job: VideoJob, worker: str) -> bool:
+            answer = self.answers.pop(0)
+            if answer is None:
+                raise StoreUnavailable()
+            return answer
+
+    now = [0.0]
+    store = Flaky()
+    lease = Lease(store, queued("video_0", "key", 0), "w", lease_s=30, clock=lambda: now[0])  # type: ignore[arg-type]
+    store.answers = [True, None, None, True]
+    for at in (10, 20, 30, 40):  # two misses, 10 s apart, within the 30 s lease
+        now[0] = at
+        assert lease.renew()
+    store.answers = [None, None, None, None]
+    for at in (50, 60):
+        now[0] = at
+        assert lease.renew()
+    now[0] = 70  # 30 s since the last landed
+    with pytest.raises(StoreUnavailable):
+        lease.renew()
+    store.answers = [False]  # another runner holds it
+    assert not Lease(store, queued("video_0", "key", 0), "w", 30).renew()  # type: ignore[arg-type]
