@@ -18,6 +18,12 @@ end, failures; meets_target = growth < 5%, pool within budget, threads and fds f
 a few) and 0 failures.
 
     python -m benchmarks.soak [--quick]
+
+With `--videos`, the soak of video jobs instead (`benchmarks/video_soak.py`): two replicas of a
+tiny Wan on one Redis, images and videos for `--minutes` (20) while one replica restarts every
+`--restart-every-s` (300) and Redis once; every job made exactly once, no 5xx, RSS flat.
+
+    python -m benchmarks.soak --videos [--quick] [--minutes 20]
 """
 
 from __future__ import annotations
@@ -175,13 +181,29 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="60 requests and 10 churn sizes, to check it runs"
     )
     parser.add_argument("--requests", type=int, default=600, help="generations in the soak (default 600)")
-    parser.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 6; videos 3)")
+    parser.add_argument(
+        "--videos", action="store_true", help="the soak of video jobs (benchmarks/video_soak.py)"
+    )
+    parser.add_argument("--minutes", type=float, default=20, help="--videos: how long (default 20)")
+    parser.add_argument(
+        "--restart-every-s",
+        type=float,
+        default=300,
+        help="--videos: a replica restarts this often (default 300)",
+    )
     parser.add_argument(
         "--pool-budget",
         default=DEFAULT_POOL_BUDGET,
         help=f"the server's --pool-budget, SIZE or cpu=SIZE (default {DEFAULT_POOL_BUDGET})",
     )
     args = parser.parse_args(argv)
+    if args.videos:
+        from benchmarks import video_soak
+
+        args.clients = args.clients or 3
+        return video_soak.main(args)
+    args.clients = args.clients or 6
     budget = min(parse_size(size.rpartition("=")[2]) for size in args.pool_budget.split(","))
     flags = ("--max-steps", "10", "--pool-budget", args.pool_budget)
     requests, sizes = (60, CHURN_SIZES[:10]) if args.quick else (args.requests, CHURN_SIZES)

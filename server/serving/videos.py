@@ -194,6 +194,7 @@ class VideoRunner:
             self._wake.clear()
             return
         self.runs += 1
+        log.info("video job %s: running (%s)", job.id, self.worker)
         try:
             self._make(job, Lease(self.store, job, self.worker, self.lease_s))
         except StoreUnavailable:
@@ -263,6 +264,7 @@ class VideoRunner:
             return
         if kept:
             self.seconds_made += float(job.seconds)
+            log.info("video job %s: made (%.1f MiB)", job.id, size / 2**20)
         else:
             log.warning("video job %s: another replica took it over and made it too", job.id)
 
