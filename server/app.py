@@ -52,6 +52,7 @@ from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
+from server.serving.limits import longest_clip
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
 
@@ -114,9 +115,10 @@ def fitted_plan(
 def decoder_for(
     settings: Settings, family: Family, plan: ParallelPlan, side: int | None = None
 ) -> DecoderMemory:
-    """The VAE decoder's predicted peak for the largest allowed image (or `side`²), whole and in
-    tiles, and whether `--vae-tiling` tiles: auto weighs it against the plan's activation reserve
-    on the VAE's device (the first stage's, where the Pipeline puts it), if it has a budget."""
+    """The VAE decoder's predicted peak for the largest allowed image (or `side`²; a video model's
+    longest admitted clip at it), whole and in tiles, and whether `--vae-tiling` tiles: auto
+    weighs it against the plan's activation reserve on the VAE's device (the first stage's, where
+    the Pipeline puts it), if it has a budget."""
     first = plan.replicas[0]
     device = next(d for d in first.devices if d.device == first.stages[0].device)
     reserve = device.activation_reserve if device.budget is not None else None
@@ -125,7 +127,7 @@ def decoder_for(
         side=side or largest_side(family, settings.pixel_limit(family)),
         default_tile=family.native_size,
         dtype=family.held_dtype("vae", settings.torch_dtype),
-        frames=family.default_frames,  # a video model's default clip, decoded whole
+        frames=longest_clip(family, settings.max_batch),  # a video model's longest clip, decoded whole
         setting=settings.vae_tiling,
         reserve=reserve,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -186,3 +187,32 @@ def test_a_bad_vae_tiling_names_the_setting(
     assert (
         "--vae-tiling (DIFFSHARD_VAE_TILING): write auto, on or off, got 'tiles'" in capsys.readouterr().err
     )
+
+
+def test_a_long_clips_decode_peak_is_extrapolated_from_two_counts_within_2_percent() -> None:
+    """Past COUNTED_LATENT_FRAMES the peak is extrapolated (a meta run of a plan's longest clip,
+    hundreds of latent frames, would take minutes): against a count of 40 latent frames."""
+    from server.pipeline.families.wan import WAN_VAE
+    from server.pipeline.tiling import _VIDEO_PEAKS, COUNTED_LATENT_FRAMES, video_decoder_peak
+
+    extrapolated = video_decoder_peak(WAN_VAE, 64, 40, torch.float32)
+    assert COUNTED_LATENT_FRAMES < 40 and not any(key[2] == 40 for key in _VIDEO_PEAKS)  # not run
+    with patch("server.pipeline.tiling.COUNTED_LATENT_FRAMES", 40):
+        counted = video_decoder_peak(WAN_VAE, 64, 40, torch.float32)
+    assert abs(extrapolated - counted) <= 0.02 * counted, (extrapolated, counted)
+
+
+def test_a_video_models_decoder_is_counted_at_the_longest_clip_it_admits(tmp_path: Path) -> None:
+    """`max_clip` admits --max-batch default clips' latent frames at the largest size: the VAE's
+    peak is counted there (before: at the 81-frame default, and the longest clips ran out of
+    memory after all their steps)."""
+    from server.serving.limits import longest_clip
+    from tests.tiny_pipelines import build_wan_folder
+
+    folder = build_wan_folder(tmp_path / "wan")
+    family = read_family(folder)
+    settings = Settings(model=folder, max_batch=4)
+    # 4 rows of the 81-frame clip's 21 latent frames, within what the tiny transformer takes
+    assert longest_clip(family, 4) == min((4 * 21 - 1) * 4 + 1, family.max_frames) == 125
+    plan = plan_for(settings, family, folder=folder)
+    assert decoder_for(settings, family, plan).frames == 125

@@ -209,13 +209,21 @@ class DecoderMemory:
 
 
 _VIDEO_PEAKS: dict[tuple, int] = {}  # (config, side, latent frames, dtype) → bytes, this process's
+COUNTED_LATENT_FRAMES = 24  # longer clips: extrapolated from the counts at half this and this
 
 
 def video_decoder_peak(config: Mapping[str, Any], side: int, latent_frames: int, dtype: torch.dtype) -> int:
     """Bytes Wan's VAE (`AutoencoderKLWan`) holds decoding one clip of `latent_frames` at `side`²,
     whole: its causal 3D convolutions run a latent frame at a time, each keeping the last two
     frames of its input, while the clip's frames gather. Counted by running it on the meta device
-    (`live.py`): ~1.5 s for Wan's 21 latent frames at 624²."""
+    (`live.py`): ~1.5 s for Wan's 21 latent frames at 624². Past a few frames the peak grows by
+    the same bytes a frame (the gathered frames; measured on the tiny Wan VAE: equal steps from 5
+    to 33 latent frames), so a clip longer than COUNTED_LATENT_FRAMES is extrapolated from two
+    counts instead of run: the longest clip a plan admits is hundreds of latent frames."""
+    if latent_frames > COUNTED_LATENT_FRAMES:
+        low, high = COUNTED_LATENT_FRAMES // 2, COUNTED_LATENT_FRAMES
+        at_low, at_high = (video_decoder_peak(config, side, n, dtype) for n in (low, high))
+        return at_high + (at_high - at_low) * (latent_frames - high) // (high - low)
     from diffusers import AutoencoderKLWan
 
     key = (json.dumps(dict(config), sort_keys=True, default=str), side, latent_frames, str(dtype))

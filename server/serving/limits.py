@@ -57,6 +57,15 @@ def clip_limits(family: Family, max_batch: int, max_pixels: int) -> dict[str, An
     }
 
 
+def longest_clip(family: Family, max_batch: int) -> int | None:
+    """The most frames `clip_limits` admits (at the largest size, unguided: one row), within the
+    denoiser's own bound: what the video VAE's decode peak is counted at. None: images only."""
+    if family.default_frames is None:
+        return None
+    frames = (max_batch * family.default_latent_frames - 1) * family.frame_multiple + 1
+    return frames if family.max_frames is None else min(frames, family.max_frames)
+
+
 def check_limits(
     requests: Sequence[GenerationRequest], limits: Limits, rows: Callable[[GenerationRequest], int]
 ) -> None:
