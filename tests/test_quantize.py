@@ -139,6 +139,30 @@ def test_mixed_lora_and_plain_rows_on_an_int8_base_equal_each_alone(
     )
 
 
+def test_lora_rows_on_a_gguf_base_act_and_mix_with_plain_rows(sd3_folder: Path, tmp_path: Path) -> None:
+    """A GGUF layer's weight is packed (uint8 blocks, not [out, in]): an adapter is checked by the
+    layer's in and out features and its delta added in its compute dtype (before: every LoRA was
+    refused as not fitting). Its rows mix with plain ones; it changes the image as it does over the
+    unquantized base, within the quantization's own difference."""
+    file = write_gguf(sd3_folder, "transformer", tmp_path / "transformer-Q8_0.gguf")
+    style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
+    bases = {"gguf": Pipeline.load(sd3_folder, devices="cpu", denoiser_file=file),
+             "full": Pipeline.load(sd3_folder, devices="cpu")}  # fmt: skip
+    adapted = GenerationRequest("a red circle", seed=1, steps=3, width=32, height=32, lora=(("style", 0.8),))
+    plain = replace(adapted, prompt="a blue square", seed=2, lora=())
+    images = {}
+    for name, pipeline in bases.items():
+        pipeline.add_adapter(read_adapter("style", style, pipeline.family))
+        requests = [pipeline.resolve(r) for r in (adapted, plain, replace(adapted, lora=()))]
+        images[name] = [pipeline.generate([r])[0] for r in requests]
+        together = pipeline.generate(requests[:2])
+        assert all(np.abs(a - b).max() < 1e-3 for a, b in zip(together, images[name][:2], strict=True))
+    gguf, full = images["gguf"], images["full"]
+    assert np.abs(gguf[0] - gguf[2]).max() > 0.05, "the adapter acts on the GGUF base"
+    quantization = np.abs(gguf[2] - full[2]).max()
+    assert np.abs((gguf[0] - gguf[2]) - (full[0] - full[2])).max() <= 2 * quantization + 0.01
+
+
 def test_a_quantized_model_split_over_two_stages_equals_it_on_one_device(folders: dict[str, Path]) -> None:
     request = GenerationRequest("a red circle", seed=3, steps=4)
     one = Pipeline.load(folders["sdxl"], devices="cpu", quantize="int8").generate([request])[0]
