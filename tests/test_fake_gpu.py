@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
-from server.engine import ModelShard, Workers, plan_shards, run_micro_batches, spec_for
+from server.engine import ModelShard, Workers, layout_of, plan_shards, run_micro_batches, spec_for
 from server.engine.hardware.devices import worker_names
 from server.engine.planning.calibrate import RUN_S
 from server.engine.planning.calibrate import _rate as calibrate_rate
@@ -389,6 +389,32 @@ def test_a_first_frame_is_encoded_on_the_vaes_fake_gpu_and_lands_with_the_latent
 
 
 # The other GPU defects of issue 37 that a CPU can show.
+
+
+def test_each_block_is_handed_over_as_it_reaches_its_gpu_before_the_next_moves(fake: FakeCuda) -> None:
+    """`placed` (float8's per-block conversion) runs on each block's module right after it moved
+    to its stage's fake GPU, while every later block is still on the CPU: a device never holds
+    more than one block unconverted, so a plan that fits only in float8 loads."""
+    _, unet, _ = _meta_parts(4)
+    plan = plan_shards(unet, ["cpu", "cpu"], strategy="even")
+    devices = ("cuda:0", "cuda:1")
+    plan = replace(
+        plan, stages=tuple(replace(s, device=d) for d, s in zip(devices, plan.stages, strict=True))
+    )
+    unet.to_empty(device="cpu")
+    paths = [path for block in layout_of(unet).blocks for path in block.modules]
+    seen: list[tuple[str, set[str], set[str]]] = []  # a part, where it is, where the later ones are
+
+    def where(paths: list[str]) -> set[str]:
+        return {p.device.type for name in paths for p in unet.get_submodule(name).parameters()}
+
+    def placed(module: torch.nn.Module, path: str) -> None:
+        seen.append((path, where([path]), where(paths[paths.index(path) + 1 :])))
+
+    ModelShard(unet, plan, placed=placed)
+    assert [path for path, _, _ in seen] == paths
+    assert all(here <= {"cuda"} and later <= {"cpu"} for _, here, later in seen), seen
+    assert any(here == {"cuda"} for _, here, _ in seen) and seen[0][2] == {"cpu"}
 
 
 def test_a_cuda_error_after_start_returned_closes_the_states_it_opened(fake: FakeCuda) -> None:

@@ -331,6 +331,12 @@ def test_float8_leaves_the_layers_the_loader_keeps_in_float32() -> None:
         assert {"blocks.0.ffn.net.0.proj", "condition_embedder.text_embedder.linear_1"} <= set(names[mode])
     assert not [n for n in names[QuantMode.FLOAT8] if "time_embedder" in n.split(".")]
     assert "condition_embedder.time_embedder.linear_1" in names[QuantMode.INT8]  # int8 takes float32
+    # block by block, as float8 converts while placing: a part alone keeps the root's float32 list
+    float8 = Quantization(QuantMode.FLOAT8, Wan.keep_precise)
+    part = model.get_submodule("condition_embedder")
+    fp32 = model._keep_in_fp32_modules
+    by_part = [n for n, _ in float8.targets(part, "condition_embedder", fp32)]
+    assert by_part == [n for n in names[QuantMode.FLOAT8] if n.startswith("condition_embedder.")] != []
 
 
 def test_float8_quantizes_an_all_zero_activation_row_to_zeros_not_nan() -> None:

@@ -12,7 +12,7 @@ mode is applied.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -67,17 +67,27 @@ class Quantization:
         # they are: counted as such, so the planner's bytes are what the GPU holds
         return self.mode != QuantMode.FLOAT8 or not any(side % 16 for side in module.weight.shape)
 
-    def targets(self, model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Linear]]:
+    def targets(
+        self, model: nn.Module, prefix: str = "", fp32: Sequence[str] | None = None
+    ) -> Iterator[tuple[str, nn.Linear]]:
         """The Linear layers of `model` (named from the root as `prefix` says) this mode converts.
         float8 leaves those under a module the loader keeps in float32 (`_keep_in_fp32_modules`,
-        matched by name part as diffusers and transformers do: Wan's time embedder, T5's `wo`):
-        torchao's float8 refuses float32 weights (the lent H100 found it on Wan's). The int8
-        modes take float32 weights and convert them."""
-        keep = getattr(model, "_keep_in_fp32_modules", None) if self.mode == QuantMode.FLOAT8 else None
-        fp32 = set(keep or ())
+        matched by name part as diffusers and transformers do: Wan's time embedder, T5's `wo`;
+        `fp32`: the root's, where `model` is a part of it): torchao's float8 refuses float32
+        weights (the lent H100 found it on Wan's). The int8 modes take float32 weights."""
+        if fp32 is None:
+            fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
+        kept = set(fp32) if self.mode == QuantMode.FLOAT8 else set()
         for name, module in model.named_modules(prefix=prefix):
-            if self.converts(name, module) and not fp32.intersection(name.split(".")):
+            if self.converts(name, module) and not kept.intersection(name.split(".")):
                 yield name, module
+
+    def placing(self, root: nn.Module) -> Callable[[nn.Module, str], int]:
+        """Quantize `root`'s parts one at a time, as each reaches its device (ModelShard's
+        `placed`): float8 converts only on the GPU, and converted block by block the device never
+        holds more than one block in 16 bits, so a plan that fits only in float8 loads."""
+        fp32 = tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+        return lambda part, path: self.apply(part, path, fp32)
 
     def bytes(self, model: nn.Module, dtype: torch.dtype, prefix: str = "") -> int:
         """Bytes `model` holds once cast to `dtype` and quantized: counted from shapes (a model on
@@ -94,9 +104,10 @@ class Quantization:
             total += out_features * ROW_BYTES[self.mode]
         return total
 
-    def apply(self, model: nn.Module, prefix: str = "") -> int:
-        """Quantize `model`'s target layers in place; the count converted."""
-        names = {name.removeprefix(prefix).lstrip(".") for name, _ in self.targets(model, prefix)}
+    def apply(self, model: nn.Module, prefix: str = "", fp32: Sequence[str] | None = None) -> int:
+        """Quantize `model`'s target layers in place (`model`: the part of a root at `prefix`,
+        `fp32` the root's float32 modules); the count converted."""
+        names = {name.removeprefix(prefix).lstrip(".") for name, _ in self.targets(model, prefix, fp32)}
         if not names:
             return 0
         if self.mode == QuantMode.NF4:

@@ -53,6 +53,7 @@ from server.pipeline.quantizing import (
     describe,
     held_bytes,
     load_quantizations,
+    placing,
     quantize_placed,
 )
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
@@ -142,10 +143,9 @@ class Pipeline:
                 components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
                 dtype=dtype, block_bytes=held,
             )  # fmt: skip
-        deployment = Deployment.of(components.denoiser, plan)
+        deployment = Deployment.of(components.denoiser, plan, placing(quantizations, components))
         pipeline = cls(components, deployment, pool, encoder_device=encoder_device, vae_tiling=vae_tiling)
-        denoisers = {id(shard.model): shard.model for shard in deployment.replicas}.values()
-        quantize_placed(quantizations, family, denoisers, pipeline.encoders)  # float8: where they live
+        quantize_placed(quantizations, family, pipeline.encoders)
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 

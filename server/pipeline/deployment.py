@@ -118,11 +118,17 @@ class Deployment:
     grouped: bool = False  # one lane; every call's tokens split over every replica
 
     @classmethod
-    def of(cls, model: nn.Module, plan: ShardPlan | ParallelPlan) -> Deployment:
-        """Shards for every replica of `plan` (one for a ShardPlan)."""
+    def of(
+        cls,
+        model: nn.Module,
+        plan: ShardPlan | ParallelPlan,
+        placed: Callable[[nn.Module, str], object] | None = None,
+    ) -> Deployment:
+        """Shards for every replica of `plan` (one for a ShardPlan); `placed(module, path)` is
+        called as each block's module reaches its device (quantizing there, block by block)."""
         if isinstance(plan, ShardPlan):
-            return cls((ModelShard(model, plan),))
-        shards = build_shards(model, plan)
+            return cls((ModelShard(model, plan, placed=placed),))
+        shards = build_shards(model, plan, placed)
         return cls(
             tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence, plan.grouped
         )

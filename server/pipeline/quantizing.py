@@ -4,12 +4,13 @@ The setting is a mode alone (`int8`: the denoiser, and every text encoder over 1
 FLUX.1's and SD3's T5-XXL) or per part (`denoiser=int8-dynamic,text_encoder_2=int8`). The
 denoiser keeps its family's `keep_precise` layers (a DiT's projections in and its output head,
 as Nunchaku keeps them) in the model's dtype: a sliver of its bytes. Most modes convert while
-loading, on the CPU; float8 converts where the weights then live (`quantize_placed`).
+loading, on the CPU; float8 converts where the weights then live: the denoiser block by block as
+it is placed (`placing`), the text encoders once placed (`quantize_placed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from server.engine import layout_of
 from server.engine.planning.plan import count_block_bytes
 from server.engine.quantize import Quantization, QuantMode
 from server.pipeline.families import Family
-from server.pipeline.loader import part_bytes
+from server.pipeline.loader import Components, part_bytes
 
 EVERY_LARGE_PART = "*"  # a mode given alone
 LARGE_ENCODER = 2**30  # bytes: a text encoder a mode given alone quantizes
@@ -109,17 +110,23 @@ def load_quantizations(
     return quantizations
 
 
+def placing(
+    quantizations: Mapping[str, Quantization], components: Components
+) -> Callable[[nn.Module, str], int] | None:
+    """What converts the loaded denoiser's blocks as they are placed (ModelShard's `placed`),
+    where its mode quantizes on the device (float8: torchao converts on the GPU only); None:
+    converted while loading, or not at all."""
+    quantization = quantizations.get(components.family.denoiser)
+    return quantization.placing(components.denoiser) if quantization and quantization.on_device else None
+
+
 def quantize_placed(
-    quantizations: Mapping[str, Quantization],
-    family: Family,
-    denoisers: Iterable[nn.Module],
-    encoders: Sequence[nn.Module],
+    quantizations: Mapping[str, Quantization], family: Family, encoders: Sequence[nn.Module]
 ) -> None:
-    """Quantize, where their weights now live, the parts whose mode quantizes on the device
-    (float8: torchao converts on the GPU only): each replica's denoiser and the text encoders
-    (the family's present ones, in order); the other modes converted them while loading."""
-    parts = [(family.denoiser, d) for d in denoisers]
-    for name, model in [*parts, *zip(family.text_encoders, encoders, strict=False)]:
+    """Quantize, where their weights now live, the text encoders whose mode quantizes on the
+    device (the family's present ones, in order); the denoiser's blocks were converted as they
+    were placed (`placing`), the other modes' while loading."""
+    for name, model in zip(family.text_encoders, encoders, strict=False):
         if (quantization := quantizations.get(name)) and quantization.on_device:
             quantization.apply(model)
 

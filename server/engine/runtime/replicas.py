@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,10 +26,12 @@ from server.engine.runtime.shard import ModelShard
 from server.errors import WorkerLost
 
 
-def build_shards(model: nn.Module, plan: ParallelPlan) -> list[ModelShard]:
+def build_shards(
+    model: nn.Module, plan: ParallelPlan, placed: Callable[[nn.Module, str], object] | None = None
+) -> list[ModelShard]:
     """A ModelShard per replica, each with a module tree of its own (its adapter hooks read its
     own stages' slots). Single-stage CPU replicas share the model's weights; the others get
-    their own copy, made before any shard moves the model."""
+    their own copy, made before any shard moves the model. `placed`: as ModelShard's."""
 
     def shares(replica: ShardPlan) -> bool:
         return len(replica.stages) == 1 and replica.stages[0].device == "cpu"
@@ -40,7 +42,7 @@ def build_shards(model: nn.Module, plan: ParallelPlan) -> list[ModelShard]:
     ]
     names = iter(plan.workers)
     return [
-        ModelShard(copy_, replica, [next(names) for _ in replica.stages])
+        ModelShard(copy_, replica, [next(names) for _ in replica.stages], placed)
         for copy_, replica in zip(weights, plan.replicas, strict=True)
     ]
 

@@ -12,7 +12,7 @@ micro-batches together instead of waiting for each other.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -45,7 +45,13 @@ class ModelShard:
     repeats).
     """
 
-    def __init__(self, model: nn.Module, plan: ShardPlan, workers: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ShardPlan,
+        workers: Sequence[str] | None = None,
+        placed: Callable[[nn.Module, str], object] | None = None,
+    ) -> None:
         # 1. The plan must be for this model, and the model must have weights.
         layout = layout_of(model)
         if plan.blocks != layout.names:
@@ -64,14 +70,19 @@ class ModelShard:
         self.gates = StageGates(workers or worker_names([stage.device for stage in plan.stages]))
         self.slots = [RowsSlot() for _ in plan.stages]  # per stage: the adapter rows of its call
         self.compiled: CompiledDenoiser | None = None  # set by `compile`
-        # 2. Place every block on its stage's device.
+        # 2. Place every block on its stage's device; `placed(module, path)` right after each
+        #    (float8 converts there, before the next block moves: the device never holds more
+        #    than one block unconverted).
         self.stage_of: dict[str, int] = {}
         self._owner: dict[str, int] = {}  # module path → its stage
         for index, stage in enumerate(plan.stages):
             for block in stage.blocks:
                 self.stage_of[block] = index
                 for path in layout.blocks[layout.names.index(block)].modules:
-                    part(model, path).to(stage.device)
+                    module = part(model, path)
+                    module.to(stage.device)
+                    if placed is not None and isinstance(module, nn.Module):
+                        placed(module, path)
                     self._owner[path] = index
         self.stage_devices = [torch.device(stage.device) for stage in plan.stages]
         self.device = self.stage_devices[0]
