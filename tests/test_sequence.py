@@ -316,3 +316,15 @@ def test_a_dead_helper_makes_the_lane_unready_until_it_recovers() -> None:
         assert lane.workers.restarts == 1
     finally:
         lane.workers.close()
+
+
+def test_a_rank_that_never_comes_breaks_the_exchange_after_its_timeout() -> None:
+    """A rank lost before it started (its thread never submitted) cannot hold the others at the
+    exchange forever (nor the process at exit, whose pool threads are not daemons): past the
+    timeout the waiting rank raises GroupBroken (before: it waited for good)."""
+    from server.engine.runtime.sequence import Group
+    from server.errors import GroupBroken
+
+    group = Group([torch.device("cpu"), torch.device("cpu")], timeout_s=0.2)
+    with pytest.raises(GroupBroken):
+        group.all_gather(0, 0, "rank 0's")

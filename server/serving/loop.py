@@ -166,7 +166,7 @@ class StepLoop:
             self._admitting, self._stopping = False, True
             self._wake.notify_all()
         self._closed.set()  # releases an injected hang
-        self._thread.join()
+        self._thread.join(2 * self._call.step_timeout_s)  # past it a call is stuck: its daemon thread is left
 
     def abandon(self, error: Rejected) -> None:
         """Answer every queued and running job with `error` now and take no more (the process is

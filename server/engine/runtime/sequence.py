@@ -42,6 +42,11 @@ from server.engine.denoisers.blocks import Flow, SequenceSplit
 from server.engine.runtime.call import CallPlan, CallResult
 from server.errors import GroupBroken, WorkerLost
 
+# A rank waits at most this long for the others at one exchange (they are one block's attention
+# apart: seconds, even on a CPU). Past it the group is broken (GroupBroken on every rank): a rank
+# lost before it started can no longer hold its peers' threads, and the process's exit, forever.
+EXCHANGE_TIMEOUT_S = 300.0
+
 
 class Group:
     """One call's ranks and their in-process all-gather: each rank leaves its value in its slot
@@ -49,10 +54,10 @@ class Group:
     its next exchange never overwrites what a slower one is still reading (one barrier an
     exchange)."""
 
-    def __init__(self, devices: Sequence[torch.device]) -> None:
+    def __init__(self, devices: Sequence[torch.device], timeout_s: float = EXCHANGE_TIMEOUT_S) -> None:
         self.devices = [torch.device(d) for d in devices]
         self.size = len(self.devices)
-        self._barrier = threading.Barrier(self.size)
+        self._barrier = threading.Barrier(self.size, timeout=timeout_s)
         self._slots: tuple[list[Any], list[Any]] = ([None] * self.size, [None] * self.size)
         self.exchange_s = 0.0  # rank 0's seconds in exchanges: waiting for the others and copying
         self.exchanges = 0  # rank 0's exchanges this call
