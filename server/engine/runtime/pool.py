@@ -42,6 +42,9 @@ Key = tuple[tuple[int, ...], torch.dtype, str, bool]  # shape, dtype, device, pi
 ANY_DEVICE = "*"  # a budget under this key applies to every device not named
 HOST_POOL_SHARE = 0.05  # default idle budget on "cpu": this share of the host's RAM
 DEVICE_POOL_SHARE = 0.10  # ... on a CUDA device: this share of its total memory
+# Larger host buffers are not pinned: torch's host allocator keeps freed pinned blocks cached (and
+# locked) for good, and a video's frames (hundreds of MB, one copy each) gain little from it.
+MAX_PINNED_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -110,12 +113,12 @@ class ActivationPool:
         """A buffer of exactly this shape, dtype and device that no one else holds; never refused.
 
         `pinned=True` asks for page-locked host memory (fast, async device→host copies);
-        without CUDA it is ordinary host memory.
+        without CUDA, or over MAX_PINNED_BYTES (a video's frames), it is ordinary host memory.
         """
         device = str(torch.device(device))
-        pinned = pinned and device == "cpu" and torch.cuda.is_available()
+        nbytes = math.prod(shape) * dtype.itemsize
+        pinned = pinned and device == "cpu" and torch.cuda.is_available() and nbytes <= MAX_PINNED_BYTES
         key: Key = (tuple(shape), dtype, device, pinned)
-        nbytes = _nbytes(key)
         with self._lock:
             stats = self._device_stats(device)
             idle = self._idle.get(key)
