@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -382,3 +383,44 @@ def test_a_lease_survives_a_missed_renewal_and_is_given_up_after_a_whole_lease()
         lease.renew()
     store.answers = [False]  # another runner holds it
     assert not Lease(store, queued("video_0", "key", 0), "w", 30).renew()  # type: ignore[arg-type]
+
+
+def test_progress_streams_of_a_hung_store_leave_image_responses_their_threads(
+    wan_folder: Path, tmp_path: Path
+) -> None:
+    """Redis stops answering (SIGSTOP: each call waits for its 10 s socket timeout) under 8
+    progress streams: their polls wait on the store's own threads, and an image is answered
+    while they all still wait (before: the polls held the default executor's threads, which also
+    encode image responses, and the image waited for the first poll to time out)."""
+    with (
+        redis_server(tmp_path) as redis,
+        live_server("--model", str(wan_folder), "--job-store", redis.url) as server,
+    ):
+        long = {**FAST, "num_inference_steps": 40, "num_frames": 17, "size": "64x64"}
+        job = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a red circle", **long}).json()["id"]
+        ended_streams: list[int] = []
+        opened = threading.Barrier(9)
+
+        def watch(index: int) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # a stream cut short ends too
+                with httpx.stream("GET", f"{server.url}/v1/videos/{job}/events", timeout=120) as events:
+                    opened.wait(timeout=30)
+                    for _ in events.iter_lines():
+                        pass
+            ended_streams.append(index)
+
+        watchers = [threading.Thread(target=watch, args=(i,), daemon=True) for i in range(8)]
+        for thread in watchers:
+            thread.start()
+        opened.wait(timeout=30)
+        redis.process.send_signal(signal.SIGSTOP)
+        try:
+            image = httpx.post(
+                f"{server.url}/v1/images/generations",
+                json={"prompt": "a cat", "size": "32x32", "num_inference_steps": 2},
+                timeout=120,
+            )
+            assert image.status_code == 200
+            assert ended_streams == [], "a progress stream ended before the image was answered"
+        finally:
+            redis.process.send_signal(signal.SIGCONT)
