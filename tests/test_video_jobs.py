@@ -402,11 +402,11 @@ def test_progress_streams_of_a_hung_store_leave_image_responses_their_threads(
         opened = threading.Barrier(9)
 
         def watch(index: int) -> None:
-            with contextlib.suppress(httpx.HTTPError):  # a stream cut short ends too
-                with httpx.stream("GET", f"{server.url}/v1/videos/{job}/events", timeout=120) as events:
-                    opened.wait(timeout=30)
-                    for _ in events.iter_lines():
-                        pass
+            url = f"{server.url}/v1/videos/{job}/events"
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("GET", url, timeout=120) as events:
+                opened.wait(timeout=30)  # a stream cut short (suppressed) ends too
+                for _ in events.iter_lines():
+                    pass
             ended_streams.append(index)
 
         watchers = [threading.Thread(target=watch, args=(i,), daemon=True) for i in range(8)]
