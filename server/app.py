@@ -52,7 +52,6 @@ from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory
 from server.serving import Runtime, Service
-from server.serving.limits import longest_clip
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
 
@@ -127,7 +126,7 @@ def decoder_for(
         side=side or largest_side(family, settings.pixel_limit(family)),
         default_tile=family.native_size,
         dtype=family.held_dtype("vae", settings.torch_dtype),
-        frames=longest_clip(family, settings.max_batch),  # a video model's longest clip, decoded whole
+        frames=family.clip and family.clip.longest(settings.max_batch),  # a video's longest, whole
         setting=settings.vae_tiling,
         reserve=reserve,
     )
@@ -258,7 +257,7 @@ async def _load(app: FastAPI) -> None:
     started = time.perf_counter()
     try:
         service = await asyncio.to_thread(load_service, settings, app.state.plan, runtime.compiling)
-        if service.video_frames is not None:  # a video model: /v1/videos' jobs, from the job store
+        if service.clip is not None:  # a video model: /v1/videos' jobs, from the job store
             app.state.videos = await asyncio.to_thread(start_videos, settings, service, runtime)
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
@@ -336,7 +335,7 @@ def create_app(
     )
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
     app.state.serve_metrics = serve_metrics
-    app.state.makes_videos = read_family(settings.model).default_frames is not None  # configs only
+    app.state.makes_videos = read_family(settings.model).clip is not None  # configs only
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")

@@ -5,6 +5,7 @@ device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -37,13 +38,13 @@ from server.engine.planning.cache import default_cache_dir
 from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.runtime.compile import CompileMode
 from server.errors import ConfigError
+from server.pipeline.clips import work_limit
 from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import gguf_tensor_bytes, read_family
 from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
 from server.serving import Limits
-from server.serving.limits import clip_limits
 from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -361,12 +362,10 @@ class Settings(BaseSettings):
         return self.max_pixels or int(family.default_area * family.native_size**2)
 
     def work_limit(self, family: Family) -> float:
-        """`max_work`; a video model's default × its default clip's latent frames (in bounds)."""
-        if family.default_frames is None or "max_work" in self.model_fields_set:
-            return self.max_work
-        return self.max_work * family.default_latent_frames
+        return work_limit(self.max_work, family.clip, explicit="max_work" in self.model_fields_set)
 
     def limits(self, family: Family) -> Limits:
+        clip, max_pixels = family.clip, self.pixel_limit(family)
         return Limits(
             max_n=self.max_n,
             max_steps=self.max_steps,
@@ -379,7 +378,8 @@ class Settings(BaseSettings):
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(family),
             max_edit_images=self.max_edit_images,
-            **clip_limits(family, self.max_batch, self.pixel_limit(family)),
+            max_clip=math.inf if clip is None else clip.max_clip(self.max_batch, max_pixels),
+            clip=clip,
         )
 
     @property

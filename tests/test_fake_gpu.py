@@ -54,6 +54,7 @@ from server.engine.planning.calibrate import _rate as calibrate_rate
 from server.engine.runtime.pool import ActivationPool
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.cachedstep import keep
+from server.pipeline.clips import Clip
 from server.pipeline.edits import blend, first_latents
 from server.pipeline.families.base import Family, ModelConfig
 from server.pipeline.loader import Components
@@ -340,7 +341,7 @@ def _wan(fake: FakeCuda) -> Pipeline:
         _wan_family(parts), Path("."), model, parts["vae"], (parts["text_encoder"],), (parts["tokenizer"],),
         parts["scheduler"],
     )  # fmt: skip
-    defaults = Defaults(steps=3, guidance_scale=5.0, scheduler="default", size=32, frames=9, frame_multiple=4)
+    defaults = Defaults(steps=3, guidance_scale=5.0, scheduler="default", size=32, clip=Clip(9, (32, 32), 4))
     return Pipeline(components, ModelShard(model, plan), defaults=defaults)
 
 

@@ -206,13 +206,13 @@ def test_a_video_models_decoder_is_counted_at_the_longest_clip_it_admits(tmp_pat
     """`max_clip` admits --max-batch default clips' latent frames at the largest size: the VAE's
     peak is counted there (before: at the 81-frame default, and the longest clips ran out of
     memory after all their steps)."""
-    from server.serving.limits import longest_clip
     from tests.tiny_pipelines import build_wan_folder
 
     folder = build_wan_folder(tmp_path / "wan")
     family = read_family(folder)
     settings = Settings(model=folder, max_batch=4)
     # 4 rows of the 81-frame clip's 21 latent frames, within what the tiny transformer takes
-    assert longest_clip(family, 4) == min((4 * 21 - 1) * 4 + 1, family.max_frames) == 125
+    assert family.clip is not None
+    assert family.clip.longest(4) == min((4 * 21 - 1) * 4 + 1, family.clip.max_frames) == 125
     plan = plan_for(settings, family, folder=folder)
     assert decoder_for(settings, family, plan).frames == 125

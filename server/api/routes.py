@@ -175,10 +175,10 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     videos = getattr(request.app.state, "videos", None)
     clips = None  # a video model's (/v1/videos): its default frames, their step, the MP4's rate
     if videos is not None:
-        frames, pipeline = videos.service.video_frames, videos.service.pipeline
+        clip, pipeline = videos.service.clip, videos.service.pipeline
         width, height = pipeline.defaults.video_size or (pipeline.defaults.size,) * 2
         clips = {
-            "num_frames": frames, "frame_multiple": pipeline.family.frame_multiple, "fps": videos.fps,
+            "num_frames": clip.frames, "frame_multiple": clip.frame_multiple, "fps": videos.fps,
             "size": f"{width}x{height}",
         }  # fmt: skip
     model: dict[str, Any] = {

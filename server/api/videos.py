@@ -32,6 +32,7 @@ from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, checked_lo
 from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
+from server.pipeline.clips import frames_for, seconds_of
 from server.serving import GenerationRequest, Service, parse_step_cache
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import Content, VideoJob
@@ -89,12 +90,10 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         raise InvalidRequest("model", f"this server serves {service.name!r}, not {body.model!r}")
     frames = body.num_frames
     if frames is None and body.seconds is not None:
-        seconds = str(body.seconds)
-        if not seconds.isdigit() or int(seconds) < 1:
-            raise InvalidRequest("seconds", f"must be a whole number of seconds ≥ 1, got {body.seconds!r}")
-        frames = int(seconds) * fps + 1
+        frames = frames_for(body.seconds, fps)
     if frames is None:
-        frames = service.video_frames
+        assert service.clip is not None  # a video model: runner_of found its runner
+        frames = service.clip.frames
     guidance = body.guidance_scale
     if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
         raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
@@ -108,7 +107,7 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
         lora=checked_lora(body.lora), reference=reference,
     )  # fmt: skip
-    return request, f"{(frames - 1) / fps:g}"
+    return request, seconds_of(frames, fps)
 
 
 def stored(request: GenerationRequest) -> dict[str, Any]:

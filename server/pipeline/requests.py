@@ -16,6 +16,7 @@ from pathlib import Path
 from PIL import Image
 
 from server.errors import InvalidRequest
+from server.pipeline.clips import Clip, check_frames
 from server.pipeline.edits import Edit
 from server.pipeline.families import Family
 from server.pipeline.stepcache import OFF, StepCache
@@ -69,9 +70,8 @@ class Defaults:
     size: int  # native image side in pixels
     size_multiple: int = 8  # an edit's default size: its image's, rounded down to this
     step_cache: StepCache = OFF  # --step-cache
-    frames: int | None = None  # a video family's frames for a video that names none (None: images only)
+    clip: Clip | None = None  # a video family's (clips.py): its default frames and frames' rule
     video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
-    frame_multiple: int = 1  # a video's latent frames: 1 + (frames - 1) // this
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -102,7 +102,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
     recommended = folder / "recommended.json"
     if recommended.is_file():
         settings = json.loads(recommended.read_text()).get("recommended", {})
-    video_size, largest = family.default_video_size, family.max_size
+    video_size, largest = family.clip and family.clip.size, family.max_size
     if video_size and largest and max(video_size) > largest:  # a tiny test model's short RoPE
         video_size = None
     return Defaults(
@@ -111,9 +111,8 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         scheduler="default",
         size=int(settings.get("size", family.native_size)),
         size_multiple=family.size_multiple,
-        frames=family.default_frames,
+        clip=family.clip,
         video_size=video_size,
-        frame_multiple=family.frame_multiple,
     )
 
 
@@ -140,7 +139,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         width=width if request.width is None else request.width,
         height=height if request.height is None else request.height,
         step_cache=d.step_cache if request.step_cache is None else request.step_cache,
-        latent_frames=1 if request.frames is None else max(1, (request.frames - 1) // d.frame_multiple + 1),
+        latent_frames=1 if request.frames is None or d.clip is None else d.clip.latent(request.frames),
     )
 
 
@@ -199,16 +198,7 @@ def _check_reference(request: GenerationRequest, family: Family) -> None:
 
 
 def _check_frames(request: GenerationRequest, family: Family) -> None:
-    if family.default_frames is None:
-        raise InvalidRequest("num_frames", "this model makes images, not videos")
-    frames, every = request.frames, family.frame_multiple
-    if frames < 1 or (frames - 1) % every:
-        raise InvalidRequest(
-            "num_frames", f"must be 1 more than a multiple of {every} (e.g. 81), got {frames}"
-        )
-    if family.max_frames is not None and frames > family.max_frames:
-        limit = f"must be at most {family.max_frames} for this model, got {frames}"
-        raise InvalidRequest("num_frames", limit)
+    check_frames(request.frames, family.clip)
     if request.partial_images or request.edit is not None:
         raise InvalidRequest(
             "partial_images" if request.partial_images else "image", "videos take neither yet"

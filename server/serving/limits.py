@@ -9,10 +9,10 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from server.errors import InvalidRequest
 from server.pipeline import Defaults, GenerationRequest
+from server.pipeline.clips import Clip
 from server.pipeline.families import Family
 from server.pipeline.planning import largest_side
 
@@ -35,35 +35,13 @@ class Limits:
     # one video's rows x latent frames x pixels: what the plan's activation reserve holds a step
     # (--max-batch rows of the model's default clip at the largest size); a row is not split
     max_clip: float = math.inf
-    default_frames: int | None = None  # the clip the reserve is sized by (said when refusing)
-    frame_multiple: int = 1  # a clip's frames are 1 + a multiple of this
+    clip: Clip | None = None  # the video family's (clips.py): the default clip the reserve is sized by
 
     def deadline(self, video: bool) -> tuple[float, str]:
         """A job's seconds from arrival, and the setting that sets them (said when it runs out)."""
         if video:
             return self.video_timeout_s, "DIFFSHARD_VIDEO_TIMEOUT_S"
         return self.request_timeout_s, "DIFFSHARD_REQUEST_TIMEOUT_S"
-
-
-def clip_limits(family: Family, max_batch: int, max_pixels: int) -> dict[str, Any]:
-    """A video model's Limits fields: one video's rows x latent frames x pixels within what the
-    plan's activation reserve holds (`max_batch` rows of the default clip at the largest size)."""
-    if family.default_frames is None:
-        return {}
-    return {
-        "max_clip": max_batch * family.default_latent_frames * max_pixels,
-        "default_frames": family.default_frames,
-        "frame_multiple": family.frame_multiple,
-    }
-
-
-def longest_clip(family: Family, max_batch: int) -> int | None:
-    """The most frames `clip_limits` admits (at the largest size, unguided: one row), within the
-    denoiser's own bound: what the video VAE's decode peak is counted at. None: images only."""
-    if family.default_frames is None:
-        return None
-    frames = (max_batch * family.default_latent_frames - 1) * family.frame_multiple + 1
-    return frames if family.max_frames is None else min(frames, family.max_frames)
 
 
 def check_limits(
@@ -103,12 +81,13 @@ def check_limits(
 
 def _clip_message(request: GenerationRequest, rows: int, limits: Limits) -> str:
     """What a video too long for the reserve may be at its size, in frames."""
+    assert limits.clip is not None  # only a video family has a finite max_clip
     latent = int(limits.max_clip // (rows * request.width * request.height))
-    longest = f"at most {(latent - 1) * limits.frame_multiple + 1}" if latent else "no video"
+    longest = f"at most {limits.clip.frames_of(latent)}" if latent else "no video"
     return (
         f"{request.frames} frames at {request.width}x{request.height} ({rows} rows) need more activation "
         f"memory a step than the plan keeps: {longest} frames at this size (the plan keeps --max-batch "
-        f"rows of the {limits.default_frames}-frame clip at the largest size)"
+        f"rows of the {limits.clip.frames}-frame clip at the largest size)"
     )
 
 

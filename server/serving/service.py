@@ -20,6 +20,7 @@ import torch
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline, size_warning
 from server.pipeline.adapters import adapter_file
+from server.pipeline.clips import Clip
 from server.pipeline.loader import closed_vocabulary
 from server.pipeline.lora import read_adapter
 from server.serving.housekeeping import IDLE_S, Housekeeper
@@ -140,9 +141,9 @@ class Service:
         return [self.pipeline.resolve(r) for r in filled]
 
     @property
-    def video_frames(self) -> int | None:
-        """A video model's default frames (None: the model makes images only)."""
-        return self.pipeline.family.default_frames
+    def clip(self) -> Clip | None:
+        """A video model's clip (its default frames, size, frames' rule); None: images only."""
+        return self.pipeline.family.clip
 
     def _queue(self, job: Job, request_id: str | None) -> Job:
         if request_id is not None:  # the loop's log lines name the job: the request's own id

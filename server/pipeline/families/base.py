@@ -18,6 +18,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
+from server.pipeline.clips import Clip
 from server.pipeline.schedulers import SCHEDULER_NAMES
 
 # SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
@@ -95,10 +96,7 @@ class Family:
         return 2 if request.guidance_scale > 1 else 1
 
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
-    default_frames: ClassVar[int | None] = None  # a video family's frames (None: images)
-    default_video_size: ClassVar[tuple[int, int] | None] = None  # (width, height); None: native²
     vae_float32: ClassVar[bool] = False  # its VAE in float32 whatever --dtype (Wan: as diffusers loads it)
-    frame_multiple: ClassVar[int] = 1  # a video's frames are 1 + a multiple of this
 
     def cfg_scale(self, request: Asked) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows."""
@@ -169,18 +167,14 @@ class Family:
         return None
 
     @property
-    def default_latent_frames(self) -> int | None:
-        """The latent frames of a video family's default clip (what its limits are sized by)."""
-        return None if self.default_frames is None else (self.default_frames - 1) // self.frame_multiple + 1
+    def clip(self) -> Clip | None:
+        """A video family's clip (`clips.py`: its default frames and size, its frames' rule and
+        limit); None: the family makes images."""
+        return None
 
     def held_dtype(self, part: str, dtype: torch.dtype) -> torch.dtype:
         """The dtype `part` is loaded (and counted) in when the weights are in `dtype`."""
         return torch.float32 if part == "vae" and self.vae_float32 else dtype
-
-    @property
-    def max_frames(self) -> int | None:
-        """The longest video the denoiser can take, if it has a limit."""
-        return None
 
     def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
         """One request's latents: [1, C, h, w] (a video family's: [1, C, latent frames, h, w])."""

@@ -22,6 +22,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from server.engine.denoisers.wan import UMT5_TOKENS
 from server.errors import ModelFolderError
+from server.pipeline.clips import Clip
 from server.pipeline.families.base import Family, TextEmbeddings
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
@@ -59,8 +60,6 @@ class Wan(Family):
     keep_precise: ClassVar[tuple[str, ...]] = ("proj_out",)  # the output head, as for the other DiTs
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 5.0
-    default_frames: ClassVar[int | None] = 81
-    default_video_size: ClassVar[tuple[int, int] | None] = (832, 480)  # WanPipeline's default, 480p
     vae_float32: ClassVar[bool] = True  # as diffusers' and Wan-AI's examples load it: 0.5 GB
     default_area: ClassVar[float] = 832 * 480 / 480**2  # 480p either way round (832x480, 480x832)
     reference_parts: ClassVar[dict[str, Any]] = {
@@ -94,8 +93,13 @@ class Wan(Family):
         return 2 ** len(self._temporal)
 
     @property
-    def frame_multiple(self) -> int:  # type: ignore[override]
-        return 2 ** sum(self._temporal)
+    def clip(self) -> Clip:
+        """WanPipeline's default clip, 81 frames of 832×480 (480p); 1 + 4k frames (the VAE's 4×
+        temporal compression), as many as the transformer's rotary positions reach."""
+        multiple = 2 ** sum(self._temporal)
+        patch_frames = int(self.config.denoiser.get("patch_size", (1, 2, 2))[0])
+        longest = (self._positions // patch_frames - 1) * multiple + 1
+        return Clip(frames=81, size=(832, 480), frame_multiple=multiple, max_frames=longest)
 
     @property
     def latent_channels(self) -> int:
@@ -103,7 +107,7 @@ class Wan(Family):
 
     @property
     def native_size(self) -> int:
-        return 480  # Wan 2.1's 480p: an image's side; a video's default is 832×480 (default_video_size)
+        return 480  # Wan 2.1's 480p: an image's side; a video's default is 832×480 (its clip's)
 
     @property
     def size_multiple(self) -> int:
@@ -118,16 +122,10 @@ class Wan(Family):
     def max_size(self) -> int | None:
         return self._positions * self.size_multiple  # a position a patch
 
-    @property
-    def max_frames(self) -> int | None:
-        patch_frames = int(self.config.denoiser.get("patch_size", (1, 2, 2))[0])
-        return (self._positions // patch_frames - 1) * self.frame_multiple + 1
-
     def latent_shape(self, width: int, height: int, frames: int | None = None) -> tuple[int, ...]:
         """A video's latents; an image's (`frames` None) are a one-frame video's, as Wan draws them."""
-        scale, frames = self.vae_scale_factor, frames or 1
-        latent_frames = (frames - 1) // self.frame_multiple + 1
-        return (1, self.latent_channels, latent_frames, height // scale, width // scale)
+        scale = self.vae_scale_factor
+        return (1, self.latent_channels, self.clip.latent(frames or 1), height // scale, width // scale)
 
     def init_noise_sigma(self, scheduler: Any) -> float:
         return 1.0  # flow matching starts from pure noise
@@ -192,7 +190,7 @@ class WanI2V(Wan):
     def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
         """WanImageToVideoPipeline.prepare_latents' condition for one video: [1, 4 + C, latent
         frames, h, w] in float32 from `pixels` [1, 3, H, W] in [-1, 1] (the frame, resized)."""
-        every, (height, width) = self.frame_multiple, pixels.shape[-2:]
+        every, (height, width) = self.clip.frame_multiple, pixels.shape[-2:]
         video = torch.cat([pixels[:, :, None], pixels.new_zeros(1, 3, frames - 1, height, width)], dim=2)
         vae_device = next(vae.parameters()).device
         latents = vae.encode(video.to(vae_device, vae.dtype)).latent_dist.mode().to(torch.float32)
@@ -221,7 +219,7 @@ class WanI2V(Wan):
             raise ModelFolderError(f"this folder has no image encoder (or no image_dim); {served}")
         if config.get("pos_embed_seq_len") is not None:
             raise ModelFolderError(f"this folder pairs first and last frames (FLF2V); {served}")
-        wanted = 2 * self.latent_channels + self.frame_multiple
+        wanted = 2 * self.latent_channels + self.clip.frame_multiple
         if int(config["in_channels"]) != wanted:
             raise ModelFolderError(
                 f"an image-to-video transformer takes {wanted} input channels (noise, mask, first "
