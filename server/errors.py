@@ -128,6 +128,7 @@ class StoreUnavailable(Unavailable):
     """The job store (Redis) did not answer; the request may be tried again."""
 
     reason = "job_store_unavailable"
+    retry_after = 2  # seconds: Redis restarting or failing over is back within a few
 
     def __init__(self) -> None:
         super().__init__("the video job store cannot be reached; retry shortly")

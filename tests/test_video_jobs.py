@@ -347,6 +347,7 @@ def test_parallel_downloads_of_a_large_frames_zip_stream_from_redis(wan_folder: 
                 server.process.pid, lambda: got.extend(ThreadPoolExecutor(8).map(download, range(8)))
             )
         assert got == [(size, digest)] * 8
+        print(f"8 downloads of {size / 2**20:.0f} MiB: the server's peak RSS grew {grew / 2**20:.1f} MiB")
         assert grew <= 64 * 2**20, f"the server's peak memory grew {grew / 2**20:.0f} MiB"
 
 

@@ -32,6 +32,7 @@ from server.errors import (
     OutOfMemory,
     Overloaded,
     StepFailed,
+    StoreUnavailable,
     Unavailable,
     WorkerLost,
 )
@@ -110,7 +111,7 @@ def domain_response(err: DiffshardError, request_id: str) -> JSONResponse:
         if err.status == "failed":  # a load error names files and devices: for the log only
             _log_details(request_id, err, logging.WARNING)
             message = internal_message("the server cannot serve: the model failed to load", request_id)
-    elif isinstance(err, Overloaded):
+    elif isinstance(err, Overloaded | StoreUnavailable):
         headers = {"retry-after": str(err.retry_after)}
     elif isinstance(err, OutOfMemory):  # torch's text names device capacity and other processes
         _log_details(request_id, err, logging.WARNING)

@@ -32,8 +32,7 @@ from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, checked_lo
 from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
-from server.pipeline.clips import frames_for, seconds_of
-from server.serving import GenerationRequest, Service, parse_step_cache
+from server.serving import GenerationRequest, Service, frames_for, parse_step_cache, seconds_of
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import Content, VideoJob
 

@@ -205,3 +205,20 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     kept = getattr(model, "_keep_in_fp32_modules", None) or ()
     floating = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()]
     return next((d for n, d in floating if not any(m in n for m in kept)), floating[0][1])
+
+
+def layer_features(layer: nn.Linear | nn.Conv2d) -> tuple[int, int]:
+    """What a layer maps from and to (an adapter on it must match). A Linear says it: a quantized
+    one's weight may be packed (GGUF's and nf4's: uint8 blocks, not [out, in])."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    return layer.weight.shape[1], layer.weight.shape[0]
+
+
+def layer_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a layer computes in (an adapter's delta is added in it): its weight's, or a
+    packed quantized weight's compute dtype (GGUFLinear's and Linear4bit's `compute_dtype`)."""
+    dtype = layer.weight.dtype
+    if dtype.is_floating_point:
+        return dtype
+    return getattr(layer, "compute_dtype", None) or torch.float32

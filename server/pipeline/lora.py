@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from server.engine.quantize import layer_dtype, layer_features
 from server.engine.runtime.call import RowsSlot
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
@@ -309,7 +310,7 @@ class AdapterSet:
         modules = dict(self.model.named_modules())
         for module_name, pair in self.check(adapter).items():
             layer = modules[module_name]
-            device, dtype = layer.weight.device, output_dtype(layer)
+            device, dtype = layer.weight.device, layer_dtype(layer)
             placed = dataclasses.replace(pair, down=pair.down.to(device, dtype), up=pair.up.to(device, dtype))
             self.layers.setdefault(module_name, {})[adapter.name] = placed
             self.stacked[module_name] = Stacked.of(self.layers[module_name])
@@ -381,27 +382,9 @@ def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: Lora
     if not isinstance(layer, nn.Linear | nn.Conv2d):
         kind = "no such module" if layer is None else f"a {type(layer).__name__}, not a Linear or Conv2d"
         raise ModelFolderError(f"{where} is {kind}")
-    takes, gives = features(layer)
+    takes, gives = layer_features(layer)
     if pair.down.shape[1] != takes or pair.up.shape[0] != gives:
         raise ModelFolderError(
             f"{where} maps {takes} features to {gives}, the adapter "
             f"{pair.down.shape[1]} to {pair.up.shape[0]} (rank {pair.rank})"
         )
-
-
-def features(layer: nn.Linear | nn.Conv2d) -> tuple[int, int]:
-    """What a layer maps from and to. A Linear says it: a quantized one's weight may be packed
-    (GGUF's and nf4's: uint8 blocks, not [out, in]), and the adapter's delta, computed from the
-    layer's input beside it, never reads the weight."""
-    if isinstance(layer, nn.Linear):
-        return layer.in_features, layer.out_features
-    return layer.weight.shape[1], layer.weight.shape[0]
-
-
-def output_dtype(layer: nn.Module) -> torch.dtype:
-    """The dtype a layer computes in, which its adapter's delta is added in: its weight's, or a
-    packed quantized weight's compute dtype (GGUFLinear's and Linear4bit's `compute_dtype`)."""
-    dtype = layer.weight.dtype
-    if dtype.is_floating_point:
-        return dtype
-    return getattr(layer, "compute_dtype", None) or torch.float32

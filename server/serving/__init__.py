@@ -2,6 +2,7 @@
 What the HTTP layer needs of the pipeline (request values, image encoding) it gets from here."""
 
 from server.pipeline import Edit, GenerationRequest
+from server.pipeline.clips import frames_for, seconds_of
 from server.pipeline.images import FORMATS, encode_async, to_uint8
 from server.pipeline.requests import KINDS, MAX_MODEL_STEPS, SEED_LIMIT
 from server.pipeline.stepcache import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_INTERVAL, parse_step_cache
@@ -31,6 +32,8 @@ __all__ = [
     "Snapshot",
     "StepLoop",
     "encode_async",
+    "frames_for",
     "parse_step_cache",
+    "seconds_of",
     "to_uint8",
 ]

@@ -5,7 +5,7 @@ and a job whose replica died runs again elsewhere once its lease lapses.
 Keys, under `diffshard:<model>:` (models sharing a Redis take only their own jobs):
   job:<id>        hash, the VideoJob's fields each as JSON
   files:<id>      set of its content's file names;  file:<id>:<name>  the file (MP4, frames ZIP,
-                  thumbnail, spritesheet), a string written and read in pieces (APPEND, GETRANGE),
+                  thumbnail, spritesheet), a string written and read in pieces (SETRANGE, GETRANGE),
                   so no command carries a whole frames ZIP; upload:<id>:<worker>:<name> while it
                   is written (expiring: a runner that dies mid-write leaves nothing for long)
   jobs, owner:<o> sorted sets of ids by created_at (listing, paging)
@@ -24,11 +24,14 @@ import json
 from dataclasses import asdict, fields
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from server.errors import ConfigError, StoreRefused, StoreUnavailable
 from server.serving.videostore import PIECE, Content, VideoJob, shown
 
 FIELDS = [f.name for f in fields(VideoJob)]
+RETRIES = 5
 UPLOAD_LAPSE_MS = 600_000  # an upload's key lives this long after its last piece unless finished
 
 # KEYS: none. ARGV: prefix, worker, lease ms. The next queued job, held by `worker`: the oldest
@@ -175,7 +178,10 @@ class RedisJobStore:
         self.prefix = f"diffshard:{model}:"
         self.lease_ms = max(1, round(lease_s * 1000))
         self.upload_lapse_ms = max(UPLOAD_LAPSE_MS, 2 * self.lease_ms)
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        # A refused connection (Redis restarting, a failover) is tried again for ~1.5 s before a
+        # call fails: every command here may be sent twice (uploads write at an offset, not append)
+        again = Retry(ExponentialBackoff(cap=0.8, base=0.05), RETRIES, (redis.ConnectionError,))
+        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, retry=again)
         try:
             self._redis.ping()
         except redis.RedisError as err:
@@ -286,7 +292,8 @@ class RedisJobStore:
         self._redis.delete(key)
         for offset in range(0, len(data), PIECE):
             with self._redis.pipeline(transaction=False) as batch:
-                batch.append(key, bytes(view[offset : offset + PIECE])).pexpire(key, self.upload_lapse_ms)
+                batch.setrange(key, offset, bytes(view[offset : offset + PIECE]))
+                batch.pexpire(key, self.upload_lapse_ms)
                 batch.execute()
 
     def recover(self) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
-PIECE = 1 << 20  # content is written to and read from a store in pieces of this many bytes
+PIECE = 1 << 18  # content is written to and read from a store in pieces of this many bytes (256 KiB)
 
 
 @dataclass(frozen=True)
