@@ -425,3 +425,24 @@ def test_progress_streams_of_a_hung_store_leave_image_responses_their_threads(
             assert ended_streams == [], "a progress stream ended before the image was answered"
         finally:
             redis.process.send_signal(signal.SIGCONT)
+
+
+def test_one_server_runs_a_models_jobs_in_a_sqlite_file(tmp_path: Path) -> None:
+    """A second runner of the same model on the same file is refused at start, naming the fix
+    (before: the default path was every server's, and each queued again and tidied the other's
+    jobs); another model's runner shares the file and sees only its own jobs; a reader (a tool,
+    a test) takes no lock."""
+    from server.errors import ConfigError
+
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    first = open_job_store(url, "m", 30, runs=True)
+    with pytest.raises(ConfigError, match="another server runs m's video jobs"):
+        open_job_store(url, "m", 30, runs=True)
+    other = open_job_store(url, "other", 30, runs=True)
+    first.add(queued("video_m", "key", 0))
+    reader = open_job_store(url, "m", 30)
+    assert reader.get("video_m") is not None
+    assert other.claim("w") is None and other.unfinished() == 0 and first.unfinished() == 1
+    for store in (reader, other, first):
+        store.close()
+    open_job_store(url, "m", 30, runs=True).close()  # free again once the first is closed
