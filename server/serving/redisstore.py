@@ -287,7 +287,8 @@ class RedisJobStore:
         return f"{self.prefix}upload:{job_id}:{worker}:{name}"
 
     def _upload(self, job_id: str, worker: str, name: str, data: bytes) -> None:
-        """`data` appended a piece at a time to its upload key, which lapses unless FINISH keeps it."""
+        """`data` written a piece at a time, at its offset, to its upload key, which lapses unless
+        FINISH keeps it."""
         key, view = self._upload_key(job_id, worker, name), memoryview(data)
         self._redis.delete(key)
         for offset in range(0, len(data), PIECE):
