@@ -70,13 +70,9 @@ def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The planner's calibrations go to a folder of this session (servers started by tests
     inherit it), not to the user's ~/.cache: calibrated once a session, then reused."""
     folder = tmp_path_factory.mktemp("diffshard-cache")
-    before = os.environ.get("DIFFSHARD_CACHE_DIR")
-    os.environ["DIFFSHARD_CACHE_DIR"] = str(folder)
-    yield folder
-    if before is None:
-        os.environ.pop("DIFFSHARD_CACHE_DIR", None)
-    else:
-        os.environ["DIFFSHARD_CACHE_DIR"] = before
+    with pytest.MonkeyPatch.context() as env:  # set for the session, restored after it
+        env.setenv("DIFFSHARD_CACHE_DIR", str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,13 +80,9 @@ def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The default job store (`$XDG_DATA_HOME/diffshard/jobs.sqlite`) in a folder of this session,
     not the user's: servers started by tests inherit it."""
     folder = tmp_path_factory.mktemp("data-home")
-    before = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(folder)
-    yield folder
-    if before is None:
-        os.environ.pop("XDG_DATA_HOME", None)
-    else:
-        os.environ["XDG_DATA_HOME"] = before
+    with pytest.MonkeyPatch.context() as env:  # set for the session, restored after it
+        env.setenv("XDG_DATA_HOME", str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -98,13 +90,9 @@ def float32_by_default() -> Iterator[None]:
     """Tests compare images with diffusers' float32 ones: `--dtype auto` would pick bfloat16 on a
     CPU that runs it natively and faster (config.py), so servers and settings made in tests take
     float32 unless a test asks for another dtype (tests/test_quantize.py tests auto itself)."""
-    before = os.environ.get("DIFFSHARD_DTYPE")
-    os.environ["DIFFSHARD_DTYPE"] = "float32"
-    yield
-    if before is None:
-        os.environ.pop("DIFFSHARD_DTYPE", None)
-    else:
-        os.environ["DIFFSHARD_DTYPE"] = before
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DIFFSHARD_DTYPE", "float32")
+        yield
 
 
 @pytest.fixture(scope="session")
