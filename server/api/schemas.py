@@ -281,7 +281,7 @@ def generation_requests(
             deterministic=body.deterministic,
             lora=lora,
             edit=edit,
-            true_cfg_scale=1.0 if true_cfg is None else true_cfg,
+            true_cfg_scale=true_cfg,
             step_cache=step_cache,
         )
         for i, edit in enumerate(edit for edit in sources for _ in range(body.n))

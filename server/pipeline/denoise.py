@@ -224,16 +224,12 @@ class Pipeline:
             for i, r in enumerate(requests):
                 guided, zeros = self.rows(r) == 2, zero_unset and r.negative_prompt is None
                 take = 1 + (guided and not zeros)
-                context = embeddings.context[row : row + take]
-                pooled = None if embeddings.pooled is None else embeddings.pooled[row : row + take]
-                if guided and zeros:  # an unset negative prompt conditions on zeros
-                    context = torch.cat([torch.zeros_like(context), context])
-                    pooled = None if pooled is None else torch.cat([torch.zeros_like(pooled), pooled])
+                own = embeddings.take(row, take, zero_negative=guided and zeros)
                 row += take
-                extras = self.family.extras(pooled, r)
+                extras = {**self.family.extras(own.pooled, r), **own.rows}
                 if i in images:  # the same on the negative row, as WanImageToVideoPipeline repeats it
-                    extras[IMAGE] = images[i].expand(context.shape[0], -1, -1)
-                states.append(self._new_state(r, context, extras))
+                    extras[IMAGE] = images[i].expand(own.context.shape[0], -1, -1)
+                states.append(self._new_state(r, own.context, extras))
         except BaseException:
             for state in states:
                 state.close()

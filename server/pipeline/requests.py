@@ -42,7 +42,7 @@ class GenerationRequest:
     deterministic: bool = False  # its calls run alone: its bytes do not depend on the batch
     lora: tuple[tuple[str, float], ...] = ()  # adapters and their scales (lora.py), in order
     edit: Edit | None = None  # the image an edit starts from (edits.py); None: text to image
-    true_cfg_scale: float = 1.0  # guidance-distilled models (FLUX.1): CFG with negative_prompt when > 1
+    true_cfg_scale: float | None = None  # true CFG (FLUX.1, Qwen-Image): with negative_prompt when > 1
     step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
     frames: int | None = None  # a video's frames (video families only); None: an image
     latent_frames: int = 1  # what a video weighs in work: its latent frames (set with the defaults)
@@ -72,6 +72,7 @@ class Defaults:
     step_cache: StepCache = OFF  # --step-cache
     clip: Clip | None = None  # a video family's (clips.py): its default frames and frames' rule
     video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
+    true_cfg_scale: float = 1.0  # the family's (QwenImagePipeline's 4.0): on with a negative prompt
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -110,6 +111,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         guidance_scale=float(settings.get("guidance_scale", family.default_guidance)),
         scheduler="default",
         size=int(settings.get("size", family.native_size)),
+        true_cfg_scale=float(settings.get("true_cfg_scale", family.default_true_cfg)),
         size_multiple=family.size_multiple,
         clip=family.clip,
         video_size=video_size,
@@ -136,6 +138,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         steps=d.steps if request.steps is None else request.steps,
         guidance_scale=d.guidance_scale if request.guidance_scale is None else request.guidance_scale,
         scheduler=request.scheduler or d.scheduler,
+        true_cfg_scale=d.true_cfg_scale if request.true_cfg_scale is None else request.true_cfg_scale,
         width=width if request.width is None else request.width,
         height=height if request.height is None else request.height,
         step_cache=d.step_cache if request.step_cache is None else request.step_cache,
@@ -154,9 +157,13 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("steps", f"must be between 1 and {MAX_MODEL_STEPS}, got {request.steps}")
     if not (math.isfinite(request.guidance_scale) and request.guidance_scale >= 0):
         raise InvalidRequest("guidance_scale", f"must be a finite number ≥ 0, got {request.guidance_scale}")
-    if request.true_cfg_scale != 1.0 and not family.takes_true_cfg:
+    if request.guidance_scale != family.default_guidance and not family.takes_guidance:
         raise InvalidRequest(
-            "true_cfg_scale", "is for guidance-distilled models (FLUX.1); set guidance_scale for this one"
+            "guidance_scale", "this model has no guidance input: set true_cfg_scale with a negative_prompt"
+        )
+    if request.true_cfg_scale != family.default_true_cfg and not family.takes_true_cfg:
+        raise InvalidRequest(
+            "true_cfg_scale", "is for models guided by true CFG (FLUX, Qwen-Image): set guidance_scale"
         )
     if not (math.isfinite(request.true_cfg_scale) and request.true_cfg_scale >= 0):
         raise InvalidRequest("true_cfg_scale", f"must be a finite number ≥ 0, got {request.true_cfg_scale}")

@@ -15,8 +15,7 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     an inpainting's unmasked region back to the image. Returns (partial index, predicted clean
     latents) when a partial image is due at this step."""
     if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
-        negative, positive = prediction.chunk(2)
-        prediction = negative + family.cfg_scale(state.request) * (positive - negative)
+        prediction = family.guide(*prediction.chunk(2), state.request)
     partial, early, state.preview = state.previews.get(state.index + 1), None, None
     scheduler = state.scheduler
     if partial is not None and hasattr(scheduler, "convert_model_output"):  # DPM-Solver

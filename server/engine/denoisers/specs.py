@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from diffusers import (
     FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
     WanTransformer3DModel,
@@ -15,6 +16,7 @@ from torch import nn
 from server.engine.denoisers.blocks import DenoiserSpec, Layout, part, tensors_of
 from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
+from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
 
@@ -23,6 +25,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (SD3Transformer2DModel, SD3TransformerSpec),
     (FluxTransformer2DModel, FluxTransformerSpec),
     (WanTransformer3DModel, WanTransformerSpec),
+    (QwenImageTransformer2DModel, QwenImageTransformerSpec),
 ]
 
 

@@ -155,28 +155,33 @@ class Rank:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """`F.scaled_dot_product_attention` of this rank's queries ([B, H, S_r, d]) over every
-        rank's tokens; returns this rank's tokens of the output."""
-        if attn_mask is not None or is_causal or dropout_p or enable_gqa:
-            raise ValueError("sequence-parallel attention takes no mask, causality, dropout or GQA")
+        rank's tokens; returns this rank's tokens of the output. A mask may only mask keys
+        ([B, 1, 1, S_r]: a padded prompt's tokens), gathered as the keys are."""
+        if is_causal or dropout_p or enable_gqa:
+            raise ValueError("sequence-parallel attention takes no causality, dropout or GQA")
+        if attn_mask is not None and attn_mask.shape[-2] != 1:
+            raise ValueError("sequence-parallel attention takes a mask of keys only ([B, 1, 1, S])")
         if query.shape[1] % self.size == 0:
-            return self._ulysses(query, key, value, scale)
-        keys = self.gather((key, value))
+            return self._ulysses(query, key, value, attn_mask, scale)
+        keys = self.gather((key, value, attn_mask))
         here = query.device  # this rank's stage's device
         k = torch.cat([part[0].to(here) for part in keys], dim=2)
         v = torch.cat([part[1].to(here) for part in keys], dim=2)
-        return F.scaled_dot_product_attention(query, k, v, scale=scale)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=_keys_mask(keys, 2, here), scale=scale)
 
     def _ulysses(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
-    ) -> torch.Tensor:
-        parts = self.gather((q, k, v))
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        scale: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        parts = self.gather((q, k, v, mask))
         start, stop = chunks(q.shape[1], self.size)[self.index]
         here = q.device  # this rank's stage's device
 
         def heads(which: int) -> torch.Tensor:  # my heads, every rank's tokens (rank order)
             return torch.cat([p[which][:, start:stop].to(here) for p in parts], dim=2)
 
-        out = F.scaled_dot_product_attention(heads(0), heads(1), heads(2), scale=scale)
+        mask = _keys_mask(parts, 3, here)
+        out = F.scaled_dot_product_attention(heads(0), heads(1), heads(2), attn_mask=mask, scale=scale)
         outs = self.gather(out)
         lengths = [p[0].shape[2] for p in parts]
         begin = sum(lengths[: self.index])
@@ -185,6 +190,13 @@ class Rank:
 
     def attention(self) -> SequenceAttention:
         return SequenceAttention(self)
+
+
+def _keys_mask(parts: Sequence[tuple], at: int, device: torch.device) -> torch.Tensor | None:
+    """Every rank's mask of its keys (entry `at` of what each gathered), joined as the keys are."""
+    if parts[0][at] is None:
+        return None
+    return torch.cat([p[at].to(device) for p in parts], dim=-1)
 
 
 class SequenceAttention(TorchFunctionMode):

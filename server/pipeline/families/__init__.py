@@ -13,12 +13,13 @@ from torch import nn
 from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
+from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
 from server.pipeline.families.sd3 import SD3
 from server.pipeline.families.sdxl import SDXL
 from server.pipeline.families.wan import Wan, WanI2V
 
-FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux, Wan, WanI2V)
+FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux, Wan, WanI2V, QwenImage)
 SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE
 
 

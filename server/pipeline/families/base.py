@@ -38,6 +38,18 @@ class ModelConfig:
 class TextEmbeddings:
     context: torch.Tensor  # [N, tokens, dim]: what the denoiser attends to
     pooled: torch.Tensor | None = None  # [N, dim]: one vector per prompt, for families that take one
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # other per-prompt inputs (a text mask)
+
+    def take(self, start: int, count: int, zero_negative: bool = False) -> TextEmbeddings:
+        """One request's `count` prompts from `start`; `zero_negative`: a row of zeros first (an
+        unset negative prompt that conditions on zeros)."""
+
+        def cut(rows: torch.Tensor) -> torch.Tensor:
+            rows = rows[start : start + count]
+            return torch.cat([torch.zeros_like(rows), rows]) if zero_negative else rows
+
+        pooled = None if self.pooled is None else cut(self.pooled)
+        return TextEmbeddings(cut(self.context), pooled, {k: cut(v) for k, v in self.rows.items()})
 
 
 class Asked(Protocol):
@@ -67,7 +79,9 @@ class Family:
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
+    takes_guidance: ClassVar[bool] = True  # guidance_scale means something (Qwen-Image: true CFG only)
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
+    default_true_cfg: ClassVar[float] = 1.0  # its scale when a request sets none (1: off)
     step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
     # Linear layers --quantize leaves in the model's dtype, named from the denoiser's root: none
     # in a UNet, whose first and last layers are convolutions (which no mode converts)
@@ -101,6 +115,10 @@ class Family:
     def cfg_scale(self, request: Asked) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows."""
         return request.guidance_scale
+
+    def guide(self, negative: torch.Tensor, positive: torch.Tensor, request: Asked) -> torch.Tensor:
+        """One prediction from a guided request's two rows' (classifier-free guidance)."""
+        return negative + self.cfg_scale(request) * (positive - negative)
 
     @property
     def zero_unset_negative(self) -> bool:

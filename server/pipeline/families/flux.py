@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from server.engine.denoisers.flux import NATIVE_LATENT, T5_TOKENS
+from server.engine.denoisers.flux import T5_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, tokenize
+from server.pipeline.families.base import Asked, TextEmbeddings, tokenize
+from server.pipeline.families.flow import PackedFlow
 
 # FLUX.1's transformer/config.json (dev and schnell differ only in guidance_embeds): diffusers'
 # FluxTransformer2DModel defaults, written out
@@ -73,7 +73,7 @@ FLUX_VAE = {
 }
 
 
-class Flux(Family):
+class Flux(PackedFlow):
     name: ClassVar[str] = "flux"
     pipeline_classes: ClassVar[tuple[str, ...]] = (
         "FluxPipeline",
@@ -84,11 +84,8 @@ class Flux(Family):
     denoiser_class: ClassVar[type[nn.Module]] = FluxTransformer2DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
-    schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
     default_steps: ClassVar[int] = 28  # FluxPipeline's
     default_guidance: ClassVar[float] = 3.5  # FluxPipeline's
-    takes_true_cfg: ClassVar[bool] = True
-    step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")  # the spec's cache boundary
     # as SD3's (sd3.py): the projections in and the output head
     keep_precise: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "norm_out", "proj_out")
     # 1.5 megapixels: 16 rows of it reserve activations that leave both stages of a 2x24 GiB split
@@ -109,15 +106,6 @@ class Flux(Family):
     def guidance_embeds(self) -> bool:
         """Guidance-distilled (dev): the guidance scale is the model's input."""
         return bool(self.config.denoiser.get("guidance_embeds", False))
-
-    def rows(self, request: Asked) -> int:
-        """One row, or two for true CFG (diffusers: true_cfg_scale > 1 with a negative prompt)."""
-        return 2 if request.true_cfg_scale > 1 and request.negative_prompt is not None else 1
-
-    lone_rows = 1  # guidance is embedded (dev) or absent (schnell): true CFG is the exception
-
-    def cfg_scale(self, request: Asked) -> float:
-        return request.true_cfg_scale
 
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
@@ -140,46 +128,6 @@ class Flux(Family):
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         return dict(extras)  # the text and image position ids depend on the size only: the spec makes them
-
-    @property
-    def latent_channels(self) -> int:
-        return int(self.config.vae.get("latent_channels", int(self.config.denoiser["in_channels"]) // 4))
-
-    @property
-    def inpainting_channels(self) -> int:
-        return 0  # in_channels counts packed features (4 per latent channel), not extra inputs
-
-    @property
-    def native_size(self) -> int:
-        return NATIVE_LATENT * self.vae_scale_factor  # FluxPipeline's default: no sample_size in the config
-
-    @property
-    def size_multiple(self) -> int:
-        return 2 * self.vae_scale_factor  # 2x2 packing (FluxPipeline resizes with a warning; we refuse)
-
-    def set_timesteps(self, scheduler: Any, steps: int, device: torch.device, latent_shape: tuple) -> None:
-        """FluxPipeline's schedule: sigmas from 1 to 1/steps, shifted by `mu` from the token count."""
-        config = scheduler.config
-        tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-        base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-        low, high = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-        slope = (high - low) / (top - base)
-        mu = tokens * slope + (low - slope * base)
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=device, mu=mu)
-
-    def edit_begin(self, steps: int, strength: float) -> int:
-        return int(max(steps - steps * strength, 0))  # FluxImg2ImgPipeline's get_timesteps, as SD3's
-
-    def init_noise_sigma(self, scheduler: Any) -> float:
-        return 1.0  # flow matching starts from pure noise
-
-    def noised(
-        self, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
-    ) -> torch.Tensor:
-        return scheduler.scale_noise(clean, t, noise)
-
-    def model_input(self, scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return latents
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         if len(encoders) < 2:

@@ -1,0 +1,148 @@
+"""Qwen-Image's transformer (`diffusers.QwenImageTransformer2DModel`) as blocks.
+
+forward embeds first: `img_in` projects the packed latent tokens (2x2 patches of the 16-channel
+latent, 64 features each, packed as FLUX.1's), `txt_norm` (RMSNorm) and `txt_in` the text
+encoder's tokens, `time_text_embed` turns the timestep into `temb`, and `pos_embed` (no weights)
+makes the rotary frequencies of the image positions (centred: `scale_rope`) and of the text
+positions after them, once for every block. Those form the `embed` block. Then 60 double-stream
+`transformer_blocks` map (image tokens, text tokens) with temb, the text mask and the rotary
+frequencies: one block each. `norm_out` (modulated by temb) and `proj_out` end it. No skips.
+
+Prompts differ in length: each row's text tokens come zero-padded to `TEXT_TOKENS` with a mask
+(`encoder_hidden_states_mask`, which the attention processor joins to the image's). `begin`
+drops the columns no row uses and the mask where every row uses every column left, as
+diffusers' pipeline passes no mask for a lone prompt; rows of different prompts then share a
+call, their padding masked out of attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from server.engine.denoisers.blocks import (
+    Block,
+    BlockCall,
+    CacheBoundary,
+    DenoiserInputs,
+    Flow,
+    Layout,
+    SequenceSplit,
+    present,
+)
+from server.engine.denoisers.dit import dit_boundary, out, token_rows
+from server.engine.denoisers.flux import pack, unpack
+
+TEXT_TOKENS = 512  # QwenImagePipeline's max_sequence_length default: a prompt's tokens past it are cut
+MASK = "encoder_hidden_states_mask"  # [rows, text tokens]: 1 where a row's prompt has a token
+
+
+class QwenImageTransformerSpec:
+    """`diffusers.QwenImageTransformer2DModel`: Qwen-Image (and the edit models' transformer)."""
+
+    EMBEDDING = ("img_in", "txt_norm", "txt_in", "time_text_embed", "pos_embed")
+    OUTPUT = ("norm_out", "proj_out")
+
+    def native_latent(self, model: nn.Module) -> int:
+        return 128  # QwenImagePipeline's default_sample_size: 1024 px
+
+    def layout(self, model: nn.Module) -> Layout:
+        blocks = [Block("embed", present(model, self.EMBEDDING))]
+        blocks += [
+            Block(f"transformer_blocks.{i}", (f"transformer_blocks.{i}",))
+            for i in range(len(model.transformer_blocks))
+        ]
+        blocks.append(Block("out", self.OUTPUT))
+        return Layout(tuple(blocks))
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
+    ) -> DenoiserInputs:
+        config = model.config
+        size = (batch, config.in_channels // 4, latent_size, latent_size)
+        sample = torch.randn(size, dtype=dtype, device=device)
+        timestep = torch.linspace(1000.0, 1.0, batch, device=device)  # sigma·1000, one per row
+        context = torch.randn(batch, TEXT_TOKENS, config.joint_attention_dim, dtype=dtype, device=device)
+        mask = torch.ones(batch, TEXT_TOKENS, dtype=dtype, device=device)
+        return DenoiserInputs(sample, timestep, context, {MASK: mask})
+
+    def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
+        config = model.config
+        if config.zero_cond_t or config.use_additional_t_cond or config.use_layer3d_rope:
+            raise ValueError(
+                "the Qwen-Image block walk takes Qwen-Image's transformer (not 2511's or Layered's)"
+            )
+        rows = token_rows(inputs, (MASK,), "Qwen-Image")
+        sample = rows.pop("sample")
+        _, _, h, w = sample.shape
+        rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(MASK, None))
+        # QwenImagePipeline passes t.to(latents.dtype) / 1000; time_proj multiplies by 1000 again
+        rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
+        rows["hidden"] = pack(sample)
+        text = rows["context"].shape[1]
+        rotary = model.pos_embed([(1, h // 2, w // 2)], max_txt_seq_len=text, device=sample.device)
+        return Flow(rows, {"size": (h, w), "rotary": rotary})
+
+    def calls(self, model: nn.Module) -> dict[str, BlockCall]:
+        calls = {"embed": BlockCall(model, embed)}
+        calls.update(
+            (f"transformer_blocks.{i}", BlockCall(b, joint)) for i, b in enumerate(model.transformer_blocks)
+        )
+        calls["out"] = BlockCall(model, out)  # the MMDiT's: norm_out(hidden, temb), proj_out
+        return calls
+
+    def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
+        return unpack(flow.rows["hidden"], *flow.shared["size"])
+
+    def boundary(self, model: nn.Module) -> CacheBoundary | None:
+        return dit_boundary(model.transformer_blocks, "transformer_blocks")
+
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Each block on a slice of the image tokens and of the text tokens (and their mask),
+        with the rotary frequencies of the positions the slice holds."""
+        blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
+        return SequenceSplit(blocks, {"hidden": 1, "context": 1, "text_mask": 1}, rotary_slice)
+
+
+def used_text(context: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The text columns some row uses (prompts fill theirs from the first), and their mask as
+    bool; no mask where every row uses every column left."""
+    if mask is None:
+        return context, None
+    mask = mask.to(torch.bool)
+    if mask.is_meta or is_fake(mask):  # counted or traced, not run: every column kept
+        return context, mask
+    used = int(mask.sum(dim=1).max())
+    context, mask = context[:, :used], mask[:, :used]
+    return context, None if bool(mask.all()) else mask
+
+
+def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The rotary frequencies of a rank's image slice and text slice."""
+    (i0, i1, _), (t0, t1, _) = cuts["hidden"], cuts["context"]
+    image, text = shared["rotary"]
+    return {**shared, "rotary": (image[i0:i1], text[t0:t1])}
+
+
+# The blocks' calls: fn(owner, rows, shared) → rows, as QwenImageTransformer2DModel.forward runs them.
+
+
+def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    hidden = model.img_in(rows["hidden"])
+    temb = model.time_text_embed(rows["timestep"].to(hidden.dtype), hidden)
+    context = model.txt_in(model.txt_norm(rows["context"]))
+    return {"hidden": hidden, "temb": temb, "context": context, "text_mask": rows["text_mask"]}
+
+
+def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    context, hidden = block(
+        hidden_states=rows["hidden"],
+        encoder_hidden_states=rows["context"],
+        encoder_hidden_states_mask=rows["text_mask"],
+        temb=rows["temb"],
+        image_rotary_emb=shared["rotary"],
+    )
+    return {"hidden": hidden, "temb": rows["temb"], "context": context, "text_mask": rows["text_mask"]}

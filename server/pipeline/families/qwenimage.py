@@ -1,0 +1,165 @@
+"""Qwen-Image (`QwenImagePipeline`): a 20 B double-stream MMDiT over 2x2-packed 16-channel latents
+(`server/engine/denoisers/qwenimage.py`), conditioned on Qwen2.5-VL's last hidden states, with
+true CFG and a Wan-style VAE whose latents are normalized per channel.
+
+The prompt is wrapped in the pipeline's chat template, the encoder runs on it, and the template's
+first `TEMPLATE_TOKENS` tokens are dropped: each prompt keeps its own tokens (at most
+`TEXT_TOKENS`), zero-padded with a mask (the spec drops what no row uses). Guidance is true CFG
+only (the transformer has no guidance input): `true_cfg_scale` (4.0 by default, as diffusers'),
+on when a negative prompt is given, its combined prediction rescaled to the positive one's norm
+per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from torch import nn
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from server.engine.denoisers.flux import pack
+from server.engine.denoisers.qwenimage import MASK, TEXT_TOKENS
+from server.errors import ModelFolderError
+from server.pipeline.families.base import Asked, TextEmbeddings
+from server.pipeline.families.flow import PackedFlow
+
+# QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+TEMPLATE_TOKENS = 34
+TOKENIZER_LENGTH = 1024  # the pipeline's tokenizer_max_length: tokens past it are cut before encoding
+
+# Qwen/Qwen2.5-VL-7B-Instruct's config (text_encoder/config.json of Qwen/Qwen-Image), for
+# `plan --config` to count: 8.3 B parameters; the VAE's config is AutoencoderKLQwenImage's defaults
+QWEN25_VL_7B = {
+    "text_config": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "out_hidden_size": 3584,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },
+    "tie_word_embeddings": False,
+}
+QWEN_VAE: dict[str, Any] = {}  # the class's defaults are Qwen-Image's: 16 channels, 8x spatial
+
+
+def _qwen_vae() -> nn.Module:
+    return AutoencoderKLQwenImage.from_config(QWEN_VAE)
+
+
+class QwenImage(PackedFlow):
+    name: ClassVar[str] = "qwen-image"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
+    denoiser: ClassVar[str] = "transformer"
+    denoiser_class: ClassVar[type[nn.Module]] = QwenImageTransformer2DModel
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    default_steps: ClassVar[int] = 50  # QwenImagePipeline's
+    default_guidance: ClassVar[float] = 1.0  # no guidance input: guided by true_cfg_scale
+    takes_guidance: ClassVar[bool] = False
+    default_true_cfg: ClassVar[float] = 4.0  # QwenImagePipeline's
+    keep_precise: ClassVar[tuple[str, ...]] = ("img_in", "txt_in", "norm_out", "proj_out")
+    # 1328² (the model card's square size) is 1.68x the 1024² default
+    default_area: ClassVar[float] = 1.75
+    reference_parts: ClassVar[dict[str, Any]] = {
+        "text_encoder": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),
+        "vae": _qwen_vae,
+    }
+    reference_vae: ClassVar[dict[str, Any] | None] = {"temperal_downsample": [False, True, True], "z_dim": 16}
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen-image": {}
+    }  # Qwen/Qwen-Image: the defaults
+
+    def encode(
+        self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
+    ) -> TextEmbeddings:
+        """QwenImagePipeline._get_qwen_prompt_embeds: the templated prompts through Qwen2.5-VL's
+        language model (its last hidden states), each prompt's own tokens after the template's."""
+        encoder, tokenizer = encoders[0], tokenizers[0]
+        device = next(encoder.parameters()).device
+        tokens = tokenizer(
+            [TEMPLATE.format(p) for p in prompts], max_length=TOKENIZER_LENGTH + TEMPLATE_TOKENS,
+            padding=True, truncation=True, return_tensors="pt",
+        )  # fmt: skip
+        mask = tokens.attention_mask.to(device)
+        model = getattr(encoder, "model", encoder)  # the hidden states without the LM head's logits
+        states = model(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
+        return padded_text(states.hidden_states[-1], mask, TEMPLATE_TOKENS, TEXT_TOKENS)
+
+    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+        return {}  # the text mask comes with the embeddings (`TextEmbeddings.rows`)
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(extras)
+
+    def guide(self, negative: torch.Tensor, positive: torch.Tensor, request: Asked) -> torch.Tensor:
+        """True CFG rescaled to the positive prediction's norm over each packed token's features."""
+        combined = negative + self.cfg_scale(request) * (positive - negative)
+        scale = pack(positive).norm(dim=-1, keepdim=True) / pack(combined).norm(dim=-1, keepdim=True)
+        return combined * _unpacked_scale(scale, combined.shape)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** len(self.config.vae.get("temperal_downsample", (False, True, True)))
+
+    def _stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vae, shape = self.config.vae, (1, self.latent_channels, 1, 1, 1)
+        mean = torch.tensor(vae["latents_mean"], device=latents.device).view(shape).to(latents.dtype)
+        std = torch.tensor(vae["latents_std"], device=latents.device).view(shape).to(latents.dtype)
+        return mean, std
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """[N, C, 1, h, w]: the VAE's one-frame video, denormalized as the pipeline does it."""
+        latents = latents[:, :, None]
+        mean, std = self._stats(latents)
+        return latents / (1.0 / std) + mean
+
+    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return ((latents - mean) / std)[:, :, 0]
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        if not encoders:
+            raise ModelFolderError("a Qwen-Image folder needs text_encoder (Qwen2.5-VL) and its tokenizer")
+        config = self.config.denoiser
+        for flag in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+            if config.get(flag):
+                raise ModelFolderError(f"this transformer sets {flag}; diffusers' QwenImagePipeline does not")
+
+
+def padded_text(states: torch.Tensor, mask: torch.Tensor, drop: int, length: int) -> TextEmbeddings:
+    """Each prompt's hidden states where `mask` is set, less the first `drop` (the template's),
+    at most `length`, zero-padded to `length` with a mask of the tokens kept (the pipelines'
+    `_extract_masked_hidden`, then `prompt_embeds[:, :max_sequence_length]`)."""
+    context = states.new_zeros(states.shape[0], length, states.shape[-1])
+    kept = torch.zeros(states.shape[0], length, device=states.device)
+    for row, (hidden, used) in enumerate(zip(states, mask.bool(), strict=True)):
+        own = hidden[used][drop:][:length]
+        context[row, : own.shape[0]] = own
+        kept[row, : own.shape[0]] = 1
+    return TextEmbeddings(context, rows={MASK: kept})
+
+
+def _unpacked_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A per-token factor [N, tokens, 1] of packed 2x2 patches as [N, 1, h, w] over the latents."""
+    _, _, h, w = shape
+    return (
+        scale.view(shape[0], 1, h // 2, 1, w // 2, 1).expand(-1, -1, -1, 2, -1, 2).reshape(shape[0], 1, h, w)
+    )
