@@ -192,6 +192,7 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,
         "video": clips,  # null: the model makes images only
+        "family": runtime.service.family() if runtime.service else None,
     }
     return {"object": "list", "data": [model]}
 

@@ -156,6 +156,27 @@ class Service:
             log.warning("job %s: %s", job.id, job.warning)
         return queued
 
+    def family(self) -> dict[str, Any]:
+        """What /v1/models says of the model: its family, native size, defaults and what it takes."""
+        family, defaults = self.pipeline.family, self.pipeline.defaults
+        return {
+            "name": family.name,
+            "native_size": f"{family.native_size}x{family.native_size}",
+            "defaults": {
+                "num_inference_steps": defaults.steps,
+                "guidance_scale": defaults.guidance_scale if family.takes_guidance else None,
+                "true_cfg_scale": defaults.true_cfg_scale if family.takes_true_cfg else None,
+                "size": f"{defaults.size}x{defaults.size}",
+            },
+            "supports": {
+                "guidance_scale": family.takes_guidance,  # Qwen-Image: true CFG only
+                "true_cfg_scale": family.takes_true_cfg,
+                "schedulers": list(family.schedulers),
+                "step_caches": list(family.step_caches),
+                "videos": family.clip is not None,
+            },
+        }
+
     def vocabulary(self) -> tuple[str, ...] | None:
         """The words the model's closed vocabulary knows (the built-in model's); None if it spells any."""
         return closed_vocabulary(self.pipeline.components.tokenizers)

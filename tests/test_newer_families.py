@@ -1,0 +1,178 @@
+"""The 2025-26 image families (issue 50) on tiny folders built from config under fixed seeds, each
+held to its diffusers pipeline: images alone and batched, split over two stages (bit-identical to
+one), a sequence group of two, per-row LoRA (diffusers' `load_lora_weights` format), first-block
+caching beside adapted and plain rows in one call, and the served images over HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from PIL import Image
+from safetensors.torch import save_file
+
+from server.engine import ParallelPlan, plan_shards
+from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.families import meta_denoiser
+from server.pipeline.loader import read_family
+from server.pipeline.lora import read_adapter
+from server.pipeline.stepcache import StepCache
+from tests.live import live_server
+from tests.test_lora import random_pairs
+from tests.tiny_qwenimage import build_qwen_image_folder
+
+pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
+TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    """A family's tiny folder, its diffusers pipeline and the requests it is held to."""
+
+    build: Callable[[Path], Path]
+    reference: type
+    requests: tuple[GenerationRequest, ...]  # the first is unguided, the second guided
+    lora_targets: tuple[str, ...]  # the transformer's layers a LoRA adapts
+    knobs: Callable[[GenerationRequest], dict[str, Any]]  # the pipeline's guidance arguments
+
+
+CASES = {
+    "qwen-image": Case(
+        build_qwen_image_folder,
+        QwenImagePipeline,
+        (
+            GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                negative_prompt="blurry",
+                true_cfg_scale=3.0,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "img_mlp.net.2"),
+        lambda r: {"true_cfg_scale": r.true_cfg_scale},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def family(request, tmp_path_factory) -> tuple[str, Path, Pipeline]:
+    """(name, folder, its pipeline on one CPU)."""
+    folder = CASES[request.param].build(tmp_path_factory.mktemp("newer") / request.param)
+    return request.param, folder, Pipeline.load(folder, devices="cpu")
+
+
+def theirs(name: str, folder: Path, request: GenerationRequest, lora: Path | None = None) -> np.ndarray:
+    case = CASES[name]
+    pipe = case.reference.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="style")
+        pipe.set_adapters(["style"], [request.lora[0][1]])
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    return pipe(
+        prompt=request.prompt, negative_prompt=request.negative_prompt, num_inference_steps=request.steps,
+        width=request.width, height=request.height, generator=generator, output_type="np",
+        **case.knobs(request),
+    ).images[0]  # fmt: skip
+
+
+def test_images_equal_diffusers_alone_batched_and_split_over_two_stages(family) -> None:
+    name, folder, one = family
+    requests = [one.resolve(r) for r in CASES[name].requests]
+    alone = [one.generate([r])[0] for r in requests]
+    for request, mine in zip(requests, alone, strict=True):
+        reference = theirs(name, folder, request)
+        assert mine.shape == reference.shape == (request.height, request.width, 3)
+        assert float(np.abs(mine - reference).max()) < TOLERANCE, request
+        assert float(mine.std()) > 0.05  # not a flat image: the comparison means something
+    same_size = [requests[0], one.resolve(GenerationRequest("a blue triangle", negative_prompt=" ", seed=9,
+                                                             steps=3, width=32, height=32))]  # fmt: skip
+    batched = one.generate(same_size)
+    assert float(np.abs(batched[0] - alone[0]).max()) < TOLERANCE  # a guided, longer row beside it
+    two = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+    assert len(two.shard.plan.stages) == 2
+    for split, whole in zip(two.generate(same_size), batched, strict=True):
+        assert torch.equal(torch.from_numpy(split), torch.from_numpy(whole))
+
+
+def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
+    """Rows of prompts of different lengths (their padding masked) split by tokens over two ranks."""
+    name, folder, one = family
+    requests = [one.resolve(r) for r in CASES[name].requests]
+    requests[1] = one.resolve(GenerationRequest(**{**vars(CASES[name].requests[1]), "width": 32}))
+    plain = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    plan = ParallelPlan(
+        (plain, plain), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
+    )
+    lane = Pipeline.load(folder, plan=plan).lanes()[0]
+    for grouped, alone in zip(lane.generate(requests), one.generate(requests), strict=True):
+        assert float(np.abs(grouped - alone).max()) * 255 <= 2
+    assert lane.lane.groups.calls == requests[0].steps
+
+
+def random_lora(name: str, folder: Path, out: Path) -> Path:
+    """A rank-4 LoRA on the transformer's attention and MLP, in diffusers' keys."""
+    pipe = CASES[name].reference.from_pretrained(folder, local_files_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+    parts = (("transformer", pipe.transformer, CASES[name].lora_targets),)
+    list(random_pairs(parts, torch.Generator().manual_seed(1), 4, tensors))
+    save_file(tensors, out)
+    return out
+
+
+def test_lora_cached_and_plain_rows_share_calls_and_equal_alone_and_diffusers(family, tmp_path) -> None:
+    name, folder, _ = family
+    lora = random_lora(name, folder, tmp_path / "style.safetensors")
+    pipeline = Pipeline.load(folder, devices="cpu")
+    pipeline.add_adapter(read_adapter("style", lora, pipeline.family))
+    base = CASES[name].requests[0]
+    adapted = pipeline.resolve(GenerationRequest(**{**vars(base), "lora": (("style", 0.8),)}))
+    cached = pipeline.resolve(
+        GenerationRequest(
+            **{**vars(base), "seed": 5, "steps": 4, "step_cache": StepCache("first_block", 3, 0.2)}
+        )
+    )
+    plain = pipeline.resolve(GenerationRequest(**{**vars(base), "prompt": "a white square", "seed": 6}))
+    alone = [pipeline.generate([r])[0] for r in (adapted, cached, plain)]
+    assert float(np.abs(alone[0] - theirs(name, folder, adapted, lora)).max()) < TOLERANCE
+    assert float(np.abs(alone[0] - pipeline.generate([base])[0]).max()) > 20 * TOLERANCE  # it adapts
+    rows: list[int] = []
+    step = pipeline.step
+    pipeline.step = lambda states: (rows.append(len(states)), step(states))[1]
+    together = pipeline.generate([adapted, cached, plain])
+    assert rows[:3] == [3, 3, 3]  # the three requests in one call a step
+    for one, joined in zip(alone, together, strict=True):
+        assert float(np.abs(one - joined).max()) < TOLERANCE
+
+
+def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -> None:
+    name, folder, one = family
+    request = one.resolve(CASES[name].requests[1])
+    extra = {"seed": request.seed, "num_inference_steps": request.steps,
+             "negative_prompt": request.negative_prompt, **CASES[name].knobs(request)}  # fmt: skip
+    size = f"{request.width}x{request.height}"
+    with live_server("--model", str(folder)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        plain = client.images.generate(prompt=request.prompt, size=size, extra_body=extra)
+        events = list(client.images.generate(prompt=request.prompt, size=size, stream=True, partial_images=1,
+                                             extra_body=extra))  # fmt: skip
+        described = client.models.list().data[0].model_extra["family"]
+    assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
+    assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json)))).astype(int)
+    reference = (theirs(name, folder, request) * 255).round().astype(int)
+    assert int(np.abs(served - reference).max()) <= 2
+    assert described["name"] == name and described["supports"]["step_caches"] == ["off", "first_block"]
