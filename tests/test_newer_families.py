@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import QwenImagePipeline
+from diffusers import QwenImagePipeline, ZImagePipeline
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -29,6 +29,7 @@ from server.pipeline.stepcache import StepCache
 from tests.live import live_server
 from tests.test_lora import random_pairs
 from tests.tiny_qwenimage import build_qwen_image_folder
+from tests.tiny_zimage import build_zimage_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
 TOLERANCE = 1e-3
@@ -63,6 +64,24 @@ CASES = {
         ),
         ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "img_mlp.net.2"),
         lambda r: {"true_cfg_scale": r.true_cfg_scale},
+    ),
+    "z-image": Case(
+        build_zimage_folder,
+        ZImagePipeline,
+        (
+            GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                negative_prompt="blurry",
+                guidance_scale=3.0,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w2"),
+        lambda r: {"guidance_scale": r.guidance_scale},
     ),
 }
 

@@ -49,6 +49,11 @@ class Layout:
         return tuple(block.name for block in self.blocks)
 
 
+# A conditioning entry: [rows, text tokens], 1 where a row's prompt has a token, for denoisers whose
+# rows' prompts are zero-padded to one length (Qwen-Image, Z-Image, FLUX.2): the padding is masked
+TEXT_MASK = "encoder_hidden_states_mask"
+
+
 @dataclass
 class DenoiserInputs:
     """One conditional forward's inputs: `model(sample, timestep, context, **conditioning)`."""

@@ -24,6 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from server.engine.denoisers.blocks import (
+    TEXT_MASK,
     Block,
     BlockCall,
     CacheBoundary,
@@ -37,7 +38,6 @@ from server.engine.denoisers.dit import dit_boundary, out, token_rows
 from server.engine.denoisers.flux import pack, unpack
 
 TEXT_TOKENS = 512  # QwenImagePipeline's max_sequence_length default: a prompt's tokens past it are cut
-MASK = "encoder_hidden_states_mask"  # [rows, text tokens]: 1 where a row's prompt has a token
 
 
 class QwenImageTransformerSpec:
@@ -67,7 +67,7 @@ class QwenImageTransformerSpec:
         timestep = torch.linspace(1000.0, 1.0, batch, device=device)  # sigma·1000, one per row
         context = torch.randn(batch, TEXT_TOKENS, config.joint_attention_dim, dtype=dtype, device=device)
         mask = torch.ones(batch, TEXT_TOKENS, dtype=dtype, device=device)
-        return DenoiserInputs(sample, timestep, context, {MASK: mask})
+        return DenoiserInputs(sample, timestep, context, {TEXT_MASK: mask})
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
         config = model.config
@@ -75,10 +75,10 @@ class QwenImageTransformerSpec:
             raise ValueError(
                 "the Qwen-Image block walk takes Qwen-Image's transformer (not 2511's or Layered's)"
             )
-        rows = token_rows(inputs, (MASK,), "Qwen-Image")
+        rows = token_rows(inputs, (TEXT_MASK,), "Qwen-Image")
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
-        rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(MASK, None))
+        rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(TEXT_MASK, None))
         # QwenImagePipeline passes t.to(latents.dtype) / 1000; time_proj multiplies by 1000 again
         rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
         rows["hidden"] = pack(sample)

@@ -10,6 +10,7 @@ from diffusers import (
     SD3Transformer2DModel,
     UNet2DConditionModel,
     WanTransformer3DModel,
+    ZImageTransformer2DModel,
 )
 from torch import nn
 
@@ -19,6 +20,7 @@ from server.engine.denoisers.flux import FluxTransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
+from server.engine.denoisers.zimage import ZImageTransformerSpec
 
 _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (UNet2DConditionModel, UNetSpec),
@@ -26,6 +28,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (FluxTransformer2DModel, FluxTransformerSpec),
     (WanTransformer3DModel, WanTransformerSpec),
     (QwenImageTransformer2DModel, QwenImageTransformerSpec),
+    (ZImageTransformer2DModel, ZImageTransformerSpec),
 ]
 
 

@@ -18,8 +18,9 @@ from server.pipeline.families.sd import SD
 from server.pipeline.families.sd3 import SD3
 from server.pipeline.families.sdxl import SDXL
 from server.pipeline.families.wan import Wan, WanI2V
+from server.pipeline.families.zimage import ZImage
 
-FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux, Wan, WanI2V, QwenImage)
+FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux, Wan, WanI2V, QwenImage, ZImage)
 SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE
 
 

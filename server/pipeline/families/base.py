@@ -18,6 +18,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
+from server.engine.denoisers.blocks import TEXT_MASK
 from server.pipeline.clips import Clip
 from server.pipeline.schedulers import SCHEDULER_NAMES
 
@@ -258,3 +259,16 @@ def penultimate_states(
 
 def _device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
+
+
+def padded_text(states: torch.Tensor, mask: torch.Tensor, drop: int, length: int) -> TextEmbeddings:
+    """Each prompt's hidden states where `mask` is set, less the first `drop` (the template's),
+    at most `length`, zero-padded to `length` with a mask of the tokens kept (the pipelines'
+    `_extract_masked_hidden`, then `prompt_embeds[:, :max_sequence_length]`)."""
+    context = states.new_zeros(states.shape[0], length, states.shape[-1])
+    kept = torch.zeros(states.shape[0], length, device=states.device)
+    for row, (hidden, used) in enumerate(zip(states, mask.bool(), strict=True)):
+        own = hidden[used][drop:][:length]
+        context[row, : own.shape[0]] = own
+        kept[row, : own.shape[0]] = 1
+    return TextEmbeddings(context, rows={TEXT_MASK: kept})

@@ -21,9 +21,9 @@ from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from server.engine.denoisers.flux import pack
-from server.engine.denoisers.qwenimage import MASK, TEXT_TOKENS
+from server.engine.denoisers.qwenimage import TEXT_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings
+from server.pipeline.families.base import Asked, TextEmbeddings, padded_text
 from server.pipeline.families.flow import PackedFlow
 
 # QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
@@ -142,19 +142,6 @@ class QwenImage(PackedFlow):
         for flag in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
             if config.get(flag):
                 raise ModelFolderError(f"this transformer sets {flag}; diffusers' QwenImagePipeline does not")
-
-
-def padded_text(states: torch.Tensor, mask: torch.Tensor, drop: int, length: int) -> TextEmbeddings:
-    """Each prompt's hidden states where `mask` is set, less the first `drop` (the template's),
-    at most `length`, zero-padded to `length` with a mask of the tokens kept (the pipelines'
-    `_extract_masked_hidden`, then `prompt_embeds[:, :max_sequence_length]`)."""
-    context = states.new_zeros(states.shape[0], length, states.shape[-1])
-    kept = torch.zeros(states.shape[0], length, device=states.device)
-    for row, (hidden, used) in enumerate(zip(states, mask.bool(), strict=True)):
-        own = hidden[used][drop:][:length]
-        context[row, : own.shape[0]] = own
-        kept[row, : own.shape[0]] = 1
-    return TextEmbeddings(context, rows={MASK: kept})
 
 
 def _unpacked_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
