@@ -54,7 +54,7 @@ ZIMAGE_TURBO_SCHEDULE = {"num_train_timesteps": 1000, "use_dynamic_shifting": Fa
 
 
 def _byte_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Byte-level BPE on one pre-token (no end-of-word marker): merge the best-ranked pair until none applies."""
+    """Byte-level BPE on one pre-token (no end-of-word marker): merge the best-ranked pair, repeatedly."""
     pieces = list(word)
     while len(pieces) > 1:
         rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(itertools.pairwise(pieces)))
@@ -101,11 +101,12 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
     split = [w for w in words if len(tokenizer.tokenize(w)) != 1 or len(tokenizer.tokenize(" " + w)) != 1]
     if split:
         raise RuntimeError(f"the tokenizer splits {split}: the BPE merges are wrong")
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "a red circle"}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=True)  # fmt: skip
-    if (
-        len(tokenizer(chat).input_ids) != 11
-    ):  # <|im_start|> user \n a Ġred Ġcircle <|im_end|> \n <|im_start|> assistant \n
+    message = [{"role": "user", "content": "a red circle"}]
+    chat = tokenizer.apply_chat_template(
+        message, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    # <|im_start|> user \n a Ġred Ġcircle <|im_end|> \n <|im_start|> assistant \n
+    if len(tokenizer(chat).input_ids) != 11:
         raise RuntimeError(f"unexpected chat tokens: {tokenizer.tokenize(chat)}")
     return tokenizer
 
@@ -190,7 +191,7 @@ def build_zimage_pipeline(**transformer: object) -> ZImagePipeline:
 
 
 def build_zimage_folder(folder: Path) -> Path:
-    """A tiny Z-Image-Turbo-shaped folder; ZImagePipeline.from_pretrained(folder, local_files_only=True) loads it."""
+    """A tiny Z-Image-Turbo folder, for ZImagePipeline.from_pretrained(folder, local_files_only=True)."""
     build_zimage_pipeline().save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -214,7 +215,7 @@ if __name__ == "__main__":
                 "negative_prompt": ["a blue square", ""],
                 "cfg_normalization": 1.0,
                 "cfg_truncation": 0.5,
-            },  # fmt: skip
+            },
         }
         first = None
         for name, extra in runs.items():
@@ -229,6 +230,5 @@ if __name__ == "__main__":
             ).images
             first = images if first is None else first
             diff = (images - first).abs().max().item()
-            print(
-                f"{name}: images {tuple(images.shape)}, std {images.std().item():.4f}, max |Δ| vs unguided {diff:.2e}"
-            )
+            shape, std = tuple(images.shape), images.std().item()
+            print(f"{name}: images {shape}, std {std:.4f}, max |Δ| vs unguided {diff:.2e}")

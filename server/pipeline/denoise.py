@@ -102,6 +102,7 @@ class Pipeline:
         self.vae = set_tiling(vae, vae_tiling).to(self.encoder_device)  # diffusers' tiles (tiling.py)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
+        self.family.attach(self.vae)
         self.replicas = deployment.replicas
         self.lanes_per_replica = deployment.lanes_per_replica
         self.lane_threads = deployment.threads  # intra-op threads each lane's thread runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from diffusers import (
+    Flux2Transformer2DModel,
     FluxTransformer2DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -17,6 +18,7 @@ from torch import nn
 from server.engine.denoisers.blocks import DenoiserSpec, Layout, part, tensors_of
 from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
+from server.engine.denoisers.flux2 import Flux2TransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
@@ -29,6 +31,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (WanTransformer3DModel, WanTransformerSpec),
     (QwenImageTransformer2DModel, QwenImageTransformerSpec),
     (ZImageTransformer2DModel, ZImageTransformerSpec),
+    (Flux2Transformer2DModel, Flux2TransformerSpec),
 ]
 
 

@@ -235,6 +235,10 @@ class Family:
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         """Configs that disagree (raise ModelFolderError); nothing to check for SD."""
 
+    def attach(self, vae: nn.Module) -> None:
+        """Read what the latents' scaling keeps in the VAE's weights (FLUX.2's batch-norm
+        statistics), once loaded; the others' is in its config."""
+
 
 def tokenize(tokenizer: Any, prompts: list[str]) -> Any:
     """Every prompt padded to the tokenizer's full length: CLIP's causal attention keeps the

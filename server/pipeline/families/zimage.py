@@ -6,10 +6,10 @@ A prompt goes through the tokenizer's chat template (a user turn, thinking enabl
 pipeline asks), padded to 512 tokens; each prompt keeps its own tokens (zero-padded with a mask).
 Guidance is classifier-free when `guidance_scale` > 0, as the pipeline's: the prompt's prediction
 plus the scale times its difference from the negative's (`pos + g · (pos − neg)`: 0 is off, not
-1). The Turbo is distilled to 8 steps without guidance: the defaults are its, 9 steps (the last
-sigma is the 1/steps floor, as the pipeline's) and guidance 0. A base Z-Image folder carries its
-own in a recommended.json, or clients set them. cfg_normalization and cfg_truncation stay at
-the pipeline's defaults (off).
+1). The Turbo is distilled to 8 steps without guidance: the defaults are its (diffusers' example: 8
+steps, guidance 0; the older advice of 9 counted a final step the pipeline no longer wastes). A
+base Z-Image folder carries its own in a recommended.json, or clients set them.
+cfg_normalization and cfg_truncation stay at the pipeline's defaults (off).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ZImage(PackedFlow):
     denoiser_class: ClassVar[type[nn.Module]] = ZImageTransformer2DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
-    default_steps: ClassVar[int] = 9  # Z-Image-Turbo's model card
+    default_steps: ClassVar[int] = 8  # ZImagePipeline's example for the Turbo
     default_guidance: ClassVar[float] = 0.0  # the Turbo is guidance-distilled
     takes_true_cfg: ClassVar[bool] = False
     keep_precise: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder", "all_final_layer")
@@ -58,8 +58,8 @@ class ZImage(PackedFlow):
         "vae": lambda: AutoencoderKL.from_config(FLUX_VAE),
     }
     reference_vae: ClassVar[dict[str, Any] | None] = FLUX_VAE
-    # Tongyi-MAI/Z-Image-Turbo's transformer/config.json is the class's defaults
-    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"z-image": {}}
+    # Tongyi-MAI/Z-Image-Turbo's transformer/config.json: the class's defaults but the rotary lengths
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"z-image": {"axes_lens": [1536, 512, 512]}}
 
     def rows(self, request: Asked) -> int:
         return Family.rows(self, request) if request.guidance_scale > 0 else 1  # the pipeline's `> 0`
