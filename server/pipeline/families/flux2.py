@@ -200,14 +200,20 @@ class Flux2Klein(Flux2):
     name: ClassVar[str] = "flux2-klein"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("Flux2KleinPipeline",)
     hidden_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
-    reference_parts: ClassVar[dict[str, Any]] = {
-        "text_encoder": lambda: Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B)),
-        "vae": lambda: AutoencoderKLFlux2.from_config(FLUX2_VAE),
-    }
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "flux2-klein-4b": {**KLEIN_4B, "guidance_embeds": False},
         "flux2-klein-9b": {**KLEIN_9B, "guidance_embeds": False},
     }
+
+    @property
+    def reference_parts(self) -> dict[str, Any]:  # type: ignore[override]
+        """The 4 B's Qwen3-4B or the 9 B's Qwen3-8B: the one whose three layers make the context."""
+        width = int(self.config.denoiser["joint_attention_dim"]) // len(self.hidden_layers)
+        encoder = QWEN3_8B if width == QWEN3_8B["hidden_size"] else QWEN3_4B
+        return {
+            "text_encoder": lambda: Qwen3ForCausalLM(Qwen3Config(**encoder)),
+            "vae": lambda: AutoencoderKLFlux2.from_config(FLUX2_VAE),
+        }
 
     @property
     def distilled(self) -> bool:
