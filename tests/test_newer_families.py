@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import QwenImagePipeline, ZImagePipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, ZImagePipeline
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -28,6 +28,7 @@ from server.pipeline.lora import read_adapter
 from server.pipeline.stepcache import StepCache
 from tests.live import live_server
 from tests.test_lora import random_pairs
+from tests.tiny_flux2 import build_flux2_folder
 from tests.tiny_qwenimage import build_qwen_image_folder
 from tests.tiny_zimage import build_zimage_folder
 
@@ -46,6 +47,8 @@ class Case:
     knobs: Callable[[GenerationRequest], dict[str, Any]]  # the pipeline's guidance arguments
 
 
+# the double blocks' attention and MLP, the single blocks' fused projection
+FLUX2_TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out", "qkv_mlp_proj")
 CASES = {
     "qwen-image": Case(
         build_qwen_image_folder,
@@ -83,6 +86,40 @@ CASES = {
         ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w2"),
         lambda r: {"guidance_scale": r.guidance_scale},
     ),
+    "flux2": Case(
+        build_flux2_folder,
+        Flux2Pipeline,
+        (
+            GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                guidance_scale=2.5,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        FLUX2_TARGETS,
+        lambda r: {"guidance_scale": r.guidance_scale},
+    ),
+    "flux2-klein": Case(
+        lambda folder: build_flux2_folder(folder, "klein-base"),
+        Flux2KleinPipeline,
+        (
+            GenerationRequest("a red circle", guidance_scale=1.0, seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                guidance_scale=3.0,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        FLUX2_TARGETS,
+        lambda r: {"guidance_scale": r.guidance_scale},
+    ),
 }
 
 
@@ -101,8 +138,9 @@ def theirs(name: str, folder: Path, request: GenerationRequest, lora: Path | Non
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="style")
         pipe.set_adapters(["style"], [request.lora[0][1]])
     generator = torch.Generator("cpu").manual_seed(request.seed)
+    negative = {} if request.negative_prompt is None else {"negative_prompt": request.negative_prompt}
     return pipe(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, num_inference_steps=request.steps,
+        prompt=request.prompt, **negative, num_inference_steps=request.steps,
         width=request.width, height=request.height, generator=generator, output_type="np",
         **case.knobs(request),
     ).images[0]  # fmt: skip
