@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,3 +234,24 @@ def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -
     reference = (theirs(name, folder, request) * 255).round().astype(int)
     assert int(np.abs(served - reference).max()) <= 2
     assert described["name"] == name and described["supports"]["step_caches"] == ["off", "first_block"]
+
+
+def test_a_published_dev_folder_naming_a_pixtral_processor_loads_its_text_tokenizer(tmp_path) -> None:
+    """FLUX.2-dev's model_index.json names a PixtralProcessor, which transformers cannot build
+    without torchvision: the loader takes the tokenizer it holds (its chat template in the older
+    processors' chat_template.json) and the images match the plain tokenizer's."""
+    folder = build_flux2_folder(tmp_path / "dev")
+    request = GenerationRequest("a red circle", seed=3, steps=2, width=32, height=32)
+    plain = Pipeline.load(folder, devices="cpu").generate([request])[0]
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    tokenizer = folder / "tokenizer"
+    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    template = settings.pop("chat_template", None) or (tokenizer / "chat_template.jinja").read_text()
+    (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tokenizer / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    published = Pipeline.load(folder, devices="cpu")
+    assert published.components.tokenizers[0].chat_template == template
+    assert np.array_equal(published.generate([request])[0], plain)
