@@ -255,3 +255,31 @@ def test_a_published_dev_folder_naming_a_pixtral_processor_loads_its_text_tokeni
     published = Pipeline.load(folder, devices="cpu")
     assert published.components.tokenizers[0].chat_template == template
     assert np.array_equal(published.generate([request])[0], plain)
+
+
+GIB = 2**30
+FITS = {  # what must fit at published sizes in bfloat16 (issue 50): config, devices, budget, quantize
+    "qwen-image on one 80 GiB GPU": ("qwen-image", "cuda:0", 80, "off"),
+    "qwen-image on one 24 GiB GPU, 4-bit": ("qwen-image", "cuda:0", 24, "nf4"),
+    "flux2-dev on two 80 GiB GPUs": ("flux2-dev", "cuda:0,cuda:1", 80, "off"),
+    "flux2-dev on one 80 GiB GPU, int8": ("flux2-dev", "cuda:0", 80, "int8"),
+    "z-image on one 24 GiB GPU": ("z-image", "cuda:0", 24, "off"),
+    "flux2-klein-4b on one 24 GiB GPU": ("flux2-klein-4b", "cuda:0", 24, "off"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FITS))
+def test_published_sizes_fit_where_their_users_run_them(case: str, capsys) -> None:
+    """`plan --config` counts every part at its published size (text encoders of 4 to 24 B
+    parameters included) on the meta device, and places them within the budget."""
+    from server.__main__ import main
+
+    config, devices, budget, quantize = FITS[case]
+    budgets = ",".join(f"{d}={budget}GiB" for d in devices.split(","))
+    args = ["plan", "--config", config, "--devices", devices, "--max-memory", budgets, "--dtype", "bfloat16"]
+    assert main([*args, "--parallel", "off", "--quantize", quantize, "--json"]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)
+    for device in plan["devices"]:
+        held = device["param_bytes"] + device["activation_reserve"] + device["other_bytes"]
+        assert held <= device["budget"] == budget * GIB
+    assert sum(d["other_bytes"] for d in plan["devices"]) > 4 * GIB  # the text encoder is counted
