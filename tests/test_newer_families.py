@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -22,14 +23,15 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from server.engine import ParallelPlan, plan_shards
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import meta_denoiser
 from server.pipeline.loader import read_family
 from server.pipeline.lora import read_adapter
+from server.pipeline.state import group_states
 from server.pipeline.stepcache import StepCache
 from tests.live import live_server
 from tests.test_lora import random_pairs
-from tests.tiny_flux2 import build_flux2_folder
+from tests.tiny_flux2 import build_flux2_folder, reference_image
 from tests.tiny_qwenimage import build_qwen_image_folder
 from tests.tiny_zimage import build_zimage_folder
 
@@ -283,3 +285,70 @@ def test_published_sizes_fit_where_their_users_run_them(case: str, capsys) -> No
         held = device["param_bytes"] + device["activation_reserve"] + device["other_bytes"]
         assert held <= device["budget"] == budget * GIB
     assert sum(d["other_bytes"] for d in plan["devices"]) > 4 * GIB  # the text encoder is counted
+
+
+@pytest.fixture(scope="module")
+def flux2_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("flux2-edits")
+    return {variant: build_flux2_folder(root / variant, variant) for variant in ("dev", "klein-base")}
+
+
+def test_flux2_edits_by_reference_equal_the_pipelines_and_batch_by_layout(flux2_folders) -> None:
+    """FLUX.2's edits: the images join the sequence as references (time 10, 20, ...), one or
+    several, and equal Flux2(Klein)Pipeline's `image=`; requests of different reference layouts
+    run in calls of their own, and each equals its image alone."""
+    images = [reference_image(64), reference_image(80).rotate(90)]
+    for variant, reference in (("dev", Flux2Pipeline), ("klein-base", Flux2KleinPipeline)):
+        pipeline = Pipeline.load(flux2_folders[variant], devices="cpu")
+        pipe = reference.from_pretrained(flux2_folders[variant], local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        edits = [Edit(images[0]), Edit(images[0], more=(images[1],))]
+        requests = [
+            pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32,
+                                               guidance_scale=3.0, edit=edit))
+            for edit in edits
+        ]  # fmt: skip
+        alone = [pipeline.generate([r])[0] for r in requests]
+        for request, mine in zip(requests, alone, strict=True):
+            given = [request.edit.image, *request.edit.more]
+            theirs = pipe(
+                prompt=request.prompt, image=given if len(given) > 1 else given[0], num_inference_steps=3,
+                guidance_scale=3.0, width=32, height=32, output_type="np",
+                generator=torch.Generator("cpu").manual_seed(3),
+            ).images[0]  # fmt: skip
+            assert float(np.abs(mine - theirs).max()) < TOLERANCE, (variant, len(given))
+        states = pipeline.start(requests)
+        try:
+            assert len(group_states(states)) == 2  # one image's tokens, two images': apart
+        finally:
+            for state in states:
+                state.close()
+        for one, together in zip(alone, pipeline.generate(requests), strict=True):
+            assert float(np.abs(one - together).max()) < TOLERANCE
+
+
+def test_flux2_edits_over_http_take_every_image_and_refuse_a_mask(flux2_folders) -> None:
+    folder = flux2_folders["dev"]
+    files = []
+    for image in (reference_image(64), reference_image(80).rotate(90)):  # as image[]
+        data = io.BytesIO()
+        image.save(data, format="PNG")
+        files.append(("image[]", ("ref.png", data.getvalue(), "image/png")))
+    fields = {"prompt": "a red circle", "size": "32x32", "seed": "3", "num_inference_steps": "3"}
+    server = live_server("--model", str(folder))
+    with server as running, httpx.Client(base_url=running.url, timeout=120) as client:
+        edited = client.post("/v1/images/edits", data=fields, files=files)
+        masked = client.post("/v1/images/edits", data=fields, files=[*files[:1], ("mask", files[0][1])])
+        family = client.get("/v1/models").json()["data"][0]["family"]
+    assert edited.status_code == 200, edited.text
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.json()["data"][0]["b64_json"]))))
+    pipe = Flux2Pipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    images = [reference_image(64), reference_image(80).rotate(90)]
+    theirs = pipe(
+        prompt="a red circle", image=images, num_inference_steps=3, width=32, height=32, output_type="np",
+        generator=torch.Generator("cpu").manual_seed(3),
+    ).images[0]  # fmt: skip
+    assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
+    assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
+    assert family["supports"]["edits"] == "by reference"

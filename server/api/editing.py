@@ -25,8 +25,11 @@ MAX_FORM_FIELDS = 64  # text fields: the body's fields, each once
 DEFAULT_STRENGTH = 0.8  # img2img: diffusers' default; inpainting repaints fully (1.0)
 
 
-async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditRequest, list[Edit]]:
-    """The edit's fields and one Edit per image (the mask, if any, on the first, as OpenAI's)."""
+async def read_edit_form(
+    request: Request, limits: Limits, together: bool = False
+) -> tuple[ImageEditRequest, list[Edit]]:
+    """The edit's fields and one Edit per image (the mask, if any, on the first, as OpenAI's);
+    `together`: one Edit of every image, for a model that edits by reference (FLUX.2)."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         message = f"send an edit as multipart/form-data (image, mask, prompt, ...), not {content_type!r}"
@@ -50,6 +53,10 @@ async def read_edit_form(request: Request, limits: Limits) -> tuple[ImageEditReq
     if masks:
         read = await asyncio.to_thread(read_image, masks[0], "mask", formats=MASK_FORMATS, **bounds)
         mask = mask_to_repaint(read, images[0].size)
+    if together:
+        strength = 1.0 if body.strength is None else body.strength  # unused: nothing starts from them
+        rgb = [image.convert("RGB") for image in images]
+        return body, [Edit(rgb[0], mask, strength, body.keep_unmasked, more=tuple(rgb[1:]))]
     edits = []
     for i, image in enumerate(images):
         masked = mask if i == 0 else None

@@ -86,7 +86,7 @@ async def edit_images(
 ) -> ImagesResponse | StreamingResponse:
     """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
     transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask."""
-    body, edits = await read_edit_form(request, service.limits)
+    body, edits = await read_edit_form(request, service.limits, together=service.edits_by_reference)
     requests = generation_requests(body, service.name, service.limits.max_n, edits)
     return await _answer(body, requests, request, response, service, "image_edit")
 

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -227,10 +228,11 @@ class Pipeline:
                 take = 1 + (guided and not zeros)
                 own = embeddings.take(row, take, zero_negative=guided and zeros)
                 row += take
-                extras = {**self.family.extras(own.pooled, r), **own.rows}
+                references, layout = self.family.references(self.vae, r, own.context.shape[0])
+                extras = {**self.family.extras(own.pooled, r), **own.rows, **references}
                 if i in images:  # the same on the negative row, as WanImageToVideoPipeline repeats it
                     extras[IMAGE] = images[i].expand(own.context.shape[0], -1, -1)
-                states.append(self._new_state(r, own.context, extras))
+                states.append(self._new_state(r, own.context, extras, layout))
         except BaseException:
             for state in states:
                 state.close()
@@ -245,7 +247,7 @@ class Pipeline:
         return {i: tokens[k : k + 1] for k, i in enumerate(at)}
 
     def _new_state(
-        self, request: GenerationRequest, context: torch.Tensor, extras: dict[str, torch.Tensor]
+        self, request: GenerationRequest, context: torch.Tensor, extras: dict[str, Any], layout: tuple
     ) -> RequestState:
         scope = PoolScope(self.pool)
         try:
@@ -253,7 +255,7 @@ class Pipeline:
             shape = family.latent_shape(request.width, request.height, request.frames)
             scheduler = make_scheduler(self.components.scheduler, request.scheduler)
             family.set_timesteps(scheduler, request.steps, self.device, shape)
-            edit, begin = request.edit, 0
+            edit, begin = None if family.edits_by_reference else request.edit, 0
             if edit is not None:
                 begin = family.edit_begin(request.steps, edit.strength) * scheduler.order
             if hasattr(scheduler, "set_begin_index"):
@@ -272,7 +274,7 @@ class Pipeline:
             return RequestState(
                 request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
                 inpainting=start.inpainting, conditioning=start.conditioning,
-                step_kwargs=step_kwargs(type(scheduler), generator),
+                step_kwargs=step_kwargs(type(scheduler), generator), layout=layout,
             )  # fmt: skip
         except BaseException:
             scope.close()

@@ -40,6 +40,7 @@ class Edit:
     mask: Image.Image | None = None  # L, the image's size
     strength: float = 0.8
     keep_unmasked: bool = True  # with a mask: the decoded image composited over the image (below)
+    more: tuple[Image.Image, ...] = ()  # further images (image[]) a model editing by reference takes
 
 
 @dataclass

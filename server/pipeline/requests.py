@@ -19,6 +19,7 @@ from server.errors import InvalidRequest
 from server.pipeline.clips import Clip, check_frames
 from server.pipeline.edits import Edit
 from server.pipeline.families import Family
+from server.pipeline.families.base import edit_size
 from server.pipeline.stepcache import OFF, StepCache
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
@@ -73,6 +74,7 @@ class Defaults:
     clip: Clip | None = None  # a video family's (clips.py): its default frames and frames' rule
     video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
     true_cfg_scale: float = 1.0  # the family's (QwenImagePipeline's 4.0): on with a negative prompt
+    edit_area: int | None = None  # an edit's default size: its image's scaled down to this area (FLUX.2)
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -112,6 +114,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         scheduler="default",
         size=int(settings.get("size", family.native_size)),
         true_cfg_scale=float(settings.get("true_cfg_scale", family.default_true_cfg)),
+        edit_area=family.edit_area,
         size_multiple=family.size_multiple,
         clip=family.clip,
         video_size=video_size,
@@ -132,7 +135,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
     if request.frames is not None and d.video_size is not None:
         width, height = d.video_size
     if request.edit is not None:  # an edit's size is its image's, as diffusers' edit pipelines
-        width, height = (side - side % d.size_multiple for side in request.edit.image.size)
+        width, height = edit_size(request.edit.image.size, d.size_multiple, d.edit_area)
     return replace(
         request,
         steps=d.steps if request.steps is None else request.steps,
@@ -189,6 +192,7 @@ def _check(request: GenerationRequest, family: Family) -> None:
         _check_edit(request, request.edit, family)
     if request.reference is not None or family.takes_reference:
         _check_reference(request, family)
+    family.check_request(request)
 
 
 def _check_reference(request: GenerationRequest, family: Family) -> None:

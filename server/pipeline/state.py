@@ -35,6 +35,7 @@ class RequestState:
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
     preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
     cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (stepcache.py)
+    layout: tuple[Any, ...] = ()  # what its conditioning's positions depend on (an edit's image sizes)
 
     @property
     def previews(self) -> dict[int, int]:
@@ -68,7 +69,8 @@ class RequestState:
     @property
     def group(self) -> tuple[Any, ...]:
         """States with equal groups can share one denoiser call and one VAE decode."""
-        return (*self.latents.shape[1:], *self.context.shape[1:])
+        extras = tuple((name, *value.shape[1:]) for name, value in sorted(self.extras.items()))
+        return (*self.latents.shape[1:], *self.context.shape[1:], extras, self.layout)
 
     def close(self) -> None:
         """End the request (finished, failed or cancelled); safe to call more than once."""

@@ -141,6 +141,11 @@ class Service:
         return [self.pipeline.resolve(r) for r in filled]
 
     @property
+    def edits_by_reference(self) -> bool:
+        """Whether an edit's images condition the model together (FLUX.2), not start one image each."""
+        return self.pipeline.family.edits_by_reference
+
+    @property
     def clip(self) -> Clip | None:
         """A video model's clip (its default frames, size, frames' rule); None: images only."""
         return self.pipeline.family.clip
@@ -174,6 +179,7 @@ class Service:
                 "schedulers": list(family.schedulers),
                 "step_caches": list(family.step_caches),
                 "videos": family.clip is not None,
+                "edits": "by reference" if family.edits_by_reference else "img2img and inpainting",
             },
         }
 

@@ -12,6 +12,8 @@ image token at (0, h, w, 0). Those form the `embed` block. Then 8 double-stream
 splits them again: `split_hidden_states`, so the flow is FLUX.1's), `norm_out` and `proj_out`.
 
 Prompts come padded to 512 tokens, padding included, as the pipelines encode them: no mask.
+An edit's reference images come as tokens of their own (`REFERENCES`), joined after the noise's
+with their positions, and cut off at the end, as the pipelines do.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import rotary_slice
 
 TEXT_TOKENS = 512  # the pipelines' max_sequence_length default: prompts padded to it
+REFERENCES = "reference_tokens"  # [rows, tokens, 128]: an edit's images, packed as the noise
+REFERENCE_IDS = "reference_ids"  # [rows, tokens, 4]: their positions (time 10, 20, ... an image)
 MODULATIONS = ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")
 STREAMS = ("transformer_blocks", "single_transformer_blocks")
 
@@ -82,14 +86,20 @@ class Flux2TransformerSpec:
         return DenoiserInputs(sample, timestep, context, conditioning)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
-        rows = token_rows(inputs, ("guidance",), "FLUX.2")
+        rows = token_rows(inputs, ("guidance", REFERENCES, REFERENCE_IDS), "FLUX.2")
         sample = rows.pop("sample")
         b, c, h, w = sample.shape
-        rows["hidden"] = sample.reshape(b, c, h * w).permute(0, 2, 1)  # Flux2Pipeline._pack_latents
+        hidden = sample.reshape(b, c, h * w).permute(0, 2, 1)  # Flux2Pipeline._pack_latents
+        ids = image_ids(h, w, sample.device)
+        references = rows.pop(REFERENCES, None)
+        if references is not None:  # an edit's images, after the noise (the rows share their layout)
+            hidden = torch.cat([hidden, references.to(hidden.dtype)], dim=1)
+            ids = torch.cat([ids, rows.pop(REFERENCE_IDS)[0].round().to(ids.dtype)])
+        rows["hidden"] = hidden
         # Flux2Pipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
         rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
         text = model.pos_embed(text_ids(inputs.context.shape[1], sample.device))
-        image = model.pos_embed(image_ids(h, w, sample.device))
+        image = model.pos_embed(ids)
         rotary = tuple(torch.cat([t, i], dim=0) for t, i in zip(text, image, strict=True))
         return Flow(rows, {"size": (h, w), "rotary": rotary})
 
@@ -104,7 +114,7 @@ class Flux2TransformerSpec:
 
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
         (h, w), hidden = flow.shared["size"], flow.rows["hidden"]
-        return hidden.permute(0, 2, 1).reshape(hidden.shape[0], -1, h, w)
+        return hidden[:, : h * w].permute(0, 2, 1).reshape(hidden.shape[0], -1, h, w)  # the noise's tokens
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         singles = len(model.single_transformer_blocks)

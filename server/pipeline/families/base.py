@@ -77,6 +77,9 @@ class Family:
     image_encoders: ClassVar[tuple[str, ...]] = ()  # image-to-video's image encoder (weighted)
     processors: ClassVar[tuple[str, ...]] = ()  # and its image processor
     takes_reference: ClassVar[bool] = False  # every request starts from an image (its first frame)
+    # an edit's images condition every step (FLUX.2, Qwen-Image-Edit: their tokens join the
+    # sequence) instead of starting the latents (img2img, inpainting): no mask, no strength
+    edits_by_reference: ClassVar[bool] = False
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
@@ -143,6 +146,17 @@ class Family:
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The batched extras as keyword arguments of the denoiser's forward."""
         return {}
+
+    edit_area: ClassVar[int | None] = None  # an edit's default size: its image's, scaled down to this area
+
+    def check_request(self, request: Any) -> None:
+        """What this family refuses in a resolved request beyond the shared checks (raise InvalidRequest)."""
+
+    def references(self, vae: nn.Module, request: Any, rows: int) -> tuple[dict[str, torch.Tensor], tuple]:
+        """A request's conditioning from its edit's images, for families that edit by reference:
+        per-row tensors ([rows, ...] each) and the layout their positions depend on (requests of
+        other layouts never share a call)."""
+        return {}, ()
 
     def encode_images(self, encoder: nn.Module, processor: Any, images: list[Any]) -> torch.Tensor:
         """Image-to-video: the image encoder's tokens [N, T, D] for each first frame."""
@@ -276,3 +290,13 @@ def padded_text(states: torch.Tensor, mask: torch.Tensor, drop: int, length: int
         context[row, : own.shape[0]] = own
         kept[row, : own.shape[0]] = 1
     return TextEmbeddings(context, rows={TEXT_MASK: kept})
+
+
+def edit_size(size: tuple[int, int], multiple: int, area: int | None) -> tuple[int, int]:
+    """An edit image's (width, height) as a pipeline sizes its output by it: scaled down to `area`
+    where larger (FLUX.2's Flux2ImageProcessor._resize_to_target_area), then floored to `multiple`."""
+    width, height = size
+    if area is not None and width * height > area:
+        scale = math.sqrt(area / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return width - width % multiple, height - height % multiple

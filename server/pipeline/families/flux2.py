@@ -22,13 +22,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-from server.engine.denoisers.flux2 import TEXT_TOKENS
-from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings
+from server.engine.denoisers.flux2 import REFERENCE_IDS, REFERENCES, TEXT_TOKENS
+from server.errors import InvalidRequest, ModelFolderError
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, edit_size
 from server.pipeline.families.flow import PackedFlow
 
 # black-forest-labs/FLUX.2-dev's transformer/config.json (the class's defaults) and text_encoder
@@ -99,8 +100,46 @@ class Flux2(PackedFlow):
     reference_vae: ClassVar[dict[str, Any] | None] = {"block_out_channels": (128, 256, 512, 512)}
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"flux2-dev": {}}
 
+    edits_by_reference: ClassVar[bool] = True  # an edit's images are references on the sequence
+    edit_area: ClassVar[int | None] = 1024 * 1024  # a larger reference image is scaled down to it
+
     def rows(self, request: Asked) -> int:
         return 1  # guidance is embedded: one row, `guidance` per row
+
+    def check_request(self, request: Any) -> None:
+        """Flux2ImageProcessor.check_image_input, for every reference image."""
+        for image in () if request.edit is None else (request.edit.image, *request.edit.more):
+            width, height = image.size
+            if min(width, height) < 64 or max(width / height, height / width) > 8:
+                raise InvalidRequest(
+                    "image", f"must be at least 64 px a side and at most 8:1, got {width}x{height}"
+                )
+        if request.edit is not None and request.edit.mask is not None:
+            raise InvalidRequest("mask", f"a {self.name} model edits by reference: it takes no mask")
+
+    def references(self, vae: nn.Module, request: Any, rows: int) -> tuple[dict[str, torch.Tensor], tuple]:
+        """Flux2Pipeline's condition images: each scaled to at most `edit_area`, cropped to a
+        multiple of 16, VAE-encoded (its mode), patchified and normalized, packed, at time 10,
+        20, ...; the same on every row."""
+        if request.edit is None:
+            return {}, ()
+        processor, device = (
+            Flux2ImageProcessor(vae_scale_factor=self.vae_scale_factor),
+            next(vae.parameters()).device,
+        )
+        tokens, ids, layout = [], [], []
+        for index, image in enumerate((request.edit.image, *request.edit.more)):
+            width, height = edit_size(image.size, self.size_multiple, self.edit_area)
+            if image.width * image.height > (self.edit_area or 0):
+                image = Flux2ImageProcessor._resize_to_target_area(image, self.edit_area)
+            pixels = processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            latents = self.scale_latents(vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode())
+            _, channels, h, w = latents.shape
+            tokens.append(latents.reshape(1, channels, h * w).permute(0, 2, 1))
+            ids.append(image_positions(10 * (index + 1), h, w))
+            layout.append((h, w))
+        conditioning = {REFERENCES: torch.cat(tokens, dim=1), REFERENCE_IDS: torch.cat(ids)[None].float()}
+        return {k: v.expand(rows, -1, -1) for k, v in conditioning.items()}, tuple(layout)
 
     def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
         return {"guidance": torch.full((1,), request.guidance_scale)}  # per row: other scales share the call
@@ -249,3 +288,11 @@ class Flux2Klein(Flux2):
         return tokenizer(
             texts, return_tensors="pt", padding="max_length", truncation=True, max_length=TEXT_TOKENS
         )
+
+
+def image_positions(time: int, h: int, w: int) -> torch.Tensor:
+    """[h · w, 4] position ids (time, row, column, 0): Flux2Pipeline._prepare_image_ids."""
+    rows, columns = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([torch.full_like(rows, time), rows, columns, torch.zeros_like(rows)], -1).reshape(
+        -1, 4
+    )
