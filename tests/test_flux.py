@@ -40,7 +40,7 @@ def flux_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def theirs(folder: Path, request: GenerationRequest) -> np.ndarray:
     pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
-    return diffusers_image(pipe, request, true_cfg_scale=request.true_cfg_scale)
+    return diffusers_image(pipe, request, true_cfg_scale=request.true_cfg_scale or 1.0)  # unset: off
 
 
 CASES = {

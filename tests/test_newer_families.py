@@ -18,7 +18,14 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, ZImagePipeline
+from diffusers import (
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    QwenImageImg2ImgPipeline,
+    QwenImagePipeline,
+    ZImageImg2ImgPipeline,
+    ZImagePipeline,
+)
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -30,6 +37,7 @@ from server.pipeline.lora import read_adapter
 from server.pipeline.state import group_states
 from server.pipeline.stepcache import StepCache
 from tests.live import live_server
+from tests.test_edits import source_image
 from tests.test_lora import random_pairs
 from tests.tiny_flux2 import build_flux2_folder, reference_image
 from tests.tiny_qwenimage import build_qwen_image_folder
@@ -48,6 +56,7 @@ class Case:
     requests: tuple[GenerationRequest, ...]  # the first is unguided, the second guided
     lora_targets: tuple[str, ...]  # the transformer's layers a LoRA adapts
     knobs: Callable[[GenerationRequest], dict[str, Any]]  # the pipeline's guidance arguments
+    img2img: type | None = None  # its img2img pipeline, where edits start from the image
 
 
 # the double blocks' attention and MLP, the single blocks' fused projection
@@ -70,6 +79,7 @@ CASES = {
         ),
         ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "img_mlp.net.2"),
         lambda r: {"true_cfg_scale": r.true_cfg_scale},
+        QwenImageImg2ImgPipeline,
     ),
     "z-image": Case(
         build_zimage_folder,
@@ -88,6 +98,7 @@ CASES = {
         ),
         ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w2"),
         lambda r: {"guidance_scale": r.guidance_scale},
+        ZImageImg2ImgPipeline,
     ),
     "flux2": Case(
         build_flux2_folder,
@@ -181,6 +192,23 @@ def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
     for grouped, alone in zip(lane.generate(requests), one.generate(requests), strict=True):
         assert float(np.abs(grouped - alone).max()) * 255 <= 2
     assert lane.lane.groups.calls == requests[0].steps
+
+
+def test_img2img_equals_the_familys_img2img_pipeline(family) -> None:
+    name, folder, one = family
+    if CASES[name].img2img is None:
+        pytest.skip(f"{name} edits by reference (below)")
+    edit = Edit(source_image(), None, 0.6, keep_unmasked=False)
+    asked = {**vars(CASES[name].requests[1]), "edit": edit, "steps": 5, "width": None, "height": None}
+    request = one.resolve(GenerationRequest(**asked))
+    pipe = CASES[name].img2img.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        prompt=request.prompt, negative_prompt=request.negative_prompt, image=edit.image, strength=0.6,
+        num_inference_steps=5, width=request.width, height=request.height, output_type="np",
+        generator=torch.Generator("cpu").manual_seed(request.seed), **CASES[name].knobs(request),
+    ).images[0]  # fmt: skip
+    assert float(np.abs(one.generate([request])[0] - theirs).max()) < TOLERANCE
 
 
 def random_lora(name: str, folder: Path, out: Path) -> Path:

@@ -144,7 +144,7 @@ def _encode(
     """A sample of the VAE's posterior for `pixels` ([1, 3, H, W] in [-1, 1]), scaled as the
     denoiser takes latents; drawn as diffusers' `retrieve_latents` draws it."""
     vae_device = next(vae.parameters()).device
-    posterior = vae.encode(pixels.to(vae_device, vae.dtype)).latent_dist
+    posterior = vae.encode(family.vae_pixels(pixels.to(vae_device, vae.dtype))).latent_dist
     draw = torch.randn(posterior.mean.shape, generator=generator, dtype=posterior.mean.dtype)
     return family.scale_latents(posterior.mean + posterior.std * draw.to(vae_device)).to(LATENT_DTYPE)
 

@@ -241,6 +241,10 @@ class Family:
         vae = self.config.vae
         return latents / vae["scaling_factor"] + (vae.get("shift_factor") or 0.0)
 
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] as the VAE encodes them (a video VAE's: one-frame videos)."""
+        return pixels
+
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE encoder's latents as the denoiser takes them: `unscale_latents` undone."""
         vae = self.config.vae

@@ -131,9 +131,12 @@ class QwenImage(PackedFlow):
         mean, std = self._stats(latents)
         return latents / (1.0 / std) + mean
 
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels[:, :, None]  # a one-frame video, as QwenImageImg2ImgPipeline encodes it
+
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         mean, std = self._stats(latents)
-        return ((latents - mean) / std)[:, :, 0]
+        return ((latents - mean) * (1.0 / std))[:, :, 0]
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         if not encoders:
