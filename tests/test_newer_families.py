@@ -40,6 +40,11 @@ from tests.live import live_server
 from tests.test_edits import source_image
 from tests.test_lora import random_pairs
 from tests.tiny_flux2 import build_flux2_folder, reference_image
+from tests.tiny_qwen import (
+    build_qwen_image_edit_folder,
+    condition_image,
+    load_qwen_image_edit,
+)
 from tests.tiny_qwenimage import build_qwen_image_folder
 from tests.tiny_zimage import build_zimage_folder
 
@@ -380,3 +385,65 @@ def test_flux2_edits_over_http_take_every_image_and_refuse_a_mask(flux2_folders)
     assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
     assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
     assert family["supports"]["edits"] == "by reference"
+
+
+@pytest.fixture(scope="module")
+def qwen_edit_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen-edit")
+    return {kind: build_qwen_image_edit_folder(root / kind, plus=kind == "plus") for kind in ("edit", "plus")}
+
+
+@pytest.mark.parametrize("kind", ["edit", "plus"])
+def test_qwen_image_edits_equal_the_edit_pipelines_alone_and_batched(qwen_edit_folders, kind: str) -> None:
+    """Qwen-Image-Edit (one image) and Edit-2509 (two, "Picture 1: ..."): the images through the
+    VL encoder with the prompt and as reference latents after the noise's, with and without
+    true CFG; two edits of the same layout share every call and give their images alone."""
+    images = [condition_image(0, 40), *([condition_image(1)] if kind == "plus" else [])]
+    folder = qwen_edit_folders[kind]
+    pipeline = Pipeline.load(folder, devices="cpu")
+    pipe = load_qwen_image_edit(folder, plus=kind == "plus")
+    pipe.set_progress_bar_config(disable=True)
+    edit = Edit(images[0], more=tuple(images[1:]))
+    requests = [
+        pipeline.resolve(GenerationRequest(prompt, negative_prompt=negative, seed=seed, steps=2, edit=edit))
+        for prompt, negative, seed in (("make it red", None, 3), ("a blue sky over it", "blurry", 4))
+    ]
+    alone = [pipeline.generate([r])[0] for r in requests]
+    for request, mine in zip(requests, alone, strict=True):
+        theirs = pipe(
+            prompt=request.prompt, negative_prompt=request.negative_prompt, true_cfg_scale=4.0,
+            image=images if kind == "plus" else images[0], num_inference_steps=2, output_type="np",
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+        ).images[0]  # fmt: skip
+        assert mine.shape == theirs.shape  # the output's size is the pipeline's (~1 MP: 32² here)
+        assert float(np.abs(mine - theirs).max()) < TOLERANCE, request.negative_prompt
+    calls: list[int] = []
+    step = pipeline.step
+    pipeline.step = lambda states: (calls.append(len(states)), step(states))[1]
+    for one, together in zip(alone, pipeline.generate(requests), strict=True):
+        assert float(np.abs(one - together).max()) < TOLERANCE
+    assert calls == [2, 2]
+
+
+def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_edit_folders) -> None:
+    folder = qwen_edit_folders["plus"]
+    files = []
+    for seed in (0, 1):
+        data = io.BytesIO()
+        condition_image(seed).save(data, format="PNG")
+        files.append(("image[]", (f"{seed}.png", data.getvalue(), "image/png")))
+    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "2", "negative_prompt": "blurry"}
+    server = live_server("--model", str(folder))
+    with server as running, httpx.Client(base_url=running.url, timeout=120) as client:
+        edited = client.post("/v1/images/edits", data=fields, files=files)
+        generated = client.post("/v1/images/generations", json={"prompt": "a red circle", "size": "32x32"})
+    assert edited.status_code == 200, edited.text
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.json()["data"][0]["b64_json"]))))
+    pipe = load_qwen_image_edit(folder, plus=True)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        prompt="make it red", negative_prompt="blurry", image=[condition_image(0), condition_image(1)],
+        num_inference_steps=2, output_type="np", generator=torch.Generator("cpu").manual_seed(3),
+    ).images[0]  # fmt: skip
+    assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
+    assert generated.status_code == 400 and generated.json()["error"]["param"] == "image"

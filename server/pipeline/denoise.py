@@ -201,20 +201,20 @@ class Pipeline:
             raise ValueError("start() takes resolved requests: pass them through resolve() first")
         # 1. Encode every row's text at once: per request, the negative row (if any) first.
         zero_unset = self.family.zero_unset_negative
-        texts: list[str] = []
-        asking: list[tuple] = []  # each text's request's adapters: its rows of the encoders
+        texts, asking, shown = [], [], []  # each text, its request's adapters and its edit's images
         for r in requests:
-            if self.rows(r) == 2 and not (zero_unset and r.negative_prompt is None):
-                texts.append(r.negative_prompt or "")
+            negative = self.rows(r) == 2 and not (zero_unset and r.negative_prompt is None)
+            for text in [r.negative_prompt or ""] * negative + [r.prompt]:
+                texts.append(text)
                 asking.append(r.lora)
-            texts.append(r.prompt)
-            asking.append(r.lora)
+                shown.append(r.edit and r.edit.images)
         with self._encoding, CHANGES.reading():
             rows = AdapterRows(tuple(asking)) if any(asking) else None
             for slot in self.encoder_slots:
                 slot.rows = rows
-            try:
-                embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts)
+            try:  # a family that reads an edit's images with its prompt (Qwen-Image-Edit) is given them
+                seen = (shown,) if self.family.sees_images else ()
+                embeddings = self.family.encode(self.encoders, self.components.tokenizers, texts, *seen)
             finally:
                 for slot in self.encoder_slots:
                     slot.rows = None

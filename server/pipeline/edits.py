@@ -42,6 +42,10 @@ class Edit:
     keep_unmasked: bool = True  # with a mask: the decoded image composited over the image (below)
     more: tuple[Image.Image, ...] = ()  # further images (image[]) a model editing by reference takes
 
+    @property
+    def images(self) -> tuple[Image.Image, ...]:
+        return (self.image, *self.more)
+
 
 @dataclass
 class Inpainting:

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from server.engine.quantize import Quantization
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
+from server.pipeline.processors import stand_in_for
 
 log = logging.getLogger("diffshard")
 
@@ -220,21 +221,6 @@ def _check_header(file: Path) -> None:
         raise ModelFolderError(f"{file} is corrupt or truncated: {err}") from err
 
 
-class TextTokenizer:
-    """The text half of a processor a pipeline names as its tokenizer (FLUX.2 [dev]'s
-    PixtralProcessor, Qwen-Image-Edit's Qwen2VLProcessor): the tokenizer saved in the folder, with
-    the processor's chat template. Their image halves need torchvision, which PyPI's builds do not
-    pair with our CPU torch; text prompts never use them."""
-
-    @staticmethod
-    def from_pretrained(folder: Path, **kwargs: Any) -> Any:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
-        template = Path(folder) / "chat_template.json"  # older processors keep it here
-        if tokenizer.chat_template is None and template.is_file():
-            tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
-        return tokenizer
-
-
 def class_of(index: dict[str, Any], name: str) -> type:
     """The class the index names for part `name`: only a model, tokenizer or scheduler class
     of diffusers or transformers (`ALLOWED_BASES`)."""
@@ -245,8 +231,8 @@ def class_of(index: dict[str, Any], name: str) -> type:
     named = f"model_index.json names {library}.{class_name} for {name}"
     if library not in LIBRARIES:
         raise ModelFolderError(f"{named}; diffshard loads classes from {' and '.join(LIBRARIES)} only")
-    if library == "transformers" and class_name.endswith("Processor") and name.startswith("tokenizer"):
-        return TextTokenizer  # a processor as a pipeline's tokenizer: its text half
+    if library == "transformers" and (stand_in := stand_in_for(class_name, name)) is not None:
+        return stand_in  # a processor transformers cannot build without torchvision (processors.py)
     found = None
     if class_name.isidentifier() and not class_name.startswith("_"):
         try:  # the packages are lazy: an attribute may import one of their own submodules

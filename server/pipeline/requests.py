@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class Defaults:
     clip: Clip | None = None  # a video family's (clips.py): its default frames and frames' rule
     video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
     true_cfg_scale: float = 1.0  # the family's (QwenImagePipeline's 4.0): on with a negative prompt
-    edit_area: int | None = None  # an edit's default size: its image's scaled down to this area (FLUX.2)
+    edit_size: Callable[[Edit], tuple[int, int]] | None = None  # an edit's default size (its family's)
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:
@@ -114,7 +115,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         scheduler="default",
         size=int(settings.get("size", family.native_size)),
         true_cfg_scale=float(settings.get("true_cfg_scale", family.default_true_cfg)),
-        edit_area=family.edit_area,
+        edit_size=family.edit_size,
         size_multiple=family.size_multiple,
         clip=family.clip,
         video_size=video_size,
@@ -135,7 +136,8 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
     if request.frames is not None and d.video_size is not None:
         width, height = d.video_size
     if request.edit is not None:  # an edit's size is its image's, as diffusers' edit pipelines
-        width, height = edit_size(request.edit.image.size, d.size_multiple, d.edit_area)
+        sized = d.edit_size or (lambda edit: edit_size(edit.image.size, d.size_multiple, None))
+        width, height = sized(request.edit)
     return replace(
         request,
         steps=d.steps if request.steps is None else request.steps,

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import (
+    REFERENCE_IDS,
+    REFERENCES,
     Block,
     BlockCall,
     CacheBoundary,
@@ -36,8 +38,6 @@ from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import rotary_slice
 
 TEXT_TOKENS = 512  # the pipelines' max_sequence_length default: prompts padded to it
-REFERENCES = "reference_tokens"  # [rows, tokens, 128]: an edit's images, packed as the noise
-REFERENCE_IDS = "reference_ids"  # [rows, tokens, 4]: their positions (time 10, 20, ... an image)
 MODULATIONS = ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")
 STREAMS = ("transformer_blocks", "single_transformer_blocks")
 

@@ -24,6 +24,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from server.engine.denoisers.blocks import (
+    REFERENCE_SHAPES,
+    REFERENCES,
     TEXT_MASK,
     Block,
     BlockCall,
@@ -75,15 +77,18 @@ class QwenImageTransformerSpec:
             raise ValueError(
                 "the Qwen-Image block walk takes Qwen-Image's transformer (not 2511's or Layered's)"
             )
-        rows = token_rows(inputs, (TEXT_MASK,), "Qwen-Image")
+        rows = token_rows(inputs, (TEXT_MASK, REFERENCES, REFERENCE_SHAPES), "Qwen-Image")
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
         rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(TEXT_MASK, None))
         # QwenImagePipeline passes t.to(latents.dtype) / 1000; time_proj multiplies by 1000 again
         rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
-        rows["hidden"] = pack(sample)
+        rows["hidden"], shapes = pack(sample), [(1, h // 2, w // 2)]
+        if (references := rows.pop(REFERENCES, None)) is not None:  # an edit's images, after the noise
+            rows["hidden"] = torch.cat([rows["hidden"], references.to(sample.dtype)], dim=1)
+            shapes += [(1, round(a), round(b)) for a, b in rows.pop(REFERENCE_SHAPES)[0].tolist()]
         text = rows["context"].shape[1]
-        rotary = model.pos_embed([(1, h // 2, w // 2)], max_txt_seq_len=text, device=sample.device)
+        rotary = model.pos_embed([shapes], max_txt_seq_len=text, device=sample.device)
         return Flow(rows, {"size": (h, w), "rotary": rotary})
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
@@ -95,7 +100,8 @@ class QwenImageTransformerSpec:
         return calls
 
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
-        return unpack(flow.rows["hidden"], *flow.shared["size"])
+        h, w = flow.shared["size"]
+        return unpack(flow.rows["hidden"][:, : (h // 2) * (w // 2)], h, w)  # the noise's tokens
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         return dit_boundary(model.transformer_blocks, "transformer_blocks")

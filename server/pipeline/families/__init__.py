@@ -14,6 +14,7 @@ from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
+from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
 from server.pipeline.families.sd3 import SD3
@@ -21,7 +22,9 @@ from server.pipeline.families.sdxl import SDXL
 from server.pipeline.families.wan import Wan, WanI2V
 from server.pipeline.families.zimage import ZImage
 
-FAMILIES: tuple[type[Family], ...] = (SD, SDXL, SD3, Flux, Flux2, Flux2Klein, Wan, WanI2V, QwenImage, ZImage)
+FAMILIES: tuple[type[Family], ...] = (
+    SD, SDXL, SD3, Flux, Flux2, Flux2Klein, Wan, WanI2V, QwenImage, QwenImageEdit, ZImage,
+)  # fmt: skip
 SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE
 
 

@@ -80,6 +80,7 @@ class Family:
     # an edit's images condition every step (FLUX.2, Qwen-Image-Edit: their tokens join the
     # sequence) instead of starting the latents (img2img, inpainting): no mask, no strength
     edits_by_reference: ClassVar[bool] = False
+    sees_images: ClassVar[bool] = False  # its text encoder reads an edit's images with the prompt
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
@@ -148,6 +149,10 @@ class Family:
         return {}
 
     edit_area: ClassVar[int | None] = None  # an edit's default size: its image's, scaled down to this area
+
+    def edit_size(self, edit: Any) -> tuple[int, int]:
+        """An edit's default (width, height): its image's (scaled down to `edit_area`), to a multiple."""
+        return edit_size(edit.image.size, self.size_multiple, self.edit_area)
 
     def check_request(self, request: Any) -> None:
         """What this family refuses in a resolved request beyond the shared checks (raise InvalidRequest)."""

@@ -27,7 +27,8 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-from server.engine.denoisers.flux2 import REFERENCE_IDS, REFERENCES, TEXT_TOKENS
+from server.engine.denoisers.blocks import REFERENCE_IDS, REFERENCES
+from server.engine.denoisers.flux2 import TEXT_TOKENS
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline.families.base import Asked, Family, TextEmbeddings, edit_size
 from server.pipeline.families.flow import PackedFlow

@@ -87,6 +87,8 @@ class QwenImage(PackedFlow):
         "qwen-image": {}
     }  # Qwen/Qwen-Image: the defaults
 
+    text_tokens: ClassVar[int] = TEXT_TOKENS  # a prompt's tokens kept (after the template's)
+
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
     ) -> TextEmbeddings:
@@ -101,7 +103,7 @@ class QwenImage(PackedFlow):
         mask = tokens.attention_mask.to(device)
         model = getattr(encoder, "model", encoder)  # the hidden states without the LM head's logits
         states = model(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
-        return padded_text(states.hidden_states[-1], mask, TEMPLATE_TOKENS, TEXT_TOKENS)
+        return padded_text(states.hidden_states[-1], mask, TEMPLATE_TOKENS, self.text_tokens)
 
     def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
         return {}  # the text mask comes with the embeddings (`TextEmbeddings.rows`)
