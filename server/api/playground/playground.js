@@ -24,6 +24,7 @@ const STEP_CACHES = {
 let running = null; // the AbortController of the generation in flight
 let urls = []; // object URLs of the shown images or video, revoked when the next ones come
 let modelRead = false; // the server loads its model and adapters at startup: read once, they stay
+let guidanceAs = "guidance_scale"; // what the Guidance field sends: Qwen-Image guides by true_cfg_scale
 
 // Talking to the server.
 
@@ -134,6 +135,10 @@ function requestBody() {
   const sent = (name) => !form[name].disabled;
   for (const name of OPTIONAL.filter(sent)) if (form[name].value.trim()) body[name] = form[name].value.trim();
   for (const name of NUMBERS.filter(sent)) if (form[name].value !== "") body[name] = form[name].valueAsNumber;
+  if (guidanceAs !== "guidance_scale" && "guidance_scale" in body) {
+    body[guidanceAs] = body.guidance_scale;
+    delete body.guidance_scale;
+  }
   body.seed ??= randomSeed(); // chosen here, so every seed shown can be typed back in
   const lora = chosenAdapters();
   if (lora) body.lora = lora;
@@ -528,11 +533,21 @@ async function readModel() {
   const model = (await response.json()).data[0];
   showAdapters(model.adapters ?? []);
   showVocabulary(model.vocabulary, model.adapters ?? []);
+  showGuidance(model.family);
   if (model.video) {
     showVideoDefaults(model.video);
     offerVideo({ take: !running && !$("results-empty").hidden }); // only while nothing was made yet
   }
   modelRead = true;
+}
+
+// A model guided only by true CFG (Qwen-Image: no guidance input) takes the field as true_cfg_scale,
+// which works with a negative prompt.
+function showGuidance(family) {
+  if (!family || family.supports.guidance_scale || !family.supports.true_cfg_scale) return;
+  guidanceAs = "true_cfg_scale";
+  document.querySelector('label[for="guidance_scale"]').textContent = "True CFG";
+  $("guidance_scale").placeholder = `${family.defaults.true_cfg_scale} with a negative prompt`;
 }
 
 // A model with a closed vocabulary (the built-in one) knows only its words: say which.
