@@ -9,7 +9,7 @@ import base64
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from diffusers import (
 from PIL import Image
 from safetensors.torch import save_file
 
-from server.engine import ParallelPlan, plan_shards
+from server.engine import ModelShard, ParallelPlan, plan_shards
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import meta_denoiser
 from server.pipeline.loader import read_family
@@ -464,3 +464,35 @@ def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_
     ).images[0]  # fmt: skip
     assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
     assert generated.status_code == 400 and generated.json()["error"]["param"] == "image"
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image", "flux2"])
+def test_a_guided_and_a_cached_row_step_over_two_fake_gpus(built, name: str) -> None:
+    """The fake-GPU harness (tests/test_fake_gpu.py): the transformer split over fake cuda:0 and
+    cuda:1, the encoders and VAE on the CPU; one call of a guided row beside a cached one lands on
+    cuda:0 in the latents' shape: no tensor of the spec or the family is made on the wrong device."""
+    from server.pipeline.loader import load_components
+    from tests.test_fake_gpu import FakeCuda
+
+    components = load_components(built(name))
+    model = components.denoiser
+    plan = plan_shards(model, ["cpu", "cpu"], strategy="even")
+    plan = replace(plan, stages=tuple(replace(s, device=f"cuda:{i}") for i, s in enumerate(plan.stages)))
+    case = CASES[name]
+    requests = [
+        case.requests[1],  # guided where the family guides by rows
+        GenerationRequest(**{**vars(case.requests[0]), "step_cache": StepCache("first_block", 3, 0.5)}),
+    ]
+    with FakeCuda(), torch.inference_mode():
+        pipeline = Pipeline(components, ModelShard(model, plan), encoder_device="cpu")
+        assert pipeline.shard.devices == ["cuda:0", "cuda:1"]
+        states = pipeline.start([pipeline.resolve(replace(r, width=32, height=32)) for r in requests])
+        try:
+            assert {s.latents.device for s in states} == {torch.device("cuda:0")}
+            with pipeline.pool.scope() as batch:
+                inputs = pipeline.stacked(states, batch)
+                result = pipeline.forward(inputs, pipeline.call_plan(states))
+                assert result.out.device == torch.device("cuda:0") and result.out.shape == inputs.sample.shape
+        finally:
+            for state in states:
+                state.close()

@@ -154,10 +154,11 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     image = model.all_x_embedder[PATCH](rows["image"])
     b, pad = image.shape[0], shared["image_pad"]
     if pad:
-        image = torch.cat([image, model.x_pad_token.to(image.dtype).expand(b, pad, -1)], dim=1)
+        image = torch.cat([image, model.x_pad_token.to(image).expand(b, pad, -1)], dim=1)
     temb = model.t_embedder(rows["timestep"] * model.t_scale).type_as(image)
     context = model.cap_embedder(rows["context"])
-    context = torch.where(rows["cap_pad"][..., None], model.cap_pad_token.to(context.dtype), context)
+    # the pad tokens are root parameters (`TensorPart`s): as Wan's table, read on the flow's device
+    context = torch.where(rows["cap_pad"][..., None], model.cap_pad_token.to(context), context)
     return {**rows, "image": image, "temb": temb, "context": context}
 
 
