@@ -264,6 +264,29 @@ def test_lora_cached_and_plain_rows_share_calls_and_equal_alone_and_diffusers(fa
         assert float(np.abs(one - joined).max()) < TOLERANCE
 
 
+def test_a_kohya_trained_qwen_image_lora_loads_as_diffusers_converts_it(built, tmp_path) -> None:
+    """sd-scripts' and Musubi's keys (`lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight`,
+    an `.alpha` each) read through QwenImagePipeline's own converter: the image equals diffusers'
+    after load_lora_weights of the same file."""
+    folder = built("qwen-image")
+    generator, tensors = torch.Generator().manual_seed(2), {}
+    for block in range(2):
+        for target, (fan_in, fan_out) in {"attn_to_q": (64, 64), "img_mlp_net_2": (256, 64)}.items():
+            key = f"lora_unet_transformer_blocks_{block}_{target}"
+            tensors[f"{key}.lora_down.weight"] = torch.randn(4, fan_in, generator=generator) * 0.3
+            tensors[f"{key}.lora_up.weight"] = torch.randn(fan_out, 4, generator=generator) * 0.3
+            tensors[f"{key}.alpha"] = torch.tensor(8.0)  # scale 2: alpha / rank
+    lora = tmp_path / "kohya.safetensors"
+    save_file(tensors, lora)
+    pipeline = Pipeline.load(folder, devices="cpu")
+    pipeline.add_adapter(read_adapter("style", lora, pipeline.family))
+    base = CASES["qwen-image"].requests[0]
+    request = pipeline.resolve(GenerationRequest(**{**vars(base), "lora": (("style", 0.7),)}))
+    mine = pipeline.generate([request])[0]
+    assert float(np.abs(mine - theirs("qwen-image", folder, request, lora)).max()) < TOLERANCE
+    assert float(np.abs(mine - pipeline.generate([base])[0]).max()) > 20 * TOLERANCE  # it adapts
+
+
 def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -> None:
     name, folder, one = family
     request = one.resolve(CASES[name].requests[1])
