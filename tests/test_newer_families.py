@@ -264,6 +264,19 @@ def test_lora_cached_and_plain_rows_share_calls_and_equal_alone_and_diffusers(fa
         assert float(np.abs(one - joined).max()) < TOLERANCE
 
 
+def test_the_denoiser_and_the_language_model_encoder_quantize_and_still_draw_the_image(family) -> None:
+    """`--quantize denoiser=int8-dynamic,text_encoder=int8-dynamic`: these families' encoders are
+    4-24 B language models, as large as their transformers; both quantize and the image stays
+    within a few 255ths of float32's (the tiny models' own drift)."""
+    name, folder, one = family
+    setting = "denoiser=int8-dynamic,text_encoder=int8-dynamic"
+    quantized = Pipeline.load(folder, devices="cpu", quantize=setting)
+    assert quantized.quantization == setting
+    request = one.resolve(CASES[name].requests[0])
+    drift = np.abs(quantized.generate([request])[0] - one.generate([request])[0])
+    assert float(drift.mean()) > 0 and float(drift.max()) < 24 / 255, float(drift.max())
+
+
 def test_a_kohya_trained_qwen_image_lora_loads_as_diffusers_converts_it(built, tmp_path) -> None:
     """sd-scripts' and Musubi's keys (`lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight`,
     an `.alpha` each) read through QwenImagePipeline's own converter: the image equals diffusers'
