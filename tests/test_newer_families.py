@@ -197,18 +197,23 @@ def test_images_equal_diffusers_alone_batched_and_split_over_two_stages(family) 
         assert torch.equal(torch.from_numpy(split), torch.from_numpy(whole))
 
 
+def grouped(folder: Path) -> Pipeline:
+    """A lane of two CPU workers splitting every call's tokens (a sequence group of two)."""
+    plain = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    plan = ParallelPlan(
+        (plain, plain), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
+    )
+    return Pipeline.load(folder, plan=plan).lanes()[0]
+
+
 def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
     """Rows of prompts of different lengths (their padding masked) split by tokens over two ranks."""
     name, folder, one = family
     requests = [one.resolve(r) for r in CASES[name].requests]
     requests[1] = one.resolve(GenerationRequest(**{**vars(CASES[name].requests[1]), "width": 32}))
-    plain = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (plain, plain), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    lane = Pipeline.load(folder, plan=plan).lanes()[0]
-    for grouped, alone in zip(lane.generate(requests), one.generate(requests), strict=True):
-        assert float(np.abs(grouped - alone).max()) * 255 <= 2
+    lane = grouped(folder)
+    for split, alone in zip(lane.generate(requests), one.generate(requests), strict=True):
+        assert float(np.abs(split - alone).max()) * 255 <= 2
     assert lane.lane.groups.calls == requests[0].steps
 
 
@@ -398,6 +403,11 @@ def test_flux2_edits_by_reference_equal_the_pipelines_and_batch_by_layout(flux2_
                 generator=torch.Generator("cpu").manual_seed(3),
             ).images[0]  # fmt: skip
             assert float(np.abs(mine - theirs).max()) < TOLERANCE, (variant, len(given))
+        if variant == "dev":  # the reference tokens over two stages (bit for bit) and a group of two
+            staged = Pipeline.load(flux2_folders[variant], devices="cpu,cpu", strategy="even")
+            assert torch.equal(torch.from_numpy(staged.generate(requests[1:])[0]), torch.from_numpy(alone[1]))
+            split = grouped(flux2_folders[variant]).generate(requests[1:])[0]
+            assert float(np.abs(split - alone[1]).max()) * 255 <= 2
         states = pipeline.start(requests)
         try:
             assert len(group_states(states)) == 2  # one image's tokens, two images': apart
@@ -474,6 +484,10 @@ def test_qwen_image_edits_equal_the_edit_pipelines_alone_and_batched(qwen_edit_f
     for one, together in zip(alone, pipeline.generate(requests), strict=True):
         assert float(np.abs(one - together).max()) < TOLERANCE
     assert calls == [2, 2]
+    if kind == "plus":  # the reference tokens over two stages (bit for bit) and a group of two
+        staged = Pipeline.load(folder, devices="cpu,cpu", strategy="even").generate(requests[1:])[0]
+        assert torch.equal(torch.from_numpy(staged), torch.from_numpy(alone[1]))
+        assert float(np.abs(grouped(folder).generate(requests[1:])[0] - alone[1]).max()) * 255 <= 2
 
 
 def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_edit_folders) -> None:
