@@ -190,7 +190,7 @@ def _check(request: GenerationRequest, family: Family) -> None:
         )
     if request.frames is not None:
         _check_frames(request, family)
-    if request.edit is not None:
+    if request.edit is not None and not family.edits_by_reference:  # those take no strength nor mask
         _check_edit(request, request.edit, family)
     if request.reference is not None or family.takes_reference:
         _check_reference(request, family)
