@@ -46,8 +46,8 @@ def test_missing_index_unknown_pipeline_and_missing_part(folder_copy: Path, tmp_
     with pytest.raises(ModelFolderError, match=r"no model_index\.json"):
         load_components(tmp_path)
     index = json.loads((folder_copy / "model_index.json").read_text())
-    (folder_copy / "model_index.json").write_text(json.dumps(index | {"_class_name": "QwenImagePipeline"}))
-    with pytest.raises(ModelFolderError, match="holds a QwenImagePipeline"):
+    (folder_copy / "model_index.json").write_text(json.dumps(index | {"_class_name": "HunyuanImagePipeline"}))
+    with pytest.raises(ModelFolderError, match="holds a HunyuanImagePipeline"):
         load_components(folder_copy)
     (folder_copy / "model_index.json").write_text(json.dumps(index))
     shutil.rmtree(folder_copy / "vae")
