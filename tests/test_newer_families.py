@@ -305,6 +305,33 @@ def test_a_kohya_trained_qwen_image_lora_loads_as_diffusers_converts_it(built, t
     assert float(np.abs(mine - pipeline.generate([base])[0]).max()) > 20 * TOLERANCE  # it adapts
 
 
+def edits_over_http(folder: Path, url: str) -> None:
+    """FLUX.2 [dev]'s edits: every `image[]` a reference of one request, within 2/255 of
+    Flux2Pipeline's `image=`; a mask refused by name."""
+    images = [reference_image(64), reference_image(80).rotate(90)]
+    files = []
+    for image in images:
+        data = io.BytesIO()
+        image.save(data, format="PNG")
+        files.append(("image[]", ("ref.png", data.getvalue(), "image/png")))
+    fields = {"prompt": "a red circle", "size": "32x32", "seed": "3", "num_inference_steps": "3"}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        edited = client.post("/v1/images/edits", data=fields, files=files)
+        masked = client.post("/v1/images/edits", data=fields, files=[*files[:1], ("mask", files[0][1])])
+        family = client.get("/v1/models").json()["data"][0]["family"]
+    assert edited.status_code == 200, edited.text
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.json()["data"][0]["b64_json"]))))
+    pipe = Flux2Pipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        prompt="a red circle", image=images, num_inference_steps=3, width=32, height=32, output_type="np",
+        generator=torch.Generator("cpu").manual_seed(3),
+    ).images[0]  # fmt: skip
+    assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
+    assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
+    assert family["supports"]["edits"] == "by reference"
+
+
 def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -> None:
     name, folder, one = family
     request = one.resolve(CASES[name].requests[1])
@@ -312,6 +339,8 @@ def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -
              "negative_prompt": request.negative_prompt, **CASES[name].knobs(request)}  # fmt: skip
     size = f"{request.width}x{request.height}"
     with live_server("--model", str(folder)) as server:
+        if name == "flux2":  # edits by reference on the same server
+            edits_over_http(folder, server.url)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         plain = client.images.generate(prompt=request.prompt, size=size, extra_body=extra)
         events = list(client.images.generate(prompt=request.prompt, size=size, stream=True, partial_images=1,
@@ -418,33 +447,6 @@ def test_flux2_edits_by_reference_equal_the_pipelines_and_batch_by_layout(flux2_
             assert float(np.abs(one - together).max()) < TOLERANCE
 
 
-def test_flux2_edits_over_http_take_every_image_and_refuse_a_mask(flux2_folders) -> None:
-    folder = flux2_folders["dev"]
-    files = []
-    for image in (reference_image(64), reference_image(80).rotate(90)):  # as image[]
-        data = io.BytesIO()
-        image.save(data, format="PNG")
-        files.append(("image[]", ("ref.png", data.getvalue(), "image/png")))
-    fields = {"prompt": "a red circle", "size": "32x32", "seed": "3", "num_inference_steps": "3"}
-    server = live_server("--model", str(folder))
-    with server as running, httpx.Client(base_url=running.url, timeout=120) as client:
-        edited = client.post("/v1/images/edits", data=fields, files=files)
-        masked = client.post("/v1/images/edits", data=fields, files=[*files[:1], ("mask", files[0][1])])
-        family = client.get("/v1/models").json()["data"][0]["family"]
-    assert edited.status_code == 200, edited.text
-    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.json()["data"][0]["b64_json"]))))
-    pipe = Flux2Pipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    images = [reference_image(64), reference_image(80).rotate(90)]
-    theirs = pipe(
-        prompt="a red circle", image=images, num_inference_steps=3, width=32, height=32, output_type="np",
-        generator=torch.Generator("cpu").manual_seed(3),
-    ).images[0]  # fmt: skip
-    assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
-    assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
-    assert family["supports"]["edits"] == "by reference"
-
-
 @pytest.fixture(scope="module")
 def qwen_edit_folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen-edit")
@@ -484,7 +486,7 @@ def test_qwen_image_edits_equal_the_edit_pipelines_alone_and_batched(qwen_edit_f
     for one, together in zip(alone, pipeline.generate(requests), strict=True):
         assert float(np.abs(one - together).max()) < TOLERANCE
     assert calls == [2, 2]
-    if kind == "plus":  # the reference tokens over two stages (bit for bit) and a group of two
+    if kind == "edit":  # the reference tokens over two stages (bit for bit) and a group of two
         staged = Pipeline.load(folder, devices="cpu,cpu", strategy="even").generate(requests[1:])[0]
         assert torch.equal(torch.from_numpy(staged), torch.from_numpy(alone[1]))
         assert float(np.abs(grouped(folder).generate(requests[1:])[0] - alone[1]).max()) * 255 <= 2
