@@ -10,9 +10,9 @@ frequencies: one block each. `norm_out` (modulated by temb) and `proj_out` end i
 
 Prompts differ in length: each row's text tokens come zero-padded to `TEXT_TOKENS` with a mask
 (`encoder_hidden_states_mask`, which the attention processor joins to the image's). `begin`
-drops the columns no row uses and the mask where every row uses every column left, as
-diffusers' pipeline passes no mask for a lone prompt; rows of different prompts then share a
-call, their padding masked out of attention.
+keeps the columns the longest row uses, rounded up to `TEXT_BUCKET` (one shape for similar
+prompts: a compiled graph's), and the mask: rows of different prompts share a call, their
+padding masked out of attention (equal to diffusers' unpadded lone prompt within 1e-6).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from server.engine.denoisers.dit import dit_boundary, out, token_rows
 from server.engine.denoisers.flux import pack, unpack
 
 TEXT_TOKENS = 512  # QwenImagePipeline's max_sequence_length default: a prompt's tokens past it are cut
+TEXT_BUCKET = 64  # a call's text columns: the longest prompt's, rounded up to this
 
 
 class QwenImageTransformerSpec:
@@ -114,16 +115,17 @@ class QwenImageTransformerSpec:
 
 
 def used_text(context: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The text columns some row uses (prompts fill theirs from the first), and their mask as
-    bool; no mask where every row uses every column left."""
+    """The text columns some row uses (prompts fill theirs from the first), rounded up to
+    `TEXT_BUCKET` so calls of similar prompts have one shape (a compiled graph serves them), and
+    their mask as bool: kept even where every column is used (equal to none, and one shape)."""
     if mask is None:
         return context, None
     mask = mask.to(torch.bool)
     if mask.is_meta or is_fake(mask):  # counted or traced, not run: every column kept
         return context, mask
     used = int(mask.sum(dim=1).max())
-    context, mask = context[:, :used], mask[:, :used]
-    return context, None if bool(mask.all()) else mask
+    columns = min(context.shape[1], -(-used // TEXT_BUCKET) * TEXT_BUCKET)
+    return context[:, :columns], mask[:, :columns]
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from server.engine.denoisers.blocks import (
     SequenceSplit,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
-from server.engine.denoisers.qwenimage import TEXT_TOKENS
+from server.engine.denoisers.qwenimage import TEXT_BUCKET, TEXT_TOKENS
 
 MULTIPLE = 32  # diffusers' SEQ_MULTI_OF: image and caption tokens are padded to a multiple of it
 PATCH = "2-1"  # the embedder and final layer of 2x2 patches, one frame (the pipeline's)
@@ -82,12 +82,13 @@ class ZImageTransformerSpec:
         # per row: its caption's tokens, and those padded to a multiple of MULTIPLE
         lengths = caption_lengths(rows["context"], mask)
         padded = [n + -n % MULTIPLE for n in lengths]
-        columns = max(padded)
+        # the batch's columns: the longest caption's, rounded up (one shape for similar prompts:
+        # a compiled graph's), the rest masked as diffusers masks its batch padding
+        columns = -(-max(padded) // TEXT_BUCKET) * TEXT_BUCKET
         rows["context"] = _columns(rows["context"], columns)
         k = torch.arange(columns, device=sample.device)
         rows["cap_pad"] = torch.stack([(k >= n) & (k < p) for n, p in zip(lengths, padded, strict=True)])
-        kept = torch.stack([k < p for p in padded])
-        rows["cap_mask"] = None if min(padded) == columns else kept
+        rows["cap_mask"] = torch.stack([k < p for p in padded])
         rows["timestep"] = (1000 - rows["timestep"].float()) / 1000  # ZImagePipeline's, in float32
         ids = [image_ids(h // 2, w // 2, p + 1, image_pad, sample.device) for p in padded]
         rows["image_rotary"] = torch.stack([model.rope_embedder(i) for i in ids])
