@@ -168,7 +168,7 @@ def _check(request: GenerationRequest, family: Family) -> None:
         )
     if request.true_cfg_scale != family.default_true_cfg and not family.takes_true_cfg:
         raise InvalidRequest(
-            "true_cfg_scale", "is for models guided by true CFG (FLUX, Qwen-Image): set guidance_scale"
+            "true_cfg_scale", "is for models guided by true CFG (FLUX.1, Qwen-Image): set guidance_scale"
         )
     if not (math.isfinite(request.true_cfg_scale) and request.true_cfg_scale >= 0):
         raise InvalidRequest("true_cfg_scale", f"must be a finite number ≥ 0, got {request.true_cfg_scale}")

@@ -81,6 +81,7 @@ class Family:
     # sequence) instead of starting the latents (img2img, inpainting): no mask, no strength
     edits_by_reference: ClassVar[bool] = False
     sees_images: ClassVar[bool] = False  # its text encoder reads an edit's images with the prompt
+    edit_area: ClassVar[int | None] = None  # an edit's default size: its image's, scaled down to this area
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
@@ -147,8 +148,6 @@ class Family:
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The batched extras as keyword arguments of the denoiser's forward."""
         return {}
-
-    edit_area: ClassVar[int | None] = None  # an edit's default size: its image's, scaled down to this area
 
     def edit_size(self, edit: Any) -> tuple[int, int]:
         """An edit's default (width, height): its image's (scaled down to `edit_area`), to a multiple."""
