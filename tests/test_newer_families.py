@@ -234,6 +234,16 @@ def test_img2img_equals_the_familys_img2img_pipeline(family) -> None:
     assert float(np.abs(one.generate([request])[0] - theirs).max()) < TOLERANCE
 
 
+def test_a_group_whose_heads_do_not_split_gathers_keys_with_their_mask(tmp_path) -> None:
+    """3 heads over 2 ranks: no Ulysses; each rank gathers every key, value and key mask (prompts
+    of different lengths) and attends its own queries: within 2/255 of one device."""
+    folder = build_qwen_image_folder(tmp_path / "three-heads", heads=3)
+    one = Pipeline.load(folder, devices="cpu")
+    requests = [one.resolve(replace(r, width=32)) for r in CASES["qwen-image"].requests]
+    for split, alone in zip(grouped(folder).generate(requests), one.generate(requests), strict=True):
+        assert float(np.abs(split - alone).max()) * 255 <= 2
+
+
 def random_lora(name: str, folder: Path, out: Path) -> Path:
     """A rank-4 LoRA on the transformer's attention and MLP, in diffusers' keys."""
     pipe = CASES[name].reference.from_pretrained(folder, local_files_only=True)
