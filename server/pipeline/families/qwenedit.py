@@ -91,7 +91,8 @@ class QwenImageEdit(QwenImage):
             shown += [self._condition(image) for image in given]
         inputs = processor(text=texts, images=shown or None, padding=True, return_tensors="pt")
         device = next(encoder.parameters()).device
-        states = encoder(
+        model = getattr(encoder, "model", encoder)  # the hidden states without the LM head's logits
+        states = model(
             input_ids=inputs["input_ids"].to(device), attention_mask=inputs["attention_mask"].to(device),
             pixel_values=_moved(inputs.get("pixel_values"), device, encoder.dtype),
             image_grid_thw=_moved(inputs.get("image_grid_thw"), device), output_hidden_states=True,
