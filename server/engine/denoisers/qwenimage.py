@@ -47,6 +47,8 @@ class QwenImageTransformerSpec:
     """`diffusers.QwenImageTransformer2DModel`: Qwen-Image (and the edit models' transformer)."""
 
     EMBEDDING = ("img_in", "txt_norm", "txt_in", "time_text_embed", "pos_embed")
+    # `--compile full` would trace `begin`, which keeps as many text columns as the prompts use
+    untraceable_begin = "its calls keep the text columns the prompts use (read from their mask)"
     OUTPUT = ("norm_out", "proj_out")
 
     def native_latent(self, model: nn.Module) -> int:

@@ -49,6 +49,8 @@ class ZImageTransformerSpec:
     """`diffusers.ZImageTransformer2DModel` in its basic (text-to-image) mode."""
 
     EMBEDDING = ("t_embedder", "all_x_embedder", "cap_embedder", "x_pad_token", "cap_pad_token")
+    # `--compile full` would trace `begin`, whose pad tokens and positions follow each caption's length
+    untraceable_begin = "its pad tokens and positions follow each caption's length (read from the mask)"
     OUTPUT = ("all_final_layer",)
 
     def native_latent(self, model: nn.Module) -> int:
