@@ -1,7 +1,9 @@
-"""The 2025-26 image families (issue 50) on tiny folders built from config under fixed seeds, each
-held to its diffusers pipeline: images alone and batched, split over two stages (bit-identical to
-one), a sequence group of two, per-row LoRA (diffusers' `load_lora_weights` format), first-block
-caching beside adapted and plain rows in one call, and the served images over HTTP."""
+"""The 2025-26 image families (issue 50: Qwen-Image, Qwen-Image-Edit and -2509, FLUX.2 [dev] and
+[klein], Z-Image) on tiny folders built from config under fixed seeds, each held to its diffusers
+pipeline: images alone and batched, split over two stages (bit-identical to one), a sequence group
+of two, per-row LoRA (diffusers' and a trainer's keys), first-block caching beside adapted and
+plain rows in one call, img2img or edits by reference, quantized encoders, the fake-GPU harness,
+the served images over HTTP, and `plan --config` at published sizes. A family is a row of `CASES`."""
 
 from __future__ import annotations
 
