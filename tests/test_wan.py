@@ -179,9 +179,9 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
     assert lane.lane.groups.calls == first.steps
 
 
-@pytest.mark.parametrize("variant", [{"boundary_ratio": 0.875}, {"expand_timesteps": True}])
+@pytest.mark.parametrize("variant", [{"boundary_ratio": 0.875}])
 def test_wan_2_2_folders_are_refused_at_load_saying_what_is_served(wan_folder, tmp_path, variant) -> None:
-    """Two experts switching at a step, or per-token timesteps, would load and make wrong videos."""
+    """Two experts switching at a step would load and make wrong videos."""
     import json
     import shutil
 
@@ -190,8 +190,28 @@ def test_wan_2_2_folders_are_refused_at_load_saying_what_is_served(wan_folder, t
     folder = Path(shutil.copytree(wan_folder, tmp_path / "wan-2.2"))
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, **variant}))
-    with pytest.raises(ModelFolderError, match=r"Wan 2\.2.*diffshard serves Wan 2\.1's text-to-video"):
+    served = r"diffshard serves Wan 2\.1's and Wan 2\.2 TI2V"
+    with pytest.raises(ModelFolderError, match=rf"two experts.*{served}"):
         Pipeline.load(folder, devices="cpu")
+
+
+@pytest.mark.parametrize("guidance", [5.0, 1.0])
+def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tmp_path_factory, guidance: float) -> None:
+    """Wan 2.2 TI2V-5B's shape (tests/tiny_wan22.py: a 48-channel VAE, 16x spatial with its 2x2
+    patches inside, `expand_timesteps`): text-to-video equals WanPipeline's, its per-token
+    timesteps all the step's."""
+    from tests.tiny_wan22 import build_wan22_ti2v_folder
+
+    folder = build_wan22_ti2v_folder(tmp_path_factory.mktemp("ti2v") / "ti2v")
+    pipeline = Pipeline.load(folder, devices="cpu")
+    assert pipeline.family.vae_scale_factor == 16 and pipeline.family.size_multiple == 32
+    request = pipeline.resolve(
+        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=guidance,
+                          width=64, height=64, frames=9)
+    )  # fmt: skip
+    mine = pipeline.generate([request])[0]
+    assert mine.shape == (9, 64, 64, 3)
+    assert float(np.abs(mine - wan_pipeline_video(folder, request)).max()) < 1e-3
 
 
 def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -> None:

@@ -49,10 +49,12 @@ def reference_family(name: str) -> Family:
     """The family of a well-known architecture (`plan --config NAME`), with its denoiser's config."""
     for family in FAMILIES:
         if name in family.reference_configs:
+            config = dict(family.reference_configs[name])
+            vae = config.pop("_vae", None) or family.reference_vae or SD_VAE  # a config's own VAE
             with torch.device("meta"):  # a config with every default filled in
-                model = family.denoiser_class.from_config(family.reference_configs[name])
+                model = family.denoiser_class.from_config(config)
             index = {"_class_name": family.pipeline_classes[0]}
-            return family(ModelConfig(index, dict(model.config), family.reference_vae or SD_VAE))
+            return family(ModelConfig(index, dict(model.config), vae))
     raise PlanError(f"unknown architecture {name!r}: choose one of {', '.join(reference_names())}")
 
 

@@ -40,6 +40,19 @@ UMT5_XXL_ENCODER = {
     "tie_word_embeddings": False,
 }
 WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True]}
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers (diffusers' scripts/convert_wan_to_diffusers.py): a 5 B transformer
+# over the Wan 2.2 VAE's 48 channels, 16x spatial (2x2 patches inside the VAE)
+WAN22_TI2V_5B = {
+    "num_attention_heads": 24,
+    "ffn_dim": 14336,
+    "num_layers": 30,
+    "in_channels": 48,
+    "out_channels": 48,
+}
+WAN22_VAE = {
+    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12,
+    "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+}  # fmt: skip
 
 
 def prompt_clean(text: str) -> str:
@@ -50,7 +63,8 @@ def prompt_clean(text: str) -> str:
 class Wan(Family):
     name: ClassVar[str] = "wan"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("WanPipeline",)
-    served: ClassVar[str] = "diffshard serves Wan 2.1's text-to-video (one transformer)"  # refusals say it
+    # refusals say it
+    served: ClassVar[str] = "diffshard serves Wan 2.1's and Wan 2.2 TI2V-5B's text-to-video (one transformer)"
     denoiser: ClassVar[str] = "transformer"
     denoiser_class: ClassVar[type[nn.Module]] = WanTransformer3DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -62,12 +76,21 @@ class Wan(Family):
     default_guidance: ClassVar[float] = 5.0
     vae_float32: ClassVar[bool] = True  # as diffusers' and Wan-AI's examples load it: 0.5 GB
     default_area: ClassVar[float] = 832 * 480 / 480**2  # 480p either way round (832x480, 480x832)
-    reference_parts: ClassVar[dict[str, Any]] = {
-        "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL_ENCODER)),
-        "vae": lambda: AutoencoderKLWan.from_config(WAN_VAE),
-    }
     reference_vae: ClassVar[dict[str, Any] | None] = WAN_VAE
-    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"wan-1.3b": WAN_1_3B, "wan-14b": {}}
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
+        "wan-1.3b": WAN_1_3B,
+        "wan-14b": {},
+        "wan2.2-ti2v-5b": {**WAN22_TI2V_5B, "_vae": WAN22_VAE},
+    }
+
+    @property
+    def reference_parts(self) -> dict[str, Any]:  # type: ignore[override]
+        """UMT5-XXL and the VAE of the planned config (Wan 2.1's, or Wan 2.2's for TI2V-5B)."""
+        vae = {k: v for k, v in self.config.vae.items() if not k.startswith("_")}
+        return {
+            "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL_ENCODER)),
+            "vae": lambda: AutoencoderKLWan.from_config(vae),
+        }
 
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
@@ -90,13 +113,14 @@ class Wan(Family):
 
     @property
     def vae_scale_factor(self) -> int:
-        return 2 ** len(self._temporal)
+        """8; Wan 2.2's VAE (TI2V-5B: 48 channels, 2x2 patches inside) says 16 in its config."""
+        return int(self.config.vae.get("scale_factor_spatial") or 2 ** len(self._temporal))
 
     @property
     def clip(self) -> Clip:
         """WanPipeline's default clip, 81 frames of 832×480 (480p); 1 + 4k frames (the VAE's 4×
         temporal compression), as many as the transformer's rotary positions reach."""
-        multiple = 2 ** sum(self._temporal)
+        multiple = int(self.config.vae.get("scale_factor_temporal") or 2 ** sum(self._temporal))
         patch_frames = int(self.config.denoiser.get("patch_size", (1, 2, 2))[0])
         longest = (self._positions // patch_frames - 1) * multiple + 1
         return Clip(frames=81, size=(832, 480), frame_multiple=multiple, max_frames=longest)
@@ -148,15 +172,16 @@ class Wan(Family):
         return (latents - mean) / std
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
-        """Wan 2.2's variants are refused: two experts switching at a step (`transformer_2`,
-        `boundary_ratio`) and per-token timesteps (`expand_timesteps`, TI2V-5B) would load, run
-        and make the wrong videos."""
+        """Wan 2.2's two experts switching at a step (`transformer_2`, `boundary_ratio`: A14B) are
+        refused: they would load, run and make the wrong videos. TI2V-5B's text-to-video is served:
+        its per-token timesteps (`expand_timesteps`) are all the step's (the first frame's are 0
+        only in image-to-video, refused), so each row's one timestep gives WanPipeline's video."""
         if not encoders:
             raise ModelFolderError("a Wan folder needs text_encoder (UMT5) and its tokenizer")
         index = self.config.index
         if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
             raise ModelFolderError(f"this folder is Wan 2.2's two experts (transformer_2); {self.served}")
-        if index.get("expand_timesteps"):
+        if index.get("expand_timesteps") and self.takes_reference:  # TI2V's image-to-video
             raise ModelFolderError(
                 f"this folder's timesteps are per token (Wan 2.2, expand_timesteps); {self.served}"
             )
