@@ -24,9 +24,11 @@ from diffusers import (
     Flux2KleinPipeline,
     Flux2Pipeline,
     QwenImageImg2ImgPipeline,
+    QwenImageInpaintPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     ZImageImg2ImgPipeline,
+    ZImageInpaintPipeline,
     ZImagePipeline,
 )
 from PIL import Image
@@ -40,7 +42,7 @@ from server.pipeline.lora import read_adapter
 from server.pipeline.state import group_states
 from server.pipeline.stepcache import StepCache
 from tests.live import live_server
-from tests.test_edits import source_image
+from tests.test_edits import left_half_mask, source_image
 from tests.test_lora import random_pairs
 from tests.tiny_flux2 import build_flux2_folder, reference_image
 from tests.tiny_qwen import (
@@ -65,6 +67,7 @@ class Case:
     lora_targets: tuple[str, ...]  # the transformer's layers a LoRA adapts
     knobs: Callable[[GenerationRequest], dict[str, Any]]  # the pipeline's guidance arguments
     img2img: type | None = None  # its img2img pipeline, where edits start from the image
+    inpaint: type | None = None  # and its inpainting pipeline
 
 
 # the double blocks' attention and MLP, the single blocks' fused projection
@@ -88,6 +91,7 @@ CASES = {
         ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "img_mlp.net.2"),
         lambda r: {"true_cfg_scale": r.true_cfg_scale},
         QwenImageImg2ImgPipeline,
+        QwenImageInpaintPipeline,
     ),
     "z-image": Case(
         build_zimage_folder,
@@ -107,6 +111,7 @@ CASES = {
         ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w2"),
         lambda r: {"guidance_scale": r.guidance_scale},
         ZImageImg2ImgPipeline,
+        ZImageInpaintPipeline,
     ),
     "flux2": Case(
         build_flux2_folder,
@@ -220,19 +225,23 @@ def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
     assert lane.lane.groups.calls == requests[0].steps
 
 
-def test_img2img_equals_the_familys_img2img_pipeline(family) -> None:
+@pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
+def test_edits_equal_the_familys_img2img_and_inpaint_pipelines(family, masked: bool) -> None:
     name, folder, one = family
     if CASES[name].img2img is None:
         pytest.skip(f"{name} edits by reference (below)")
-    edit = Edit(source_image(), None, 0.6, keep_unmasked=False)
+    strength = 0.75 if masked else 0.6
+    edit = Edit(source_image(), left_half_mask() if masked else None, strength, keep_unmasked=False)
     asked = {**vars(CASES[name].requests[1]), "edit": edit, "steps": 5, "width": None, "height": None}
     request = one.resolve(GenerationRequest(**asked))
-    pipe = CASES[name].img2img.from_pretrained(folder, local_files_only=True)
+    reference = CASES[name].inpaint if masked else CASES[name].img2img
+    pipe = reference.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, image=edit.image, strength=0.6,
+        prompt=request.prompt, negative_prompt=request.negative_prompt, image=edit.image, strength=strength,
         num_inference_steps=5, width=request.width, height=request.height, output_type="np",
         generator=torch.Generator("cpu").manual_seed(request.seed), **CASES[name].knobs(request),
+        **({"mask_image": edit.mask} if masked else {}),
     ).images[0]  # fmt: skip
     assert float(np.abs(one.generate([request])[0] - theirs).max()) < TOLERANCE
 
