@@ -127,7 +127,7 @@ def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     return pieces
 
 
-def _merges(words: list[str]) -> list[tuple[str, str]]:
+def byte_merges(words: list[str]) -> list[tuple[str, str]]:
     """Merges that make each (byte-level) word one token: whatever earlier merges leave, join left
     to right. Later merges rank after every earlier word's, so they never split one again."""
     merges: list[tuple[str, str]] = []
@@ -180,7 +180,7 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
     ]
     plain = _qwen2_tokenizer({c: i for i, c in enumerate(alphabet)}, [])
     words = _words(plain, texts)
-    merges = _merges(words)
+    merges = byte_merges(words)
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*alphabet, *(a + b for a, b in merges)]))}
     vocab.update({t: len(vocab) + i for i, t in enumerate(SPECIAL_TOKENS)})
     tokenizer = _qwen2_tokenizer(vocab, merges)

@@ -14,7 +14,6 @@ Z-Image-Turbo's scheduler (flow matching, static shift 3). Nothing is downloaded
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
 from server.demo.tokenizer import WORDS
+from tests.tiny_qwen import byte_merges
 
 TEXT_DIM = 32  # the text encoder's hidden size = the transformer's cap_feat_dim (Z-Image: 2560)
 LATENT_CHANNELS = 16
@@ -53,35 +53,13 @@ CHAT_TEMPLATE = (
 ZIMAGE_TURBO_SCHEDULE = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
 
 
-def _byte_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Byte-level BPE on one pre-token (no end-of-word marker): merge the best-ranked pair, repeatedly."""
-    pieces = list(word)
-    while len(pieces) > 1:
-        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(itertools.pairwise(pieces)))
-        if rank == len(ranks):
-            break
-        pieces[i : i + 2] = [pieces[i] + pieces[i + 1]]
-    return pieces
-
-
-def _merges(words: list[str]) -> list[tuple[str, str]]:
-    """Merges that make each word one token: whatever earlier merges leave, join left to right."""
-    merges: list[tuple[str, str]] = []
-    for word in words:
-        pieces = _byte_bpe(word, {m: r for r, m in enumerate(merges)})
-        while len(pieces) > 1:
-            merges.append((pieces[0], pieces[1]))
-            pieces[0:2] = [pieces[0] + pieces[1]]
-    return merges
-
-
 def build_qwen_tokenizer() -> Qwen2Tokenizer:
     """A byte-level BPE Qwen2Tokenizer (the class Z-Image-Turbo's tokenizer folder names): all 256 byte
     symbols, so any text tokenizes; the built-in model's words, alone and after a space ("Ġred"), and
     the chat roles as one token each; Qwen's special tokens; Qwen3's chat template."""
     words = [*WORDS, "user", "assistant"]
     pretokens = [w for word in words for w in (word, "Ġ" + word)]
-    merges = _merges(pretokens)
+    merges = byte_merges(pretokens)
     tokens = [*sorted(ByteLevel.alphabet()), *(left + right for left, right in merges)]
     vocab = {
         tok: i
