@@ -35,7 +35,7 @@ from server.demo.evaluate import classify
 from server.demo.sampling import recommended
 from server.demo.train_lora import DEFAULT_OUT, SHAPE
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 
 Choice = tuple[tuple[str, float], ...]
 CHUNK = 24  # requests per generate call: 48 UNet rows with guidance

@@ -47,7 +47,7 @@ from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
 from server.pipeline.families import Family
 from server.pipeline.loader import quiet_libraries, read_family
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import largest_side, plan_model, step_knees
 from server.pipeline.quantizing import describe
 from server.pipeline.tiling import DecoderMemory, decoder_memory

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.stepcache import StepCache
 from server.serving import Service
 from tests.test_lora import random_lora

@@ -18,7 +18,7 @@ from server.demo.evaluate import Verdict, classify
 from server.demo.tokenizer import WORDS
 from server.demo.train_lora import ADAPTERS_DIR
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 
 ADAPTER = ADAPTERS_DIR / "diamond.safetensors"
 DIAMOND = (("diamond", 1.0),)

@@ -31,7 +31,8 @@ from server.demo import MODEL_DIR
 from server.engine.runtime.call import AdapterRows
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import RowsMismatch, read_adapter
+from server.pipeline.lora import RowsMismatch
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.schedulers import make_scheduler
 from tests.live import LiveServer, free_port, live_server
 from tests.tiny_pipelines import build_flux_folder, diffusers_image

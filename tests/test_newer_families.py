@@ -38,7 +38,7 @@ from server.engine import ModelShard, ParallelPlan, plan_shards
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import meta_denoiser
 from server.pipeline.loader import read_family
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.state import group_states
 from server.pipeline.stepcache import StepCache
 from tests.live import live_server

@@ -32,7 +32,7 @@ from server.engine.planning import calibrate
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import Family, Flux, reference_family
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import fits_by_mode, largest_side, plan_model
 from server.pipeline.quantizing import parse_quantize, part_quantizations
 from tests.live import live_server
@@ -192,7 +192,8 @@ def test_the_setting_by_mode_and_by_part() -> None:
         with pytest.raises(ValueError, match=r"write|twice"):
             parse_quantize(bad)
     # alone: the denoiser, and text encoders over 1 GiB only (FLUX.1's T5, not its CLIP)
-    parts = part_quantizations(parse_quantize("int8"), Flux, {"text_encoder": 2**28, "text_encoder_2": 2**33})
+    flux = reference_family("flux-dev")
+    parts = part_quantizations(parse_quantize("int8"), flux, {"text_encoder": 2**28, "text_encoder_2": 2**33})
     assert set(parts) == {"transformer", "text_encoder_2"}
     assert parts["transformer"].keep == Flux.keep_precise and parts["text_encoder_2"].keep == ()
 

@@ -271,7 +271,7 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
     from server.engine import ParallelPlan
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loader import read_family
-    from server.pipeline.lora import read_adapter
+    from server.pipeline.lorafiles import read_adapter
     from tests.test_lora import random_lora
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")

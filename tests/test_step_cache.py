@@ -17,7 +17,7 @@ from server.engine.planning.plan import Stage
 from server.engine.runtime.call import CacheAsk
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.pipeline.stepcache import StepCache, parse_step_cache
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 from tests.reference import diffusers_forward

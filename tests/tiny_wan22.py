@@ -7,6 +7,8 @@ are `tests/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
   `boundary_ratio` 0.875 in model_index (diffusers' scripts/convert_wan_to_diffusers.py): the
   pipeline runs `transformer` while t >= 0.875 * 1000, then `transformer_2` (with
   `guidance_scale_2`).
+- `build_wan22_i2v_two_expert_folder`: Wan2.2-I2V-A14B's shape (`WanImageToVideoPipeline`): two
+  36-channel experts, no image encoder, `boundary_ratio` 0.9.
 - `build_wan22_ti2v_folder`: Wan2.2-TI2V-5B's shape (`WanPipeline` with `expand_timesteps`): one
   48-channel transformer and the Wan 2.2 VAE (z_dim 48, 2×2 pixel patches in (12 channels),
   residual blocks, 16× spatial and 4× temporal). Text-to-video runs with `WanPipeline`; its
@@ -35,7 +37,8 @@ from diffusers import (
 
 from tests.tiny_pipelines import _wan_parts
 
-BOUNDARY_RATIO_T2V = 0.875  # Wan2.2-T2V-A14B (WanPipeline); Wan2.2-I2V-A14B has 0.9
+BOUNDARY_RATIO_T2V = 0.875  # Wan2.2-T2V-A14B (WanPipeline)
+BOUNDARY_RATIO_I2V = 0.9  # Wan2.2-I2V-A14B (WanImageToVideoPipeline)
 SHIFT_A14B = 3.0  # the published UniPC scheduler's flow_shift (A14B)
 SHIFT_TI2V = 5.0  # TI2V-5B's
 TI2V_SIZE = 64  # pixels: 4×4 latents (16× spatial), 2×2 tokens a latent frame
@@ -81,6 +84,24 @@ def build_wan22_two_expert_folder(folder: Path) -> Path:
     low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
     parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_A14B)
     pipe = WanPipeline(**parts, transformer_2=low_noise, boundary_ratio=BOUNDARY_RATIO_T2V)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_wan22_i2v_two_expert_folder(folder: Path) -> Path:
+    """A tiny Wan2.2-I2V-A14B folder (`WanImageToVideoPipeline`): two experts taking 36 channels
+    (noise, the first frame's mask and latents, as Wan 2.1 I2V's) with no image encoder nor
+    `image_dim` (Wan 2.2 drops CLIP), and `boundary_ratio` 0.9."""
+    from diffusers import WanImageToVideoPipeline
+
+    parts = _wan_parts(in_channels=36)
+    torch.manual_seed(2)
+    low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
+    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_A14B)
+    pipe = WanImageToVideoPipeline(
+        **parts, image_encoder=None, image_processor=None, transformer_2=low_noise,
+        boundary_ratio=BOUNDARY_RATIO_I2V,
+    )  # fmt: skip
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 

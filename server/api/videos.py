@@ -57,6 +57,9 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(None, description=f"0 to {SEED_LIMIT - 1}; -1 or none: a random one")
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = Field(
+        None, description="two experts (Wan 2.2 A14B): the low-noise expert's scale; default guidance_scale"
+    )
     num_frames: int | None = Field(None, description="the clip's frames (1 + a multiple of 4 for Wan)")
     step_cache: object = Field(None, description='"off", "first_block" or its JSON object')
     lora: dict[str, float] | None = Field(
@@ -93,16 +96,18 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
     if frames is None:
         assert service.clip is not None  # a video model: runner_of found its runner
         frames = service.clip.frames
-    guidance = body.guidance_scale
-    if guidance is not None and not (math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE):
-        raise InvalidRequest("guidance_scale", f"must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
+    for name in ("guidance_scale", "guidance_scale_2"):
+        scale = getattr(body, name)
+        if scale is not None and not (math.isfinite(scale) and 0 <= scale <= MAX_GUIDANCE):
+            raise InvalidRequest(name, f"must be between 0 and {MAX_GUIDANCE:g}, got {scale}")
     if body.seed is not None and not RANDOM_SEED <= body.seed < SEED_LIMIT:
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, or -1, got {body.seed}")
     width, height = parse_size(body.size) if body.size is not None else (None, None)
     request = GenerationRequest(
         body.prompt, negative_prompt=body.negative_prompt,
         seed=secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed,
-        steps=body.num_inference_steps, guidance_scale=guidance, width=width, height=height, frames=frames,
+        steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+        guidance_scale_2=body.guidance_scale_2, width=width, height=height, frames=frames,
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
         lora=checked_lora(body.lora), reference=reference,
     )  # fmt: skip

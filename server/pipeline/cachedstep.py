@@ -14,6 +14,8 @@ def cache_ask(state: RequestState) -> CacheAsk | None:
     if not policy.on:
         return None
     kept = cache.kept or None
+    if cache.expert != state.expert:  # crossed to another expert: what it kept is the other's
+        return CacheAsk(kept, refresh=True)
     if policy.policy == "deep":
         due = kept is None or state.index - cache.refreshed_at >= policy.interval
         return CacheAsk(kept, refresh=due)
@@ -32,7 +34,7 @@ def keep(state: RequestState, outcome: Outcome) -> None:
         cache.reused += 1
         return
     cache.refreshed += 1
-    cache.refreshed_at = state.index
+    cache.refreshed_at, cache.expert = state.index, state.expert
     for name, fresh in outcome.fresh.items():
         if name not in cache.kept:
             cache.kept[name] = state.scope.rent(fresh.shape, fresh.dtype, fresh.device)

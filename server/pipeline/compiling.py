@@ -48,7 +48,8 @@ def compile_pipeline(
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
     store = GraphStore(cache_dir, devices, stats)
-    shards = pipeline.replicas  # each its own; replicas sharing weights share the graphs (the store)
+    # each its own, every expert's too; replicas (and experts: the module is an argument) share the graphs
+    shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
         shard.compile(mode, store)
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would

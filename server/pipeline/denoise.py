@@ -31,7 +31,6 @@ from server.engine import (
     CallResult,
     ModelShard,
     ParallelPlan,
-    RowGroup,
     ShardPlan,
     plan_shards,
 )
@@ -44,8 +43,7 @@ from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
 from server.errors import InvalidRequest
 from server.pipeline.adapters import CHANGES, unknown_adapter
-from server.pipeline.cachedstep import cache_ask, keep
-from server.pipeline.deployment import Deployment, Lane, Spare
+from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, matching
 from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components, read_family
 from server.pipeline.lora import Adapter, Adapters, Target
@@ -59,9 +57,9 @@ from server.pipeline.quantizing import (
 )
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, step_kwargs
-from server.pipeline.state import RequestState, check_group, group_states, spans, stack_inputs
-from server.pipeline.stepping import advance
-from server.pipeline.tiling import images_per_call, set_tiling
+from server.pipeline.state import RequestState, check_group, group_states, per_call, stack_inputs
+from server.pipeline.stepping import advance, call_plan, expert_calls
+from server.pipeline.tiling import set_tiling
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
 
@@ -79,6 +77,7 @@ class Pipeline:
         defaults: Defaults | None = None,
         lane: Lane | None = None,
         vae_tiling: bool = False,
+        more_experts: Sequence[Deployment] = (),
     ) -> None:
         if isinstance(deployment, ModelShard):
             deployment = Deployment((deployment,))
@@ -87,6 +86,10 @@ class Pipeline:
         self.deployment = deployment
         self.lane = lane or Lane(deployment.replicas[0])  # the lane this pipeline (view) steps
         self.shard = self.lane.shard
+        # every expert's deployment and this view's lane through it (`family.experts`' order)
+        self.experts = (deployment, *more_experts)
+        self.expert_lanes = (self.lane, *(Lane(d.replicas[0]) for d in more_experts))
+        self.expert_steps = ExpertSteps(self.family.experts)  # shared by the lanes' views
         self.pool = pool or ActivationPool()
         self.device = self.shard.device  # latents and the denoiser's inputs and outputs live here
         self.encoder_device = (
@@ -143,10 +146,21 @@ class Pipeline:
             held = held_bytes(components.denoiser, dtype, quantizations.get(family.denoiser), denoiser_file)
             plan = plan_shards(
                 components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
-                dtype=dtype, block_bytes=held,
+                dtype=dtype, block_bytes=held, experts=len(family.experts),
             )  # fmt: skip
-        deployment = Deployment.of(components.denoiser, plan, placing(quantizations, components))
-        pipeline = cls(components, deployment, pool, encoder_device=encoder_device, vae_tiling=vae_tiling)
+        # every expert placed by the one plan: its blocks beside the first expert's (counted so)
+        deployment, *more = (
+            Deployment.of(model, plan, placing(quantizations, components, k))
+            for k, model in enumerate(components.experts)
+        )
+        pipeline = cls(
+            components,
+            deployment,
+            pool,
+            encoder_device=encoder_device,
+            vae_tiling=vae_tiling,
+            more_experts=more,
+        )
         quantize_placed(quantizations, family, pipeline.encoders)
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
@@ -155,19 +169,23 @@ class Pipeline:
         """A view of this pipeline per lane of its deployment (`Deployment.lanes`): the
         encoders, VAE, pool and defaults are shared; each lane steps its own requests through
         its replica's shard, where the stage gates interleave the lanes."""
-        views = []
-        for lane in self.deployment.lanes(spare):
+        views, first = [], self.deployment
+        more = [d.lanes(spare and matching(spare, first, d)) for d in self.experts[1:]]
+        for i, lane in enumerate(first.lanes(spare)):
             view = copy.copy(self)
             view.lane, view.shard, view.device = lane, lane.shard, lane.shard.device
+            view.expert_lanes = (lane, *(lanes[i] for lanes in more))
             views.append(view)
         return views
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
-        denoisers = list({id(s.model): Target(s.model, s.slot_of) for s in self.replicas}.values())
         encoders = zip(self.family.text_encoders, self.encoders, self.encoder_slots, strict=False)
         self.adapters.targets = {  # absent encoders are last
-            self.family.denoiser: denoisers,
+            **{
+                name: list({id(s.model): Target(s.model, s.slot_of) for s in d.replicas}.values())
+                for name, d in zip(self.family.experts, self.experts, strict=True)
+            },
             **{name: [Target(e, lambda _layer, slot=slot: slot)] for name, e, slot in encoders},
         }
         self.adapters.add(adapter)
@@ -241,8 +259,9 @@ class Pipeline:
 
     def _image_tokens(self, requests: Sequence[GenerationRequest]) -> dict[int, torch.Tensor]:
         """Each first frame's image tokens [1, T, D] by its request's index (image-to-video)."""
-        at = [i for i, r in enumerate(requests) if r.reference is not None]
-        parts, frames = self.components, [requests[i].reference for i in at]
+        parts = self.components  # Wan 2.2's image-to-video has no image encoder: no image tokens
+        at = [i for i, r in enumerate(requests) if r.reference is not None and parts.image_encoder]
+        frames = [requests[i].reference for i in at]
         tokens = self.family.encode_images(parts.image_encoder, parts.image_processor, frames) if at else None
         return {i: tokens[k : k + 1] for k, i in enumerate(at)}
 
@@ -273,7 +292,7 @@ class Pipeline:
                 kept[name].copy_(rows)
             return RequestState(
                 request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
-                inpainting=start.inpainting, conditioning=start.conditioning,
+                inpainting=start.inpainting, conditioning=start.conditioning, first_frame=start.first_frame,
                 step_kwargs=step_kwargs(type(scheduler), generator), layout=layout,
             )  # fmt: skip
         except BaseException:
@@ -282,54 +301,44 @@ class Pipeline:
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
-        """Advance every state by one step in a single batched denoiser call."""
+        """Advance every state by one step in a single batched denoiser call (one per expert due)."""
         if not states:
             return
         if any(s.done or s.closed for s in states):
             raise ValueError("a finished or closed request cannot take another step")
         check_group(states)
         with self.pool.scope() as batch:
-            # 1. Stack every state's rows; 2. one call through the shard (and any idle
-            # replicas, a share of the rows each), as its plan says.
-            inputs = self.stacked(states, batch)
-            plan = self.call_plan(states)
-            with CHANGES.reading():
-                result = self.forward(inputs, plan)
-            for state, outcome in zip(states, result.outcomes, strict=True):
-                keep(state, outcome)
-            out = result.out
+            # 1.-2. Every state's rows stacked and run in one call through the shard (and any idle
+            # replicas, a share of the rows each), as its plan says: a call per expert due.
+            by_expert, outs = expert_calls(
+                states, self.expert_lanes, self.family, partial(self.stacked, batch=batch)
+            )
+            self.expert_steps.count(by_expert)
             # 3. Per state: guidance, then its own scheduler's step (and, where a partial image is
             # due, the predicted clean latents).
             previews: list[tuple[RequestState, int, torch.Tensor]] = []
-            for state, span in zip(states, spans(states), strict=True):
-                due = advance(state, out[span].to(LATENT_DTYPE), self.family)
+            for state in states:
+                due = advance(state, outs[id(state)].to(LATENT_DTYPE), self.family)
                 if due is not None:
                     previews.append((state, *due))
             # 4. The partial images due at this step, batched per size as `decode` batches.
             for group in group_states([s for s, _, _ in previews]):
                 due = [(s, k, x0) for s, k, x0 in previews if any(s is g for g in group)]
-                for start in range(0, len(due), per_call := _images_per_call(group)):
-                    chunk = due[start : start + per_call]
+                for start in range(0, len(due), count := per_call(group)):
+                    chunk = due[start : start + count]
                     pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]))
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
-                        state.preview = (index, _channels_last(state, image).float().cpu())
+                        state.preview = (index, state.frames_last(image).float().cpu())
 
     def stacked(self, states: Sequence[RequestState], batch: PoolScope) -> DenoiserInputs:
         """The denoiser's inputs for every state's rows, in buffers `batch` rents."""
         return stack_inputs(states, batch, self.family, self.denoiser_dtype, self.device)
 
-    @staticmethod
-    def call_plan(states: Sequence[RequestState]) -> CallPlan:
-        """This step's call: per request, its rows, adapters, step-cache ask and determinism.
-        Rows with adapters run eagerly (compiled graphs never call the adapters' hooks)."""
-        groups = tuple(
-            RowGroup(s.rows, s.request.lora, cache_ask(s), s.request.deterministic) for s in states
-        )
-        return CallPlan(groups, compiled=not any(s.request.lora for s in states))
+    call_plan = staticmethod(call_plan)
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
-        """The denoiser on `inputs` as `plan` says, through this lane (`Lane.forward`: over idle
-        replicas too, its rows or its tokens split)."""
+        """The (first) denoiser on `inputs` as `plan` says, through this lane (`Lane.forward`:
+        over idle replicas too, its rows or its tokens split)."""
         return self.lane.forward(inputs, plan)
 
     @torch.inference_mode()
@@ -340,8 +349,8 @@ class Pipeline:
         if any(s.closed for s in states):
             raise ValueError("a closed request cannot be decoded")
         check_group(states)
-        for start in range(0, len(states), per_call := _images_per_call(states)):
-            self._decode(states[start : start + per_call])
+        for start in range(0, len(states), count := per_call(states)):
+            self._decode(states[start : start + count])
         return [s.image for s in states]
 
     def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
@@ -353,7 +362,7 @@ class Pipeline:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
-            image = _channels_last(state, image)
+            image = state.frames_last(image)
             state.image = state.scope.rent(image.shape, torch.float32, "cpu", pinned=pinned)
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
@@ -385,15 +394,3 @@ class Pipeline:
         finally:
             for state in states:
                 state.close()
-
-
-def _channels_last(state: RequestState, image: torch.Tensor) -> torch.Tensor:
-    """[H, W, 3] (a video's [F, H, W, 3]), as output_type="np", from one VAE output [3, H, W] (a
-    video model's [3, F, H, W]: an image of one is its one frame, a partial image's too)."""
-    return (image[:, 0] if state.request.frames is None and image.dim() == 4 else image).movedim(0, -1)
-
-
-def _images_per_call(states: Sequence[RequestState]) -> int:
-    """How many images (or videos) of this (one) size one VAE call decodes."""
-    request = states[0].request if states else None
-    return 1 if request is None else images_per_call(request.width, request.height, request.frames)

@@ -53,6 +53,35 @@ class GroupCalls:
         return {"sequence_calls": self.calls, "sequence_exchange_seconds": round(self.exchange_s, 6)}
 
 
+class ExpertSteps:
+    """A model with several experts (Wan 2.2 A14B): rows each expert ran, and the steps that ran
+    rows of more than one (requests on both sides of the boundary, stepped together)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._lock = threading.Lock()
+        self.names = tuple(names)
+        self.rows = dict.fromkeys(self.names, 0)
+        self.mixed_steps = 0
+
+    def count(self, by_expert: Sequence[Sequence[Any]]) -> None:
+        """One step: each expert's states (their rows counted)."""
+        with self._lock:
+            for name, states in zip(self.names, by_expert, strict=True):
+                self.rows[name] += sum(s.rows for s in states)
+            self.mixed_steps += sum(1 for states in by_expert if states) > 1
+
+    def view(self) -> dict[str, Any]:
+        with self._lock:
+            return {"parts": list(self.names), "rows": dict(self.rows), "mixed_steps": self.mixed_steps}
+
+
+def matching(spare: Callable[[int], Spare], first: Deployment, other: Deployment) -> Callable[[int], Spare]:
+    """`spare` (lane i's idle replicas of `first`) as `other`'s replicas at the same places: an
+    expert's lanes borrow the replicas of the same devices the first expert's lanes would."""
+    at = {id(shard): k for k, shard in enumerate(first.replicas)}
+    return lambda i: lambda: [other.replicas[at[id(s)]] for s in spare(i)()]
+
+
 @dataclass(frozen=True)
 class Lane:
     """One step loop's way through the denoiser: its replica's shard, the helper threads that

@@ -72,6 +72,7 @@ class Start:
     latents: torch.Tensor  # [1, C, h, w], rented
     inpainting: Inpainting | None = None  # a regular denoiser's inpainting
     conditioning: torch.Tensor | None = None  # an inpainting denoiser's extra channels: mask, masked image
+    first_frame: torch.Tensor | None = None  # latents pasted over the first latent frame (Wan 2.2 TI2V)
 
 
 def first_latents(
@@ -101,6 +102,8 @@ def first_latents(
         pixels = _processors(family.vae_scale_factor)[0].preprocess(frame, height=height, width=width)
         condition = family.first_frame(vae, pixels.to(torch.float32), frames or 1)
         latents, condition = _kept(scope, device, noise.to(device), condition.to(device))
+        if family.pastes_first_frame:  # the frame's latents stand in for the first latent frame's
+            return Start(latents, first_frame=condition)
         return Start(latents, conditioning=condition)
     conditioned = family.inpainting_channels > 0
     if edit is None and not conditioned:

@@ -80,6 +80,12 @@ class Components:
     scheduler: Any  # the folder's own scheduler
     image_encoder: torch.nn.Module | None = None  # image-to-video's (families/wan.py: WanI2V)
     image_processor: Any = None
+    more_experts: tuple[torch.nn.Module, ...] = ()  # the family's experts after the denoiser (Wan 2.2 A14B)
+
+    @property
+    def experts(self) -> tuple[torch.nn.Module, ...]:
+        """Every denoiser, in `family.experts`' order."""
+        return (self.denoiser, *self.more_experts)
 
 
 def read_family(folder: str | Path) -> Family:
@@ -129,6 +135,11 @@ def load_components(
     root = Path(folder)
     family = read_family(root)
     index = family.config.index
+    if denoiser_file is not None and len(family.experts) > 1:
+        raise ModelFolderError(
+            f"a GGUF file holds one denoiser; this folder has {len(family.experts)} experts: "
+            "quantize them with --quantize instead"
+        )
 
     def load(name: str) -> Any:
         library, cls = index[name][0], class_of(index, name)
@@ -157,6 +168,7 @@ def load_components(
         scheduler=load("scheduler"),
         image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
         image_processor=next(iter(present(family.processors)), None),
+        more_experts=tuple(load(name).eval() for name in family.experts[1:]),
     )
 
 

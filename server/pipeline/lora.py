@@ -1,11 +1,10 @@
 """LoRA adapters applied per row: one denoiser (or text-encoder) call carries rows with different
 adapters, or none, and each targeted layer adds `scale · B(A x)` to its own rows only.
 
-Files are read with diffusers' own loaders (`lora_state_dict`: diffusers/PEFT keys, and kohya's
-A1111 format converted), safetensors only. The base weights are never touched: a forward hook on
-each targeted `nn.Linear` or `nn.Conv2d` adds the adapters' deltas to its output; a call with no
-row asking for them runs exactly as the base model, and in a mixed call a row without adapters
-gets a delta of exactly 0.
+Files are read with diffusers' own loaders (`lorafiles.py`), safetensors only. The base weights
+are never touched: a forward hook on each targeted `nn.Linear` or `nn.Conv2d` adds the adapters'
+deltas to its output; a call with no row asking for them runs exactly as the base model, and in
+a mixed call a row without adapters gets a delta of exactly 0.
 
 Why not peft's layers: its mixed-batch forward (`adapter_names`) takes one adapter per row at
 that adapter's one global scale; a request here may ask for several adapters, each at its own
@@ -24,8 +23,6 @@ silently skipped would be a wrong image. Adapters attach and detach at runtime u
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
 import math
 import re
 import threading
@@ -34,15 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import diffusers
 import torch
-from diffusers.utils.state_dict_utils import (
-    convert_state_dict_to_diffusers,
-    convert_state_dict_to_peft,
-    convert_unet_state_dict_to_peft,
-)
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -50,7 +39,6 @@ from server.engine.quantize import layer_dtype, layer_features
 from server.engine.runtime.call import RowsSlot
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
-from server.pipeline.families import Family
 
 SlotOf = Callable[[str], RowsSlot]  # a layer's dotted path → the slot its hook reads
 
@@ -133,105 +121,6 @@ class Adapter:
 
 
 _INSIDE_BLOCK = re.compile(r"^.*\b\w+s\.\d+\.")  # up to the last `<plural>.<index>.`
-
-
-def read_adapter(name: str, path: Path, family: Family) -> Adapter:
-    """`path` (a .safetensors file) as an Adapter for a model of `family`, read by its diffusers
-    pipeline class's `lora_state_dict`; ModelFolderError says what does not fit."""
-    pipeline_class = getattr(diffusers, family.pipeline_classes[0])
-    parts = (family.denoiser, *family.text_encoders)
-    if path.suffix != ".safetensors" or not path.is_file():
-        raise ModelFolderError(f"LoRA {name!r}: {path} is not a .safetensors file")
-    raw = load_file(path)
-    with safe_open(path, "pt") as header:
-        metadata = json.loads((header.metadata() or {}).get("lora_adapter_metadata", "{}") or "{}")
-    # FLUX's loader pops `.alpha` keys and drops them unless asked to return them, as its
-    # load_lora_weights asks; SD and SDXL's always give (state, network alphas); SD3's, the state
-    asks = "return_alphas" in inspect.signature(pipeline_class.lora_state_dict).parameters
-    read = pipeline_class.lora_state_dict(raw, **({"return_alphas": True} if asks else {}))
-    state, alphas = read if isinstance(read, tuple) else (read, None)
-    adapter = Adapter(name, path)
-    by_part: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        part, _, inner = key.partition(".")
-        if part not in parts or not inner:
-            raise ModelFolderError(
-                f"LoRA {name!r}: {path.name} targets {key!r}, which is not a part of this model "
-                f"({', '.join(parts)})"
-            )
-        by_part.setdefault(part, {})[inner] = tensor
-    for part, tensors in by_part.items():
-        text = part != family.denoiser
-        part_alphas = {
-            k.removeprefix(f"{part}."): v for k, v in (alphas or {}).items() if k.startswith(f"{part}.")
-        }
-        pairs = _pairs(_as_peft(tensors, text), f"LoRA {name!r}: {path.name}")
-        module_alphas = _alphas_by_module(part_alphas, text, pairs)
-        config = _part_config(metadata, part)
-        rslora = bool(config.get("use_rslora", False))
-        for module, pair in pairs.items():
-            if set(pair) != {"down", "up"}:
-                raise ModelFolderError(f"LoRA {name!r}: {path.name} has half of a pair at {part}.{module}")
-            rank = pair["down"].shape[0]
-            alpha = module_alphas.get(module)
-            if alpha is None:
-                alpha = _configured_alpha(config, module, rank)
-            adapter.parts.setdefault(part, {})[module] = LoraPair(
-                pair["down"], pair["up"], float(alpha), rslora
-            )
-    if not adapter.parts:
-        raise ModelFolderError(f"LoRA {name!r}: {path.name} holds no LoRA weights")
-    return adapter
-
-
-def _part_config(metadata: dict[str, Any], part: str) -> dict[str, Any]:
-    """A part's peft config from diffusers' `lora_adapter_metadata`: `save_lora_weights` prefixes
-    each key with its part (`unet.lora_alpha`, `text_encoder.alpha_pattern`); a file written for
-    one model alone may hold them bare."""
-    prefixed = {k.removeprefix(f"{part}."): v for k, v in metadata.items() if k.startswith(f"{part}.")}
-    return prefixed or {k: v for k, v in metadata.items() if "." not in k}
-
-
-def _configured_alpha(config: dict[str, Any], module: str, rank: int) -> float:
-    """The module's lora_alpha as peft reads a LoraConfig: its `alpha_pattern` entry (a key that
-    matches the module name's tail, as peft's `get_pattern_key`), else `lora_alpha`, else the rank
-    (the scaling is then 1)."""
-    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return float(alpha)
-    return float(config.get("lora_alpha", rank))
-
-
-def _as_peft(tensors: dict[str, Any], text: bool) -> dict[str, Any]:
-    """A part's keys in PEFT's form (`<module>.lora_A.weight`), converted as diffusers' loaders do
-    (older diffusers and kohya-converted keys: `processor.to_k_lora.down.weight`, ...)."""
-    if all(".lora_A." in key or ".lora_B." in key for key in tensors):
-        return tensors
-    if text:
-        return convert_state_dict_to_peft(convert_state_dict_to_diffusers(tensors))
-    return convert_unet_state_dict_to_peft(tensors)
-
-
-def _alphas_by_module(alphas: dict[str, Any], text: bool, modules: Mapping[str, Any]) -> dict[str, Any]:
-    """Alphas by module: FLUX's `<module>.alpha` name a module already (PEFT form); kohya's (keyed
-    by the converted down weight + `.alpha`) go through the same conversion as the weights'."""
-    direct = {k.removesuffix(".alpha"): v for k, v in alphas.items() if k.removesuffix(".alpha") in modules}
-    kohya = {k: v for k, v in alphas.items() if k.removesuffix(".alpha") not in modules}
-    weights = [key.removesuffix(".alpha") for key in kohya]
-    converted = _as_peft(dict.fromkeys(weights, 0), text)
-    by_module = {key.split(".lora_")[0]: a for key, a in zip(converted, kohya.values(), strict=True)}
-    return by_module | direct
-
-
-def _pairs(tensors: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
-    """PEFT-form tensors by module: {"down": lora_A, "up": lora_B}; `where` names the file."""
-    pairs: dict[str, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        module, _, kind = key.partition(".lora_")
-        if kind not in ("A.weight", "B.weight"):
-            raise ModelFolderError(f"{where} has a key diffshard cannot read: {key}")
-        pairs.setdefault(module, {})["down" if kind == "A.weight" else "up"] = tensor
-    return pairs
 
 
 class Adapters:

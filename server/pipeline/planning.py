@@ -105,6 +105,7 @@ def plan_model(
         batch=batch,
         resident=resident,
         block_bytes=block_bytes,
+        experts=len(family.experts),
     )
 
 
@@ -223,7 +224,9 @@ def fits_by_mode(
         setting = parse_quantize(mode)
         resident, quantizations = resident_bytes(family, folder, dtype, setting)
         block_bytes = count_block_bytes(model, layout, dtype, quantizations.get(family.denoiser))
-        summary: dict[str, object] = {"denoiser_bytes": sum(block_bytes.values()), "other_bytes": resident}
+        experts = len(family.experts)
+        denoisers = sum(block_bytes.values()) * experts
+        summary: dict[str, object] = {"denoiser_bytes": denoisers, "other_bytes": resident}
         cpus = [d for d in resolve_devices(devices) if not d.startswith("cuda")]  # GPUs may be absent
         if problem := next((p for d in cpus if (p := refusal(mode, d))), None):
             out[str(mode)] = summary | {"fits": False, "why": problem}
@@ -239,6 +242,7 @@ def fits_by_mode(
                 batch=batch,
                 resident=resident,
                 block_bytes=block_bytes,
+                experts=experts,
             )
             summary |= {"fits": True, "stages": [s.device for s in plan.stages]}
         except PlanError as err:

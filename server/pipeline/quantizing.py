@@ -78,8 +78,8 @@ def part_quantizations(
     (each text encoder's unquantized bytes) decides which encoders a mode given alone takes."""
     alone = setting.get(EVERY_LARGE_PART)
     out: dict[str, Quantization] = {}
-    if mode := setting.get(DENOISER, alone):
-        out[family.denoiser] = Quantization(mode, family.keep_precise)
+    if mode := setting.get(DENOISER, alone):  # every expert of a family with two (Wan 2.2 A14B)
+        out.update((name, Quantization(mode, family.keep_precise)) for name in family.experts)
     for name, nbytes in encoder_bytes.items():
         mode = setting.get(name, alone if nbytes > LARGE_ENCODER else None)
         if mode:
@@ -111,13 +111,14 @@ def load_quantizations(
 
 
 def placing(
-    quantizations: Mapping[str, Quantization], components: Components
+    quantizations: Mapping[str, Quantization], components: Components, expert: int = 0
 ) -> Callable[[nn.Module, str], int] | None:
-    """What converts the loaded denoiser's blocks as they are placed (ModelShard's `placed`),
-    where its mode quantizes on the device (float8: torchao converts on the GPU only); None:
-    converted while loading, or not at all."""
-    quantization = quantizations.get(components.family.denoiser)
-    return quantization.placing(components.denoiser) if quantization and quantization.on_device else None
+    """What converts the loaded denoiser's (`expert`'s) blocks as they are placed (ModelShard's
+    `placed`), where its mode quantizes on the device (float8: torchao converts on the GPU only);
+    None: converted while loading, or not at all."""
+    quantization = quantizations.get(components.family.experts[expert])
+    model = components.experts[expert]
+    return quantization.placing(model) if quantization and quantization.on_device else None
 
 
 def quantize_placed(

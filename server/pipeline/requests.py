@@ -37,6 +37,9 @@ class GenerationRequest:
     seed: int = 0
     steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = (
+        None  # two experts (Wan 2.2 A14B): the low-noise one's; None: guidance_scale
+    )
     scheduler: str | None = None
     width: int | None = None
     height: int | None = None
@@ -162,6 +165,9 @@ def _check(request: GenerationRequest, family: Family) -> None:
         raise InvalidRequest("steps", f"must be between 1 and {MAX_MODEL_STEPS}, got {request.steps}")
     if not (math.isfinite(request.guidance_scale) and request.guidance_scale >= 0):
         raise InvalidRequest("guidance_scale", f"must be a finite number ≥ 0, got {request.guidance_scale}")
+    second = request.guidance_scale_2
+    if second is not None and not (math.isfinite(second) and second >= 0):
+        raise InvalidRequest("guidance_scale_2", f"must be a finite number ≥ 0, got {second}")
     if request.guidance_scale != family.default_guidance and not family.takes_guidance:
         raise InvalidRequest(
             "guidance_scale", "this model has no guidance input: set true_cfg_scale with a negative_prompt"
@@ -198,7 +204,7 @@ def _check(request: GenerationRequest, family: Family) -> None:
 
 
 def _check_reference(request: GenerationRequest, family: Family) -> None:
-    if not family.takes_reference:
+    if not (family.takes_reference or family.pastes_first_frame):
         raise InvalidRequest("input_reference", "this model makes video from text only: send a prompt alone")
     if request.reference is None:
         raise InvalidRequest(

@@ -13,6 +13,7 @@ from server.engine.runtime.pool import PoolScope
 from server.pipeline.edits import Inpainting
 from server.pipeline.requests import GenerationRequest
 from server.pipeline.stepcache import RowCache
+from server.pipeline.tiling import images_per_call
 
 
 @dataclass
@@ -30,12 +31,16 @@ class RequestState:
     begin: int = 0  # timesteps an edit skips (its strength): it starts at timesteps[begin]
     inpainting: Inpainting | None = None  # an inpainting edit's image latents, noise and mask
     conditioning: torch.Tensor | None = None  # an inpainting denoiser's mask and masked image [1, 5, h, w]
+    first_frame: torch.Tensor | None = (
+        None  # [1, C, 1, h, w] pasted over the first latent frame, still at t=0
+    )
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
     preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
     cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (stepcache.py)
     layout: tuple[Any, ...] = ()  # what its conditioning's positions depend on (an edit's image sizes)
+    expert: int = 0  # the denoiser its rows ran at the last step (`Family.experts`' index)
 
     @property
     def previews(self) -> dict[int, int]:
@@ -72,6 +77,12 @@ class RequestState:
         extras = tuple((name, *value.shape[1:]) for name, value in sorted(self.extras.items()))
         return (*self.latents.shape[1:], *self.context.shape[1:], extras, self.layout)
 
+    def frames_last(self, image: torch.Tensor) -> torch.Tensor:
+        """[H, W, 3] (a video's [F, H, W, 3]), as output_type="np", from one VAE output [3, H, W]
+        (a video model's [3, F, H, W]: an image of one is its one frame, a partial image's too)."""
+        one = self.request.frames is None and image.dim() == 4
+        return (image[:, 0] if one else image).movedim(0, -1)
+
     def close(self) -> None:
         """End the request (finished, failed or cancelled); safe to call more than once."""
         self.closed = True
@@ -93,6 +104,12 @@ def check_group(states: Sequence[RequestState]) -> None:
         )
 
 
+def per_call(states: Sequence[RequestState]) -> int:
+    """How many images (or videos) of this (one) size one VAE call decodes."""
+    request = states[0].request if states else None
+    return 1 if request is None else images_per_call(request.width, request.height, request.frames)
+
+
 def spans(states: Sequence[RequestState]) -> Iterable[slice]:
     """Each state's rows in the batch the states make, in order."""
     start = 0
@@ -105,12 +122,15 @@ def stack_inputs(
     states: Sequence[RequestState], batch: PoolScope, family: Any, dtype: torch.dtype, device: torch.device
 ) -> DenoiserInputs:
     """The denoiser's inputs for every state's rows, in buffers `batch` rents: [rows, C, h, w]
-    samples, [rows] timesteps, [rows, T, D] context, the family's extras."""
+    samples, [rows] timesteps, [rows, T, D] context, the family's extras. Where a video keeps its
+    first frame still (Wan 2.2 TI2V's image-to-video), a timestep per row and latent frame, the
+    still frame's 0, and its latents pasted there (WanImageToVideoPipeline's expand_timesteps)."""
     first, rows = states[0], sum(s.rows for s in states)
     channels = first.latents.shape[1]
     extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
     sample = batch.rent((rows, channels + extra, *first.latents.shape[2:]), dtype, device)
-    timesteps = batch.rent((rows,), torch.float32, device)
+    still = any(s.first_frame is not None for s in states)
+    timesteps = batch.rent((rows, first.latents.shape[2]) if still else (rows,), torch.float32, device)
     context = batch.rent((rows, *first.context.shape[1:]), dtype, device)
     extras = {name: batch.rent((rows, *v.shape[1:]), v.dtype, device) for name, v in first.extras.items()}
     for state, span in zip(states, spans(states), strict=True):
@@ -118,6 +138,9 @@ def stack_inputs(
         if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
             sample[span, channels:] = state.conditioning
         timesteps[span] = state.timestep
+        if state.first_frame is not None:
+            sample[span, :channels, :1] = state.first_frame
+            timesteps[span, 0] = 0.0
         context[span] = state.context
         for name, value in extras.items():
             value[span] = state.extras[name]

@@ -109,6 +109,7 @@ class RowCache:
 
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the walk's features, [rows, ...] each
     refreshed_at: int | None = None  # the step of its last refresh
+    expert: int = 0  # the expert whose features it keeps (`Family.experts`' index)
     refreshed: int = 0  # steps it ran whole
     reused: int = 0  # steps it took the kept features
     last: str | None = None  # this step's outcome, "refreshed" or "reused" (None: not cached)

@@ -1,13 +1,52 @@
-"""After a step's call: one request's guidance and its own scheduler's step."""
+"""One step of many requests: their calls (a call per expert whose rows are due), then each
+request's guidance and its own scheduler's step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
+from server.engine import CallPlan, RowGroup
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.pipeline.adapters import CHANGES
+from server.pipeline.cachedstep import cache_ask, keep
+from server.pipeline.deployment import Lane
 from server.pipeline.edits import blend
 from server.pipeline.families import Family
 from server.pipeline.schedulers import predicted_clean
-from server.pipeline.state import RequestState
+from server.pipeline.state import RequestState, spans
+
+
+def call_plan(states: Sequence[RequestState]) -> CallPlan:
+    """This step's call: per request, its rows, adapters, step-cache ask and determinism.
+    Rows with adapters run eagerly (compiled graphs never call the adapters' hooks)."""
+    groups = tuple(RowGroup(s.rows, s.request.lora, cache_ask(s), s.request.deterministic) for s in states)
+    return CallPlan(groups, compiled=not any(s.request.lora for s in states))
+
+
+def expert_calls(
+    states: Sequence[RequestState],
+    lanes: Sequence[Lane],
+    family: Family,
+    stack: Callable[[Sequence[RequestState]], DenoiserInputs],
+) -> tuple[list[list[RequestState]], dict[int, torch.Tensor]]:
+    """The states by the expert their timestep takes (`Family.expert`; one for most families),
+    and each state's prediction (by id): an expert's rows in one call through its lane, one
+    expert after the other; each row's step cache kept."""
+    for state in states:
+        state.expert = family.expert(state.scheduler, state.timestep)
+    by_expert = [[s for s in states if s.expert == k] for k in range(len(lanes))]
+    outs: dict[int, torch.Tensor] = {}
+    for lane, group in zip(lanes, by_expert, strict=True):
+        if not group:
+            continue
+        with CHANGES.reading():
+            result = lane.forward(stack(group), call_plan(group))
+        for state, outcome, span in zip(group, result.outcomes, spans(group), strict=True):
+            keep(state, outcome)
+            outs[id(state)] = result.out[span]
+    return by_expert, outs
 
 
 def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tuple[int, torch.Tensor] | None:
@@ -15,7 +54,7 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     an inpainting's unmasked region back to the image. Returns (partial index, predicted clean
     latents) when a partial image is due at this step."""
     if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
-        prediction = family.guide(*prediction.chunk(2), state.request)
+        prediction = family.guide(*prediction.chunk(2), state.request, state.expert)
     partial, early, state.preview = state.previews.get(state.index + 1), None, None
     scheduler = state.scheduler
     if partial is not None and hasattr(scheduler, "convert_model_output"):  # DPM-Solver
@@ -31,4 +70,6 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     if state.inpainting is not None:  # the unmasked region back to the image
         blend(family, scheduler, state.latents, state.inpainting, state.next_timestep)
     state.index += 1
+    if state.done and state.first_frame is not None:  # the still first frame, as the pipeline ends
+        state.latents[:, :, :1] = state.first_frame
     return due

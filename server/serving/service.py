@@ -22,7 +22,7 @@ from server.pipeline import GenerationRequest, Pipeline, size_warning
 from server.pipeline.adapters import adapter_file
 from server.pipeline.clips import Clip
 from server.pipeline.loader import closed_vocabulary
-from server.pipeline.lora import read_adapter
+from server.pipeline.lorafiles import read_adapter
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
@@ -179,6 +179,14 @@ class Service:
                 "schedulers": list(family.schedulers),
                 "step_caches": list(family.step_caches),
                 "videos": family.clip is not None,
+                "input_reference": (  # image-to-video's first frame
+                    "required"
+                    if family.takes_reference
+                    else "optional"
+                    if family.pastes_first_frame
+                    else None
+                ),
+                "experts": list(family.experts),  # Wan 2.2 A14B: two, guidance_scale_2 the second's
                 "edits": "by reference" if family.edits_by_reference else "img2img and inpainting",
             },
         }
@@ -225,6 +233,7 @@ class Service:
             "sequence_degree": self.pipeline.deployment.sequence,
             "sequence_every_call": self.pipeline.deployment.grouped,
             **self.loops[0].pipeline.lane.groups.view(),  # the lanes count together
+            **({"experts": experts.view()} if len((experts := self.pipeline.expert_steps).names) > 1 else {}),
             "helper_restarts": sum(w.restarts for loop in self.loops if (w := loop.pipeline.lane.workers)),
             **self.busy(),
         }
@@ -273,12 +282,17 @@ class Service:
 
     def devices(self) -> dict[str, DeviceView]:
         views: dict[str, DeviceView] = {}
-        for shard in self.pipeline.replicas:  # CPU replicas share the "cpu" device and its reading
-            for device, m in shard.memory().items():  # replicas on one GPU hold a copy each
-                held = views[device].memory.shard_bytes if device in views and device != "cpu" else 0
-                views[device] = DeviceView(
-                    shard.blocks_on(device), replace(m, shard_bytes=m.shard_bytes + held)
-                )
+        for deployment in self.pipeline.experts:  # each expert's bytes (Wan 2.2 A14B: two), added
+            shared = set()  # an expert's CPU replicas share the "cpu" device and one copy of its weights
+            for shard in deployment.replicas:  # replicas on one GPU hold a copy each
+                for device, m in shard.memory().items():
+                    if device in shared:
+                        continue
+                    held = views[device].memory.shard_bytes if device in views else 0
+                    views[device] = DeviceView(
+                        shard.blocks_on(device), replace(m, shard_bytes=m.shard_bytes + held)
+                    )
+                    shared.update({device} & {"cpu"})
         return views
 
     def shards(self) -> dict[str, Any]:

@@ -107,7 +107,10 @@ def token_rows(inputs: DenoiserInputs, takes: tuple[str, ...], family: str) -> d
         raise ValueError(f"the {family} block walk does not take {', '.join(unknown)}")
     sample = inputs.sample
     timestep = torch.as_tensor(inputs.timestep, device=sample.device)
-    rows = {"sample": sample, "timestep": timestep.expand(sample.shape[0]), "context": inputs.context}
+    timestep = (
+        timestep if timestep.ndim == 2 else timestep.expand(sample.shape[0])
+    )  # [rows, frames]: Wan 2.2's
+    rows = {"sample": sample, "timestep": timestep, "context": inputs.context}
     rows.update((k, v) for k, v in inputs.conditioning.items() if v is not None)
     return rows
 

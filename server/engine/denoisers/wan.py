@@ -12,7 +12,10 @@ it; unpatchifying is glue in `end`. No skips: the tokens, the text, temb and pro
 boundary. Image-to-video (Wan 2.1 I2V) takes CLIP's image tokens beside the text
 (`encoder_hidden_states_image`, a per-row input): `embed` projects them and puts them before the
 text tokens, where each block's cross-attention splits them off again (the text is 512 tokens).
-Wan 2.2's per-token timesteps are refused.
+Wan 2.2 TI2V-5B's image-to-video gives each latent frame its timestep (a [rows, frames]
+`timestep`: the first frame's 0, the image's latents pasted there); `embed` expands it to every
+token as WanPipeline's `expand_timesteps` does, so the modulations are per token (`token_proj`
+[rows, tokens, 6, D], split with the tokens in a sequence group; temb [rows, tokens, D]).
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ class WanTransformerSpec:
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
         rows = token_rows(inputs, (IMAGE,), "Wan")
-        sample = rows["sample"]
-        if rows["timestep"].ndim != 1:
-            raise ValueError("the Wan block walk takes one timestep a row (not Wan 2.2's per token)")
+        sample, timestep = rows["sample"], rows["timestep"]
+        frames = sample.shape[2] // model.config.patch_size[0]
+        if timestep.ndim == 2 and timestep.shape[1] != frames:
+            raise ValueError(f"the Wan block walk takes a timestep a row or one per latent frame ({frames})")
         return Flow(rows, {"size": tuple(sample.shape[2:]), "rotary": model.rope(sample)})  # no weights
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
@@ -97,7 +101,7 @@ class WanTransformerSpec:
         cross-attention's keys: gathered from every rank, they repeat, which leaves softmax's
         weights as they are: exact, if D times the keys)."""
         blocks = frozenset(f"blocks.{i}" for i in range(len(model.blocks)))
-        return SequenceSplit(blocks, {"hidden": 1}, rotary_slice)
+        return SequenceSplit(blocks, {"hidden": 1, "token_proj": 1}, rotary_slice)
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
@@ -111,19 +115,31 @@ def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) 
 
 def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     hidden = model.patch_embedding(rows["sample"]).flatten(2).transpose(1, 2).contiguous()
-    temb, proj, context, image = model.condition_embedder(rows["timestep"], rows["context"], rows.get(IMAGE))
+    timestep, seq_len = rows["timestep"], None
+    if timestep.ndim == 2:  # a timestep per latent frame → per token, as expand_timesteps flattens them
+        timestep = timestep.repeat_interleave(hidden.shape[1] // timestep.shape[1], dim=1)
+        timestep, seq_len = timestep.flatten(), timestep.shape[1]
+    temb, proj, context, image = model.condition_embedder(
+        timestep, rows["context"], rows.get(IMAGE), timestep_seq_len=seq_len
+    )
     if image is not None:  # image-to-video: the image's tokens first, as the model's forward puts them
         context = torch.concat([image, context], dim=1)
+    if seq_len is not None:
+        return {"hidden": hidden, "temb": temb, "token_proj": proj.unflatten(2, (6, -1)), "context": context}
     return {"hidden": hidden, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "context": context}
 
 
 def block(owner: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
-    hidden = owner(rows["hidden"], rows["context"], rows["proj"], shared["rotary"])
+    proj = rows["token_proj"] if "token_proj" in rows else rows["proj"]
+    hidden = owner(rows["hidden"], rows["context"], proj, shared["rotary"])
     return {**rows, "hidden": hidden}
 
 
 def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
-    hidden, temb = rows["hidden"], rows["temb"]
-    shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    hidden, temb, table = rows["hidden"], rows["temb"], model.scale_shift_table.to(rows["temb"].device)
+    if temb.ndim == 3:  # per token: [rows, tokens, D]
+        shift, scale = (s.squeeze(2) for s in (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2))
+    else:
+        shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)
     hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
     return {"hidden": model.proj_out(hidden)}

@@ -174,6 +174,7 @@ def plan_shards(
     block_costs: Mapping[str, float] | Callable[[str], Mapping[str, float]] | None = None,
     resident: int = 0,
     block_bytes: Mapping[str, int] | None = None,
+    experts: int = 1,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
@@ -184,7 +185,9 @@ def plan_shards(
     Activations are estimated for `batch` latents of `latent_size`²; `resident` counts bytes
     other components (text encoders, VAE) keep on the first stage's device. `block_bytes`: what
     each block holds when its weights are quantized (`server.engine.quantize`; default: its
-    tensors in `dtype`).
+    tensors in `dtype`). `experts`: models of this architecture split alike, each block's
+    copies on one device (Wan 2.2 A14B's two experts: a step runs either, so time is one's and
+    bytes are every one's).
     """
     # 1. Check the request before any work.
     strategy, device_list, device_map, budgets = _checked(strategy, devices, device_map, max_memory, batch)
@@ -192,8 +195,9 @@ def plan_shards(
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout, dtype = layout_of(model), dtype or next(model.parameters()).dtype
     latent_size = latent_size or native_latent(model)
-    unquantized = count_block_bytes(model, layout, dtype)
-    quantized, block_bytes = block_bytes is not None, dict(block_bytes or unquantized)
+    unquantized = {n: b * experts for n, b in count_block_bytes(model, layout, dtype).items()}
+    quantized = block_bytes is not None
+    block_bytes = {n: b * experts for n, b in block_bytes.items()} if block_bytes else dict(unquantized)
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
     capacities = _stage_capacities(device_list, budgets, reserve, {device_list[0]: resident})

@@ -51,9 +51,10 @@ def reference_family(name: str) -> Family:
         if name in family.reference_configs:
             config = dict(family.reference_configs[name])
             vae = config.pop("_vae", None) or family.reference_vae or SD_VAE  # a config's own VAE
+            more = config.pop("_index", {})  # what its model_index.json says beyond the class
             with torch.device("meta"):  # a config with every default filled in
                 model = family.denoiser_class.from_config(config)
-            index = {"_class_name": family.pipeline_classes[0]}
+            index = {"_class_name": family.pipeline_classes[0], **more}
             return family(ModelConfig(index, dict(model.config), vae))
     raise PlanError(f"unknown architecture {name!r}: choose one of {', '.join(reference_names())}")
 

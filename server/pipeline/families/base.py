@@ -59,6 +59,7 @@ class Asked(Protocol):
 
     negative_prompt: str | None
     guidance_scale: float
+    guidance_scale_2: float | None
     true_cfg_scale: float
     width: int
     height: int
@@ -107,7 +108,17 @@ class Family:
     @property
     def weighted(self) -> tuple[str, ...]:
         """The folder's parts that hold weights (safetensors only)."""
-        return (self.denoiser, "vae", *self.text_encoders, *self.image_encoders)
+        return (*self.experts, "vae", *self.text_encoders, *self.image_encoders)
+
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """The denoisers, in the order steps run them: one for most families; Wan 2.2 A14B's two
+        (`transformer` for high noise, then `transformer_2`), both placed as the plan says."""
+        return (self.denoiser,)
+
+    def expert(self, scheduler: Any, timestep: torch.Tensor) -> int:
+        """Which of `experts` denoises a row at `timestep` (its scheduler's)."""
+        return 0
 
     # 1. Prompts → conditioning.
 
@@ -118,13 +129,16 @@ class Family:
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
     vae_float32: ClassVar[bool] = False  # its VAE in float32 whatever --dtype (Wan: as diffusers loads it)
 
-    def cfg_scale(self, request: Asked) -> float:
-        """The classifier-free guidance scale between a request's negative and positive rows."""
+    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+        """The classifier-free guidance scale between a request's negative and positive rows
+        (`expert`: the denoiser that made them, `experts`' index)."""
         return request.guidance_scale
 
-    def guide(self, negative: torch.Tensor, positive: torch.Tensor, request: Asked) -> torch.Tensor:
+    def guide(
+        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+    ) -> torch.Tensor:
         """One prediction from a guided request's two rows' (classifier-free guidance)."""
-        return negative + self.cfg_scale(request) * (positive - negative)
+        return negative + self.cfg_scale(request, expert) * (positive - negative)
 
     @property
     def zero_unset_negative(self) -> bool:
@@ -165,6 +179,12 @@ class Family:
     def encode_images(self, encoder: nn.Module, processor: Any, images: list[Any]) -> torch.Tensor:
         """Image-to-video: the image encoder's tokens [N, T, D] for each first frame."""
         raise NotImplementedError(f"a {self.name} model takes no image")
+
+    @property
+    def pastes_first_frame(self) -> bool:
+        """Whether a first frame, optional, is pasted over the first latent frame at every step
+        (`first_frame` gives its latents) instead of conditioning beside the noise."""
+        return False
 
     def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
         """Image-to-video: the channels beside the noise at every step, from the first frame's

@@ -35,7 +35,7 @@ class PackedFlow(Family):
 
     lone_rows = 1  # guidance is embedded, distilled or absent: true CFG is the exception
 
-    def cfg_scale(self, request: Asked) -> float:
+    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
         return request.true_cfg_scale
 
     @property

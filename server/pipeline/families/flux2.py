@@ -272,7 +272,7 @@ class Flux2Klein(Flux2):
 
     lone_rows = 1  # the distilled klein people run
 
-    def cfg_scale(self, request: Asked) -> float:
+    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
         return request.guidance_scale
 
     def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:

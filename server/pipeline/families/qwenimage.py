@@ -111,7 +111,9 @@ class QwenImage(PackedFlow):
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         return dict(extras)
 
-    def guide(self, negative: torch.Tensor, positive: torch.Tensor, request: Asked) -> torch.Tensor:
+    def guide(
+        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+    ) -> torch.Tensor:
         """True CFG rescaled to the positive prediction's norm over each packed token's features."""
         combined = negative + self.cfg_scale(request) * (positive - negative)
         scale = pack(positive).norm(dim=-1, keepdim=True) / pack(combined).norm(dim=-1, keepdim=True)

@@ -21,9 +21,9 @@ from torch import nn
 from transformers import UMT5Config, UMT5EncoderModel
 
 from server.engine.denoisers.wan import UMT5_TOKENS
-from server.errors import ModelFolderError
+from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline.clips import Clip
-from server.pipeline.families.base import Family, TextEmbeddings
+from server.pipeline.families.base import Asked, Family, TextEmbeddings
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
 # defaults), text_encoder/config.json (UMT5-XXL's encoder) and vae/config.json (the defaults).
@@ -49,6 +49,12 @@ WAN22_TI2V_5B = {
     "in_channels": 48,
     "out_channels": 48,
 }
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers and -I2V-A14B-Diffusers: two experts of Wan 2.1 14B's shape
+# (the class's defaults; I2V's take 36 channels, no CLIP), switching at boundary_ratio
+TWO_EXPERTS = {"transformer": ["diffusers", "WanTransformer3DModel"]}
+TWO_EXPERTS["transformer_2"] = TWO_EXPERTS["transformer"]
+WAN22_T2V_A14B = {"_index": {**TWO_EXPERTS, "boundary_ratio": 0.875}}
+WAN22_I2V_A14B = {"in_channels": 36, "_index": {**TWO_EXPERTS, "boundary_ratio": 0.9}}
 WAN22_VAE = {
     "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12,
     "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
@@ -64,7 +70,7 @@ class Wan(Family):
     name: ClassVar[str] = "wan"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("WanPipeline",)
     # refusals say it
-    served: ClassVar[str] = "diffshard serves Wan 2.1's and Wan 2.2 TI2V-5B's text-to-video (one transformer)"
+    served: ClassVar[str] = "diffshard serves Wan 2.1's and Wan 2.2's text-to-video (A14B, TI2V-5B)"
     denoiser: ClassVar[str] = "transformer"
     denoiser_class: ClassVar[type[nn.Module]] = WanTransformer3DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -81,6 +87,7 @@ class Wan(Family):
         "wan-1.3b": WAN_1_3B,
         "wan-14b": {},
         "wan2.2-ti2v-5b": {**WAN22_TI2V_5B, "_vae": WAN22_VAE},
+        "wan2.2-t2v-a14b": WAN22_T2V_A14B,
     }
 
     @property
@@ -171,19 +178,66 @@ class Wan(Family):
         mean, std = self._stats(latents)
         return (latents - mean) / std
 
+    @property
+    def pastes_first_frame(self) -> bool:
+        """Wan 2.2 TI2V-5B (`expand_timesteps`): a video may start from an image, whose latents
+        stand in for the first latent frame at every step, its tokens at timestep 0."""
+        return bool(self.config.index.get("expand_timesteps"))
+
+    def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """WanImageToVideoPipeline.prepare_latents with expand_timesteps: the image alone as a
+        one-frame video, encoded (its posterior's mode) and normalized: [1, C, 1, h, w] float32."""
+        vae_device = next(vae.parameters()).device
+        video = pixels[:, :, None].to(vae_device, vae.dtype)
+        latents = vae.encode(video).latent_dist.mode().to(torch.float32)
+        mean, std = self._stats(latents)
+        return (latents - mean) * (1.0 / std)
+
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """Wan 2.2 A14B's two experts: `transformer` while t ≥ boundary_ratio × the scheduler's
+        training timesteps (high noise), `transformer_2` below (low noise), as WanPipeline runs them."""
+        two = (self.config.index.get("transformer_2") or [None])[0] is not None
+        return ("transformer", "transformer_2") if two else ("transformer",)
+
+    def expert(self, scheduler: Any, timestep: torch.Tensor) -> int:
+        ratio = self.config.index.get("boundary_ratio")
+        if ratio is None or len(self.experts) == 1:
+            return 0
+        return int(float(timestep) < ratio * scheduler.config.num_train_timesteps)
+
+    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+        """The low-noise expert's rows take `guidance_scale_2` (unset: `guidance_scale`)."""
+        second = request.guidance_scale_2
+        return second if expert == 1 and second is not None else request.guidance_scale
+
+    def check_request(self, request: Any) -> None:
+        second = request.guidance_scale_2
+        if second is not None and len(self.experts) == 1:
+            raise InvalidRequest(
+                "guidance_scale_2", "is the low-noise expert's scale: this model has one transformer"
+            )
+
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
-        """Wan 2.2's two experts switching at a step (`transformer_2`, `boundary_ratio`: A14B) are
-        refused: they would load, run and make the wrong videos. TI2V-5B's text-to-video is served:
-        its per-token timesteps (`expand_timesteps`) are all the step's (the first frame's are 0
-        only in image-to-video, refused), so each row's one timestep gives WanPipeline's video."""
+        """Two experts need their boundary and a boundary needs the second expert (WanPipeline
+        would run none or ignore one). TI2V-5B (`expand_timesteps`) serves both ways from its
+        WanPipeline folder (`pastes_first_frame`); in text-to-video its per-token timesteps are all
+        the step's, so each row's one timestep gives WanPipeline's video."""
         if not encoders:
             raise ModelFolderError("a Wan folder needs text_encoder (UMT5) and its tokenizer")
         index = self.config.index
-        if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
-            raise ModelFolderError(f"this folder is Wan 2.2's two experts (transformer_2); {self.served}")
-        if index.get("expand_timesteps") and self.takes_reference:  # TI2V's image-to-video
+        two, ratio = len(self.experts) == 2, index.get("boundary_ratio")
+        if two != (ratio is not None):
             raise ModelFolderError(
-                f"this folder's timesteps are per token (Wan 2.2, expand_timesteps); {self.served}"
+                "this folder has transformer_2 but no boundary_ratio in model_index.json (or the "
+                "reverse): Wan 2.2's two experts need both"
+            )
+        if ratio is not None and not 0 < ratio < 1:
+            raise ModelFolderError(f"model_index.json's boundary_ratio must be between 0 and 1, got {ratio}")
+        if index.get("expand_timesteps") and self.takes_reference:
+            raise ModelFolderError(
+                "this folder's timesteps are per token (Wan 2.2 TI2V, expand_timesteps): serve it as "
+                "WanPipeline (its published model_index.json), which takes input_reference too"
             )
 
 
@@ -202,11 +256,13 @@ class WanI2V(Wan):
     (`pos_embed_seq_len`)."""
 
     pipeline_classes: ClassVar[tuple[str, ...]] = ("WanImageToVideoPipeline",)
-    served: ClassVar[str] = "diffshard serves Wan 2.1's image-to-video (one transformer, a CLIP encoder)"
+    served: ClassVar[str] = (
+        "diffshard serves Wan 2.1's image-to-video (a CLIP encoder) and Wan 2.2 I2V-A14B's"
+    )
     image_encoders: ClassVar[tuple[str, ...]] = ("image_encoder",)
     processors: ClassVar[tuple[str, ...]] = ("image_processor",)
     takes_reference: ClassVar[bool] = True
-    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"wan2.2-i2v-a14b": WAN22_I2V_A14B}
 
     @property
     def inpainting_channels(self) -> int:
@@ -240,8 +296,11 @@ class WanI2V(Wan):
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         super().check(encoders, denoiser)
         index, config, served = self.config.index, self.config.denoiser, self.served
-        if config.get("image_dim") is None or (index.get("image_encoder") or [None])[0] is None:
-            raise ModelFolderError(f"this folder has no image encoder (or no image_dim); {served}")
+        if (config.get("image_dim") is None) != ((index.get("image_encoder") or [None])[0] is None):
+            raise ModelFolderError(
+                f"this folder's transformer takes image tokens (image_dim) without an image encoder, "
+                f"or the reverse: Wan 2.1 I2V has both, Wan 2.2 I2V-A14B neither; {served}"
+            )
         if config.get("pos_embed_seq_len") is not None:
             raise ModelFolderError(f"this folder pairs first and last frames (FLF2V); {served}")
         wanted = 2 * self.latent_channels + self.clip.frame_multiple

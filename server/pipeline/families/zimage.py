@@ -66,10 +66,12 @@ class ZImage(PackedFlow):
 
     lone_rows = 1  # the Turbo runs unguided
 
-    def cfg_scale(self, request: Asked) -> float:
+    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
         return request.guidance_scale
 
-    def guide(self, negative: torch.Tensor, positive: torch.Tensor, request: Asked) -> torch.Tensor:
+    def guide(
+        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+    ) -> torch.Tensor:
         return positive + self.cfg_scale(request) * (positive - negative)  # ZImagePipeline's
 
     def encode(

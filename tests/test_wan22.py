@@ -1,0 +1,309 @@
+"""Wan 2.2 (issue 51): A14B's two experts inside one batched step, I2V-A14B, and the plans at
+published sizes. The tiny folders are `tests/tiny_wan22.py`'s (seeded, offline): two experts of
+different weights switching at `boundary_ratio`, held to WanPipeline and WanImageToVideoPipeline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from server.errors import InvalidRequest, ModelFolderError
+from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.families import reference_family
+
+VIDEO = {"width": 32, "height": 32, "frames": 9}
+# 6 steps of flow matching at shift 3: t = 1000, 923 (high noise, ≥ 875), then 819, 668, 432, 9
+STEPS, HIGH_STEPS = 6, 2
+
+
+@pytest.fixture(scope="module")
+def a14b_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_wan22 import build_wan22_two_expert_folder
+
+    return build_wan22_two_expert_folder(tmp_path_factory.mktemp("wan22") / "t2v-a14b")
+
+
+@pytest.fixture(scope="module")
+def a14b(a14b_folder: Path) -> Pipeline:
+    return Pipeline.load(a14b_folder, devices="cpu")
+
+
+def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | None = None) -> np.ndarray:
+    """WanPipeline's (with `image`: WanImageToVideoPipeline's) frames for a resolved request."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    pipeline_wan_i2v.basic_clean = pipeline_wan.basic_clean  # its cleaning calls ftfy, not installed here
+    cls = WanPipeline if image is None else WanImageToVideoPipeline
+    pipe = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        **({} if image is None else {"image": image}),
+        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale, guidance_scale_2=request.guidance_scale_2,
+        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
+    ).frames[0]  # fmt: skip
+
+
+def alike(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+def test_two_experts_make_wan_pipelines_video_each_with_its_guidance(a14b, a14b_folder) -> None:
+    """`transformer` while t ≥ 0.875 × 1000 with guidance_scale, then `transformer_2` with
+    guidance_scale_2; unset, the second scale is the first (as WanPipeline defaults it)."""
+    assert a14b.family.experts == ("transformer", "transformer_2") and len(a14b.experts) == 2
+    first, second = (d.replicas[0].model for d in a14b.experts)
+    assert any(not torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(), strict=True))
+    request = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=STEPS, **VIDEO)
+    videos = []
+    for scales in ({"guidance_scale": 4.0, "guidance_scale_2": 2.0}, {"guidance_scale": 4.0}):
+        asked = a14b.resolve(replace(request, **scales))
+        before = dict(a14b.expert_steps.rows)
+        videos.append(a14b.generate([asked])[0])
+        assert alike(videos[-1], wan_video(a14b_folder, asked)) < 1e-6, scales  # well within 2/255
+        ran = {name: rows - before[name] for name, rows in a14b.expert_steps.rows.items()}
+        assert ran == {"transformer": 2 * HIGH_STEPS, "transformer_2": 2 * (STEPS - HIGH_STEPS)}
+    assert alike(*videos) > 1e-5  # the second scale changes the low-noise steps (tiny weights: a little)
+
+
+def test_two_videos_either_side_of_the_boundary_step_together_as_each_alone(a14b) -> None:
+    """One video two steps in (below the boundary: the low-noise expert) and one just started
+    (the high-noise expert) share steps: each step runs a call per expert, and each video equals
+    what it gives alone; the mixed steps are counted (/v1/shards' parallel.experts)."""
+    older = a14b.resolve(GenerationRequest("a red circle", seed=3, steps=STEPS, guidance_scale=4.0, **VIDEO))
+    newer = a14b.resolve(
+        GenerationRequest(
+            "a blue square", seed=4, steps=STEPS, guidance_scale=5.0, guidance_scale_2=3.0, **VIDEO
+        )
+    )
+    alone = [a14b.generate([r])[0] for r in (older, newer)]
+    mixed = a14b.expert_steps.mixed_steps
+    states = a14b.start([older])
+    for _ in range(HIGH_STEPS):
+        a14b.step(states)
+    states += a14b.start([newer])
+    while active := [s for s in states if not s.done]:
+        a14b.step(active)
+    a14b.decode(states)
+    for state, video in zip(states, alone, strict=True):
+        assert alike(state.image.numpy(), video) < 1e-3
+        state.close()
+    assert (
+        a14b.expert_steps.mixed_steps - mixed == HIGH_STEPS
+    )  # the newer's high steps, beside the older's low
+
+
+def test_first_block_caching_refreshes_at_the_expert_switch(a14b) -> None:
+    """A cached video never reuses the high-noise expert's features in the low-noise expert:
+    the first low step refreshes, whatever the threshold."""
+    from server.pipeline.stepcache import StepCache
+
+    cached = a14b.resolve(
+        GenerationRequest(
+            "a red circle", seed=3, steps=STEPS, guidance_scale=4.0,
+            step_cache=StepCache("first_block", threshold=10.0), **VIDEO,
+        )
+    )  # fmt: skip
+    (state,) = a14b.start([cached])
+    outcomes = []
+    try:
+        while not state.done:
+            a14b.step([state])
+            outcomes.append((state.expert, state.cache.last))
+    finally:
+        state.close()
+    assert outcomes[HIGH_STEPS] == (1, "refreshed"), outcomes  # the switch
+    assert outcomes[1] == (0, "reused") and outcomes[-1] == (1, "reused"), outcomes  # a loose threshold
+
+
+def test_both_experts_are_placed_by_one_plan_their_bytes_counted_and_quantized(a14b_folder) -> None:
+    """Two stages: each device holds its blocks of both experts, as the plan counted them (twice
+    one expert's); int8 quantizes both experts."""
+    from server.engine.denoisers.blocks import tensor_bytes
+    from server.serving import Service
+
+    staged = Pipeline.load(a14b_folder, devices=["cpu", "cpu"], strategy="even")
+    plan = staged.shard.plan
+    one = staged.components.denoiser
+    assert sum(s.param_bytes for s in plan.stages) == 2 * tensor_bytes(one, torch.float32)
+    for deployment in staged.experts:
+        shard = deployment.replicas[0]
+        assert [s.blocks for s in shard.plan.stages] == [s.blocks for s in plan.stages]
+    service = Service(staged, "tiny-a14b")
+    try:
+        held = sum(view.memory.shard_bytes for view in service.devices().values())
+        assert held == 2 * tensor_bytes(one, torch.float32)
+        assert service.parallel["experts"]["parts"] == ["transformer", "transformer_2"]
+    finally:
+        service.close()
+    quantized = Pipeline.load(a14b_folder, devices="cpu", quantize="int8")
+    for model in quantized.components.experts:
+        assert type(model.blocks[0].attn1.to_q.weight).__name__ == "Int8Tensor"
+
+
+def test_a14b_folders_are_checked_at_load_and_requests_by_field(a14b, a14b_folder, tmp_path) -> None:
+    folder = Path(shutil.copytree(a14b_folder, tmp_path / "no-boundary"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": None}))
+    with pytest.raises(ModelFolderError, match="transformer_2 but no boundary_ratio"):
+        Pipeline.load(folder, devices="cpu")
+    (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 1.5}))
+    with pytest.raises(ModelFolderError, match=r"boundary_ratio must be between 0 and 1, got 1\.5"):
+        Pipeline.load(folder, devices="cpu")
+    with pytest.raises(InvalidRequest, match="finite number ≥ 0") as bad:
+        a14b.resolve(GenerationRequest("a cat", guidance_scale_2=-1.0, **VIDEO))
+    assert bad.value.field == "guidance_scale_2"
+
+
+def test_a_one_transformer_wan_refuses_guidance_scale_2_by_name(tmp_path_factory) -> None:
+    from tests.tiny_pipelines import build_wan_folder
+
+    wan = Pipeline.load(build_wan_folder(tmp_path_factory.mktemp("wan21") / "t2v"), devices="cpu")
+    with pytest.raises(InvalidRequest, match="this model has one transformer") as bad:
+        wan.resolve(GenerationRequest("a cat", guidance_scale_2=3.0, **VIDEO))
+    assert bad.value.field == "guidance_scale_2"
+
+
+def test_i2v_a14b_makes_wan_image_to_video_pipelines_video(tmp_path_factory) -> None:
+    """Wan2.2-I2V-A14B's shape: two 36-channel experts (boundary 0.9) and no image encoder: the
+    first frame conditions through its latents and mask only."""
+    from tests.tiny_wan22 import build_wan22_i2v_two_expert_folder
+
+    folder = build_wan22_i2v_two_expert_folder(tmp_path_factory.mktemp("i2v") / "i2v-a14b")
+    pipeline = Pipeline.load(folder, devices="cpu")
+    assert pipeline.components.image_encoder is None and len(pipeline.experts) == 2
+    frame = Image.new("RGB", (32, 32), (200, 40, 40))
+    request = pipeline.resolve(
+        GenerationRequest(
+            "a red circle", negative_prompt="blue", seed=3, steps=STEPS, guidance_scale=4.0,
+            guidance_scale_2=2.0, reference=frame, **VIDEO,
+        )
+    )  # fmt: skip
+    mine = pipeline.generate([request])[0]
+    assert alike(mine, wan_video(folder, request, frame)) * 255 <= 2
+
+
+def test_a14b_plans_at_published_sizes_count_both_experts(run_cli) -> None:
+    """`plan --config wan2.2-t2v-a14b`: two 14 B experts (each Wan 2.1 14B's shape) on one 80 GiB
+    GPU in bfloat16 beside UMT5-XXL, their bytes counted twice."""
+    done = [
+        run_cli("plan", "--config", name, "--devices", "cuda:0", "--max-memory", "cuda:0=80GiB",
+                "--dtype", "bfloat16", "--max-batch", "2", "--json")
+        for name in ("wan2.2-t2v-a14b", "wan-14b")
+    ]  # fmt: skip
+    assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
+    two, one = (sum(sum(s["block_bytes"]) for s in json.loads(d.stdout)["stages"]) for d in done)
+    assert two == 2 * one and two > 50 * 2**30
+    assert len(reference_family("wan2.2-i2v-a14b").experts) == 2
+
+
+# Wan 2.2 TI2V-5B's image-to-video: a timestep per latent frame, the first one still.
+
+
+@pytest.fixture(scope="module")
+def ti2v_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_wan22 import build_wan22_ti2v_folder
+
+    return build_wan22_ti2v_folder(tmp_path_factory.mktemp("ti2v") / "ti2v-5b")
+
+
+def test_per_frame_timesteps_walk_as_diffusers_per_token_ones_split_or_not(ti2v_folder) -> None:
+    """A [rows, frames] timestep (the first frame's 0) through our blocks, whole and as a sequence
+    group of 2, equals the model's forward given WanPipeline's per-token timesteps."""
+    from diffusers import WanTransformer3DModel
+
+    from server.engine import CallPlan, ModelShard, plan_shards
+    from server.engine.denoisers.blocks import DenoiserInputs
+    from server.engine.runtime.replicas import Workers, sharing_weights
+    from server.engine.runtime.sequence import run_sequence
+
+    model = WanTransformer3DModel.from_pretrained(ti2v_folder / "transformer").eval()
+    generator = torch.Generator().manual_seed(1)
+    frames = torch.tensor([[0.0, 700.0, 700.0], [0.0, 300.0, 300.0]])
+    inputs = DenoiserInputs(
+        torch.randn(2, 48, 3, 4, 6, generator=generator), frames, torch.randn(2, 7, 32, generator=generator)
+    )
+    per_token = frames.repeat_interleave(2 * 3, dim=1)  # 2×3 tokens a latent frame
+    with torch.inference_mode():
+        expected = model(inputs.sample, per_token, inputs.context, return_dict=False)[0]
+    shards = [ModelShard(model, plan_shards(model, ["cpu"], "memory"))]
+    assert torch.allclose(shards[0].run(inputs, CallPlan.plain(2)).out, expected, atol=1e-6)
+    shards.append(ModelShard(sharing_weights(model), shards[0].plan))
+    workers = Workers(1, 1)
+    try:
+        out = run_sequence(shards, shards[0].sequence, inputs, CallPlan.plain(2), workers.submit).out
+    finally:
+        workers.close()
+    assert torch.allclose(out, expected, atol=1e-5), float((out - expected).abs().max())
+
+
+def test_ti2v_image_to_video_equals_wan_image_to_video_pipelines_beside_text_to_video(ti2v_folder) -> None:
+    """The same TI2V folder: a video from a first frame (input_reference) equals
+    WanImageToVideoPipeline's; stepped together with a text-to-video one, each equals alone."""
+    pipeline = Pipeline.load(ti2v_folder, devices="cpu")
+    assert pipeline.family.pastes_first_frame
+    frame = Image.new("RGB", (64, 64), (200, 40, 40))
+    size = {"width": 64, "height": 64, "frames": 9}
+    from_image = pipeline.resolve(
+        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, guidance_scale=5.0,
+                          reference=frame, **size)
+    )  # fmt: skip
+    from_text = pipeline.resolve(
+        GenerationRequest("a blue square", seed=4, steps=4, guidance_scale=5.0, **size)
+    )
+    alone = [pipeline.generate([r])[0] for r in (from_image, from_text)]
+    assert alike(alone[0], wan_video(ti2v_folder, from_image, frame)) * 255 <= 2
+    together = pipeline.generate([from_image, from_text])
+    for mine, one in zip(together, alone, strict=True):
+        assert alike(mine, one) < 1e-3
+
+
+def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_2(
+    a14b, a14b_folder, tmp_path
+) -> None:
+    """One adapter file: `transformer.` keys for the high-noise expert, `transformer_2.` keys for
+    the low-noise one, as WanPipeline.load_lora_weights(..., load_into_transformer_2=True) loads
+    a second file; a row asking for it gets each expert's own deltas."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file, save_file
+
+    from server.pipeline.lorafiles import read_adapter
+    from tests.test_wan import random_wan_lora
+
+    high = random_wan_lora(a14b_folder, tmp_path / "high.safetensors", 1)
+    low = random_wan_lora(a14b_folder, tmp_path / "low.safetensors", 2)
+    both = {
+        **load_file(high),
+        **{"transformer_2" + k.removeprefix("transformer"): v for k, v in load_file(low).items()},
+    }
+    save_file(both, tmp_path / "both.safetensors")
+    adapter = read_adapter("both", tmp_path / "both.safetensors", a14b.family)
+    assert adapter.describe()["parts"] == ["transformer", "transformer_2"]
+    a14b.add_adapter(adapter)
+    request = a14b.resolve(
+        GenerationRequest(
+            "a red circle", seed=3, steps=STEPS, guidance_scale=4.0, lora=(("both", 0.8),), **VIDEO
+        )
+    )
+    mine = a14b.generate([request])[0]
+    pipe = WanPipeline.from_pretrained(a14b_folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(high), adapter_name="both")
+    pipe.load_lora_weights(str(low), adapter_name="both", load_into_transformer_2=True)
+    pipe.set_adapters(["both"], [0.8])
+    theirs = pipe(
+        prompt=request.prompt, height=32, width=32, num_frames=9, num_inference_steps=STEPS,
+        guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+    ).frames[0]  # fmt: skip
+    assert alike(mine, theirs) * 255 <= 2
+    plain = a14b.generate([a14b.resolve(replace(request, lora=()))])[0]
+    assert alike(mine, plain) * 255 > 10
