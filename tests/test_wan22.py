@@ -307,3 +307,63 @@ def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_
     assert alike(mine, theirs) * 255 <= 2
     plain = a14b.generate([a14b.resolve(replace(request, lora=()))])[0]
     assert alike(mine, plain) * 255 > 10
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # openai 3.x, on every videos call
+def test_an_a14b_video_job_over_the_sdk_equals_wan_pipelines_and_shards_count_its_experts(
+    a14b_folder, tmp_path
+) -> None:
+    """Served: a job with guidance_scale_2 (OpenAI's SDK, extra_body) gives WanPipeline's frames
+    within 2/255; /v1/models names the experts, /v1/shards counts each expert's rows; a bad
+    second scale is a 400 naming it."""
+    import httpx
+    import openai
+
+    from tests.live import live_server
+    from tests.test_videos import frames_of
+    from tests.waiting import wait_until
+
+    extra = {"num_frames": 9, "seed": 3, "num_inference_steps": STEPS, "guidance_scale": 4.0,
+             "guidance_scale_2": 2.0, "negative_prompt": "blue"}  # fmt: skip
+    store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    with live_server("--model", str(a14b_folder), "--job-store", store, "--drain-timeout-s", "0.5") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        video = client.videos.create(prompt="a red circle", size="32x32", extra_body=extra)
+        done = wait_until(
+            lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
+            120,
+            "the two-expert job",
+        )
+        assert done.status == "completed", done.error
+        frames = frames_of(client.videos.download_content(video.id, variant="frames").read())
+        experts = httpx.get(f"{server.url}/v1/shards").json()["parallel"]["experts"]
+        family = httpx.get(f"{server.url}/v1/models").json()["data"][0]["family"]
+        bad = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a cat", "guidance_scale_2": -1})
+    assert experts["rows"] == {"transformer": 2 * HIGH_STEPS, "transformer_2": 2 * (STEPS - HIGH_STEPS)}
+    assert family["supports"]["experts"] == ["transformer", "transformer_2"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guidance_scale_2"
+    request = GenerationRequest(
+        "a red circle",
+        negative_prompt="blue",
+        seed=3,
+        steps=STEPS,
+        guidance_scale=4.0,
+        guidance_scale_2=2.0,
+        **VIDEO,
+    )
+    theirs = (wan_video(a14b_folder, request) * 255).round().astype(int)
+    assert frames.shape == theirs.shape == (9, 32, 32, 3)
+    assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
+
+
+def test_ti2v_defaults_are_the_model_cards_and_it_fits_24_gib_quantized(run_cli) -> None:
+    """TI2V-5B's default clip is 121 frames of 1280×704; one 24 GiB GPU holds it in int8 (its
+    UMT5-XXL too), not in bfloat16."""
+    ti2v = reference_family("wan2.2-ti2v-5b")
+    assert (ti2v.clip.frames, ti2v.clip.size, ti2v.native_size) == (121, (1280, 704), 704)
+    args = ("plan", "--config", "wan2.2-ti2v-5b", "--devices", "cuda:0", "--max-memory", "cuda:0=24GiB",
+            "--dtype", "bfloat16")  # fmt: skip
+    quantized, whole = run_cli(*args, "--quantize", "int8", "--json"), run_cli(*args)
+    assert quantized.returncode == 0, quantized.stderr
+    assert json.loads(quantized.stdout)["quantize"]["modes"]["int8"]["fits"]
+    assert whole.returncode != 0 and "do not fit cuda:0" in whole.stderr

@@ -74,12 +74,12 @@ def wan22_vae() -> AutoencoderKLWan:
     )  # fmt: skip
 
 
-def build_wan22_two_expert_folder(folder: Path) -> Path:
+def build_wan22_two_expert_folder(folder: Path, **transformer: object) -> Path:
     """A tiny Wan2.2-T2V-A14B folder: `tiny_pipelines`' Wan 2.1 parts (a 2-block transformer over
-    1×2×2 patches, the 16-channel Wan 2.1 VAE, UMT5) with a second transformer of the same config
-    drawn under another seed (`transformer_2`, the low-noise expert), `boundary_ratio` 0.875 and
-    flow matching at shift 3."""
-    parts = _wan_parts()
+    1×2×2 patches, the 16-channel Wan 2.1 VAE, UMT5; `transformer`: other sizes) with a second
+    transformer of the same config drawn under another seed (`transformer_2`, the low-noise
+    expert), `boundary_ratio` 0.875 and flow matching at shift 3."""
+    parts = _wan_parts(**transformer)
     torch.manual_seed(1)
     low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
     parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_A14B)

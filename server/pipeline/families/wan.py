@@ -81,12 +81,11 @@ class Wan(Family):
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 5.0
     vae_float32: ClassVar[bool] = True  # as diffusers' and Wan-AI's examples load it: 0.5 GB
-    default_area: ClassVar[float] = 832 * 480 / 480**2  # 480p either way round (832x480, 480x832)
     reference_vae: ClassVar[dict[str, Any] | None] = WAN_VAE
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "wan-1.3b": WAN_1_3B,
         "wan-14b": {},
-        "wan2.2-ti2v-5b": {**WAN22_TI2V_5B, "_vae": WAN22_VAE},
+        "wan2.2-ti2v-5b": {**WAN22_TI2V_5B, "_vae": WAN22_VAE, "_index": {"expand_timesteps": True}},
         "wan2.2-t2v-a14b": WAN22_T2V_A14B,
     }
 
@@ -125,12 +124,20 @@ class Wan(Family):
 
     @property
     def clip(self) -> Clip:
-        """WanPipeline's default clip, 81 frames of 832×480 (480p); 1 + 4k frames (the VAE's 4×
-        temporal compression), as many as the transformer's rotary positions reach."""
+        """WanPipeline's default clip, 81 frames of 832×480 (480p; TI2V-5B's model card: 121 of
+        1280×704, 720p); 1 + 4k frames (the VAE's 4× temporal compression), as many as the
+        transformer's rotary positions reach."""
         multiple = int(self.config.vae.get("scale_factor_temporal") or 2 ** sum(self._temporal))
         patch_frames = int(self.config.denoiser.get("patch_size", (1, 2, 2))[0])
         longest = (self._positions // patch_frames - 1) * multiple + 1
-        return Clip(frames=81, size=(832, 480), frame_multiple=multiple, max_frames=longest)
+        frames, size = (121, (1280, 704)) if self.pastes_first_frame else (81, (832, 480))
+        return Clip(frames=frames, size=size, frame_multiple=multiple, max_frames=longest)
+
+    @property
+    def default_area(self) -> float:  # type: ignore[override]
+        """The default clip's pixels either way round (832x480 or 480x832; TI2V's 1280x704)."""
+        width, height = self.clip.size
+        return width * height / self.native_size**2
 
     @property
     def latent_channels(self) -> int:
@@ -138,7 +145,8 @@ class Wan(Family):
 
     @property
     def native_size(self) -> int:
-        return 480  # Wan 2.1's 480p: an image's side; a video's default is 832×480 (its clip's)
+        """Wan 2.1's 480p (TI2V-5B's 704): an image's side; a video's default is its clip's size."""
+        return 704 if self.pastes_first_frame else 480
 
     @property
     def size_multiple(self) -> int:
