@@ -267,6 +267,28 @@ def test_ti2v_image_to_video_equals_wan_image_to_video_pipelines_beside_text_to_
         assert alike(mine, one) < 1e-3
 
 
+def test_the_wan_2_2_vae_decodes_in_tiles_as_diffusers_tiles_it(ti2v_folder) -> None:
+    """--vae-tiling on the 48-channel VAE (its 2x2 pixel patches inside): diffusers' own tiles, as
+    WanPipeline decodes after `vae.enable_tiling()`; 512 px wide, so it tiles."""
+    from diffusers import WanPipeline
+
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=2, guidance_scale=5.0, width=512, height=64, frames=5
+    )
+    tiled = Pipeline.load(ti2v_folder, devices="cpu", vae_tiling=True)
+    mine = tiled.generate([tiled.resolve(request)])[0]
+    whole = Pipeline.load(ti2v_folder, devices="cpu").generate([tiled.resolve(request)])[0]
+    pipe = WanPipeline.from_pretrained(ti2v_folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling()
+    theirs = pipe(
+        prompt="a red circle", height=64, width=512, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+    ).frames[0]  # fmt: skip
+    assert alike(mine, theirs) * 255 <= 2
+    assert alike(mine, whole) * 255 > 10
+
+
 def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_2(
     a14b, a14b_folder, tmp_path
 ) -> None:

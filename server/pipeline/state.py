@@ -31,9 +31,7 @@ class RequestState:
     begin: int = 0  # timesteps an edit skips (its strength): it starts at timesteps[begin]
     inpainting: Inpainting | None = None  # an inpainting edit's image latents, noise and mask
     conditioning: torch.Tensor | None = None  # an inpainting denoiser's mask and masked image [1, 5, h, w]
-    first_frame: torch.Tensor | None = (
-        None  # [1, C, 1, h, w] pasted over the first latent frame, still at t=0
-    )
+    first_frame: torch.Tensor | None = None  # [1, C, 1, h, w] pasted over the first latent frame
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
