@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     parallel: Parallel = Field(
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
-        "sequence (every call's tokens split over the replicas: transformer denoisers), auto (the fastest "
+        "sequence (every call's tokens split over the replicas: transformer denoisers), experts (a model's "
+        "experts each on its own devices: Wan 2.2 A14B), auto (the fastest "
         "predicted; a lone request's rows or tokens split over idle replicas) or off (one split, "
         "one micro-batch: the least memory)",
     )

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from server.errors import InvalidRequest, ModelFolderError
+from server.errors import InvalidRequest, ModelFolderError, PlanError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.families import reference_family
 
@@ -194,15 +194,20 @@ def test_i2v_a14b_makes_wan_image_to_video_pipelines_video(tmp_path_factory) -> 
 
 def test_a14b_plans_at_published_sizes_count_both_experts(run_cli) -> None:
     """`plan --config wan2.2-t2v-a14b`: two 14 B experts (each Wan 2.1 14B's shape) on one 80 GiB
-    GPU in bfloat16 beside UMT5-XXL, their bytes counted twice."""
+    GPU in bfloat16 beside UMT5-XXL, their bytes counted twice; on two 80 GiB GPUs, an expert
+    each (auto: `experts`)."""
+    gpus = ("cuda:0", "cuda:0=80GiB"), ("cuda:0,cuda:1", "cuda:0=80GiB,cuda:1=80GiB")
     done = [
-        run_cli("plan", "--config", name, "--devices", "cuda:0", "--max-memory", "cuda:0=80GiB",
+        run_cli("plan", "--config", name, "--devices", devices, "--max-memory", memory,
                 "--dtype", "bfloat16", "--max-batch", "2", "--json")
-        for name in ("wan2.2-t2v-a14b", "wan-14b")
+        for name, (devices, memory) in (("wan2.2-t2v-a14b", gpus[0]), ("wan-14b", gpus[0]),
+                                        ("wan2.2-t2v-a14b", gpus[1]))
     ]  # fmt: skip
     assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
-    two, one = (sum(sum(s["block_bytes"]) for s in json.loads(d.stdout)["stages"]) for d in done)
+    two, one = (sum(sum(s["block_bytes"]) for s in json.loads(d.stdout)["stages"]) for d in done[:2])
     assert two == 2 * one and two > 50 * 2**30
+    apart = json.loads(done[2].stdout)["parallel"]
+    assert apart["kind"] == "experts" and apart["replica_devices"] == [["cuda:0"], ["cuda:1"]]
     assert len(reference_family("wan2.2-i2v-a14b").experts) == 2
 
 
@@ -389,3 +394,39 @@ def test_ti2v_defaults_are_the_model_cards_and_it_fits_24_gib_quantized(run_cli)
     assert quantized.returncode == 0, quantized.stderr
     assert json.loads(quantized.stdout)["quantize"]["modes"]["int8"]["fits"]
     assert whole.returncode != 0 and "do not fit cuda:0" in whole.stderr
+
+
+def test_experts_apart_each_on_its_own_worker_give_what_one_device_gives(a14b, a14b_folder) -> None:
+    """`--parallel experts` on two CPU workers: expert k's shard on worker k (auto picks it on
+    distinct GPUs); videos either side of the boundary stepped together equal one device's, and
+    each worker holds one expert's bytes."""
+    from server.engine.denoisers.blocks import tensor_bytes
+    from server.pipeline.loader import read_family
+    from server.pipeline.planning import plan_model
+
+    family = read_family(a14b_folder)
+    plan = plan_model(family, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=32,
+                      folder=a14b_folder, parallel="experts")  # fmt: skip
+    assert plan.experts_apart and plan.kind == "experts" and len(plan.replicas) == 2
+    apart = Pipeline.load(a14b_folder, plan=plan)
+    shards = [d.replicas[0] for d in apart.experts]
+    assert shards[0] is not shards[1] and shards[0].model is not shards[1].model
+    one = tensor_bytes(apart.components.denoiser, torch.float32)
+    assert [sum(s.plan.stages[0].block_bytes) for s in shards] == [one, one]
+    older = GenerationRequest("a red circle", seed=3, steps=STEPS, guidance_scale=4.0, **VIDEO)
+    newer = GenerationRequest("a blue square", seed=4, steps=STEPS, guidance_scale=4.0, **VIDEO)
+    alone = [a14b.generate([a14b.resolve(r)])[0] for r in (older, newer)]
+    states = apart.start([apart.resolve(older)])
+    for _ in range(HIGH_STEPS):
+        apart.step(states)
+    states += apart.start([apart.resolve(newer)])
+    while active := [s for s in states if not s.done]:
+        apart.step(active)
+    apart.decode(states)
+    for state, video in zip(states, alone, strict=True):
+        assert alike(state.image.numpy(), video) < 1e-3
+        state.close()
+    assert apart.expert_steps.mixed_steps == HIGH_STEPS
+    with pytest.raises(PlanError, match="a multiple of 2"):
+        plan_model(family, ["cpu"], "memory", dtype=torch.float32, batch=4, side=32, folder=a14b_folder,
+                   parallel="experts")  # fmt: skip

@@ -148,10 +148,13 @@ class Pipeline:
                 components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
                 dtype=dtype, block_bytes=held, experts=len(family.experts),
             )  # fmt: skip
-        # every expert placed by the one plan: its blocks beside the first expert's (counted so)
+        # every expert placed by the one plan, its blocks beside the first expert's (counted so), or
+        # each on its own devices (`experts_apart`: the plan's replica k is expert k's placement)
+        apart = isinstance(plan, ParallelPlan) and plan.experts_apart
+        places = plan.replicas if apart else [plan] * len(components.experts)
         deployment, *more = (
-            Deployment.of(model, plan, placing(quantizations, components, k))
-            for k, model in enumerate(components.experts)
+            Deployment.of(model, place, placing(quantizations, components, k))
+            for k, (model, place) in enumerate(zip(components.experts, places, strict=True))
         )
         pipeline = cls(
             components,

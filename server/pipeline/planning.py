@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from server.engine import CostModel, Costs, ParallelPlan, layout_of, plan_parallel, plan_shards
+from server.engine import CostModel, Costs, Parallel, ParallelPlan, layout_of, plan_parallel, plan_shards
 from server.engine.denoisers.blocks import tensor_bytes
-from server.engine.hardware.devices import device_kind, resolve_devices
+from server.engine.hardware.devices import device_kind, parse_memory_map, resolve_devices, worker_names
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.costs import profile_note
 from server.engine.planning.plan import count_block_bytes
@@ -86,26 +88,66 @@ def plan_model(
     where = f"{costs} at 2 rows of {latent}² latents"
     if note := profile_note(resolve_devices(devices), device_profile, dtype):
         where += f"; {note}"
-    return plan_parallel(
-        model,
-        devices,
-        "off" if device_map else parallel,  # an explicit block map is one split
-        strategy,
-        threads=threads,
-        block_costs=model_costs.costs,
-        costs_note=where,
-        pick_threads=pick_threads,
-        timed=costs == Costs.MEASURED,
-        lone_rows=family.lone_rows,
-        links=model_costs.link,
-        max_memory=max_memory,
-        device_map=device_map,
-        dtype=dtype,
-        latent_size=side // family.vae_scale_factor,
-        batch=batch,
-        resident=resident,
-        block_bytes=block_bytes,
-        experts=len(family.experts),
+
+    def plan(devices: str | Sequence[str], parallel: str, **more: Any) -> ParallelPlan:
+        return plan_parallel(
+            model, devices, parallel, strategy, threads=threads, block_costs=model_costs.costs,
+            costs_note=where, pick_threads=pick_threads, timed=costs == Costs.MEASURED,
+            lone_rows=family.lone_rows, links=model_costs.link, device_map=device_map, dtype=dtype,
+            latent_size=side // family.vae_scale_factor, batch=batch, block_bytes=block_bytes,
+            **{"max_memory": max_memory, "resident": resident, "experts": len(family.experts), **more},
+        )  # fmt: skip
+
+    # auto: experts apart on distinct GPUs, where each device's memory is its own (CPU workers share
+    # the cores and one copy of the weights: replicas of both experts serve them better)
+    listed, asked = resolve_devices(devices), parallel == Parallel.EXPERTS
+    own = len(set(listed)) == len(listed) and not any(d.startswith("cpu") for d in listed)
+    tried = asked or (parallel == Parallel.AUTO and own and not device_map)
+    if tried and (apart := experts_apart(family, listed, max_memory, plan, asked)):
+        return apart
+    return plan(devices, "off" if device_map else parallel)  # an explicit block map is one split
+
+
+def experts_apart(
+    family: Family,
+    devices: list[str],
+    max_memory: Mapping[str, int] | str | None,
+    plan: Callable[..., ParallelPlan],
+    asked: bool,
+) -> ParallelPlan | None:
+    """A model's experts (Wan 2.2 A14B's two) each on its own share of the devices, in order (the
+    first with the encoders and VAE): a step's call for each runs where that expert lives, no
+    activations cross between devices, and each device holds one expert's bytes. None where the
+    devices do not divide among the experts or an expert does not fit its share, unless `asked`
+    (`--parallel experts`): then that is the error."""
+    count = len(family.experts)
+    if count < 2 or len(devices) < count or len(devices) % count:
+        if asked:
+            raise PlanError(
+                f"--parallel experts places each of a model's experts on its own devices: this model has "
+                f"{count} expert(s) and {len(devices)} device(s) (give a multiple of {count}, two or more)"
+            )
+        return None
+    share, budgets = len(devices) // count, parse_memory_map(max_memory)
+    plans = []
+    try:
+        for k in range(count):
+            mine = devices[k * share : (k + 1) * share]
+            memory = {d: b for d, b in budgets.items() if d in mine}
+            plans.append(plan(mine, "off", max_memory=memory, experts=1, **({"resident": 0} if k else {})))
+    except PlanError:
+        if asked:
+            raise
+        return None
+    first = plans[0]
+    return replace(
+        first,
+        replicas=tuple(p.replicas[0] for p in plans),
+        workers=tuple(worker_names([s.device for p in plans for s in p.replicas[0].stages])),
+        candidates=(),
+        reason=f"{count} experts, each on its own device(s): a step's call per expert runs where it "
+        "lives and no activations cross devices",
+        experts_apart=True,
     )
 
 

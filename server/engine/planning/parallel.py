@@ -41,6 +41,7 @@ class Parallel(StrEnum):
     REPLICAS = "replicas"  # the whole model on every device
     PIPELINE = "pipeline"  # one split, every stage busy with its own lane
     SEQUENCE = "sequence"  # one lane; every call's tokens split over every replica (DiTs)
+    EXPERTS = "experts"  # a model's experts each on its own devices (Wan 2.2 A14B)
     OFF = "off"  # one split, one lane: the least memory
 
 
@@ -106,6 +107,7 @@ class ParallelPlan:
     splits_lone: bool = False  # see Candidate
     sequence: int = 1  # see Candidate
     grouped: bool = False  # see Candidate
+    experts_apart: bool = False  # replica k holds expert k alone (Wan 2.2 A14B), not every expert
 
     @property
     def stages(self) -> int:
@@ -113,10 +115,12 @@ class ParallelPlan:
 
     @property
     def lanes(self) -> int:
-        return 1 if self.grouped else len(self.replicas) * self.lanes_per_replica
+        return 1 if self.grouped or self.experts_apart else len(self.replicas) * self.lanes_per_replica
 
     @property
     def kind(self) -> str:
+        if self.experts_apart:
+            return "experts"
         if self.grouped:
             return "sequence"
         if len(self.replicas) > 1:
@@ -138,6 +142,7 @@ class ParallelPlan:
             "costs": self.costs,
             "splits_lone_requests": self.splits_lone,
             "sequence_degree": self.sequence,
+            "experts_apart": self.experts_apart,
             "candidates": [c.to_dict() for c in self.candidates],
             "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
         }
@@ -147,8 +152,9 @@ class ParallelPlan:
     def headline(self) -> str:
         """What runs where, why, and the candidates weighed (the plan's first lines)."""
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} per worker" if self.threads else ""
+        each = "expert" if self.experts_apart else "replica"
         lines = [
-            f"parallel: {self.kind}: {len(self.replicas)} replica(s) × {self.stages} stage(s), "
+            f"parallel: {self.kind}: {len(self.replicas)} {each}(s) × {self.stages} stage(s), "
             f"{self.lanes} lane(s){threads}; workers {', '.join(self.workers)}"
         ]
         if self.reason:
@@ -163,8 +169,9 @@ class ParallelPlan:
         if len(self.replicas) == 1:
             lines.append(str(self.replicas[0]))
         else:
+            name = "expert" if self.experts_apart else "replica"
             for index, plan in enumerate(self.replicas):
-                lines += [f"replica {index}:", str(plan)]
+                lines += [f"{name} {index}:", str(plan)]
         return "\n".join(lines)
 
 
