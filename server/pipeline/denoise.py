@@ -41,7 +41,7 @@ from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
-from server.errors import InvalidRequest
+from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline.adapters import CHANGES, unknown_adapter
 from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, matching
 from server.pipeline.edits import first_latents, keep_unmasked
@@ -84,11 +84,10 @@ class Pipeline:
         self.components = components
         self.family = components.family
         self.deployment = deployment
-        self.lane = lane or Lane(deployment.replicas[0])  # the lane this pipeline (view) steps
+        self.lane = lane or deployment.first_lane()  # the lane this pipeline (view) steps
         self.shard = self.lane.shard
-        # every expert's deployment and this view's lane through it (`family.experts`' order)
-        self.experts = (deployment, *more_experts)
-        self.expert_lanes = (self.lane, *(Lane(d.replicas[0]) for d in more_experts))
+        self.experts = (deployment, *more_experts)  # every expert's, `family.experts`' order
+        self.expert_lanes = (self.lane, *(d.first_lane() for d in more_experts))  # this view's
         self.expert_steps = ExpertSteps(self.family.experts)  # shared by the lanes' views
         self.pool = pool or ActivationPool()
         self.device = self.shard.device  # latents and the denoiser's inputs and outputs live here
@@ -183,6 +182,8 @@ class Pipeline:
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
+        if self.deployment.tensor > 1:  # a split layer's share of an adapter is not built yet
+            raise ModelFolderError(f"LoRA {adapter.name!r}: adapters do not run in a tensor group yet")
         encoders = zip(self.family.text_encoders, self.encoders, self.encoder_slots, strict=False)
         self.adapters.targets = {  # absent encoders are last
             **{

@@ -27,6 +27,7 @@ from server.engine import (
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.runtime.sequence import SequenceGroup, groups_for
+from server.engine.runtime.tensor import run_tensor
 
 log = logging.getLogger("diffshard")
 
@@ -115,6 +116,9 @@ class Lane:
         Helper threads lost in an earlier call are replaced first (a batch that failed with one
         is retried job by job: the others must not fail too)."""
         self.recover()
+        if self.shard.tensor is not None and self.workers is not None:  # every call: its tensor group's
+            ranks = [self.shard, *self.spare()]
+            return run_tensor(ranks, self.shard.tensor, inputs, plan, self.workers.submit)
         if not plan.splittable:
             return self.shard.run(inputs, plan)
         spare = self.spare()
@@ -145,6 +149,7 @@ class Deployment:
     splits_lone: bool = False  # the plan predicts splitting a lone request over idle replicas pays
     sequence: int = 1  # > 1: split its tokens (a sequence group of this many replicas), not its rows
     grouped: bool = False  # one lane; every call's tokens split over every replica
+    tensor: int = 1  # > 1: one lane; every call a tensor group over every replica (its ranks)
 
     @classmethod
     def of(
@@ -159,15 +164,21 @@ class Deployment:
             return cls((ModelShard(model, plan, placed=placed),))
         shards = build_shards(model, plan, placed)
         return cls(
-            tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence, plan.grouped
-        )
+            tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence,
+            plan.grouped, plan.tensor,
+        )  # fmt: skip
+
+    def first_lane(self) -> Lane:
+        """The lane a pipeline steps unless given one: its first replica's, alone; a tensor group's
+        ranks together (a rank holds only a share of the split blocks)."""
+        return self.lanes()[0] if self.tensor > 1 else Lane(self.replicas[0])
 
     def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
         for the micro-batches it sends them. Grouped: one lane, the other replicas always its."""
         groups = GroupCalls()  # counted over every lane
-        if self.grouped:
+        if self.grouped or self.tensor > 1:
             others = self.replicas[1:]
             workers = Workers(len(others), self.threads)
             return [Lane(self.replicas[0], workers, lambda: others, self.sequence, groups, True)]

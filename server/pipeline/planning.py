@@ -75,6 +75,10 @@ def plan_model(
     threads in all (a lone CPU worker runs the count predicted fastest up to it, or all of them
     without `pick_threads`). Weights count as `quantize` (`--quantize`) leaves them, the
     denoiser's as `denoiser_file` (GGUF) holds them."""
+    if parallel == Parallel.TENSOR and (quantize or denoiser_file):  # a quantized layer's share: not yet
+        raise PlanError(
+            "--parallel tensor splits float weights only so far: drop --quantize (or the GGUF file)"
+        )
     resident, quantizations = resident_bytes(family, folder, dtype, quantize or {})
     model = meta_denoiser(family)
     block_bytes = None

@@ -11,8 +11,10 @@ Supporting another denoiser means declaring its blocks (a `DenoiserSpec`, regist
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
+from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
 import torch
@@ -138,6 +140,55 @@ class SequenceSplit:
     blocks: frozenset[str]
     tokens: dict[str, int]
     shared: Callable[[dict[str, Any], dict[str, tuple[int, int, int]]], dict[str, Any]] | None = None
+
+
+# What a tensor group splits (`runtime/tensor.py`): how each Linear layer of the split blocks is cut.
+
+
+class Cut(StrEnum):
+    COLUMN = "column"  # output features cut
+    ROW = "row"  # input features cut, partial outputs summed over the ranks
+    PACKED_ROW = "packed_row"  # a row cut of an input made of several column-cut parts
+    GATHERED = "gathered"  # output features cut, then gathered whole on every rank
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """What a tensor group splits: the `blocks` (a DiT's transformer blocks), each Linear layer's
+    cut by pattern (`layers`: inside a block, `*` for its index), and a packed row layer's parts
+    (`packed`: pattern → the parts' shares of its inputs, e.g. (1, 4): attention, then MLP)."""
+
+    blocks: frozenset[str]
+    layers: Mapping[str, Cut]
+    packed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def cut_of(self, path: str) -> Cut | None:
+        return next((cut for pattern, cut in self.layers.items() if fnmatchcase(path, pattern)), None)
+
+    def parts_of(self, path: str) -> tuple[int, ...]:
+        return next(parts for pattern, parts in self.packed.items() if fnmatchcase(path, pattern))
+
+
+def from_diffusers(plan: Mapping[str, Any]) -> dict[str, Cut]:
+    """A model's `_tp_plan` (diffusers' declaration: "colwise", "rowwise", PackedRowwiseParallel)
+    as cuts; a packed layer's parts are read from its `_tp_packed_row_blocks` by `packed_parts`."""
+    cuts = {}
+    for pattern, style in plan.items():
+        name = style if isinstance(style, str) else type(style).__name__
+        cuts[pattern] = {"colwise": Cut.COLUMN, "rowwise": Cut.ROW, "PackedRowwiseParallel": Cut.PACKED_ROW}[
+            name
+        ]
+    return cuts
+
+
+def packed_parts(model: nn.Module, cuts: Mapping[str, Cut]) -> dict[str, tuple[int, ...]]:
+    """Each packed row pattern's parts, as the model's first such layer declares them."""
+    out = {}
+    for pattern, cut in cuts.items():
+        if cut == Cut.PACKED_ROW:
+            layer = next(m for n, m in model.named_modules() if fnmatchcase(n, pattern))
+            out[pattern] = tuple(layer._tp_packed_row_blocks)
+    return out
 
 
 class DenoiserSpec(Protocol):

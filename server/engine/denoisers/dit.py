@@ -27,10 +27,12 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
     present,
 )
 
@@ -95,6 +97,20 @@ class SD3TransformerSpec:
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
         return SequenceSplit(blocks, TOKENS)
 
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """Each joint block's attention (both streams, and SD3.5's second attention) by heads, its
+        MLPs, and its AdaLN modulation gathered; as diffusers splits FLUX.1's (SD3 declares none)."""
+        blocks = "transformer_blocks.*"
+        cuts = {f"{blocks}.{a}.{p}": Cut.COLUMN for a in ("attn", "attn2") for p in QKV}
+        cuts |= {f"{blocks}.{a}.to_out.0": Cut.ROW for a in ("attn", "attn2")}
+        cuts |= {f"{blocks}.attn.to_add_out": Cut.ROW}
+        for ff in ("ff", "ff_context"):
+            cuts |= {f"{blocks}.{ff}.net.0.proj": Cut.COLUMN, f"{blocks}.{ff}.net.2": Cut.ROW}
+        cuts |= {f"{blocks}.{n}.linear": Cut.GATHERED for n in ("norm1", "norm1_context")}
+        return TensorSplit(self.sequence(model).blocks, cuts)
+
+
+QKV = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 
 TOKENS = {"hidden": 1, "context": 1}  # a DiT's image and text tokens: [rows, tokens, features]
 

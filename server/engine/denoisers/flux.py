@@ -26,10 +26,14 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
+    from_diffusers,
+    packed_parts,
     present,
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
@@ -125,6 +129,16 @@ class FluxTransformerSpec:
             for i in range(len(getattr(model, stream)))
         )
         return SequenceSplit(blocks, TOKENS, rotary_slice)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """diffusers' own plan for FLUX.1 (`_tp_plan`: heads, MLPs and the single blocks' packed
+        output), and each block's AdaLN modulation gathered (a sixth of a double block's weights)."""
+        cuts = from_diffusers(model._tp_plan) | {
+            "transformer_blocks.*.norm1.linear": Cut.GATHERED,
+            "transformer_blocks.*.norm1_context.linear": Cut.GATHERED,
+            "single_transformer_blocks.*.norm.linear": Cut.GATHERED,
+        }
+        return TensorSplit(self.sequence(model).blocks, cuts, packed_parts(model, cuts))
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class Parallel(StrEnum):
     PIPELINE = "pipeline"  # one split, every stage busy with its own lane
     SEQUENCE = "sequence"  # one lane; every call's tokens split over every replica (DiTs)
     EXPERTS = "experts"  # a model's experts each on its own devices (Wan 2.2 A14B)
+    TENSOR = "tensor"  # one lane; every DiT block's Linear layers split over every device
     OFF = "off"  # one split, one lane: the least memory
 
 
@@ -108,6 +109,7 @@ class ParallelPlan:
     sequence: int = 1  # see Candidate
     grouped: bool = False  # see Candidate
     experts_apart: bool = False  # replica k holds expert k alone (Wan 2.2 A14B), not every expert
+    tensor: int = 1  # > 1: the replicas are one tensor group's ranks, each its share of the split blocks
 
     @property
     def stages(self) -> int:
@@ -115,12 +117,15 @@ class ParallelPlan:
 
     @property
     def lanes(self) -> int:
-        return 1 if self.grouped or self.experts_apart else len(self.replicas) * self.lanes_per_replica
+        one = self.grouped or self.experts_apart or self.tensor > 1
+        return 1 if one else len(self.replicas) * self.lanes_per_replica
 
     @property
     def kind(self) -> str:
         if self.experts_apart:
             return "experts"
+        if self.tensor > 1:
+            return "tensor"
         if self.grouped:
             return "sequence"
         if len(self.replicas) > 1:
@@ -143,8 +148,10 @@ class ParallelPlan:
             "splits_lone_requests": self.splits_lone,
             "sequence_degree": self.sequence,
             "experts_apart": self.experts_apart,
+            "tensor_degree": self.tensor,
             "candidates": [c.to_dict() for c in self.candidates],
             "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
+            "replica_bytes": [sum(s.param_bytes for s in plan.stages) for plan in self.replicas],
         }
         return {**self.replicas[0].to_dict(), "parallel": parallel}
 
@@ -152,7 +159,7 @@ class ParallelPlan:
     def headline(self) -> str:
         """What runs where, why, and the candidates weighed (the plan's first lines)."""
         threads = f", {self.threads} thread{'s' * (self.threads != 1)} per worker" if self.threads else ""
-        each = "expert" if self.experts_apart else "replica"
+        each = "expert" if self.experts_apart else "rank" if self.tensor > 1 else "replica"
         lines = [
             f"parallel: {self.kind}: {len(self.replicas)} {each}(s) × {self.stages} stage(s), "
             f"{self.lanes} lane(s){threads}; workers {', '.join(self.workers)}"
@@ -169,7 +176,7 @@ class ParallelPlan:
         if len(self.replicas) == 1:
             lines.append(str(self.replicas[0]))
         else:
-            name = "expert" if self.experts_apart else "replica"
+            name = "expert" if self.experts_apart else "rank" if self.tensor > 1 else "replica"
             for index, plan in enumerate(self.replicas):
                 lines += [f"{name} {index}:", str(plan)]
         return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Layout, part, tensor_bytes
+from server.engine.denoisers.blocks import Cut, Layout, TensorSplit, part, tensor_bytes
 from server.engine.denoisers.specs import layout_of, native_latent
 from server.engine.hardware.devices import (
     default_budget,
@@ -175,6 +175,7 @@ def plan_shards(
     resident: int = 0,
     block_bytes: Mapping[str, int] | None = None,
     experts: int = 1,
+    shares: Mapping[str, float] | None = None,
 ) -> ShardPlan:
     """Plan how `model`'s blocks split across `devices`; nothing is loaded or moved.
 
@@ -187,7 +188,8 @@ def plan_shards(
     each block holds when its weights are quantized (`server.engine.quantize`; default: its
     tensors in `dtype`). `experts`: models of this architecture split alike, each block's
     copies on one device (Wan 2.2 A14B's two experts: a step runs either, so time is one's and
-    bytes are every one's).
+    bytes are every one's). `shares`: the part of a block this plan's device holds (a tensor
+    group's rank: `tensor_shares`; 1 for a block not listed).
     """
     # 1. Check the request before any work.
     strategy, device_list, device_map, budgets = _checked(strategy, devices, device_map, max_memory, batch)
@@ -195,9 +197,12 @@ def plan_shards(
     # 2. Measure the blocks: bytes from parameters, activations from a meta trace.
     layout, dtype = layout_of(model), dtype or next(model.parameters()).dtype
     latent_size = latent_size or native_latent(model)
-    unquantized = {n: b * experts for n, b in count_block_bytes(model, layout, dtype).items()}
+    share = {n: experts * (shares or {}).get(n, 1.0) for n in layout.names}
+    unquantized = {n: round(b * share[n]) for n, b in count_block_bytes(model, layout, dtype).items()}
     quantized = block_bytes is not None
-    block_bytes = {n: b * experts for n, b in block_bytes.items()} if block_bytes else dict(unquantized)
+    block_bytes = (
+        {n: round(b * share[n]) for n, b in block_bytes.items()} if block_bytes else dict(unquantized)
+    )
     flow = trace_flow(model, batch, latent_size, dtype)
     reserve = ACTIVATION_HEADROOM * max(flow.block_io_bytes.values(), default=0)
     capacities = _stage_capacities(device_list, budgets, reserve, {device_list[0]: resident})
@@ -312,6 +317,23 @@ def count_block_bytes(
                 quantization.bytes(module, dtype, path) if quantization else tensor_bytes(module, dtype)
             )
     return out
+
+
+def tensor_shares(model: nn.Module, split: TensorSplit, size: int, dtype: torch.dtype) -> dict[str, float]:
+    """The part of each split block one rank of a tensor group of `size` holds: its cut layers'
+    weights ÷ size (a column cut's bias too; a row cut's bias stays whole), the rest whole."""
+    shares = {}
+    for block in split.blocks:
+        root = part(model, block)
+        whole, cut = tensor_bytes(root, dtype), 0
+        for name, layer in root.named_modules():
+            kind = split.cut_of(f"{block}.{name}")
+            if kind is not None and isinstance(layer, nn.Linear):
+                cut += layer.weight.numel() * dtype.itemsize
+                if layer.bias is not None and kind in (Cut.COLUMN, Cut.GATHERED):
+                    cut += layer.bias.numel() * dtype.itemsize
+        shares[block] = (whole - cut + cut / size) / max(1, whole)
+    return shares
 
 
 def _stage_capacities(

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from server.engine.denoisers.specs import native_latent
+from server.engine.denoisers.specs import native_latent, spec_for
 from server.engine.hardware.devices import parse_memory_map, resolve_devices, worker_names
 from server.engine.planning.choose import choose
 from server.engine.planning.costs import CostModel
@@ -51,7 +51,7 @@ from server.engine.planning.parallel import (
     single,
     weighed_shapes,
 )
-from server.engine.planning.plan import ShardPlan, Strategy, plan_shards
+from server.engine.planning.plan import ShardPlan, Strategy, plan_shards, tensor_shares
 from server.engine.planning.sequence import Link, group_step_s, split_blocks
 from server.errors import PlanError
 
@@ -119,6 +119,8 @@ def plan_parallel(
         raise PlanError(
             "--parallel sequence splits tokens over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
         )
+    if parallel == Parallel.TENSOR:
+        return search.tensor_group(costs_note)
     if parallel == Parallel.SEQUENCE and not search.split:
         raise PlanError(
             f"--parallel sequence splits a DiT's tokens; {type(model).__name__} has no blocks to "
@@ -272,6 +274,32 @@ class _Search:
         if parallel == Parallel.OFF and len(self.devices) > 1:
             reason = "--parallel off: one lane through the layer split"
         return single(plan, threads, reason=reason, costs=costs_note)
+
+    def tensor_group(self, costs_note: str) -> ParallelPlan:
+        """--parallel tensor: one tensor group over every device, each rank holding its share of
+        the split blocks (`tensor_shares`) and the other blocks whole; the first, the encoders."""
+        spec, size, model = spec_for(self.model), len(self.devices), self.model
+        split = spec.tensor(model) if hasattr(spec, "tensor") else None
+        if split is None or size < 2:
+            why = (
+                f"{type(model).__name__} declares no split of its blocks (so far SD3's and FLUX.1's "
+                "transformers do): use replicas, pipeline or sequence"
+                if split is None
+                else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
+            )
+            raise PlanError(f"--parallel tensor: {why}")
+        shares = tensor_shares(model, split, size, self.dtype)
+        plans = []
+        for index, device in enumerate(self.devices):
+            options = self._options([device]) | {"shares": shares} | ({"resident": 0} if index else {})
+            plans.append(plan_shards(model, [device], self.strategy, **options))
+        threads = max(1, self.quota // size) if self.all_cpu else None
+        reason = (
+            f"--parallel tensor: every block's heads and MLPs split over {size} devices, each holding "
+            f"{max(shares.values()):.0%} of a split block; every call on all of them"
+        )
+        workers = tuple(worker_names(self.devices))
+        return ParallelPlan(tuple(plans), 1, threads, (), reason, workers, costs_note, tensor=size)
 
     def pipeline_only(self, costs_note: str) -> ParallelPlan:
         plan = plan_shards(self.model, self.devices, self.strategy, **self.options)

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.specs import spec_for
 from server.engine.planning.parallel import ParallelPlan
 from server.engine.planning.plan import ShardPlan
 from server.engine.runtime.call import CallPlan, CallResult
 from server.engine.runtime.sequence import first_failure
 from server.engine.runtime.shard import ModelShard
+from server.engine.runtime.tensor import split_model
 from server.errors import WorkerLost
 
 
@@ -31,7 +33,11 @@ def build_shards(
 ) -> list[ModelShard]:
     """A ModelShard per replica, each with a module tree of its own (its adapter hooks read its
     own stages' slots). Single-stage CPU replicas share the model's weights; the others get
-    their own copy, made before any shard moves the model. `placed`: as ModelShard's."""
+    their own copy, made before any shard moves the model. A tensor group's ranks (`plan.tensor`)
+    each keep their share of the split blocks' layers (`tensor.split_model`), the rest shared
+    until placed. `placed`: as ModelShard's."""
+    if plan.tensor > 1:
+        return tensor_ranks(model, plan, placed)
 
     def shares(replica: ShardPlan) -> bool:
         return len(replica.stages) == 1 and replica.stages[0].device == "cpu"
@@ -45,6 +51,33 @@ def build_shards(
         ModelShard(copy_, replica, [next(names) for _ in replica.stages], placed)
         for copy_, replica in zip(weights, plan.replicas, strict=True)
     ]
+
+
+def tensor_ranks(
+    model: nn.Module, plan: ParallelPlan, placed: Callable[[nn.Module, str], object] | None = None
+) -> list[ModelShard]:
+    """A tensor group's ranks: rank k's module tree holds its part of every split layer (copied
+    out of the whole one, which no rank keeps) and the same tensors as the others elsewhere; on a
+    device each rank gets Parameters of its own before placing, so moving one never moves another's."""
+    split = spec_for(model).tensor(model)  # read before any layer is split (packed layers' parts)
+    ranks = [model if k == 0 else sharing_weights(model) for k in range(plan.tensor)]
+    names, shards = iter(plan.workers), []
+    for index, (rank, replica) in enumerate(zip(ranks, plan.replicas, strict=True)):
+        split_model(rank, split, index, plan.tensor)
+        if replica.stages[0].device != "cpu":
+            own_parameters(rank)
+        shard = ModelShard(rank, replica, [next(names) for _ in replica.stages], placed)
+        shard.tensor = split
+        shards.append(shard)
+    return shards
+
+
+def own_parameters(model: nn.Module) -> None:
+    """Fresh Parameter objects over the same tensors: placing this tree swaps only its own."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.data, requires_grad=param.requires_grad)
 
 
 def sharing_weights(model: nn.Module) -> nn.Module:

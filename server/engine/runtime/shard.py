@@ -18,7 +18,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import DenoiserInputs, Flow, block_modules, part, tensor_bytes
+from server.engine.denoisers.blocks import (
+    DenoiserInputs,
+    Flow,
+    TensorSplit,
+    block_modules,
+    part,
+    tensor_bytes,
+)
 from server.engine.denoisers.specs import layout_of, spec_for
 from server.engine.hardware.devices import format_bytes, worker_names
 from server.engine.hardware.memory import DeviceMemory, read_memory
@@ -67,6 +74,7 @@ class ModelShard:
         self.calls = self.spec.calls(model)  # each block's call, in order
         self.boundary = self.spec.boundary(model)  # where step caching cuts it (None: it cannot)
         self.sequence = self.spec.sequence(model)  # what a sequence group splits (None: nothing)
+        self.tensor: TensorSplit | None = None  # a tensor group's rank: what its blocks hold a share of
         self.gates = StageGates(workers or worker_names([stage.device for stage in plan.stages]))
         self.slots = [RowsSlot() for _ in plan.stages]  # per stage: the adapter rows of its call
         self.compiled: CompiledDenoiser | None = None  # set by `compile`

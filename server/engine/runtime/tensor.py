@@ -1,0 +1,202 @@
+"""Tensor parallelism: a group of devices shares each DiT block, each device holding a slice of
+the block's Linear layers and every token (Megatron's split of a transformer block).
+
+How a layer splits (`TensorSplit.layers`, by dotted pattern inside the split blocks, `*` for a
+block's index; diffusers declares most of it as a model's `_tp_plan`):
+
+- **column**: its output features are cut: q, k and v (each rank its heads ÷ D: the attention
+  modules it feeds get `heads` ÷ D), an MLP's first projection;
+- **row**: its input features are cut, as the column layers before it left them; the partial
+  outputs are summed over the ranks (an all-reduce), then its bias added once: the attention's
+  output projection, an MLP's second;
+- **packed row**: a row layer whose input concatenates several column-split parts (FLUX.1's single
+  block: attention and MLP outputs side by side), each part's slice of the inputs taken;
+- **gathered**: a column layer whose slices are gathered whole again on every rank: a block's
+  AdaLN modulation (6 · dim² weights in a FLUX.1 block, a sixth of it; its output a few vectors a
+  row), so norms keep the full vector while each rank holds a slice of the weights.
+
+Norms, rotary embeddings, the embedding and output blocks are whole on every rank. The ranks
+are threads of this process over an in-process exchange (`sequence.Group`, as sequence groups'):
+every rank reads the same call plan, runs the same blocks on the same rows, and sums partial
+outputs in rank order, so every rank holds the same values after each reduction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.engine.denoisers.blocks import Cut, Flow, TensorSplit
+from server.engine.runtime.call import CallPlan, CallResult
+from server.engine.runtime.sequence import Group, first_failure
+from server.errors import PlanError
+
+# Each thread's rank while it runs a split block (a row or gathered layer exchanges through it).
+_current = threading.local()
+
+
+def current_rank() -> TensorRank:
+    rank = getattr(_current, "rank", None)
+    if rank is None:
+        raise RuntimeError("a tensor-split layer ran outside its tensor group's call")
+    return rank
+
+
+class RowLinear(nn.Linear):
+    """A row-split Linear: this rank's inputs' slice of the weights; partial outputs summed over
+    the ranks, then the (whole) bias added."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = current_rank().all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class GatheredLinear(nn.Linear):
+    """A column-split Linear whose every rank gets the whole output back (gathered in order)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = current_rank().gather(F.linear(x, self.weight, self.bias))
+        here = x.device
+        return torch.cat([p.to(here) for p in parts], dim=-1)
+
+
+def _bounds(length: int, parts: Sequence[int], index: int, size: int) -> list[int]:
+    """The indices rank `index` of `size` takes of `length` features made of `parts` (shares)."""
+    unit, taken, at = length // sum(parts), [], 0
+    for share in parts:
+        width = share * unit
+        if width % size:
+            raise PlanError(f"a tensor group of {size} cannot split a layer part of {width} features evenly")
+        step = width // size
+        taken += range(at + index * step, at + (index + 1) * step)
+        at += width
+    return taken
+
+
+def split_layer(
+    layer: nn.Linear, cut: Cut, index: int, size: int, parts: tuple[int, ...] = (1,)
+) -> nn.Linear:
+    """Rank `index`'s part of `layer` (of a group of `size`): a new Linear holding its slice (a
+    copy: the whole weight is no longer referenced once every rank has its part)."""
+    weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+    if cut in (Cut.COLUMN, Cut.GATHERED):
+        keep = _bounds(weight.shape[0], (1,), index, size)
+        weight, bias = weight[keep], None if bias is None else bias[keep]
+        cls = GatheredLinear if cut == Cut.GATHERED else nn.Linear
+    else:
+        keep = _bounds(weight.shape[1], parts if cut == Cut.PACKED_ROW else (1,), index, size)
+        weight, cls = weight[:, keep], RowLinear
+    out = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    out.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    return out
+
+
+def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> None:
+    """Replace, in place, every layer of `split`'s blocks that it cuts by rank `index`'s part,
+    and give the attention modules fed by column-split queries their share of the heads (a group
+    that does not divide them is refused before anything changes)."""
+    cut_layers = []
+    for block in split.blocks:
+        for name, layer in model.get_submodule(block).named_modules():
+            cut = split.cut_of(f"{block}.{name}")
+            if cut is not None and isinstance(layer, nn.Linear):
+                cut_layers.append((f"{block}.{name}", layer, cut))
+    attentions = {path.rpartition(".")[0] for path, _, _ in cut_layers if path.endswith(".to_q")}
+    for path in sorted(attentions):
+        heads = model.get_submodule(path).heads
+        if heads % size:
+            raise PlanError(f"a tensor group of {size} must divide the attention heads ({heads} in {path})")
+    for path, layer, cut in cut_layers:
+        parts = split.parts_of(path) if cut == Cut.PACKED_ROW else (1,)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, split_layer(layer, cut, index, size, parts))
+    for path in attentions:
+        model.get_submodule(path).heads //= size
+
+
+class TensorRank:
+    """This thread's place in one call's tensor group: the walker runs the split blocks with the
+    whole flow (`cut` and `join` leave it as it is) and its split layers exchange through it."""
+
+    def __init__(self, group: Group, index: int, split: TensorSplit) -> None:
+        self.group, self.index, self.split = group, index, split
+        self._turn = 0
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (a collective: every rank must call it)."""
+        got = self.group.all_gather(self.index, self._turn, value)
+        self._turn += 1
+        if self.index == 0:
+            self.group.exchanges += 1
+        return got
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `partial`, in rank order (the same values on every rank)."""
+        parts = self.gather(partial)
+        here = partial.device
+        total = parts[0].to(here, copy=True)
+        for part in parts[1:]:
+            total += part.to(here)
+        return total
+
+    def agree(self, value: Any) -> Any:
+        return self.gather(value)[0]
+
+    def cut(self, flow: Flow) -> Flow:
+        return flow
+
+    def join(self, flow: Flow, shared: dict[str, Any]) -> Flow:
+        return flow
+
+    @contextmanager
+    def attention(self):  # the walker's name for "while a split block runs"
+        _current.rank = self
+        try:
+            yield
+        finally:
+            _current.rank = None
+
+
+Submit = Callable[..., Any]
+
+
+def run_tensor(
+    shards: Sequence[Any], split: TensorSplit, inputs: Any, plan: CallPlan, submit: Submit
+) -> CallResult:
+    """One call of `plan` over a tensor group (`shards`: rank k's holds its parts of the split
+    layers), rank 0 on this thread; rank 0's result. A rank that fails wakes the others."""
+    group = Group([shard.device for shard in shards])
+
+    def run(index: int) -> CallResult:
+        try:
+            return shards[index].run(inputs, plan, rank=TensorRank(group, index, split))
+        except BaseException:
+            group.abort()
+            raise
+
+    others = [submit(run, index) for index in range(1, len(shards))]
+    for future in others:
+        future.add_done_callback(lambda f: group.abort() if f.exception() is not None else None)
+    errors: list[BaseException] = []
+    first = None
+    try:
+        first = run(0)
+    except BaseException as err:
+        errors.append(err)
+    finally:
+        errors += [e for e in (f.exception() for f in others) if e is not None]
+    if errors or first is None:
+        raise first_failure(errors)
+    return first
