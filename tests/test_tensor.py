@@ -121,3 +121,33 @@ def test_tensor_groups_refuse_what_they_cannot_split_yet(folders, tmp_path_facto
     lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
     with pytest.raises(ModelFolderError, match="do not run in a tensor group yet"):
         group.add_adapter(read_adapter("style", lora, group.family))
+
+
+@pytest.mark.parametrize("name", ["flux2", "qwen-image"])
+def test_the_newer_families_split_as_diffusers_declares_them(tmp_path_factory, name: str) -> None:
+    """FLUX.2 and Qwen-Image: diffusers' own `_tp_plan` (FLUX.2's fused single-block projections
+    as packed parts; Qwen-Image's modulation gathered beside it): a group of two equals the
+    unsplit call, each rank ≤ 0.55 of the split blocks."""
+    from server.pipeline.loader import load_components
+    from tests.tiny_flux2 import build_flux2_folder
+    from tests.tiny_qwenimage import build_qwen_image_folder
+
+    build = {"flux2": build_flux2_folder, "qwen-image": build_qwen_image_folder}[name]
+    model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
+    shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
+    inputs = shard.spec.example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        plain = shard.run(inputs, CallPlan.plain(2)).out
+    split = shard.spec.tensor(model)
+    whole = sum(tensor_bytes(model.get_submodule(b)) for b in split.blocks)
+    ranks = [model, sharing_weights(model)]
+    for index, rank in enumerate(ranks):
+        split_model(rank, split, index, len(ranks))
+        assert sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) <= RANK_SHARE * whole
+    shards = [ModelShard(rank, plan_shards(rank, ["cpu"], "memory")) for rank in ranks]
+    workers = Workers(1, 1)
+    try:
+        out = run_tensor(shards, split, inputs, CallPlan.plain(2), workers.submit).out
+    finally:
+        workers.close()
+    assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())

@@ -147,20 +147,35 @@ class SequenceSplit:
 
 class Cut(StrEnum):
     COLUMN = "column"  # output features cut
+    PACKED_COLUMN = "packed_column"  # a column cut of an output made of several parts (fused q/k/v/MLP)
     ROW = "row"  # input features cut, partial outputs summed over the ranks
     PACKED_ROW = "packed_row"  # a row cut of an input made of several column-cut parts
     GATHERED = "gathered"  # output features cut, then gathered whole on every rank
 
 
+PACKED = (Cut.PACKED_COLUMN, Cut.PACKED_ROW)
+# diffusers' `_tp_plan` styles
+STYLES = {
+    "colwise": Cut.COLUMN,
+    "rowwise": Cut.ROW,
+    "PackedColwiseParallel": Cut.PACKED_COLUMN,
+    "PackedRowwiseParallel": Cut.PACKED_ROW,
+}
+
+
 @dataclass(frozen=True)
 class TensorSplit:
     """What a tensor group splits: the `blocks` (a DiT's transformer blocks), each Linear layer's
-    cut by pattern (`layers`: inside a block, `*` for its index), and a packed row layer's parts
-    (`packed`: pattern → the parts' shares of its inputs, e.g. (1, 4): attention, then MLP)."""
+    cut by pattern (`layers`: inside a block, `*` for its index), and a packed layer's parts
+    (`packed`: pattern → the parts' shares of its features, e.g. (1, 4): attention, then MLP;
+    each part is cut alike). `rank_heads`: the attention modules' `heads` become a rank's share,
+    for processors that reshape by the count (SD3's, Wan's); diffusers' tensor-parallel-ready ones
+    reshape by head size and read the whole count (Qwen-Image's derives the head size from it)."""
 
     blocks: frozenset[str]
     layers: Mapping[str, Cut]
     packed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    rank_heads: bool = True
 
     def cut_of(self, path: str) -> Cut | None:
         return next((cut for pattern, cut in self.layers.items() if fnmatchcase(path, pattern)), None)
@@ -169,26 +184,22 @@ class TensorSplit:
         return next(parts for pattern, parts in self.packed.items() if fnmatchcase(path, pattern))
 
 
-def from_diffusers(plan: Mapping[str, Any]) -> dict[str, Cut]:
-    """A model's `_tp_plan` (diffusers' declaration: "colwise", "rowwise", PackedRowwiseParallel)
-    as cuts; a packed layer's parts are read from its `_tp_packed_row_blocks` by `packed_parts`."""
-    cuts = {}
-    for pattern, style in plan.items():
-        name = style if isinstance(style, str) else type(style).__name__
-        cuts[pattern] = {"colwise": Cut.COLUMN, "rowwise": Cut.ROW, "PackedRowwiseParallel": Cut.PACKED_ROW}[
-            name
-        ]
-    return cuts
-
-
-def packed_parts(model: nn.Module, cuts: Mapping[str, Cut]) -> dict[str, tuple[int, ...]]:
-    """Each packed row pattern's parts, as the model's first such layer declares them."""
-    out = {}
-    for pattern, cut in cuts.items():
-        if cut == Cut.PACKED_ROW:
+def diffusers_split(
+    model: nn.Module, blocks: frozenset[str], more: Mapping[str, Cut] | None = None
+) -> TensorSplit:
+    """The model's own `_tp_plan` (diffusers' declaration: colwise, rowwise and packed styles,
+    a packed layer's parts from the style or the layer's `_tp_packed_*_blocks`), with `more` cuts."""
+    cuts, packed = {}, {}
+    for pattern, style in model._tp_plan.items():
+        cut = STYLES[style if isinstance(style, str) else type(style).__name__]
+        cuts[pattern] = cut
+        if cut in PACKED:
             layer = next(m for n, m in model.named_modules() if fnmatchcase(n, pattern))
-            out[pattern] = tuple(layer._tp_packed_row_blocks)
-    return out
+            kind = "col" if cut == Cut.PACKED_COLUMN else "row"
+            packed[pattern] = tuple(
+                getattr(style, "blocks", None) or getattr(layer, f"_tp_packed_{kind}_blocks")
+            )
+    return TensorSplit(blocks, cuts | dict(more or {}), packed, rank_heads=False)
 
 
 class DenoiserSpec(Protocol):

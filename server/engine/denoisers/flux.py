@@ -32,8 +32,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
-    from_diffusers,
-    packed_parts,
+    diffusers_split,
     present,
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
@@ -133,12 +132,11 @@ class FluxTransformerSpec:
     def tensor(self, model: nn.Module) -> TensorSplit:
         """diffusers' own plan for FLUX.1 (`_tp_plan`: heads, MLPs and the single blocks' packed
         output), and each block's AdaLN modulation gathered (a sixth of a double block's weights)."""
-        cuts = from_diffusers(model._tp_plan) | {
+        return diffusers_split(model, self.sequence(model).blocks, {
             "transformer_blocks.*.norm1.linear": Cut.GATHERED,
             "transformer_blocks.*.norm1_context.linear": Cut.GATHERED,
             "single_transformer_blocks.*.norm.linear": Cut.GATHERED,
-        }
-        return TensorSplit(self.sequence(model).blocks, cuts, packed_parts(model, cuts))
+        })  # fmt: skip
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

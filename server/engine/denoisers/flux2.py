@@ -33,6 +33,8 @@ from server.engine.denoisers.blocks import (
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
+    diffusers_split,
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import rotary_slice
@@ -126,6 +128,11 @@ class Flux2TransformerSpec:
         embeddings of the positions the slice holds (text first, as the blocks join them)."""
         blocks = frozenset(f"{s}.{i}" for s in STREAMS for i in range(len(getattr(model, s))))
         return SequenceSplit(blocks, TOKENS, rotary_slice)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """diffusers' own plan for FLUX.2 (`_tp_plan`: heads, SwiGLU halves, the single blocks'
+        fused projections); its modulation is computed once, outside the blocks (`embed`)."""
+        return diffusers_split(model, self.sequence(model).blocks)
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as Flux2Transformer2DModel.forward runs them.

@@ -30,10 +30,13 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
+    diffusers_split,
     present,
 )
 from server.engine.denoisers.dit import dit_boundary, out, token_rows
@@ -114,6 +117,15 @@ class QwenImageTransformerSpec:
         with the rotary frequencies of the positions the slice holds."""
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
         return SequenceSplit(blocks, {"hidden": 1, "context": 1, "text_mask": 1}, rotary_slice)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """diffusers' own plan for Qwen-Image (`_tp_plan`: heads and both streams' MLPs), and each
+        block's modulation gathered (`img_mod`, `txt_mod`: 6 · dim² each, a third of a block)."""
+        blocks = self.sequence(model).blocks
+        return diffusers_split(model, blocks, {f"transformer_blocks.*.{m}.1": Cut.GATHERED for m in MODS})
+
+
+MODS = ("img_mod", "txt_mod")
 
 
 def used_text(context: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.denoisers.blocks import Cut, Flow, TensorSplit
+from server.engine.denoisers.blocks import PACKED, Cut, Flow, TensorSplit
 from server.engine.runtime.call import CallPlan, CallResult
 from server.engine.runtime.sequence import Group, first_failure
 from server.errors import PlanError
@@ -85,12 +85,12 @@ def split_layer(
     """Rank `index`'s part of `layer` (of a group of `size`): a new Linear holding its slice (a
     copy: the whole weight is no longer referenced once every rank has its part)."""
     weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
-    if cut in (Cut.COLUMN, Cut.GATHERED):
-        keep = _bounds(weight.shape[0], (1,), index, size)
+    if cut in (Cut.COLUMN, Cut.PACKED_COLUMN, Cut.GATHERED):
+        keep = _bounds(weight.shape[0], parts, index, size)
         weight, bias = weight[keep], None if bias is None else bias[keep]
         cls = GatheredLinear if cut == Cut.GATHERED else nn.Linear
     else:
-        keep = _bounds(weight.shape[1], parts if cut == Cut.PACKED_ROW else (1,), index, size)
+        keep = _bounds(weight.shape[1], parts, index, size)
         weight, cls = weight[:, keep], RowLinear
     out = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     out.weight = nn.Parameter(weight.clone(), requires_grad=False)
@@ -101,8 +101,8 @@ def split_layer(
 
 def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> None:
     """Replace, in place, every layer of `split`'s blocks that it cuts by rank `index`'s part,
-    and give the attention modules fed by column-split queries their share of the heads (a group
-    that does not divide them is refused before anything changes)."""
+    and (`rank_heads`) give the attention modules fed by column-split queries their share of the
+    heads; a group that does not divide them is refused before anything changes."""
     cut_layers = []
     for block in split.blocks:
         for name, layer in model.get_submodule(block).named_modules():
@@ -115,10 +115,10 @@ def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> 
         if heads % size:
             raise PlanError(f"a tensor group of {size} must divide the attention heads ({heads} in {path})")
     for path, layer, cut in cut_layers:
-        parts = split.parts_of(path) if cut == Cut.PACKED_ROW else (1,)
+        parts = split.parts_of(path) if cut in PACKED else (1,)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, split_layer(layer, cut, index, size, parts))
-    for path in attentions:
+    for path in attentions if split.rank_heads else ():
         model.get_submodule(path).heads //= size
 
 
