@@ -25,9 +25,16 @@ from tests.test_sequence import tiny_transformers
 RANK_SHARE = 0.55  # the issue's bound: a rank holds at most this part of the split blocks' bytes
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+def tiny_denoisers() -> dict[str, tuple[torch.nn.Module, object]]:
+    from tests.test_wan import tiny_wan, video_inputs
+
+    return {**tiny_transformers(), "wan": (tiny_wan(), video_inputs())}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
 def test_a_call_over_a_tensor_group_equals_the_unsplit_call(name: str) -> None:
-    model, inputs = tiny_transformers()[name]
+    """Wan's q/k norms span every head: each rank's mean of squares is summed over the group."""
+    model, inputs = tiny_denoisers()[name]
     with torch.inference_mode():
         plain = ModelShard(model, plan_shards(model, ["cpu"], "memory")).run(inputs, CallPlan.plain(2)).out
     split = ModelShard(model, plan_shards(model, ["cpu"], "memory")).spec.tensor(model)
@@ -56,17 +63,21 @@ def test_a_group_that_does_not_divide_the_heads_is_refused_by_name() -> None:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.tiny_pipelines import build_flux_folder, build_sd3_folder
+    from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_wan_folder
 
     root = tmp_path_factory.mktemp("tensor")
-    return {"flux": build_flux_folder(root / "flux"), "sd3": build_sd3_folder(root / "sd3")}
+    built = {"flux": build_flux_folder, "sd3": build_sd3_folder, "wan": build_wan_folder}
+    return {name: build(root / name) for name, build in built.items()}
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+VIDEO = {"width": 32, "height": 32, "frames": 9}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
 def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(folders, name: str) -> None:
     """`--devices cpu,cpu --parallel tensor`: the planner's group of two, each rank's plan
-    counting its share; guided and plain images (two rows and one, batched) within 2/255 of one
-    device's, and first-block caching agreed over the ranks."""
+    counting its share; guided and plain images (two rows and one, batched; Wan's videos) within
+    2/255 of one device's, and first-block caching agreed over the ranks."""
     from server.pipeline.stepcache import StepCache
 
     folder = folders[name]
@@ -82,11 +93,12 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
 
     whole = planned(plan_shards(one.components.denoiser, ["cpu"], "memory").stages[0])
     assert all(planned(r.stages[0]) <= RANK_SHARE * whole for r in plan.replicas)
+    size = VIDEO if name == "wan" else {}
     requests = [
-        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4),
-        GenerationRequest("a blue square", seed=4, steps=4, guidance_scale=1.0),
+        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, **size),
+        GenerationRequest("a blue square", seed=4, steps=4, guidance_scale=1.0, **size),
         GenerationRequest(
-            "a green star", seed=5, steps=6, step_cache=StepCache("first_block", threshold=0.5)
+            "a green star", seed=5, steps=6, step_cache=StepCache("first_block", threshold=0.5), **size
         ),
     ]
     mine = group.generate([group.resolve(r) for r in requests])

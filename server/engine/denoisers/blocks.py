@@ -151,6 +151,7 @@ class Cut(StrEnum):
     ROW = "row"  # input features cut, partial outputs summed over the ranks
     PACKED_ROW = "packed_row"  # a row cut of an input made of several column-cut parts
     GATHERED = "gathered"  # output features cut, then gathered whole on every rank
+    NORM = "norm"  # an RMSNorm over every head's features (Wan's): its mean of squares summed over the ranks
 
 
 PACKED = (Cut.PACKED_COLUMN, Cut.PACKED_ROW)

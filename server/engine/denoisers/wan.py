@@ -29,10 +29,12 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
 
@@ -102,6 +104,17 @@ class WanTransformerSpec:
         weights as they are: exact, if D times the keys)."""
         blocks = frozenset(f"blocks.{i}" for i in range(len(model.blocks)))
         return SequenceSplit(blocks, {"hidden": 1, "token_proj": 1}, rotary_slice)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """Each block's self- and cross-attention by heads (with Wan 2.1 I2V's image keys), their
+        q/k norms over every head's features summed over the ranks, and the feed-forward."""
+        cuts = {f"blocks.*.{a}.{p}": Cut.COLUMN for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")}
+        cuts |= {f"blocks.*.{a}.to_out.0": Cut.ROW for a in ("attn1", "attn2")}
+        cuts |= {f"blocks.*.attn2.{p}": Cut.COLUMN for p in ("add_k_proj", "add_v_proj")}
+        cuts |= {f"blocks.*.{a}.{n}": Cut.NORM for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")}
+        cuts |= {"blocks.*.attn2.norm_added_k": Cut.NORM}
+        cuts |= {"blocks.*.ffn.net.0.proj": Cut.COLUMN, "blocks.*.ffn.net.2": Cut.ROW}
+        return TensorSplit(self.sequence(model).blocks, cuts)
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

@@ -282,8 +282,8 @@ class _Search:
         split = spec.tensor(model) if hasattr(spec, "tensor") else None
         if split is None or size < 2:
             why = (
-                f"{type(model).__name__} declares no split of its blocks (so far SD3's and FLUX.1's "
-                "transformers do): use replicas, pipeline or sequence"
+                f"{type(model).__name__} declares no split of its blocks (SD3's, FLUX.1's, FLUX.2's, "
+                "Qwen-Image's and Wan's transformers do): use replicas, pipeline or sequence"
                 if split is None
                 else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
             )

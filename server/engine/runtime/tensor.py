@@ -107,7 +107,7 @@ def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> 
     for block in split.blocks:
         for name, layer in model.get_submodule(block).named_modules():
             cut = split.cut_of(f"{block}.{name}")
-            if cut is not None and isinstance(layer, nn.Linear):
+            if cut is not None and isinstance(layer, nn.RMSNorm if cut == Cut.NORM else nn.Linear):
                 cut_layers.append((f"{block}.{name}", layer, cut))
     attentions = {path.rpartition(".")[0] for path, _, _ in cut_layers if path.endswith(".to_q")}
     for path in sorted(attentions):
@@ -117,9 +117,32 @@ def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> 
     for path, layer, cut in cut_layers:
         parts = split.parts_of(path) if cut in PACKED else (1,)
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, split_layer(layer, cut, index, size, parts))
+        part = (
+            RankRMSNorm(layer, index, size)
+            if cut == Cut.NORM
+            else split_layer(layer, cut, index, size, parts)
+        )
+        setattr(model.get_submodule(parent), child, part)
     for path in attentions if split.rank_heads else ():
         model.get_submodule(path).heads //= size
+
+
+class RankRMSNorm(nn.Module):
+    """`torch.nn.RMSNorm` over every head's features (Wan's `rms_norm_across_heads`) on a rank's
+    slice of them: the squares' sum over the ranks, each scaling its own features."""
+
+    def __init__(self, norm: nn.RMSNorm, index: int, size: int) -> None:
+        super().__init__()
+        self.features, self.eps = int(norm.normalized_shape[-1]), norm.eps
+        keep = _bounds(self.features, (1,), index, size)
+        weight = None if norm.weight is None else nn.Parameter(norm.weight.detach()[keep].clone(), False)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = current_rank().all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        out = (x.float() * torch.rsqrt(squares / self.features + eps)).type_as(x)
+        return out if self.weight is None else out * self.weight
 
 
 class TensorRank:
