@@ -45,6 +45,7 @@ PLAN_SETTINGS = (
     "devices",
     "strategy",
     "parallel",
+    "layout",
     "max_memory",
     "dtype",
     "max_batch",

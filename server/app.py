@@ -74,6 +74,7 @@ def plan_for(
         max_memory=settings.max_memory,
         folder=folder,
         parallel=options.pop("parallel", settings.parallel),
+        layout=settings.layout,
         threads=settings.threads or cpu_quota(),
         pick_threads=settings.threads is None,  # --threads N: a lone CPU worker runs N
         costs=settings.costs,

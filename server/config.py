@@ -79,10 +79,18 @@ class Settings(BaseSettings):
     parallel: Parallel = Field(
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
-        "sequence (every call's tokens split over the replicas: transformer denoisers), experts (a model's "
+        "sequence (every call's tokens split over the replicas: transformer denoisers), tensor (every "
+        "transformer block's heads and MLPs split over every device), experts (a model's "
         "experts each on its own devices: Wan 2.2 A14B), auto (the fastest "
         "predicted; a lone request's rows or tokens split over idle replicas) or off (one split, "
         "one micro-batch: the least memory)",
+    )
+    layout: str | None = Field(
+        None,
+        pattern=r"^[1-9][0-9]*x[1-9][0-9]*x[1-9][0-9]*$",
+        description="R x S x T: R replicas of S stages, each stage a tensor group of T devices "
+        "(1x1x2: one tensor group of two; 2x1x2: two replicas, each a tensor group of two); "
+        "the devices, in order, must number R·S·T; unset: --parallel chooses",
     )
     costs: Costs = Field(
         Costs.COUNTED,

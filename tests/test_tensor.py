@@ -163,3 +163,59 @@ def test_the_newer_families_split_as_diffusers_declares_them(tmp_path_factory, n
     finally:
         workers.close()
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
+
+
+def test_layout_2x1x2_serves_two_tensor_groups_a_lane_each(folders) -> None:
+    """`--devices cpu,cpu,cpu,cpu --layout 2x1x2`: two replicas, each a tensor group of two, a
+    lane each (the Service steps them at once); every image within 2/255 of one device's.
+    Stages made of tensor groups (1x2x2) are refused, saying what runs instead."""
+    from server.serving import Service
+
+    folder = folders["flux"]
+    one = Pipeline.load(folder, devices="cpu")
+    requests = [
+        GenerationRequest(f"a red circle {i}", negative_prompt="blue", seed=i, steps=3) for i in range(3)
+    ]
+    alone = [one.generate([one.resolve(r)])[0] for r in requests]
+    family, devices = read_family(folder), ["cpu"] * 4
+    plan = plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
+                      layout="2x1x2")  # fmt: skip
+    assert (plan.kind, plan.tensor, plan.lanes, len(plan.replicas)) == ("tensor", 2, 2, 4)
+    service = Service(Pipeline.load(folder, plan=plan), "tensor", max_batch=4)
+    try:
+        assert len(service.loops) == 2 and service.parallel["tensor_degree"] == 2
+        jobs = [service.submit([r]) for r in requests]
+        images = [job.future.result(timeout=120)[0] for job in jobs]
+    finally:
+        service.close()
+    for image, expected in zip(images, alone, strict=True):
+        assert float(np.abs(image - expected).max()) * 255 <= 2
+    with pytest.raises(PlanError, match="stages made of tensor groups are not built yet: use 1x1x2"):
+        plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
+                   layout="1x2x2")  # fmt: skip
+
+
+def test_flux2_dev_on_two_gpus_plans_a_tensor_group_quicker_alone_than_two_stages(run_cli) -> None:
+    """`plan --config flux2-dev` on two 80 GiB GPUs: at 4 rows a step the group of two fits beside
+    Mistral 3 (43.6 GiB on the first) and auto takes it, its lone step ≤ 0.6× the two stages';
+    at the default 16 rows its first rank is short (said in its note); on 8 GPUs the candidates
+    include 4 × 1 × 2-way and 2 × 1 × 4-way."""
+    import json
+
+    common = ("plan", "--config", "flux2-dev", "--dtype", "bfloat16", "--json")
+    two = ("--devices", "cuda:0,cuda:1", "--max-memory", "cuda:0=80GiB,cuda:1=80GiB")
+    done = run_cli(*common, *two, "--max-batch", "4")
+    assert done.returncode == 0, done.stderr
+    parallel = json.loads(done.stdout)["parallel"]
+    assert parallel["kind"] == "tensor" and parallel["tensor_degree"] == 2
+    found = parallel["candidates"]
+    group = next(c for c in found if c["tensor_degree"] == 2)
+    stages = next(c for c in found if c["stages"] == 2 and c["tensor_degree"] == 1)
+    assert group["predicted_lone_step_s"] <= 0.6 * stages["predicted_lone_step_s"], (group, stages)
+    crowded = json.loads(run_cli(*common, *two).stdout)["parallel"]["candidates"]
+    assert "short" in next(c for c in crowded if c["tensor_degree"] == 2)["note"]
+    eight = ",".join(f"cuda:{i}" for i in range(8))
+    memory = ",".join(f"cuda:{i}=80GiB" for i in range(8))
+    found = json.loads(run_cli(*common, "--devices", eight, "--max-memory", memory).stdout)["parallel"]
+    shapes = {(c["replicas"], c["stages"], c["tensor_degree"]) for c in found["candidates"]}
+    assert {(4, 1, 2), (2, 1, 4)} <= shapes

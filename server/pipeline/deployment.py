@@ -176,9 +176,21 @@ class Deployment:
     def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
-        for the micro-batches it sends them. Grouped: one lane, the other replicas always its."""
+        for the micro-batches it sends them. Grouped: one lane, the other replicas always its; tensor
+        groups: a lane per group (its ranks: `tensor` consecutive replicas), every call on all of them."""
         groups = GroupCalls()  # counted over every lane
-        if self.grouped or self.tensor > 1:
+        if self.tensor > 1:
+            ranks = [self.replicas[i : i + self.tensor] for i in range(0, len(self.replicas), self.tensor)]
+            return [
+                Lane(
+                    group[0],
+                    Workers(self.tensor - 1, self.threads),
+                    lambda group=group: group[1:],
+                    groups=groups,
+                )
+                for group in ranks
+            ]
+        if self.grouped:
             others = self.replicas[1:]
             workers = Workers(len(others), self.threads)
             return [Lane(self.replicas[0], workers, lambda: others, self.sequence, groups, True)]

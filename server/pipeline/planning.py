@@ -64,6 +64,7 @@ def plan_model(
     device_profile: str | None = None,
     quantize: QuantizeSetting | None = None,
     denoiser_file: Path | None = None,
+    layout: str | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
@@ -75,7 +76,8 @@ def plan_model(
     threads in all (a lone CPU worker runs the count predicted fastest up to it, or all of them
     without `pick_threads`). Weights count as `quantize` (`--quantize`) leaves them, the
     denoiser's as `denoiser_file` (GGUF) holds them."""
-    if parallel == Parallel.TENSOR and (quantize or denoiser_file):  # a quantized layer's share: not yet
+    tensor = parallel == Parallel.TENSOR or (layout is not None and not layout.endswith("x1"))
+    if tensor and (quantize or denoiser_file):  # a quantized layer's share: not yet
         raise PlanError(
             "--parallel tensor splits float weights only so far: drop --quantize (or the GGUF file)"
         )
@@ -99,6 +101,7 @@ def plan_model(
             costs_note=where, pick_threads=pick_threads, timed=costs == Costs.MEASURED,
             lone_rows=family.lone_rows, links=model_costs.link, device_map=device_map, dtype=dtype,
             latent_size=side // family.vae_scale_factor, batch=batch, block_bytes=block_bytes,
+            layout=layout,
             **{"max_memory": max_memory, "resident": resident, "experts": len(family.experts), **more},
         )  # fmt: skip
 
@@ -106,7 +109,7 @@ def plan_model(
     # the cores and one copy of the weights: replicas of both experts serve them better)
     listed, asked = resolve_devices(devices), parallel == Parallel.EXPERTS
     own = len(set(listed)) == len(listed) and not any(d.startswith("cpu") for d in listed)
-    tried = asked or (parallel == Parallel.AUTO and own and not device_map)
+    tried = asked or (parallel == Parallel.AUTO and own and not device_map and layout is None)
     if tried and (apart := experts_apart(family, listed, max_memory, plan, asked)):
         return apart
     return plan(devices, "off" if device_map else parallel)  # an explicit block map is one split

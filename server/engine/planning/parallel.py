@@ -60,13 +60,15 @@ class Candidate:
     splits_lone: bool = False  # a lone request goes to the idle replicas too (predicted quicker)
     sequence: int = 1  # > 1: it goes there as a sequence group of this many ranks (its tokens split)
     grouped: bool = False  # every call is a sequence group over every replica (one lane)
+    tensor: int = 1  # > 1: each replica a tensor group of this many devices
 
     @property
     def label(self) -> str:
         replicas = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
         if self.grouped:
             replicas = f"a sequence group of {self.replicas}"
-        return f"{replicas} × {self.stages} stage{'s' if self.stages > 1 else ''}"
+        tensor = f" × {self.tensor}-way tensor" if self.tensor > 1 else ""
+        return f"{replicas} × {self.stages} stage{'s' if self.stages > 1 else ''}{tensor}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +80,7 @@ class Candidate:
             "splits_lone_requests": self.splits_lone,
             "sequence_degree": self.sequence,
             "sequence_every_call": self.grouped,
+            "tensor_degree": self.tensor,
             "note": self.note,
         }
 
@@ -117,7 +120,9 @@ class ParallelPlan:
 
     @property
     def lanes(self) -> int:
-        one = self.grouped or self.experts_apart or self.tensor > 1
+        if self.tensor > 1:  # a lane per tensor group
+            return len(self.replicas) // self.tensor
+        one = self.grouped or self.experts_apart
         return 1 if one else len(self.replicas) * self.lanes_per_replica
 
     @property

@@ -53,6 +53,7 @@ from server.engine.planning.parallel import (
 )
 from server.engine.planning.plan import ShardPlan, Strategy, plan_shards, tensor_shares
 from server.engine.planning.sequence import Link, group_step_s, split_blocks
+from server.engine.planning.tensor import tensor_step_s
 from server.errors import PlanError
 
 # Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
@@ -82,6 +83,7 @@ def plan_parallel(
     timed: bool = False,
     lone_rows: int = 2,
     links: Callable[[str, int], Link] | None = None,
+    layout: str | None = None,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
@@ -119,6 +121,8 @@ def plan_parallel(
         raise PlanError(
             "--parallel sequence splits tokens over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
         )
+    if layout is not None:
+        return search.layout(layout, costs_note)
     if parallel == Parallel.TENSOR:
         return search.tensor_group(costs_note)
     if parallel == Parallel.SEQUENCE and not search.split:
@@ -153,6 +157,10 @@ def plan_parallel(
             search.add(Candidate(replicas, 1, None, "the whole model does not fit one device"))
         else:
             search.add_shape(replicas, stages)
+    if parallel == Parallel.AUTO and not search.all_cpu and search.tensor_split is not None:
+        for degree in range(2, len(device_list) + 1):  # each group a tensor group of `degree` GPUs
+            if len(device_list) % degree == 0:
+                search.add_tensor(len(device_list) // degree, degree)
     baselines = search.add_baselines()
 
     # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
@@ -179,6 +187,8 @@ class _Search:
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
         self.dtype = options.get("dtype") or next(model.parameters()).dtype
         self.split = split_blocks(model)  # what a sequence group splits (none: no group)
+        spec = spec_for(model)
+        self.tensor_split = spec.tensor(model) if hasattr(spec, "tensor") else None  # None: no tensor groups
         self.grouped = False  # --parallel sequence: every call a group over every replica
         self.lone_rows = 2
         self.links: Callable[[str, int], Link] = lambda device, threads: Link(BOUNDARY_BYTES_PER_S)
@@ -275,31 +285,102 @@ class _Search:
             reason = "--parallel off: one lane through the layer split"
         return single(plan, threads, reason=reason, costs=costs_note)
 
+    def layout(self, layout: str, costs_note: str) -> ParallelPlan:
+        """--layout RxSxT: R replicas of S stages, each stage a tensor group of T devices, as asked."""
+        replicas, stages, degree = (int(n) for n in layout.split("x"))
+        count = replicas * stages * degree
+        if self.devices != ["cpu"] and len(self.devices) != count:
+            raise PlanError(f"--layout {layout} takes {count} devices; --devices names {len(self.devices)}")
+        if stages > 1 and degree > 1:
+            raise PlanError(
+                f"--layout {layout}: stages made of tensor groups are not built yet: use "
+                f"{replicas}x1x{degree} or {replicas}x{stages}x1"
+            )
+        if degree > 1 and self.tensor_split is None:
+            raise PlanError(f"--layout {layout}: {type(self.model).__name__} declares no split of its blocks")
+        candidate = self.add_tensor(replicas, degree) if degree > 1 else self.add_shape(replicas, stages)
+        if candidate.rows_per_s is None:
+            raise PlanError(f"--layout {layout}: {candidate.note}")
+        return self.plan_of(candidate, f"--layout {layout} asked for {candidate.label}", costs_note)
+
     def tensor_group(self, costs_note: str) -> ParallelPlan:
-        """--parallel tensor: one tensor group over every device, each rank holding its share of
-        the split blocks (`tensor_shares`) and the other blocks whole; the first, the encoders."""
-        spec, size, model = spec_for(self.model), len(self.devices), self.model
-        split = spec.tensor(model) if hasattr(spec, "tensor") else None
-        if split is None or size < 2:
+        """--parallel tensor: one tensor group over every device (`add_tensor`)."""
+        size = len(self.devices)
+        if self.tensor_split is None or size < 2:
             why = (
-                f"{type(model).__name__} declares no split of its blocks (SD3's, FLUX.1's, FLUX.2's, "
+                f"{type(self.model).__name__} declares no split of its blocks (SD3's, FLUX.1's, FLUX.2's, "
                 "Qwen-Image's and Wan's transformers do): use replicas, pipeline or sequence"
-                if split is None
+                if self.tensor_split is None
                 else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
             )
             raise PlanError(f"--parallel tensor: {why}")
-        shares = tensor_shares(model, split, size, self.dtype)
-        plans = []
-        for index, device in enumerate(self.devices):
-            options = self._options([device]) | {"shares": shares} | ({"resident": 0} if index else {})
-            plans.append(plan_shards(model, [device], self.strategy, **options))
-        threads = max(1, self.quota // size) if self.all_cpu else None
+        candidate = self.add_tensor(1, size)
+        if candidate.rows_per_s is None:
+            raise PlanError(f"--parallel tensor over {size} devices: {candidate.note}")
         reason = (
             f"--parallel tensor: every block's heads and MLPs split over {size} devices, each holding "
-            f"{max(shares.values()):.0%} of a split block; every call on all of them"
+            f"{max(self.tensor_shares(size).values()):.0%} of a split block; every call on all of them"
         )
-        workers = tuple(worker_names(self.devices))
-        return ParallelPlan(tuple(plans), 1, threads, (), reason, workers, costs_note, tensor=size)
+        return self.plan_of(candidate, reason, costs_note)
+
+    def add_tensor(self, replicas: int, degree: int) -> Candidate:
+        """`replicas` tensor groups of `degree` devices each (consecutive), each rank's plan counting
+        its share of the split blocks (`tensor_shares`); a lane per group. Predicted as
+        `tensor_step_s` says (under load each group batches its share of the rows)."""
+        workers = replicas * degree
+        devices = self.devices * workers if self.devices == ["cpu"] else self.devices[:workers]
+        threads = max(1, self.quota // workers) if self.all_cpu else 1
+        if undivided := sorted(h for h in self.tensor_heads() if h % degree):
+            why = f"{degree} does not divide the attention heads ({undivided[0]})"
+            return self.add(Candidate(replicas, 1, None, why, tensor=degree))
+        shares = self.tensor_shares(degree)
+        try:
+            ranks = tuple(
+                plan_shards(self.model, [device], self.strategy, **self._rank_options(device, shares, index))
+                for index, device in enumerate(devices)
+            )
+        except PlanError as err:
+            return self.add(Candidate(replicas, 1, None, str(err), tensor=degree))
+        rows = self._lane_rows(replicas)
+        step_s = self._tensor_s(ranks[0], threads, rows, degree) * self._stretch(workers, threads)
+        lone_s = self._tensor_s(ranks[0], threads, self.lone_rows, degree)
+        cpu_threads = threads if self.all_cpu else None
+        note = self._note(workers, cpu_threads, len(devices))
+        candidate = Candidate(replicas, 1, replicas * rows / step_s, note, lone_s, cpu_threads, tensor=degree)
+        self.plans[id(candidate)] = (ranks, 1)
+        return self.add(candidate)
+
+    def _rank_options(self, device: str, shares: Mapping[str, float], index: int) -> dict[str, Any]:
+        """A tensor rank's `plan_shards` options: its device's budget and its share of the blocks;
+        the encoders and VAE with the first rank only."""
+        return self._options([device]) | {"shares": shares} | ({"resident": 0} if index else {})
+
+    def tensor_shares(self, degree: int) -> dict[str, float]:
+        assert self.tensor_split is not None
+        return tensor_shares(self.model, self.tensor_split, degree, self.dtype)
+
+    def tensor_heads(self) -> set[int]:
+        """The head counts of the attention modules a tensor group splits by their queries."""
+        split = self.tensor_split
+        assert split is not None
+        return {
+            module.heads
+            for block in split.blocks
+            for name, module in self.model.get_submodule(block).named_modules()
+            if hasattr(module, "heads") and split.cut_of(f"{block}.{name}.to_q")
+        }
+
+    def _tensor_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
+        """Seconds of one step of `rows` rows through a rank's `plan` as a tensor group of `degree`."""
+        device = plan.stages[0].device
+        costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
+        flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
+        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
+        blocks = self.tensor_split.blocks if self.tensor_split else frozenset()
+        seconds, _ = tensor_step_s(
+            plan, costs, degree, blocks, flow.block_io_bytes, share, self.links(device, threads)
+        )
+        return seconds
 
     def pipeline_only(self, costs_note: str) -> ParallelPlan:
         plan = plan_shards(self.model, self.devices, self.strategy, **self.options)
@@ -317,7 +398,7 @@ class _Search:
         workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
         return ParallelPlan(
             split, 1 if best.grouped else lanes, best.threads, tuple(self.candidates), reason, workers,
-            costs_note, best.splits_lone, best.sequence, best.grouped,
+            costs_note, best.splits_lone, best.sequence, best.grouped, tensor=best.tensor,
         )  # fmt: skip
 
     # Helpers.
