@@ -495,3 +495,26 @@ def test_split_steps_reuse_their_helper_threads() -> None:
     workers.close()
     helpers = [t for t in ran if t is not threading.current_thread()]
     assert len(helpers) == 2 and helpers[0] is helpers[1]  # one thread, not one per step
+
+
+def test_a_tensor_group_over_two_fake_gpus_keeps_each_ranks_weights_on_its_own(fake: FakeCuda) -> None:
+    """Issue 52's GPU placement: a tiny FLUX.1 as a tensor group on fake cuda:0 and cuda:1, each
+    rank's weights on its own device, each holding its half of a split layer. Not shown here:
+    CUDA moves a Parameter in place (`set_data`), which is why ranks get Parameters of their own
+    before placing (`own_parameters`, tested in test_tensor.py); fakes are swapped in, not set.
+    A group's call runs its ranks on threads at once, and one FakeTensorMode cannot serve two
+    threads: the exchanges' `.to(here)` are read instead, and `tests/test_gpu.py` runs the call."""
+    from server.engine import build_shards, plan_parallel
+    from tests.test_sequence import tiny_transformers
+
+    model, _ = tiny_transformers()["flux"]
+    whole = model.transformer_blocks[0].attn.to_q.weight.shape
+    plan = plan_parallel(model, ["cpu", "cpu"], "tensor")
+    ranks = tuple(
+        replace(r, stages=tuple(replace(s, device=f"cuda:{k}") for s in r.stages))
+        for k, r in enumerate(plan.replicas)
+    )
+    shards = build_shards(model, replace(plan, replicas=ranks))
+    for k, shard in enumerate(shards):
+        assert {p.device for p in shard.model.parameters()} == {torch.device(f"cuda:{k}")}
+        assert shard.model.transformer_blocks[0].attn.to_q.weight.shape == (whole[0] // 2, whole[1])

@@ -309,6 +309,56 @@ def test_a_flux_shaped_sequence_group_of_two_gpus_takes_at_most_06_of_one_gpu() 
     assert group <= 0.6 * one, f"group {group * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
 
 
+@two_gpus
+def test_a_flux_shaped_tensor_group_of_two_gpus_equals_one_and_takes_at_most_06_of_it() -> None:
+    """The sequence test's FLUX.1-dev-shaped stack (bfloat16, 1024², one row) as a tensor group:
+    each GPU its half of every split block (heads, MLPs, modulation), partial outputs summed
+    device to device; against the whole stack on one GPU (issue 52)."""
+    import copy
+
+    from diffusers import FluxTransformer2DModel
+
+    from server.engine import CallPlan, ModelShard, plan_shards
+    from server.engine.runtime.replicas import Workers
+    from server.engine.runtime.tensor import run_tensor
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        num_layers=2, num_single_layers=4, attention_head_dim=128, num_attention_heads=24,
+        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=[16, 56, 56],
+    ).to(torch.bfloat16)  # fmt: skip
+    whole = ModelShard(copy.deepcopy(model), plan_shards(model, ["cuda:0"], "memory"))
+    costs = dict.fromkeys(layout_of(model).names, 0.001)
+    plan = plan_parallel(model, "cuda:0,cuda:1", "tensor", block_costs=lambda *_, **__: costs)
+    ranks = build_shards(model, plan)  # `model` becomes rank 0
+    assert [r.device.type for r in ranks] == ["cuda", "cuda"] and ranks[1].device.index == 1
+    inputs = spec_for(model).example_inputs(model, 1, 128, torch.bfloat16, torch.device("cuda:0"))
+    workers = Workers(1)
+
+    def call_s(run) -> tuple[float, torch.Tensor]:
+        times, out = [], None
+        for _ in range(6):
+            for device in ("cuda:0", "cuda:1"):
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            out = run()
+            for device in ("cuda:0", "cuda:1"):
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:]), out
+
+    try:
+        one, expected = call_s(lambda: whole.run(inputs, CallPlan.plain(1)).out)
+        group, out = call_s(
+            lambda: run_tensor(ranks, ranks[0].tensor, inputs, CallPlan.plain(1), workers.submit).out
+        )
+    finally:
+        workers.close()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=0)
+    assert group <= 0.6 * one, f"tensor group {group * 1e3:.1f} ms vs one GPU {one * 1e3:.1f} ms"
+
+
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Path, family: str) -> None:
     """Parity on CUDA: every rank's slice and exchange on its own device (issue 40), or both

@@ -219,3 +219,15 @@ def test_flux2_dev_on_two_gpus_plans_a_tensor_group_quicker_alone_than_two_stage
     found = json.loads(run_cli(*common, "--devices", eight, "--max-memory", memory).stdout)["parallel"]
     shapes = {(c["replicas"], c["stages"], c["tensor_degree"]) for c in found["candidates"]}
     assert {(4, 1, 2), (2, 1, 4)} <= shapes
+
+
+def test_ranks_placed_on_devices_get_parameters_of_their_own_over_the_same_storage() -> None:
+    """CUDA moves a Parameter in place: ranks sharing one Parameter object would move each
+    other's. `own_parameters` gives a rank fresh Parameters over the same tensors (nothing copied)."""
+    from server.engine.runtime.replicas import own_parameters
+
+    model, _ = tiny_transformers()["flux"]
+    rank = sharing_weights(model)
+    own_parameters(rank)
+    pairs = list(zip(model.parameters(), rank.parameters(), strict=True))
+    assert all(p is not q and p.data_ptr() == q.data_ptr() for p, q in pairs)
