@@ -165,10 +165,11 @@ def test_the_newer_families_split_as_diffusers_declares_them(tmp_path_factory, n
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
-def test_layout_2x1x2_serves_two_tensor_groups_a_lane_each(folders) -> None:
+def test_layouts_2x1x2_and_1x2x2_serve_tensor_groups_as_one_device(folders) -> None:
     """`--devices cpu,cpu,cpu,cpu --layout 2x1x2`: two replicas, each a tensor group of two, a
-    lane each (the Service steps them at once); every image within 2/255 of one device's.
-    Stages made of tensor groups (1x2x2) are refused, saying what runs instead."""
+    lane each (the Service steps them at once); `1x2x2`: one replica of two stages, each stage a
+    tensor group of two (a rank's stages on its two devices); every image within 2/255 of one
+    device's."""
     from server.serving import Service
 
     folder = folders["flux"]
@@ -190,16 +191,19 @@ def test_layout_2x1x2_serves_two_tensor_groups_a_lane_each(folders) -> None:
         service.close()
     for image, expected in zip(images, alone, strict=True):
         assert float(np.abs(image - expected).max()) * 255 <= 2
-    with pytest.raises(PlanError, match="stages made of tensor groups are not built yet: use 1x1x2"):
-        plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
-                   layout="1x2x2")  # fmt: skip
+    staged = plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
+                        layout="1x2x2")  # fmt: skip
+    assert (staged.tensor, staged.stages, staged.lanes, len(staged.replicas)) == (2, 2, 1, 2)
+    group = Pipeline.load(folder, plan=staged)
+    for image, expected in zip(group.generate([group.resolve(r) for r in requests]), alone, strict=True):
+        assert float(np.abs(image - expected).max()) * 255 <= 2
 
 
 def test_flux2_dev_on_two_gpus_plans_a_tensor_group_quicker_alone_than_two_stages(run_cli) -> None:
     """`plan --config flux2-dev` on two 80 GiB GPUs: at 4 rows a step the group of two fits beside
     Mistral 3 (43.6 GiB on the first) and auto takes it, its lone step ≤ 0.6× the two stages';
     at the default 16 rows its first rank is short (said in its note); on 8 GPUs the candidates
-    include 4 × 1 × 2-way and 2 × 1 × 4-way."""
+    include 4 × 1 × 2-way, 2 × 1 × 4-way and 2 × 2 × 2-way, each with its figures."""
     import json
 
     common = ("plan", "--config", "flux2-dev", "--dtype", "bfloat16", "--json")
@@ -217,8 +221,9 @@ def test_flux2_dev_on_two_gpus_plans_a_tensor_group_quicker_alone_than_two_stage
     eight = ",".join(f"cuda:{i}" for i in range(8))
     memory = ",".join(f"cuda:{i}=80GiB" for i in range(8))
     found = json.loads(run_cli(*common, "--devices", eight, "--max-memory", memory).stdout)["parallel"]
-    shapes = {(c["replicas"], c["stages"], c["tensor_degree"]) for c in found["candidates"]}
-    assert {(4, 1, 2), (2, 1, 4)} <= shapes
+    shapes = {(c["replicas"], c["stages"], c["tensor_degree"]): c for c in found["candidates"]}
+    assert {(4, 1, 2), (2, 1, 4), (2, 2, 2), (1, 2, 4)} <= set(shapes)
+    assert shapes[2, 2, 2]["predicted_rows_per_s"] and shapes[2, 2, 2]["predicted_lone_step_s"]
 
 
 def test_ranks_placed_on_devices_get_parameters_of_their_own_over_the_same_storage() -> None:

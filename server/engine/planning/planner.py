@@ -158,9 +158,10 @@ def plan_parallel(
         else:
             search.add_shape(replicas, stages)
     if parallel == Parallel.AUTO and not search.all_cpu and search.tensor_split is not None:
-        for degree in range(2, len(device_list) + 1):  # each group a tensor group of `degree` GPUs
-            if len(device_list) % degree == 0:
-                search.add_tensor(len(device_list) // degree, degree)
+        count = len(device_list)  # every replicas × stages × tensor degree that uses them all
+        for degree in (t for t in range(2, count + 1) if count % t == 0):
+            for stages in (s for s in range(1, count // degree + 1) if count // degree % s == 0):
+                search.add_tensor(count // degree // stages, degree, stages)
     baselines = search.add_baselines()
 
     # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
@@ -291,14 +292,11 @@ class _Search:
         count = replicas * stages * degree
         if self.devices != ["cpu"] and len(self.devices) != count:
             raise PlanError(f"--layout {layout} takes {count} devices; --devices names {len(self.devices)}")
-        if stages > 1 and degree > 1:
-            raise PlanError(
-                f"--layout {layout}: stages made of tensor groups are not built yet: use "
-                f"{replicas}x1x{degree} or {replicas}x{stages}x1"
-            )
         if degree > 1 and self.tensor_split is None:
             raise PlanError(f"--layout {layout}: {type(self.model).__name__} declares no split of its blocks")
-        candidate = self.add_tensor(replicas, degree) if degree > 1 else self.add_shape(replicas, stages)
+        candidate = (
+            self.add_tensor(replicas, degree, stages) if degree > 1 else self.add_shape(replicas, stages)
+        )
         if candidate.rows_per_s is None:
             raise PlanError(f"--layout {layout}: {candidate.note}")
         return self.plan_of(candidate, f"--layout {layout} asked for {candidate.label}", costs_note)
@@ -323,37 +321,44 @@ class _Search:
         )
         return self.plan_of(candidate, reason, costs_note)
 
-    def add_tensor(self, replicas: int, degree: int) -> Candidate:
-        """`replicas` tensor groups of `degree` devices each (consecutive), each rank's plan counting
-        its share of the split blocks (`tensor_shares`); a lane per group. Predicted as
-        `tensor_step_s` says (under load each group batches its share of the rows)."""
-        workers = replicas * degree
+    def add_tensor(self, replicas: int, degree: int, stages: int = 1) -> Candidate:
+        """`replicas` pipelines of `stages` stages, each stage a tensor group of `degree` devices
+        (in order: a replica's devices stage by stage, a stage's ranks consecutive). Rank k of a
+        replica holds its share of the split blocks (`tensor_shares`) over its device of each
+        stage; a lane per replica, its stages in turn, as `tensor_step_s` predicts it (under
+        load each replica batches its share of the rows)."""
+        workers = replicas * stages * degree
         devices = self.devices * workers if self.devices == ["cpu"] else self.devices[:workers]
         threads = max(1, self.quota // workers) if self.all_cpu else 1
         if undivided := sorted(h for h in self.tensor_heads() if h % degree):
             why = f"{degree} does not divide the attention heads ({undivided[0]})"
-            return self.add(Candidate(replicas, 1, None, why, tensor=degree))
+            return self.add(Candidate(replicas, stages, None, why, tensor=degree))
         shares = self.tensor_shares(degree)
+        lanes = [devices[r * stages * degree : (r + 1) * stages * degree] for r in range(replicas)]
+        ranks_devices = [
+            [lane[s * degree + k] for s in range(stages)] for lane in lanes for k in range(degree)
+        ]
         try:
             ranks = tuple(
-                plan_shards(self.model, [device], self.strategy, **self._rank_options(device, shares, index))
-                for index, device in enumerate(devices)
+                plan_shards(self.model, mine, self.strategy, **self._rank_options(mine, shares, index))
+                for index, mine in enumerate(ranks_devices)
             )
         except PlanError as err:
-            return self.add(Candidate(replicas, 1, None, str(err), tensor=degree))
+            return self.add(Candidate(replicas, stages, None, str(err), tensor=degree))
         rows = self._lane_rows(replicas)
         step_s = self._tensor_s(ranks[0], threads, rows, degree) * self._stretch(workers, threads)
         lone_s = self._tensor_s(ranks[0], threads, self.lone_rows, degree)
         cpu_threads = threads if self.all_cpu else None
         note = self._note(workers, cpu_threads, len(devices))
-        candidate = Candidate(replicas, 1, replicas * rows / step_s, note, lone_s, cpu_threads, tensor=degree)
+        rate = replicas * rows / step_s
+        candidate = Candidate(replicas, stages, rate, note, lone_s, cpu_threads, tensor=degree)
         self.plans[id(candidate)] = (ranks, 1)
         return self.add(candidate)
 
-    def _rank_options(self, device: str, shares: Mapping[str, float], index: int) -> dict[str, Any]:
-        """A tensor rank's `plan_shards` options: its device's budget and its share of the blocks;
+    def _rank_options(self, devices: list[str], shares: Mapping[str, float], index: int) -> dict[str, Any]:
+        """A tensor rank's `plan_shards` options: its devices' budgets and its share of the blocks;
         the encoders and VAE with the first rank only."""
-        return self._options([device]) | {"shares": shares} | ({"resident": 0} if index else {})
+        return self._options(devices) | {"shares": shares} | ({"resident": 0} if index else {})
 
     def tensor_shares(self, degree: int) -> dict[str, float]:
         assert self.tensor_split is not None
