@@ -113,9 +113,6 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
 
 
 def test_tensor_groups_refuse_what_they_cannot_split_yet(folders, tmp_path_factory) -> None:
-    from server.errors import ModelFolderError
-    from server.pipeline.lorafiles import read_adapter
-    from tests.test_lora import random_lora
     from tests.tiny_pipelines import build_sd15_folder
 
     sd15 = build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")
@@ -126,13 +123,41 @@ def test_tensor_groups_refuse_what_they_cannot_split_yet(folders, tmp_path_facto
     with pytest.raises(PlanError, match="drop --quantize"):
         plan_model(flux, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
                    folder=folders["flux"], parallel="tensor", quantize={"*": "int8"})  # fmt: skip
+
+
+def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_alone(
+    folders, tmp_path_factory
+) -> None:
+    """An adapter in a tensor group: each rank holds its part of every pair (B's rows where the
+    layer's outputs are cut, A's columns where its inputs are, the partial deltas summed), so a
+    LoRA image equals one device's within 2/255; a LoRA row, a first-block-cached one and a plain
+    one in one call each equal what they give alone within 1e-3."""
+    from server.pipeline.lorafiles import read_adapter
+    from server.pipeline.stepcache import StepCache
+    from tests.test_lora import random_lora
+
     sd3 = folders["sd3"]
+    lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
     plan = plan_model(read_family(sd3), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
                       folder=sd3, parallel="tensor")  # fmt: skip
-    group = Pipeline.load(sd3, plan=plan)
-    lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
-    with pytest.raises(ModelFolderError, match="do not run in a tensor group yet"):
-        group.add_adapter(read_adapter("style", lora, group.family))
+    group, one = Pipeline.load(sd3, plan=plan), Pipeline.load(sd3, devices="cpu")
+    for pipeline in (group, one):
+        pipeline.add_adapter(read_adapter("style", lora, pipeline.family))
+    requests = [
+        GenerationRequest("a red circle", seed=3, steps=4, lora=(("style", 0.8),)),
+        GenerationRequest(
+            "a blue square", seed=4, steps=6, step_cache=StepCache("first_block", threshold=0.5)
+        ),
+        GenerationRequest("a green star", seed=5, steps=4),
+    ]
+    alone = [group.generate([group.resolve(r)])[0] for r in requests]
+    styled_on_one = one.generate([one.resolve(requests[0])])[0]
+    assert float(np.abs(alone[0] - styled_on_one).max()) * 255 <= 2
+    plain = one.generate([one.resolve(GenerationRequest("a red circle", seed=3, steps=4))])[0]
+    assert float(np.abs(styled_on_one - plain).max()) * 255 > 10  # the adapter changes the image
+    together = group.generate([group.resolve(r) for r in requests])
+    for mine, expected in zip(together, alone, strict=True):
+        assert float(np.abs(mine - expected).max()) < 1e-3
 
 
 @pytest.mark.parametrize("name", ["flux2", "qwen-image"])

@@ -41,7 +41,7 @@ from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
-from server.errors import InvalidRequest, ModelFolderError
+from server.errors import InvalidRequest
 from server.pipeline.adapters import CHANGES, unknown_adapter
 from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, matching
 from server.pipeline.edits import first_latents, keep_unmasked
@@ -182,8 +182,6 @@ class Pipeline:
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve `adapter`: attached to every replica's denoiser and to the encoders it targets."""
-        if self.deployment.tensor > 1:  # a split layer's share of an adapter is not built yet
-            raise ModelFolderError(f"LoRA {adapter.name!r}: adapters do not run in a tensor group yet")
         encoders = zip(self.family.text_encoders, self.encoders, self.encoder_slots, strict=False)
         self.adapters.targets = {  # absent encoders are last
             **{

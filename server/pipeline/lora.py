@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 from server.engine.quantize import layer_dtype, layer_features
 from server.engine.runtime.call import RowsSlot
+from server.engine.runtime.tensor import RowLinear, current_rank
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
 
@@ -188,11 +189,15 @@ class AdapterSet:
         self._hooks: dict[str, Any] = {}
 
     def check(self, adapter: Adapter) -> dict[str, LoraPair]:
-        """`adapter`'s pairs for this model by module name; ModelFolderError at the first misfit."""
+        """`adapter`'s pairs for this model by module name (a tensor rank's layer: its part of
+        the pair); ModelFolderError at the first misfit."""
         modules = dict(self.model.named_modules())
         pairs = {_named(name, modules): pair for name, pair in adapter.parts.get(self.part, {}).items()}
         for module_name, pair in pairs.items():
             _check_fits(adapter, module_name, modules.get(module_name), pair)
+            if (part := getattr(modules[module_name], "rank_part", None)) is not None:
+                down, up = part.of_adapter(pair.down, pair.up)
+                pairs[module_name] = dataclasses.replace(pair, down=down, up=up)
         return pairs
 
     def add(self, adapter: Adapter) -> None:
@@ -253,7 +258,10 @@ class AdapterSet:
                 return output.add_(F.conv2d(hidden, stacked.up))
             hidden = F.linear(x, stacked.down)
             hidden.mul_(mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1]))
-            return output.add_(F.linear(hidden, stacked.up))
+            delta = F.linear(hidden, stacked.up)
+            if isinstance(layer, RowLinear):  # a tensor rank's part of its inputs: a partial delta
+                delta = current_rank().all_reduce(delta)
+            return output.add_(delta)
 
         return add_deltas
 
@@ -271,7 +279,8 @@ def _check_fits(adapter: Adapter, name: str, layer: nn.Module | None, pair: Lora
     if not isinstance(layer, nn.Linear | nn.Conv2d):
         kind = "no such module" if layer is None else f"a {type(layer).__name__}, not a Linear or Conv2d"
         raise ModelFolderError(f"{where} is {kind}")
-    takes, gives = layer_features(layer)
+    part = getattr(layer, "rank_part", None)  # a tensor rank's layer: the whole one's features
+    gives, takes = part.whole if part is not None else layer_features(layer)[::-1]
     if pair.down.shape[1] != takes or pair.up.shape[0] != gives:
         raise ModelFolderError(
             f"{where} maps {takes} features to {gives}, the adapter "

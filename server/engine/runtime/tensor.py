@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,15 +89,36 @@ def split_layer(
     if cut in (Cut.COLUMN, Cut.PACKED_COLUMN, Cut.GATHERED):
         keep = _bounds(weight.shape[0], parts, index, size)
         weight, bias = weight[keep], None if bias is None else bias[keep]
-        cls = GatheredLinear if cut == Cut.GATHERED else nn.Linear
+        cls, dim = (GatheredLinear, None) if cut == Cut.GATHERED else (nn.Linear, 0)
     else:
         keep = _bounds(weight.shape[1], parts, index, size)
-        weight, cls = weight[:, keep], RowLinear
+        weight, cls, dim = weight[:, keep], RowLinear, 1
     out = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     out.weight = nn.Parameter(weight.clone(), requires_grad=False)
     if bias is not None:
         out.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    out.rank_part = RankPart(dim, keep, tuple(layer.weight.shape))
     return out
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What of a whole layer a split one holds (`rank_part` on it): its output features (`dim`
+    0), its input features (1), or, gathered, all of its output (None); and the whole's shape."""
+
+    dim: int | None
+    keep: list[int]
+    whole: tuple[int, int]
+
+    def of_adapter(self, down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA pair of the whole layer, as this rank's part of it: B's rows for a column cut,
+        A's columns for a row cut (its delta then partial: summed over the ranks), whole when the
+        output is gathered."""
+        if self.dim == 0:
+            return down, up[self.keep]
+        if self.dim == 1:
+            return down[:, self.keep], up
+        return down, up
 
 
 def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> None:
