@@ -120,18 +120,19 @@ def test_tensor_groups_refuse_what_they_cannot_split_yet(folders, tmp_path_facto
         plan_model(read_family(sd15), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
                    folder=sd15, parallel="tensor")  # fmt: skip
     flux = read_family(folders["flux"])
-    with pytest.raises(PlanError, match="drop --quantize"):
+    with pytest.raises(PlanError, match="nf4 and GGUF files are not split"):
         plan_model(flux, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
-                   folder=folders["flux"], parallel="tensor", quantize={"*": "int8"})  # fmt: skip
+                   folder=folders["flux"], parallel="tensor", quantize={"*": "nf4"})  # fmt: skip
 
 
 def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_alone(
     folders, tmp_path_factory
 ) -> None:
-    """An adapter in a tensor group: each rank holds its part of every pair (B's rows where the
-    layer's outputs are cut, A's columns where its inputs are, the partial deltas summed), so a
-    LoRA image equals one device's within 2/255; a LoRA row, a first-block-cached one and a plain
-    one in one call each equal what they give alone within 1e-3."""
+    """On an int8 base (each rank quantizes its share of a layer, cut from the float weights as it
+    is placed), an adapter in a tensor group: each rank holds its part of every pair (B's rows
+    where the layer's outputs are cut, A's columns where its inputs are, the partial deltas
+    summed), so a LoRA image equals one int8 device's within 2/255; a LoRA row, a
+    first-block-cached one and a plain one in one call each equal what they give alone within 1e-3."""
     from server.pipeline.lorafiles import read_adapter
     from server.pipeline.stepcache import StepCache
     from tests.test_lora import random_lora
@@ -139,8 +140,13 @@ def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_a
     sd3 = folders["sd3"]
     lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
     plan = plan_model(read_family(sd3), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
-                      folder=sd3, parallel="tensor")  # fmt: skip
-    group, one = Pipeline.load(sd3, plan=plan), Pipeline.load(sd3, devices="cpu")
+                      folder=sd3, parallel="tensor", quantize={"*": "int8"})  # fmt: skip
+    group = Pipeline.load(sd3, plan=plan, quantize="int8")
+    one = Pipeline.load(sd3, devices="cpu", quantize="int8")
+    split = group.replicas[1].model.transformer_blocks[0].attn.to_out[0]
+    assert (
+        type(split.weight).__name__ == "Int8Tensor" and split.weight.shape[1] * 2 == split.rank_part.whole[1]
+    )
     for pipeline in (group, one):
         pipeline.add_adapter(read_adapter("style", lora, pipeline.family))
     requests = [

@@ -49,6 +49,7 @@ class Quantization:
 
     mode: QuantMode = QuantMode.OFF
     keep: tuple[str, ...] = ()
+    when_placed: bool = False  # converted as placed whatever the mode (a tensor rank's cut first)
 
     def __bool__(self) -> bool:
         return self.mode != QuantMode.OFF
@@ -56,8 +57,9 @@ class Quantization:
     @property
     def on_device(self) -> bool:
         """Converted once its layers sit on their GPU (torchao's float8 converts only there);
-        the other modes convert while loading, on the CPU (nf4 then quantizes as it moves)."""
-        return self.mode == QuantMode.FLOAT8
+        the other modes convert while loading, on the CPU (nf4 then quantizes as it moves),
+        unless `when_placed`."""
+        return self.mode == QuantMode.FLOAT8 or self.when_placed
 
     def converts(self, name: str, module: nn.Module) -> bool:
         kept = any(name == k or name.startswith(f"{k}.") for k in self.keep)

@@ -52,6 +52,7 @@ from server.pipeline.quantizing import (
     describe,
     held_bytes,
     load_quantizations,
+    placed_in_groups,
     placing,
     quantize_placed,
 )
@@ -140,6 +141,8 @@ class Pipeline:
         holding the denoiser's weights; `vae_tiling`: decode and encode in diffusers' tiles."""
         family = read_family(folder)
         quantizations = load_quantizations(quantize, family, Path(folder), dtype, denoiser_file)
+        if isinstance(plan, ParallelPlan) and plan.tensor > 1:
+            quantizations = placed_in_groups(quantizations, family)
         components = load_components(folder, dtype, quantizations, denoiser_file)
         if plan is None:
             held = held_bytes(components.denoiser, dtype, quantizations.get(family.denoiser), denoiser_file)
@@ -147,10 +150,9 @@ class Pipeline:
                 components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
                 dtype=dtype, block_bytes=held, experts=len(family.experts),
             )  # fmt: skip
-        # every expert placed by the one plan, its blocks beside the first expert's (counted so), or
-        # each on its own devices (`experts_apart`: the plan's replica k is expert k's placement)
+        # every expert by the one plan, beside the first's; or each apart (replica k: expert k's)
         apart = isinstance(plan, ParallelPlan) and plan.experts_apart
-        places = plan.replicas if apart else [plan] * len(components.experts)
+        places = plan.replicas if apart else (plan,) * len(components.experts)
         deployment, *more = (
             Deployment.of(model, place, placing(quantizations, components, k))
             for k, (model, place) in enumerate(zip(components.experts, places, strict=True))

@@ -77,9 +77,10 @@ def plan_model(
     without `pick_threads`). Weights count as `quantize` (`--quantize`) leaves them, the
     denoiser's as `denoiser_file` (GGUF) holds them."""
     tensor = parallel == Parallel.TENSOR or (layout is not None and not layout.endswith("x1"))
-    if tensor and (quantize or denoiser_file):  # a quantized layer's share: not yet
+    if tensor and (QuantMode.NF4 in (quantize or {}).values() or denoiser_file):  # bitsandbytes' layers
         raise PlanError(
-            "--parallel tensor splits float weights only so far: drop --quantize (or the GGUF file)"
+            "a tensor group quantizes each rank's share with torchao (int8, int8-dynamic, float8): "
+            "nf4 and GGUF files are not split"
         )
     resident, quantizations = resident_bytes(family, folder, dtype, quantize or {})
     model = meta_denoiser(family)

@@ -11,6 +11,7 @@ it is placed (`placing`), the text encoders once placed (`quantize_placed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -108,6 +109,15 @@ def load_quantizations(
     if denoiser_file is not None:
         quantizations.pop(family.denoiser, None)
     return quantizations
+
+
+def placed_in_groups(quantizations: Mapping[str, Quantization], family: Family) -> dict[str, Quantization]:
+    """A tensor group's: the denoisers' modes convert each rank's blocks as they are placed, so
+    a rank's share of a layer is cut from the float weights before it is quantized."""
+    return {
+        name: replace(q, when_placed=True) if name in family.experts else q
+        for name, q in quantizations.items()
+    }
 
 
 def placing(
