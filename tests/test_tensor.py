@@ -267,3 +267,32 @@ def test_ranks_placed_on_devices_get_parameters_of_their_own_over_the_same_stora
     own_parameters(rank)
     pairs = list(zip(model.parameters(), rank.parameters(), strict=True))
     assert all(p is not q and p.data_ptr() == q.data_ptr() for p, q in pairs)
+
+
+def test_a_server_on_two_workers_as_a_tensor_group_serves_one_devices_images(flux_folder) -> None:
+    """`serve --devices cpu,cpu --parallel tensor` on a loopback port: images over HTTP within 2/255
+    of one device's (a batch of a guided and an unguided request), /v1/shards saying the degree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.live import live_server
+    from tests.test_sequence import as_request, pixels
+
+    bodies = [
+        {"prompt": "a red circle", "negative_prompt": "blue", "seed": 3, "num_inference_steps": 3,
+         "guidance_scale": 3.5, "size": "32x32"},
+        {"prompt": "a blue square", "seed": 4, "num_inference_steps": 3, "guidance_scale": 3.5,
+         "size": "32x32"},
+    ]  # fmt: skip
+    args = ("--model", str(flux_folder), "--devices", "cpu,cpu", "--parallel", "tensor")
+    with live_server(*args) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda b: client.post("/v1/images/generations", json=b), bodies))
+        shards = client.get("/v1/shards").json()
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert shards["parallel"]["tensor_degree"] == 2 and shards["parallel"]["lanes"] == 1
+    one = Pipeline.load(flux_folder, devices="cpu")
+    for body, answer in zip(bodies, answers, strict=True):
+        alone = (one.generate([one.resolve(as_request(body))])[0] * 255).round().astype(int)
+        assert int(np.abs(pixels(answer.json()["data"][0]["b64_json"]) - alone).max()) <= 2
