@@ -112,13 +112,14 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
         assert held <= RANK_SHARE * whole_split
 
 
-def test_tensor_groups_refuse_what_they_cannot_split_yet(folders, tmp_path_factory) -> None:
-    from tests.tiny_pipelines import build_sd15_folder
+def test_tensor_groups_refuse_what_they_cannot_split_yet(folders) -> None:
+    from server.pipeline.families import reference_family
 
-    sd15 = build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")
+    z_image = reference_family("z-image")
     with pytest.raises(PlanError, match="declares no split of its blocks"):
-        plan_model(read_family(sd15), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
-                   folder=sd15, parallel="tensor")  # fmt: skip
+        plan_model(
+            z_image, ["cpu", "cpu"], "memory", dtype=torch.bfloat16, batch=2, side=1024, parallel="tensor"
+        )
     flux = read_family(folders["flux"])
     with pytest.raises(PlanError, match="nf4 and GGUF files are not split"):
         plan_model(flux, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
@@ -164,6 +165,36 @@ def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_a
     together = group.generate([group.resolve(r) for r in requests])
     for mine, expected in zip(together, alone, strict=True):
         assert float(np.abs(mine - expected).max()) < 1e-3
+
+
+def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factory) -> None:
+    """A UNet in a tensor group: the attention and GEGLU feed-forward of its transformer blocks
+    split, its convolutions whole on every rank; equal to the unsplit call. What that gains: a
+    rank holds 84% of those blocks' bytes on the tiny SD 1.5 (its Linear layers are 27% of it;
+    SD 1.5's are about a third)."""
+    from server.pipeline.loader import load_components
+    from tests.tiny_pipelines import build_sd15_folder
+
+    model = load_components(build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")).denoiser
+    shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
+    inputs = shard.spec.example_inputs(model, 2, 16, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        plain = shard.run(inputs, CallPlan.plain(2)).out
+    split = shard.spec.tensor(model)
+    assert split.blocks == {"down_blocks.0", "mid_block", "up_blocks.1"}
+    whole = sum(tensor_bytes(model.get_submodule(b)) for b in split.blocks)
+    ranks = [model, sharing_weights(model)]
+    for index, rank in enumerate(ranks):
+        split_model(rank, split, index, len(ranks))
+        share = sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) / whole
+        assert 0.8 < share < 0.9, share
+    shards = [ModelShard(rank, plan_shards(rank, ["cpu"], "memory")) for rank in ranks]
+    workers = Workers(1, 1)
+    try:
+        out = run_tensor(shards, split, inputs, CallPlan.plain(2), workers.submit).out
+    finally:
+        workers.close()
+    assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
 @pytest.mark.parametrize("name", ["flux2", "qwen-image"])

@@ -21,10 +21,12 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SkipEdge,
+    TensorSplit,
     present,
 )
 
@@ -102,6 +104,22 @@ class UNetSpec:
     def sequence(self, model: nn.Module) -> None:
         """A UNet's convolutions mix neighbouring pixels: its tokens cannot be split by blocks."""
         return None
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """The transformer blocks inside its down, mid and up blocks: self- and cross-attention by
+        heads, the feed-forward's GEGLU (gate and value halves) and output; the convolutions
+        (most of a UNet: its Linear layers are about a third of its weights) whole on every rank."""
+        blocks = frozenset(
+            b.name
+            for b in self.layout(model).blocks
+            if any(getattr(model.get_submodule(m), "attentions", None) for m in b.modules)
+        )
+        inside = "*.attentions.*.transformer_blocks.*"
+        cuts = {f"{inside}.{a}.{p}": Cut.COLUMN for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")}
+        cuts |= {f"{inside}.{a}.to_out.0": Cut.ROW for a in ("attn1", "attn2")}
+        cuts |= {f"{inside}.ff.net.0.proj": Cut.PACKED_COLUMN, f"{inside}.ff.net.2": Cut.ROW}
+        packed = {f"{inside}.ff.net.0.proj": (1, 1)}  # GEGLU: value, then gate
+        return TensorSplit(blocks, cuts, packed)
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         """DeepCache's cut, where the last up block's residuals are all shallow."""

@@ -306,8 +306,8 @@ class _Search:
         size = len(self.devices)
         if self.tensor_split is None or size < 2:
             why = (
-                f"{type(self.model).__name__} declares no split of its blocks (SD3's, FLUX.1's, FLUX.2's, "
-                "Qwen-Image's and Wan's transformers do): use replicas, pipeline or sequence"
+                f"{type(self.model).__name__} declares no split of its blocks (the UNets', SD3's, FLUX.1's, "
+                "FLUX.2's, Qwen-Image's and Wan's do): use replicas, pipeline or sequence"
                 if self.tensor_split is None
                 else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
             )
@@ -381,9 +381,9 @@ class _Search:
         costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
         flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
         share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
-        blocks = self.tensor_split.blocks if self.tensor_split else frozenset()
+        shares = self.tensor_shares(degree)
         seconds, _ = tensor_step_s(
-            plan, costs, degree, blocks, flow.block_io_bytes, share, self.links(device, threads)
+            plan, costs, degree, shares, flow.block_io_bytes, share, self.links(device, threads)
         )
         return seconds
 
