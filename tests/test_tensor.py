@@ -113,14 +113,10 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
 
 
 def test_tensor_groups_refuse_what_they_cannot_split_yet(folders) -> None:
-    from server.pipeline.families import reference_family
-
-    z_image = reference_family("z-image")
-    with pytest.raises(PlanError, match="declares no split of its blocks"):
-        plan_model(
-            z_image, ["cpu", "cpu"], "memory", dtype=torch.bfloat16, batch=2, side=1024, parallel="tensor"
-        )
-    flux = read_family(folders["flux"])
+    flux = read_family(folders["flux"])  # 2 heads
+    with pytest.raises(PlanError, match="3 does not divide the attention heads"):
+        plan_model(flux, ["cpu"] * 3, "memory", dtype=torch.float32, batch=4, side=64,
+                   folder=folders["flux"], parallel="tensor")  # fmt: skip
     with pytest.raises(PlanError, match="nf4 and GGUF files are not split"):
         plan_model(flux, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
                    folder=folders["flux"], parallel="tensor", quantize={"*": "nf4"})  # fmt: skip
@@ -197,17 +193,22 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
-@pytest.mark.parametrize("name", ["flux2", "qwen-image"])
-def test_the_newer_families_split_as_diffusers_declares_them(tmp_path_factory, name: str) -> None:
-    """FLUX.2 and Qwen-Image: diffusers' own `_tp_plan` (FLUX.2's fused single-block projections
-    as packed parts; Qwen-Image's modulation gathered beside it): a group of two equals the
-    unsplit call, each rank ≤ 0.55 of the split blocks."""
+@pytest.mark.parametrize("name", ["flux2", "qwen-image", "z-image"])
+def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> None:
+    """FLUX.2 and Qwen-Image as diffusers' own `_tp_plan` declares them (FLUX.2's fused
+    single-block projections as packed parts; Qwen-Image's modulation gathered beside it), Z-Image
+    by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve): a group of
+    two equals the unsplit call, each rank ≤ 0.55 of the split blocks."""
     from server.pipeline.loader import load_components
     from tests.tiny_flux2 import build_flux2_folder
     from tests.tiny_qwenimage import build_qwen_image_folder
+    from tests.tiny_zimage import build_zimage_pipeline
 
-    build = {"flux2": build_flux2_folder, "qwen-image": build_qwen_image_folder}[name]
-    model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
+    if name == "z-image":
+        model = build_zimage_pipeline(dim=48, axes_dims=[12, 6, 6]).transformer
+    else:
+        build = {"flux2": build_flux2_folder, "qwen-image": build_qwen_image_folder}[name]
+        model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
     shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
     inputs = shard.spec.example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))
     with torch.inference_mode():

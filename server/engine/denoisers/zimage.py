@@ -33,10 +33,12 @@ from server.engine.denoisers.blocks import (
     Block,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
 from server.engine.denoisers.qwenimage import TEXT_BUCKET, TEXT_TOKENS
@@ -126,6 +128,15 @@ class ZImageTransformerSpec:
         mask (per row: they differ by caption). The refiners run whole on every rank."""
         blocks = frozenset(f"layers.{i}" for i in range(len(model.layers)))
         return SequenceSplit(blocks, {"hidden": 1, "rotary": 1, "mask": 1})
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """Each main layer's attention by heads, its SwiGLU feed-forward (w1 and w3 by features,
+        w2 summed) and its modulation gathered; the refiners run whole on every rank."""
+        cuts = {f"layers.*.attention.{p}": Cut.COLUMN for p in ("to_q", "to_k", "to_v")}
+        cuts |= {"layers.*.attention.to_out.0": Cut.ROW, "layers.*.feed_forward.w2": Cut.ROW}
+        cuts |= {f"layers.*.feed_forward.{w}": Cut.COLUMN for w in ("w1", "w3")}
+        cuts |= {"layers.*.adaLN_modulation.0": Cut.GATHERED}
+        return TensorSplit(self.sequence(model).blocks, cuts)
 
 
 def caption_lengths(context: torch.Tensor, mask: torch.Tensor | None) -> list[int]:

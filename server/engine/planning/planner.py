@@ -306,8 +306,8 @@ class _Search:
         size = len(self.devices)
         if self.tensor_split is None or size < 2:
             why = (
-                f"{type(self.model).__name__} declares no split of its blocks (the UNets', SD3's, FLUX.1's, "
-                "FLUX.2's, Qwen-Image's and Wan's do): use replicas, pipeline or sequence"
+                f"{type(self.model).__name__} declares no split of its blocks (every family diffshard "
+                "serves does: a new one declares it in its spec): use replicas, pipeline or sequence"
                 if self.tensor_split is None
                 else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
             )
