@@ -222,13 +222,22 @@ def run_sequence(
     shards: Sequence[Any], split: SequenceSplit, inputs: Any, plan: CallPlan, submit: Submit
 ) -> CallResult:
     """One call of `plan` with its tokens split over `shards` (one rank each, rank 0 on this
-    thread); rank 0's result. A rank that fails wakes the others, and the first real failure
-    (not another rank's `GroupBroken`) is raised."""
+    thread); rank 0's result."""
+    return run_ranks(shards, lambda group, index: Rank(group, index, split), inputs, plan, submit)
+
+
+def run_ranks(
+    shards: Sequence[Any], rank_of: Callable[[Group, int], Any], inputs: Any, plan: CallPlan, submit: Submit
+) -> CallResult:
+    """One call of `plan` over a group of `shards`, each walking as `rank_of(group, index)` (a
+    sequence group's or a tensor group's rank), rank 0 on this thread; rank 0's result. A rank
+    that fails wakes the others, and the first real failure (not another rank's `GroupBroken`)
+    is raised."""
     group = Group([shard.device for shard in shards])
 
     def run(index: int) -> CallResult:
         try:
-            return shards[index].run(inputs, plan, rank=Rank(group, index, split))
+            return shards[index].run(inputs, plan, rank=rank_of(group, index))
         except BaseException:
             group.abort()
             raise

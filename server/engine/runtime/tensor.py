@@ -24,7 +24,8 @@ outputs in rank order, so every rank holds the same values after each reduction.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import PACKED, Cut, Flow, TensorSplit
 from server.engine.runtime.call import CallPlan, CallResult
-from server.engine.runtime.sequence import Group, first_failure
+from server.engine.runtime.sequence import Group, Submit, run_ranks
 from server.errors import PlanError
 
 # Each thread's rank while it runs a split block (a row or gathered layer exchanges through it).
@@ -181,9 +182,11 @@ class TensorRank:
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order (a collective: every rank must call it)."""
+        started = time.perf_counter()
         got = self.group.all_gather(self.index, self._turn, value)
         self._turn += 1
         if self.index == 0:
+            self.group.exchange_s += time.perf_counter() - started
             self.group.exchanges += 1
         return got
 
@@ -214,34 +217,9 @@ class TensorRank:
             _current.rank = None
 
 
-Submit = Callable[..., Any]
-
-
 def run_tensor(
     shards: Sequence[Any], split: TensorSplit, inputs: Any, plan: CallPlan, submit: Submit
 ) -> CallResult:
     """One call of `plan` over a tensor group (`shards`: rank k's holds its parts of the split
-    layers), rank 0 on this thread; rank 0's result. A rank that fails wakes the others."""
-    group = Group([shard.device for shard in shards])
-
-    def run(index: int) -> CallResult:
-        try:
-            return shards[index].run(inputs, plan, rank=TensorRank(group, index, split))
-        except BaseException:
-            group.abort()
-            raise
-
-    others = [submit(run, index) for index in range(1, len(shards))]
-    for future in others:
-        future.add_done_callback(lambda f: group.abort() if f.exception() is not None else None)
-    errors: list[BaseException] = []
-    first = None
-    try:
-        first = run(0)
-    except BaseException as err:
-        errors.append(err)
-    finally:
-        errors += [e for e in (f.exception() for f in others) if e is not None]
-    if errors or first is None:
-        raise first_failure(errors)
-    return first
+    layers), rank 0 on this thread; rank 0's result (`sequence.run_ranks`)."""
+    return run_ranks(shards, lambda group, index: TensorRank(group, index, split), inputs, plan, submit)
