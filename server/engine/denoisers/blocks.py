@@ -170,7 +170,7 @@ class TensorSplit:
     cut by pattern (`layers`: inside a block, `*` for its index), and a packed layer's parts
     (`packed`: pattern → the parts' shares of its features, e.g. (1, 4): attention, then MLP;
     each part is cut alike). `rank_heads`: the attention modules' `heads` become a rank's share,
-    for processors that reshape by the count (SD3's, Wan's); diffusers' tensor-parallel-ready ones
+    for processors that reshape by the count (the MMDiT's, Wan's); diffusers' tensor-parallel-ready ones
     reshape by head size and read the whole count (Qwen-Image's derives the head size from it)."""
 
     blocks: frozenset[str]

@@ -98,8 +98,9 @@ class SD3TransformerSpec:
         return SequenceSplit(blocks, TOKENS)
 
     def tensor(self, model: nn.Module) -> TensorSplit:
-        """Each joint block's attention (both streams, and SD3.5's second attention) by heads, its
-        MLPs, and its AdaLN modulation gathered; as diffusers splits FLUX.1's (SD3 declares none)."""
+        """Each joint block's attention (both streams, and the 3.5 models' second attention) by
+        heads, its MLPs, and its AdaLN modulation gathered; as diffusers splits FLUX.1's (this
+        MMDiT's class declares no `_tp_plan`)."""
         blocks = "transformer_blocks.*"
         cuts = {f"{blocks}.{a}.{p}": Cut.COLUMN for a in ("attn", "attn2") for p in QKV}
         cuts |= {f"{blocks}.{a}.to_out.0": Cut.ROW for a in ("attn", "attn2")}

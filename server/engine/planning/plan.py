@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import Cut, Layout, TensorSplit, part, tensor_bytes
+from server.engine.denoisers.blocks import Layout, part, tensor_bytes
 from server.engine.denoisers.specs import layout_of, native_latent
 from server.engine.hardware.devices import (
     default_budget,
@@ -317,23 +317,6 @@ def count_block_bytes(
                 quantization.bytes(module, dtype, path) if quantization else tensor_bytes(module, dtype)
             )
     return out
-
-
-def tensor_shares(model: nn.Module, split: TensorSplit, size: int, dtype: torch.dtype) -> dict[str, float]:
-    """The part of each split block one rank of a tensor group of `size` holds: its cut layers'
-    weights ÷ size (a column cut's bias too; a row cut's bias stays whole), the rest whole."""
-    shares = {}
-    for block in split.blocks:
-        root = part(model, block)
-        whole, cut = tensor_bytes(root, dtype), 0
-        for name, layer in root.named_modules():
-            kind = split.cut_of(f"{block}.{name}")
-            if kind is not None and isinstance(layer, nn.Linear):
-                cut += layer.weight.numel() * dtype.itemsize
-                if layer.bias is not None and kind in (Cut.COLUMN, Cut.GATHERED):
-                    cut += layer.bias.numel() * dtype.itemsize
-        shares[block] = (whole - cut + cut / size) / max(1, whole)
-    return shares
 
 
 def _stage_capacities(

@@ -37,11 +37,10 @@ from typing import Any
 
 from torch import nn
 
-from server.engine.denoisers.specs import native_latent, spec_for
+from server.engine.denoisers.specs import native_latent
 from server.engine.hardware.devices import parse_memory_map, resolve_devices, worker_names
 from server.engine.planning.choose import choose
 from server.engine.planning.costs import CostModel
-from server.engine.planning.flow import trace_flow
 from server.engine.planning.parallel import (
     PARALLEL_MODES,
     Candidate,
@@ -51,9 +50,9 @@ from server.engine.planning.parallel import (
     single,
     weighed_shapes,
 )
-from server.engine.planning.plan import ShardPlan, Strategy, plan_shards, tensor_shares
-from server.engine.planning.sequence import Link, group_step_s, split_blocks
-from server.engine.planning.tensor import tensor_step_s
+from server.engine.planning.plan import ShardPlan, Strategy, plan_shards
+from server.engine.planning.sequence import Link, split_blocks
+from server.engine.planning.tensor import TensorAxis
 from server.errors import PlanError
 
 # Bytes per second a stage boundary moves between two GPUs: PCIe 4.0 x16 in practice. An
@@ -157,11 +156,8 @@ def plan_parallel(
             search.add(Candidate(replicas, 1, None, "the whole model does not fit one device"))
         else:
             search.add_shape(replicas, stages)
-    if parallel == Parallel.AUTO and not search.all_cpu and search.tensor_split is not None:
-        count = len(device_list)  # every replicas × stages × tensor degree that uses them all
-        for degree in (t for t in range(2, count + 1) if count % t == 0):
-            for stages in (s for s in range(1, count // degree + 1) if count // degree % s == 0):
-                search.add_tensor(count // degree // stages, degree, stages)
+    if parallel == Parallel.AUTO and not search.all_cpu:
+        search.add_tensor_shapes()
     baselines = search.add_baselines()
 
     # 3. The fastest that fits (auto may pick a baseline; replicas and pipeline were asked for).
@@ -169,8 +165,8 @@ def plan_parallel(
     return search.plan_of(best, reason, costs_note)
 
 
-class _Search:
-    """The candidates weighed so far, and the plans behind them."""
+class _Search(TensorAxis):
+    """The candidates weighed so far, and the plans behind them (tensor groups': `TensorAxis`)."""
 
     def __init__(self, model, devices, strategy, threads, block_costs, options) -> None:
         self.model, self.devices, self.strategy, self.options = model, devices, strategy, options
@@ -188,8 +184,6 @@ class _Search:
         self.plans: dict[int, tuple[tuple[ShardPlan, ...], int]] = {}  # id(candidate) → plans, lanes
         self.dtype = options.get("dtype") or next(model.parameters()).dtype
         self.split = split_blocks(model)  # what a sequence group splits (none: no group)
-        spec = spec_for(model)
-        self.tensor_split = spec.tensor(model) if hasattr(spec, "tensor") else None  # None: no tensor groups
         self.grouped = False  # --parallel sequence: every call a group over every replica
         self.lone_rows = 2
         self.links: Callable[[str, int], Link] = lambda device, threads: Link(BOUNDARY_BYTES_PER_S)
@@ -286,107 +280,6 @@ class _Search:
             reason = "--parallel off: one lane through the layer split"
         return single(plan, threads, reason=reason, costs=costs_note)
 
-    def layout(self, layout: str, costs_note: str) -> ParallelPlan:
-        """--layout RxSxT: R replicas of S stages, each stage a tensor group of T devices, as asked."""
-        replicas, stages, degree = (int(n) for n in layout.split("x"))
-        count = replicas * stages * degree
-        if self.devices != ["cpu"] and len(self.devices) != count:
-            raise PlanError(f"--layout {layout} takes {count} devices; --devices names {len(self.devices)}")
-        if degree > 1 and self.tensor_split is None:
-            raise PlanError(f"--layout {layout}: {type(self.model).__name__} declares no split of its blocks")
-        candidate = (
-            self.add_tensor(replicas, degree, stages) if degree > 1 else self.add_shape(replicas, stages)
-        )
-        if candidate.rows_per_s is None:
-            raise PlanError(f"--layout {layout}: {candidate.note}")
-        return self.plan_of(candidate, f"--layout {layout} asked for {candidate.label}", costs_note)
-
-    def tensor_group(self, costs_note: str) -> ParallelPlan:
-        """--parallel tensor: one tensor group over every device (`add_tensor`)."""
-        size = len(self.devices)
-        if self.tensor_split is None or size < 2:
-            why = (
-                f"{type(self.model).__name__} declares no split of its blocks (every family diffshard "
-                "serves does: a new one declares it in its spec): use replicas, pipeline or sequence"
-                if self.tensor_split is None
-                else "it splits every block over two or more devices: --devices cpu,cpu or cuda:0,cuda:1"
-            )
-            raise PlanError(f"--parallel tensor: {why}")
-        candidate = self.add_tensor(1, size)
-        if candidate.rows_per_s is None:
-            raise PlanError(f"--parallel tensor over {size} devices: {candidate.note}")
-        reason = (
-            f"--parallel tensor: every block's heads and MLPs split over {size} devices, each holding "
-            f"{max(self.tensor_shares(size).values()):.0%} of a split block; every call on all of them"
-        )
-        return self.plan_of(candidate, reason, costs_note)
-
-    def add_tensor(self, replicas: int, degree: int, stages: int = 1) -> Candidate:
-        """`replicas` pipelines of `stages` stages, each stage a tensor group of `degree` devices
-        (in order: a replica's devices stage by stage, a stage's ranks consecutive). Rank k of a
-        replica holds its share of the split blocks (`tensor_shares`) over its device of each
-        stage; a lane per replica, its stages in turn, as `tensor_step_s` predicts it (under
-        load each replica batches its share of the rows)."""
-        workers = replicas * stages * degree
-        devices = self.devices * workers if self.devices == ["cpu"] else self.devices[:workers]
-        threads = max(1, self.quota // workers) if self.all_cpu else 1
-        if undivided := sorted(h for h in self.tensor_heads() if h % degree):
-            why = f"{degree} does not divide the attention heads ({undivided[0]})"
-            return self.add(Candidate(replicas, stages, None, why, tensor=degree))
-        shares = self.tensor_shares(degree)
-        lanes = [devices[r * stages * degree : (r + 1) * stages * degree] for r in range(replicas)]
-        ranks_devices = [
-            [lane[s * degree + k] for s in range(stages)] for lane in lanes for k in range(degree)
-        ]
-        try:
-            ranks = tuple(
-                plan_shards(self.model, mine, self.strategy, **self._rank_options(mine, shares, index))
-                for index, mine in enumerate(ranks_devices)
-            )
-        except PlanError as err:
-            return self.add(Candidate(replicas, stages, None, str(err), tensor=degree))
-        rows = self._lane_rows(replicas)
-        step_s = self._tensor_s(ranks[0], threads, rows, degree) * self._stretch(workers, threads)
-        lone_s = self._tensor_s(ranks[0], threads, self.lone_rows, degree)
-        cpu_threads = threads if self.all_cpu else None
-        note = self._note(workers, cpu_threads, len(devices))
-        rate = replicas * rows / step_s
-        candidate = Candidate(replicas, stages, rate, note, lone_s, cpu_threads, tensor=degree)
-        self.plans[id(candidate)] = (ranks, 1)
-        return self.add(candidate)
-
-    def _rank_options(self, devices: list[str], shares: Mapping[str, float], index: int) -> dict[str, Any]:
-        """A tensor rank's `plan_shards` options: its devices' budgets and its share of the blocks;
-        the encoders and VAE with the first rank only."""
-        return self._options(devices) | {"shares": shares} | ({"resident": 0} if index else {})
-
-    def tensor_shares(self, degree: int) -> dict[str, float]:
-        assert self.tensor_split is not None
-        return tensor_shares(self.model, self.tensor_split, degree, self.dtype)
-
-    def tensor_heads(self) -> set[int]:
-        """The head counts of the attention modules a tensor group splits by their queries."""
-        split = self.tensor_split
-        assert split is not None
-        return {
-            module.heads
-            for block in split.blocks
-            for name, module in self.model.get_submodule(block).named_modules()
-            if hasattr(module, "heads") and split.cut_of(f"{block}.{name}.to_q")
-        }
-
-    def _tensor_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
-        """Seconds of one step of `rows` rows through a rank's `plan` as a tensor group of `degree`."""
-        device = plan.stages[0].device
-        costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
-        flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
-        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
-        shares = self.tensor_shares(degree)
-        seconds, _ = tensor_step_s(
-            plan, costs, degree, shares, flow.block_io_bytes, share, self.links(device, threads)
-        )
-        return seconds
-
     def pipeline_only(self, costs_note: str) -> ParallelPlan:
         plan = plan_shards(self.model, self.devices, self.strategy, **self.options)
         reason = (
@@ -482,17 +375,6 @@ class _Search:
         if self.grouped:  # every call is a group: a lone one too
             return options[-1]
         return min(options, key=lambda option: option[0])
-
-    def _group_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
-        """Seconds of one step of `rows` rows as a sequence group of `degree` ranks."""
-        device = plan.stages[0].device
-        costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
-        flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
-        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
-        seconds, _ = group_step_s(
-            plan, costs, degree, self.split, flow.block_io_bytes, share, self.links(device, threads)
-        )
-        return seconds * self._stretch(degree, threads)
 
     def _sharing(self, workers: int, threads: int) -> dict[str, Any]:
         """How busy CPU workers share the host, for the cost model (nothing on GPUs)."""

@@ -15,13 +15,15 @@ ranks copy through memory, at half the calibrated streaming rate (a copy reads a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 
 from server.engine.denoisers.specs import spec_for
 from server.engine.hardware.gpus import LINK_SHARE, gpu_profile
+from server.engine.planning.flow import trace_flow
 from server.engine.planning.plan import ShardPlan
 
 # Seconds one exchange waits beyond its copies: a barrier round trip between threads, a
@@ -84,3 +86,25 @@ def group_step_s(
     if open_tokens:
         exchange += gather()
     return compute + exchange, exchange
+
+
+class GroupSteps:
+    """The planner's search (`planner._Search`), its groups' steps: a sequence group's, and the
+    costing both kinds of group share. Reads the search's model, costs, links and sharing."""
+
+    def _group_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
+        """Seconds of one step of `rows` rows as a sequence group of `degree` ranks."""
+        step = partial(group_step_s, blocks=self.split)
+        return self._ranks_s(plan, threads, rows, degree, step) * self._stretch(degree, threads)
+
+    def _ranks_s(self, plan: ShardPlan, threads: int, rows: int, degree: int, step: Callable) -> float:
+        """Seconds of one step of `rows` rows through a rank's `plan` in a group of `degree`, as
+        `step` predicts it from the blocks' costs, their traced bytes and the step's share of them."""
+        device = plan.stages[0].device
+        costs = self.block_costs(device, threads, rows=rows, **self._sharing(degree, threads))
+        flow = trace_flow(self.model, plan.batch, plan.latent_size, self.dtype)
+        share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
+        seconds, _ = step(
+            plan, costs, degree, io_bytes=flow.block_io_bytes, share=share, link=self.links(device, threads)
+        )
+        return seconds
