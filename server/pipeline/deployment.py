@@ -149,7 +149,7 @@ class Deployment:
     splits_lone: bool = False  # the plan predicts splitting a lone request over idle replicas pays
     sequence: int = 1  # > 1: split its tokens (a sequence group of this many replicas), not its rows
     grouped: bool = False  # one lane; every call's tokens split over every replica
-    tensor: int = 1  # > 1: one lane; every call a tensor group over every replica (its ranks)
+    tensor: int = 1  # > 1: a lane per group of this many replicas (its ranks), every call on all of them
 
     @classmethod
     def of(

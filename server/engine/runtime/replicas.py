@@ -56,10 +56,10 @@ def build_shards(
 def tensor_ranks(
     model: nn.Module, plan: ParallelPlan, placed: Callable[[nn.Module, str], object] | None = None
 ) -> list[ModelShard]:
-    """Tensor groups' ranks (`plan.tensor` consecutive replicas a group): rank k's module tree holds
-    its part of every split layer (copied
-    out of the whole one, which no rank keeps) and the same tensors as the others elsewhere; on a
-    device each rank gets Parameters of its own before placing, so moving one never moves another's."""
+    """Tensor groups' ranks (`plan.tensor` consecutive replicas a group): rank k's module tree
+    holds its part of every split layer (copied out of the whole one, which no rank keeps) and
+    the same tensors as the others elsewhere; on a device each rank gets Parameters of its own
+    before placing, so moving one never moves another's."""
     split = spec_for(model).tensor(model)  # read before any layer is split (packed layers' parts)
     ranks = [model if k == 0 else sharing_weights(model) for k in range(len(plan.replicas))]
     names, shards = iter(plan.workers), []
