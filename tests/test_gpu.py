@@ -88,6 +88,19 @@ def test_pipeline_on_cuda_and_cpu_matches_the_cpu_pipeline(folders: dict[str, Pa
     assert stats["cpu"].bytes_in_use == 0 and stats["cpu"].misses > 0  # pinned noise and images
 
 
+def call_s(run) -> tuple[float, torch.Tensor]:
+    """A call's median seconds over 5 timed runs after a warm-up (both GPUs synchronized around
+    each), and its output."""
+    times, out = [], None
+    for _ in range(6):
+        synchronize_pair()
+        started = time.perf_counter()
+        out = run()
+        synchronize_pair()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]), out
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
@@ -286,18 +299,6 @@ def test_a_flux_shaped_sequence_group_of_two_gpus_takes_at_most_06_of_one_gpu() 
     inputs = spec_for(model).example_inputs(model, 1, 128, torch.bfloat16, torch.device("cuda:0"))
     workers = Workers(1)
 
-    def call_s(run) -> tuple[float, torch.Tensor]:
-        times, out = [], None
-        for _ in range(6):
-            for device in ("cuda:0", "cuda:1"):
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            out = run()
-            for device in ("cuda:0", "cuda:1"):
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[1:]), out
-
     try:
         one, expected = call_s(lambda: shards[0].run(inputs, CallPlan.plain(1)).out)
         group, out = call_s(
@@ -335,18 +336,6 @@ def test_a_flux_shaped_tensor_group_of_two_gpus_equals_one_and_takes_at_most_06_
     assert [r.device.type for r in ranks] == ["cuda", "cuda"] and ranks[1].device.index == 1
     inputs = spec_for(model).example_inputs(model, 1, 128, torch.bfloat16, torch.device("cuda:0"))
     workers = Workers(1)
-
-    def call_s(run) -> tuple[float, torch.Tensor]:
-        times, out = [], None
-        for _ in range(6):
-            for device in ("cuda:0", "cuda:1"):
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            out = run()
-            for device in ("cuda:0", "cuda:1"):
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[1:]), out
 
     try:
         one, expected = call_s(lambda: whole.run(inputs, CallPlan.plain(1)).out)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine import CallPlan, ModelShard, plan_shards
+from server.engine import CallPlan, ModelShard, plan_shards, spec_for
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.tensor import run_tensor, split_model
@@ -31,26 +31,32 @@ def tiny_denoisers() -> dict[str, tuple[torch.nn.Module, object]]:
     return {**tiny_transformers(), "wan": (tiny_wan(), video_inputs())}
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
-def test_a_call_over_a_tensor_group_equals_the_unsplit_call(name: str) -> None:
-    """Wan's q/k norms span every head: each rank's mean of squares is summed over the group."""
-    model, inputs = tiny_denoisers()[name]
+def group_of_two(model: torch.nn.Module, inputs) -> tuple[torch.Tensor, torch.Tensor, list[float], frozenset]:
+    """`model`'s unsplit call on `inputs`, the same call over a tensor group of two (the model
+    becomes rank 0), each rank's share of the split blocks' bytes, and the split blocks."""
+    shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
     with torch.inference_mode():
-        plain = ModelShard(model, plan_shards(model, ["cpu"], "memory")).run(inputs, CallPlan.plain(2)).out
-    split = ModelShard(model, plan_shards(model, ["cpu"], "memory")).spec.tensor(model)
+        plain = shard.run(inputs, CallPlan.plain(2)).out
+    split = shard.spec.tensor(model)
     whole = sum(tensor_bytes(model.get_submodule(b)) for b in split.blocks)
     ranks = [model, sharing_weights(model)]
     for index, rank in enumerate(ranks):
         split_model(rank, split, index, len(ranks))
-    for rank in ranks:
-        share = sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) / whole
-        assert share <= RANK_SHARE, share
+    shares = [sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) / whole for rank in ranks]
     shards = [ModelShard(rank, plan_shards(rank, ["cpu"], "memory")) for rank in ranks]
     workers = Workers(1, 1)
     try:
         out = run_tensor(shards, split, inputs, CallPlan.plain(2), workers.submit).out
     finally:
         workers.close()
+    return plain, out, shares, split.blocks
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
+def test_a_call_over_a_tensor_group_equals_the_unsplit_call(name: str) -> None:
+    """Wan's q/k norms span every head: each rank's mean of squares is summed over the group."""
+    plain, out, shares, _ = group_of_two(*tiny_denoisers()[name])
+    assert max(shares) <= RANK_SHARE, shares
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
@@ -173,24 +179,10 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     from tests.tiny_pipelines import build_sd15_folder
 
     model = load_components(build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")).denoiser
-    shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
-    inputs = shard.spec.example_inputs(model, 2, 16, torch.float32, torch.device("cpu"))
-    with torch.inference_mode():
-        plain = shard.run(inputs, CallPlan.plain(2)).out
-    split = shard.spec.tensor(model)
-    assert split.blocks == {"down_blocks.0", "mid_block", "up_blocks.1"}
-    whole = sum(tensor_bytes(model.get_submodule(b)) for b in split.blocks)
-    ranks = [model, sharing_weights(model)]
-    for index, rank in enumerate(ranks):
-        split_model(rank, split, index, len(ranks))
-        share = sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) / whole
-        assert 0.8 < share < 0.9, share
-    shards = [ModelShard(rank, plan_shards(rank, ["cpu"], "memory")) for rank in ranks]
-    workers = Workers(1, 1)
-    try:
-        out = run_tensor(shards, split, inputs, CallPlan.plain(2), workers.submit).out
-    finally:
-        workers.close()
+    inputs = spec_for(model).example_inputs(model, 2, 16, torch.float32, torch.device("cpu"))
+    plain, out, shares, blocks = group_of_two(model, inputs)
+    assert blocks == {"down_blocks.0", "mid_block", "up_blocks.1"}
+    assert all(0.8 < share < 0.9 for share in shares), shares
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
@@ -210,22 +202,9 @@ def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> No
     else:
         build = {"flux2": build_flux2_folder, "qwen-image": build_qwen_image_folder}[name]
         model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
-    shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
-    inputs = shard.spec.example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))
-    with torch.inference_mode():
-        plain = shard.run(inputs, CallPlan.plain(2)).out
-    split = shard.spec.tensor(model)
-    whole = sum(tensor_bytes(model.get_submodule(b)) for b in split.blocks)
-    ranks = [model, sharing_weights(model)]
-    for index, rank in enumerate(ranks):
-        split_model(rank, split, index, len(ranks))
-        assert sum(tensor_bytes(rank.get_submodule(b)) for b in split.blocks) <= RANK_SHARE * whole
-    shards = [ModelShard(rank, plan_shards(rank, ["cpu"], "memory")) for rank in ranks]
-    workers = Workers(1, 1)
-    try:
-        out = run_tensor(shards, split, inputs, CallPlan.plain(2), workers.submit).out
-    finally:
-        workers.close()
+    inputs = spec_for(model).example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))
+    plain, out, shares, _ = group_of_two(model, inputs)
+    assert max(shares) <= RANK_SHARE, shares
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 

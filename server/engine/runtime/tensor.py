@@ -24,8 +24,7 @@ outputs in rank order, so every rank holds the same values after each reduction.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import PACKED, Cut, Flow, TensorSplit
 from server.engine.runtime.call import CallPlan, CallResult
-from server.engine.runtime.sequence import Group, Submit, run_ranks
+from server.engine.runtime.sequence import Group, Rank, Submit, run_ranks
 from server.errors import PlanError
 
 # Each thread's rank while it runs a split block (a row or gathered layer exchanges through it).
@@ -168,27 +167,13 @@ class RankRMSNorm(nn.Module):
         return out if self.weight is None else out * self.weight
 
 
-class TensorRank:
-    """This thread's place in one call's tensor group: the walker runs the split blocks with the
-    whole flow (`cut` and `join` leave it as it is) and its split layers exchange through it."""
+class TensorRank(Rank):
+    """This thread's place in one call's tensor group (`Rank`'s exchanges): the walker runs the
+    split blocks with the whole flow (`cut` and `join` leave it as it is) and its split layers
+    exchange through it."""
 
     def __init__(self, group: Group, index: int, split: TensorSplit) -> None:
-        self.group, self.index, self.split = group, index, split
-        self._turn = 0
-
-    @property
-    def size(self) -> int:
-        return self.group.size
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order (a collective: every rank must call it)."""
-        started = time.perf_counter()
-        got = self.group.all_gather(self.index, self._turn, value)
-        self._turn += 1
-        if self.index == 0:
-            self.group.exchange_s += time.perf_counter() - started
-            self.group.exchanges += 1
-        return got
+        super().__init__(group, index, split)  # type: ignore[arg-type]  # only `blocks` is read
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `partial`, in rank order (the same values on every rank)."""
@@ -199,9 +184,6 @@ class TensorRank:
             total += part.to(here)
         return total
 
-    def agree(self, value: Any) -> Any:
-        return self.gather(value)[0]
-
     def cut(self, flow: Flow) -> Flow:
         return flow
 
@@ -209,7 +191,7 @@ class TensorRank:
         return flow
 
     @contextmanager
-    def attention(self):  # the walker's name for "while a split block runs"
+    def attention(self) -> Iterator[None]:  # type: ignore[override]  # "while a split block runs"
         _current.rank = self
         try:
             yield
