@@ -237,7 +237,7 @@ def _rank_main(rank: int, degree: int, threads: int, rounds: int, dtype_name: st
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -258,7 +258,7 @@ def diffusers_context_parallel(
     if reference is None:
         reference = single_process(threads, rounds=0, dtype=dtype)["output"]
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     dtype_name = str(dtype).removeprefix("torch.")
     with tempfile.TemporaryDirectory() as result_dir:
         start = time.perf_counter()

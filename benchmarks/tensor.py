@@ -12,7 +12,12 @@ Configurations, all through our engine (`ModelShard.run`, the block walker):
   one intra-op thread each, each rank holding its half of the split blocks (heads, MLPs, packed
   single-block output, modulation gathered) and summing partial outputs over an in-process
   all-reduce;
-- `sequence_2x1`: a sequence group of 2 ranks (the tokens split), for comparison.
+- `sequence_2x1`: a sequence group of 2 ranks (the tokens split), for comparison;
+- `tensor_2_processes_gloo`: the same split, each rank a process of one intra-op thread
+  (`torch.multiprocessing.spawn`), its split layers exchanging through `torch.distributed`'s
+  all-reduce and all-gather on the gloo backend (`ProcessRank`): the alternative issue 52 asks
+  to measure against threads. It runs after the paired rounds (its ranks are other processes),
+  as many forwards, each timed to its slowest rank; its ratio is of medians, not paired.
 
 diffusers' own tensor parallelism (`hooks/tensor_parallel.py`, FLUX.1's `_tp_plan`) is not run:
 it places DTensors over a `torch.distributed` device mesh and lists only cuda, neuron, tpu and xpu
@@ -36,22 +41,83 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.sequence import lone_inputs, timed
-from benchmarks.sequence_peers import IMAGE_TOKENS, TEXT_TOKENS, cpu_flags, cpu_model, flux_shaped
+from benchmarks.sequence_peers import IMAGE_TOKENS, TEXT_TOKENS, cpu_flags, cpu_model, flux_shaped, free_port
 from server.engine import CallPlan, ModelShard, plan_shards, run_sequence
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.hardware.memory import retain_freed_host_memory
 from server.engine.runtime.call import CallResult
 from server.engine.runtime.replicas import Workers, sharing_weights
-from server.engine.runtime.tensor import run_tensor, split_model
+from server.engine.runtime.tensor import as_rank, run_tensor, split_model
 
 TARGET = 0.6  # the tensor group's lone call over one worker of one thread
 TOLERANCE = 1e-4
+
+
+class ProcessRank:
+    """A split layer's exchanges (`runtime/tensor.py`'s `all_reduce` and `gather`) over this
+    process's `torch.distributed` group."""
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        total = partial.clone()
+        dist.all_reduce(total)
+        return total
+
+    def gather(self, value: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, value.contiguous())
+        return parts
+
+
+def _process_rank(rank: int, degree: int, rounds: int, result_dir: str) -> None:
+    """Rank `rank` of a gloo group: its half of the split model, `rounds` timed forwards."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=degree)
+    try:
+        model = flux_shaped()
+        inputs = lone_inputs(model)
+        split = ModelShard(model, plan_shards(model, ["cpu"], "memory")).spec.tensor(model)
+        split_model(model, split, rank, degree)
+        shard, call = ModelShard(model, plan_shards(model, ["cpu"], "memory")), CallPlan.plain(1)
+        with as_rank(ProcessRank()):
+            output = shard.run(inputs, call).out  # the warm-up
+            times = []
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.perf_counter()
+                shard.run(inputs, call)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a forward ends with its slowest rank
+                times.append(elapsed.item())
+        if rank == 0:
+            torch.save({"times_s": times, "output": output}, Path(result_dir) / "rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def process_group(rounds: int, degree: int = 2) -> dict[str, Any]:
+    """`_process_rank` over `degree` spawned processes: rank 0's times and output."""
+    import torch.multiprocessing as mp
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.spawn(_process_rank, args=(degree, rounds, result_dir), nprocs=degree, join=True)
+        return torch.load(Path(result_dir) / "rank0.pt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         workers.close()
         torch.set_num_threads(2)
+    processes = process_group(rounds)
+    times["tensor_2_processes_gloo"], outputs["tensor_2_processes_gloo"] = (
+        processes["times_s"],
+        processes["output"],
+    )
     reference = outputs["one_worker_1_thread"]
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, values in times.items():
@@ -139,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_2x1_over_one_worker_1_thread": round(ratio, 3),
         "tensor_2x1_over_one_worker_2_threads": round(paired("tensor_2x1", "one_worker_2_threads"), 3),
         "tensor_2x1_over_sequence_2x1": round(paired("tensor_2x1", "sequence_2x1"), 3),
+        "tensor_2x1_over_tensor_2_processes_gloo": round(
+            medians["tensor_2x1"] / medians["tensor_2_processes_gloo"], 3
+        ),  # medians: the processes' rounds ran after the paired ones
         "diffusers_tensor_parallel": "not run: diffusers' tensor parallelism supports cuda, neuron, tpu "
         "and xpu devices only (hooks/tensor_parallel.py, _SUPPORTED_TP_DEVICES)",
         "target": f"tensor_2x1 <= {TARGET} x one_worker_1_thread (paired), output within {TOLERANCE}",

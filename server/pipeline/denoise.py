@@ -47,6 +47,7 @@ from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, mat
 from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components, read_family
 from server.pipeline.lora import Adapter, Adapters, Target
+from server.pipeline.parts import place_parts
 from server.pipeline.quantizing import (
     QuantizeSetting,
     describe,
@@ -60,7 +61,6 @@ from server.pipeline.requests import Defaults, GenerationRequest, read_defaults,
 from server.pipeline.schedulers import make_scheduler, step_kwargs
 from server.pipeline.state import RequestState, check_group, group_states, per_call, stack_inputs
 from server.pipeline.stepping import advance, call_plan, expert_calls
-from server.pipeline.tiling import set_tiling
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
 
@@ -96,14 +96,8 @@ class Pipeline:
             torch.device(normalize_device(encoder_device)) if encoder_device else self.device
         )
         self.denoiser_dtype = compute_dtype(components.denoiser)
-        self.encoders = tuple(encoder.to(self.encoder_device) for encoder in components.text_encoders)
-        if components.image_encoder is not None:  # image-to-video's, beside the text encoders
-            components.image_encoder.to(self.encoder_device)
-        vae = components.vae
-        upcast = vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
-        if vae.dtype != torch.float32 and (upcast or self.family.vae_float32):
-            vae.to(torch.float32)  # such VAEs overflow in float16: diffusers upcasts them too
-        self.vae = set_tiling(vae, vae_tiling).to(self.encoder_device)  # diffusers' tiles (tiling.py)
+        spread = [] if encoder_device else deployment.encoder_spread()  # see parts.py
+        self.encoders, self.vae = place_parts(components, self.encoder_device, spread, vae_tiling)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
         self.family.attach(self.vae)

@@ -26,6 +26,7 @@ from server.engine import (
     run_sequence,
 )
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.hardware.devices import separate_memories
 from server.engine.runtime.sequence import SequenceGroup, groups_for
 from server.engine.runtime.tensor import run_tensor
 
@@ -167,6 +168,12 @@ class Deployment:
             tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence,
             plan.grouped, plan.tensor,
         )  # fmt: skip
+
+    def encoder_spread(self) -> list[str]:
+        """The devices a tensor group's text encoders spread over (`spread.py`, as `plan` counts
+        them): its first group's ranks' first devices, when they are separate GPUs; else none."""
+        ranks = [shard.device for shard in self.replicas[: self.tensor]] if self.tensor > 1 else []
+        return ranks if separate_memories(ranks) else []
 
     def first_lane(self) -> Lane:
         """The lane a pipeline steps unless given one: its first replica's, alone; a tensor group's

@@ -20,7 +20,13 @@ from torch import nn
 
 from server.engine import CostModel, Costs, Parallel, ParallelPlan, layout_of, plan_parallel, plan_shards
 from server.engine.denoisers.blocks import tensor_bytes
-from server.engine.hardware.devices import device_kind, parse_memory_map, resolve_devices, worker_names
+from server.engine.hardware.devices import (
+    device_kind,
+    parse_memory_map,
+    resolve_devices,
+    separate_memories,
+    worker_names,
+)
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.costs import profile_note
 from server.engine.planning.plan import count_block_bytes
@@ -82,7 +88,9 @@ def plan_model(
             "a tensor group quantizes each rank's share with torchao (int8, int8-dynamic, float8): "
             "nf4 and GGUF files are not split"
         )
-    resident, quantizations = resident_bytes(family, folder, dtype, quantize or {})
+    sizes, quantizations = resident_bytes(family, folder, dtype, quantize or {})
+    resident = sum(sizes.values())
+    spread = sum(n for name, n in sizes.items() if name in family.text_encoders)  # see spread_encoders
     model = meta_denoiser(family)
     block_bytes = None
     if denoiser_file is not None:
@@ -102,15 +110,16 @@ def plan_model(
             costs_note=where, pick_threads=pick_threads, timed=costs == Costs.MEASURED,
             lone_rows=family.lone_rows, links=model_costs.link, device_map=device_map, dtype=dtype,
             latent_size=side // family.vae_scale_factor, batch=batch, block_bytes=block_bytes,
-            layout=layout,
+            layout=layout, spread=spread,
             **{"max_memory": max_memory, "resident": resident, "experts": len(family.experts), **more},
         )  # fmt: skip
 
     # auto: experts apart on distinct GPUs, where each device's memory is its own (CPU workers share
     # the cores and one copy of the weights: replicas of both experts serve them better)
     listed, asked = resolve_devices(devices), parallel == Parallel.EXPERTS
-    own = len(set(listed)) == len(listed) and not any(d.startswith("cpu") for d in listed)
-    tried = asked or (parallel == Parallel.AUTO and own and not device_map and layout is None)
+    tried = asked or (
+        parallel == Parallel.AUTO and separate_memories(listed) and not device_map and layout is None
+    )
     if tried and (apart := experts_apart(family, listed, max_memory, plan, asked)):
         return apart
     return plan(devices, "off" if device_map else parallel)  # an explicit block map is one split
@@ -161,26 +170,26 @@ def experts_apart(
 
 def resident_bytes(
     family: Family, folder: Path | None, dtype: torch.dtype, setting: QuantizeSetting
-) -> tuple[int, dict[str, Quantization]]:
-    """Bytes of the text (and image) encoders and VAE (the folder's, or a reference architecture's, none for
-    most), which sit with the first stage (see Pipeline), quantized as `setting` says; and the
-    quantization of every part."""
+) -> tuple[dict[str, int], dict[str, Quantization]]:
+    """Bytes of each text (and image) encoder and the VAE (the folder's, or a reference
+    architecture's, none for most), which sit with the first stage (see Pipeline), quantized as
+    `setting` says; and the quantization of every part."""
     if folder is None:
         parts = reference_parts(family)
         encoders = {n: tensor_bytes(m, dtype) for n, m in parts.items() if n in family.text_encoders}
         quantizations = part_quantizations(setting, family, encoders)
         held = {n: family.held_dtype(n, dtype) for n in parts}
-        return sum(quantized_bytes(m, quantizations.get(n), held[n]) for n, m in parts.items()), quantizations
+        return {n: quantized_bytes(m, quantizations.get(n), held[n]) for n, m in parts.items()}, quantizations
     index = family.config.index
     quantizations = folder_quantizations(setting, family, folder, dtype)
-    total = 0
+    sizes = {}
     encoders = (*family.text_encoders, *family.image_encoders)
     for name in ("vae", *(n for n in encoders if index.get(n) and index[n][0] is not None)):
         if quantization := quantizations.get(name):
-            total += quantized_bytes(meta_part(folder, name, class_of(index, name)), quantization, dtype)
+            sizes[name] = quantized_bytes(meta_part(folder, name, class_of(index, name)), quantization, dtype)
         else:
-            total += part_bytes(folder, (name,), family.held_dtype(name, dtype))
-    return total, quantizations
+            sizes[name] = part_bytes(folder, (name,), family.held_dtype(name, dtype))
+    return sizes, quantizations
 
 
 def gguf_block_bytes(file: Path, model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
@@ -272,7 +281,8 @@ def fits_by_mode(
     out: dict[str, dict[str, object]] = {}
     for mode in QuantMode:
         setting = parse_quantize(mode)
-        resident, quantizations = resident_bytes(family, folder, dtype, setting)
+        sizes, quantizations = resident_bytes(family, folder, dtype, setting)
+        resident = sum(sizes.values())
         block_bytes = count_block_bytes(model, layout, dtype, quantizations.get(family.denoiser))
         experts = len(family.experts)
         denoisers = sum(block_bytes.values()) * experts

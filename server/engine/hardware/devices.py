@@ -80,6 +80,12 @@ def resolve_devices(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     return [normalize_device(n) for n in names]
 
 
+def separate_memories(devices: Sequence[str]) -> bool:
+    """Distinct GPUs, each its own memory (the CPU's workers share one): what placing parts apart
+    (experts, a text encoder's layers) needs to gain anything."""
+    return len(set(devices)) == len(devices) and not any(d.startswith("cpu") for d in devices)
+
+
 def parse_size(text: str | int) -> int:
     """`'20GiB'` → 21474836480; plain numbers are bytes."""
     if isinstance(text, int):

@@ -157,6 +157,8 @@ class ParallelPlan:
             "candidates": [c.to_dict() for c in self.candidates],
             "replica_devices": [[s.device for s in plan.stages] for plan in self.replicas],
             "replica_bytes": [sum(s.param_bytes for s in plan.stages) for plan in self.replicas],
+            # each replica's (rank's) text encoders and VAE: a tensor group may spread them
+            "replica_other_bytes": [sum(d.other_bytes for d in plan.devices) for plan in self.replicas],
         }
         return {**self.replicas[0].to_dict(), "parallel": parallel}
 

@@ -83,6 +83,7 @@ def plan_parallel(
     lone_rows: int = 2,
     links: Callable[[str, int], Link] | None = None,
     layout: str | None = None,
+    spread: int = 0,
     **plan_options: Any,
 ) -> ParallelPlan:
     """Replicas × stages over `devices` (see the module's docstring).
@@ -94,7 +95,8 @@ def plan_parallel(
     `CostModel`). A lone CPU worker runs the thread count predicted fastest, or all `threads`
     without `pick_threads`. `timed`: `block_costs` time the whole model on a device, so a model
     that fits no single device cannot be costed. A lone image is `lone_rows` rows (2: guided);
-    a sequence group's ranks exchange over `links(device, threads)` (`sequence.py`).
+    a sequence group's ranks exchange over `links(device, threads)` (`sequence.py`). `spread`:
+    the bytes of `resident` (text encoders) a tensor group's ranks share on separate GPUs.
     `plan_options` go to `plan_shards` (dtype, latent_size, batch, max_memory, resident, device_map).
     """
     if parallel not in PARALLEL_MODES:
@@ -114,6 +116,7 @@ def plan_parallel(
         model, device_list, strategy, threads, block_costs, plan_options | {"max_memory": budgets}
     )
     search.pick_threads, search.latent, search.lone_rows = pick_threads, latent, lone_rows
+    search.spread = spread
     search.grouped = parallel == Parallel.SEQUENCE
     search.links = links or (lambda device, threads: Link(BOUNDARY_BYTES_PER_S))
     if parallel == Parallel.SEQUENCE and len(device_list) < 2:

@@ -23,6 +23,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import Cut, TensorSplit, part, tensor_bytes
 from server.engine.denoisers.specs import spec_for
+from server.engine.hardware.devices import separate_memories
 from server.engine.planning.parallel import Candidate, ParallelPlan
 from server.engine.planning.plan import ShardPlan, plan_shards
 from server.engine.planning.sequence import GroupSteps, Link
@@ -78,6 +79,8 @@ class TensorAxis(GroupSteps):
     tensor` and the R × S × T candidates auto weighs. Reads the search's model, devices,
     options, costs and links."""
 
+    spread = 0  # the text encoders' bytes in options' resident (`plan_parallel`'s `spread`)
+
     def layout(self, layout: str, costs_note: str) -> ParallelPlan:
         """--layout RxSxT: R replicas of S stages, each stage a tensor group of T devices, as asked."""
         replicas, stages, degree = (int(n) for n in layout.split("x"))
@@ -132,7 +135,12 @@ class TensorAxis(GroupSteps):
         ]
         try:
             ranks = tuple(
-                plan_shards(self.model, mine, self.strategy, **self._rank_options(mine, shares, index))
+                plan_shards(
+                    self.model,
+                    mine,
+                    self.strategy,
+                    **self._rank_options(ranks_devices, shares, index, degree),
+                )
                 for index, mine in enumerate(ranks_devices)
             )
         except PlanError as err:
@@ -147,10 +155,17 @@ class TensorAxis(GroupSteps):
         self.plans[id(candidate)] = (ranks, 1)
         return self.add(candidate)
 
-    def _rank_options(self, devices: list[str], shares: Mapping[str, float], index: int) -> dict[str, Any]:
-        """A tensor rank's `plan_shards` options: its devices' budgets and its share of the blocks;
-        the encoders and VAE with the first rank only."""
-        return self._options(devices) | {"shares": shares} | ({"resident": 0} if index else {})
+    def _rank_options(
+        self, ranks: list[list[str]], shares: Mapping[str, float], index: int, degree: int
+    ) -> dict[str, Any]:
+        """Rank `index`'s `plan_shards` options: its devices' budgets and its share of the blocks;
+        the VAE with the first rank, the text encoders too, or on separate GPUs a share of them on
+        each of the first group's ranks (`spread_encoders` places their layers so)."""
+        firsts = [devices[0] for devices in ranks[:degree]]
+        spread = self.spread if separate_memories(firsts) else 0
+        whole = self.options.get("resident", 0) - spread
+        held = (whole if index == 0 else 0) + (spread // degree if index < degree else 0)
+        return self._options(ranks[index]) | {"shares": shares, "resident": held}
 
     def tensor_shares(self, degree: int) -> dict[str, float]:
         assert self.tensor_split is not None

@@ -192,11 +192,19 @@ class TensorRank(Rank):
 
     @contextmanager
     def attention(self) -> Iterator[None]:  # type: ignore[override]  # "while a split block runs"
-        _current.rank = self
-        try:
+        with as_rank(self):
             yield
-        finally:
-            _current.rank = None
+
+
+@contextmanager
+def as_rank(rank: Any) -> Iterator[None]:
+    """Split layers run on this thread exchange through `rank`: anything with `all_reduce` and
+    `gather` (a `TensorRank`; `benchmarks.tensor`'s rank of a `torch.distributed` group)."""
+    _current.rank = rank
+    try:
+        yield
+    finally:
+        _current.rank = None
 
 
 def run_tensor(
