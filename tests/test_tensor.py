@@ -307,6 +307,9 @@ def test_a_server_on_two_workers_as_a_tensor_group_serves_one_devices_images(flu
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     assert shards["parallel"]["tensor_degree"] == 2 and shards["parallel"]["lanes"] == 1
     one = Pipeline.load(flux_folder, devices="cpu")
+    whole = sum(one.shard.param_bytes().values())
+    assert [r["devices"] for r in shards["tensor_ranks"]] == [["cpu"], ["cpu"]]
+    assert all(whole / 2 < r["weight_bytes"] < whole for r in shards["tensor_ranks"]), (whole, shards)
     for body, answer in zip(bodies, answers, strict=True):
         alone = (one.generate([one.resolve(as_request(body))])[0] * 255).round().astype(int)
         assert int(np.abs(pixels(answer.json()["data"][0]["b64_json"]) - alone).max()) <= 2

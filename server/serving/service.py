@@ -309,7 +309,15 @@ class Service:
             },
             "pool": self.pool(),
             "text": str(shard),
-        }
+        } | ({"tensor_ranks": self.tensor_ranks()} if self.pipeline.deployment.tensor > 1 else {})
+
+    def tensor_ranks(self) -> list[dict[str, Any]]:
+        """Each tensor rank's devices and the weight bytes it holds: its share of the split blocks
+        and the whole others (CPU ranks share the whole ones, so "cpu"'s device view counts one)."""
+        return [
+            {"devices": shard.devices, "weight_bytes": sum(shard.param_bytes().values())}
+            for shard in self.pipeline.deployment.replicas
+        ]
 
     # Health and lifecycle.
 
