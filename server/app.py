@@ -153,8 +153,8 @@ def pool_budgets(settings: Settings) -> dict[str, int]:
 def load_service(
     settings: Settings, plan: ParallelPlan | None = None, compiling: CompileStats | None = None
 ) -> Service:
-    """Load the model placed by `plan` (or by `plan_for` the settings), compile it (`compiling`
-    shows the progress), and put it behind a step loop."""
+    """Load the model placed by `plan` (or by `plan_for` the settings), start compiling it in the
+    background (`compiling` shows the progress), and put it behind a step loop."""
     check_quantization_runs(settings)
     retain_freed_host_memory()
     quiet_libraries()
@@ -177,7 +177,9 @@ def load_service(
     )
     pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
     sizes = settings.compile_sizes or (pipeline.defaults.size,)
-    compile_pipeline(pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling)
+    compile_pipeline(  # in the background: no request waits on it
+        pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling, background=True
+    )
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))
         log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())

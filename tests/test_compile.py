@@ -21,6 +21,7 @@ from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
+from server.pipeline.lora import Adapter, LoraPair
 from server.pipeline.stepcache import StepCache
 from tests.tiny_pipelines import IMAGE_SIZE
 
@@ -69,11 +70,34 @@ def test_compiled_blocks_over_two_stages_equal_eager_ones(sd3_folder: Path, cach
     compiled_equals_eager(pipeline, CompileMode.BLOCKS, "sd3", cache_dir)
 
 
-def test_a_call_no_bucket_holds_runs_eagerly_and_is_counted(
+def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adapter_rows(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:
+    """`background=True` (how the server compiles): it returns before any graph is built; calls
+    run eagerly meanwhile, then through the graphs. With an adapter attached before it (as
+    `--lora`'s are), adapter rows run eagerly and plain rows compiled, each as it was.
+    Then the counts of a call no bucket holds (below)."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
-    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
+    layer = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    width = pipeline.shard.model.get_submodule(layer).in_features
+    torch.manual_seed(0)
+    pair = LoraPair(torch.randn(2, width), torch.randn(width, 2), alpha=2.0)
+    pipeline.add_adapter(Adapter("red", Path("red.safetensors"), {"unet": {layer: pair}}))
+    adapted = replace(GUIDED, lora=(("red", 1.0),))
+    eager, eager_adapted = _images(pipeline, [GUIDED, adapted])
+    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir, background=True)
+    assert stats.state == "compiling" and stats.graphs_ready < max(1, stats.graphs_total)
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE  # eager meanwhile
+    assert stats.done.wait(timeout=600) and stats.state == "ready", stats.view()
+    before = dict(stats.calls)
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert np.abs(_images(pipeline, [adapted])[0] - eager_adapted).max() < TOLERANCE
+    calls = {path: stats.calls[path] - before[path] for path in before}
+    assert calls == {"compiled": GUIDED.steps, "padded": 0, "eager": GUIDED.steps}, calls
+    calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline, stats)
+
+
+def calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline: Pipeline, stats: CompileStats) -> None:
     unguided = GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=1.0)  # one row
     other_size = GenerationRequest("a blue square", seed=2, steps=2, width=IMAGE_SIZE + 16, height=IMAGE_SIZE)
     three = [GUIDED, unguided]  # three rows: more than the largest bucket (2)

@@ -156,8 +156,9 @@ TWO_4090S = ("--devices", "cuda:0,cuda:1", "--max-memory", "cuda:0=24GiB,cuda:1=
 def test_flux_dev_plans_for_two_24_gib_gpus_without_one_and_refuses_one_naming_the_shortfall(
     run_cli: Cli,
 ) -> None:
+    """Two stages (auto takes a two-way tensor group there, T5 spread over both: test_tensor.py)."""
     started = time.monotonic()
-    done = run_cli(*FLUX_PLAN, *TWO_4090S, "--json")
+    done = run_cli(*FLUX_PLAN, *TWO_4090S, "--parallel", "pipeline", "--json")
     seconds = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     assert seconds < 20

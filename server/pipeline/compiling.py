@@ -6,10 +6,14 @@ a row count) from a real request's inputs, so the graphs are exactly what the st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +29,8 @@ from server.pipeline.requests import GenerationRequest
 
 log = logging.getLogger("diffshard")
 
+BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's calls
+
 
 def compile_pipeline(
     pipeline: Pipeline,
@@ -34,24 +40,61 @@ def compile_pipeline(
     cache_dir: Path | None,
     stats: CompileStats | None = None,
     on_progress: Callable[[CompileStats], None] | None = None,
+    background: bool = False,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
     row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
     it decodes whole: tiles run eagerly).
 
-    Call it before adapters are added: a graph is traced through the model as it is, and the
-    adapters' hooks must not be part of it (their rows run eagerly)."""
+    `background`: return once what can be refused is checked, and compile on a thread of its own
+    at a lower priority while the pipeline serves: a call runs eagerly until its bucket's graphs
+    are ready, then through them (no request waits on a compile); `stats.done` is set at the end,
+    `stats.state` says how it ended (a failure is logged, and every call stays eager).
+
+    Adapters may be attached before or during it: their hooks add nothing while a graph is
+    traced (`lora.py`), and rows with adapters run eagerly."""
     stats = stats or CompileStats(str(mode))
     if mode == CompileMode.OFF:
+        stats.finish("off")
         return stats
-    started = time.perf_counter()
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
     store = GraphStore(cache_dir, devices, stats)
     # each its own, every expert's too; replicas (and experts: the module is an argument) share the graphs
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
-        shard.compile(mode, store)
+        shard.compile(mode, store)  # refusals raise here, before anything is compiled
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, store, shards, on_progress)
+    if not background:
+        warm()
+        return stats
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread's nice value alone
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        try:
+            warm()
+        except Exception:
+            log.exception("compile failed: calls keep running eagerly")
+            stats.finish("failed")
+
+    stats.state = "compiling"
+    threading.Thread(target=run, name="compile", daemon=True).start()
+    log.info("compiling %s in the background: calls run eagerly until their graphs are ready", mode)
+    return stats
+
+
+def _warm(
+    pipeline: Pipeline,
+    mode: CompileMode,
+    sizes: Sequence[int],
+    max_rows: int,
+    store: GraphStore,
+    shards: list,
+    on_progress: Callable[[CompileStats], None] | None,
+) -> None:
+    """Every bucket's graphs, from a real request's inputs (`compile_pipeline`)."""
+    stats, started = store.stats, time.perf_counter()
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
     rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
@@ -90,7 +133,7 @@ def compile_pipeline(
         stats.loaded,
         stats.compiled,
     )
-    return stats
+    stats.finish("ready")
 
 
 def _rows_of(one: DenoiserInputs, count: int) -> DenoiserInputs:

@@ -57,10 +57,17 @@ class CompileStats:
     compiled: int = 0  # traced and compiled here
     seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
+    state: str = "waiting"  # then compiling (in the background), and ready, failed or off
+    done: threading.Event = field(default_factory=threading.Event)  # set once it ended, either way
+
+    def finish(self, state: str) -> None:
+        self.state = state
+        self.done.set()
 
     def view(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "state": self.state,
             "graphs": {"ready": self.graphs_ready, "total": self.graphs_total},
             "loaded": self.loaded,
             "compiled": self.compiled,
