@@ -127,7 +127,9 @@ class Settings(BaseSettings):
     compile: CompileMode = Field(
         CompileMode.OFF,
         description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "
-        "stages); compiled per shape bucket while loading, kept in cache_dir for the next start",
+        "stages) | auto (full or blocks as the plan allows, each bucket kept where its calls measured "
+        "faster than eager); compiled per shape bucket in the background, kept in cache_dir for the "
+        "next start",
     )
     compile_sizes: CompileSizes = Field(
         None, description="image sides to compile, e.g. 64,128 (default: the model's default size)"

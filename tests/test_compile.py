@@ -97,6 +97,22 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline, stats)
 
 
+def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster(
+    folders: dict[str, Path], cache_dir: Path
+) -> None:
+    """`--compile auto` on one stage compiles the whole call (the graphs the test above left in the
+    cache), times the bucket's calls both ways, and serves it compiled only if that was faster."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    eager = _images(pipeline, [GUIDED])[0]
+    stats = compile_pipeline(pipeline, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
+    assert (stats.mode, stats.state) == ("auto: full", "ready"), stats.view()
+    (bucket,) = stats.buckets  # 2 rows at IMAGE_SIZE
+    assert bucket["kept"] == (bucket["compiled_ms"] < bucket["eager_ms"]), bucket
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+    path = "compiled" if bucket["kept"] else "eager"
+    assert stats.calls[path] == GUIDED.steps and sum(stats.calls.values()) == GUIDED.steps, stats.calls
+
+
 def calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline: Pipeline, stats: CompileStats) -> None:
     unguided = GenerationRequest("a blue square", seed=2, steps=3, guidance_scale=1.0)  # one row
     other_size = GenerationRequest("a blue square", seed=2, steps=2, width=IMAGE_SIZE + 16, height=IMAGE_SIZE)

@@ -10,9 +10,11 @@ import contextlib
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -20,15 +22,16 @@ import torch
 from PIL import Image
 from torch.utils._pytree import tree_map
 
-from server.engine import layout_of
+from server.engine import CallPlan, ModelShard, layout_of
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.runtime.compile import CompiledDecoder, CompileMode, decodes_in_tiles, row_buckets
-from server.engine.runtime.graphs import CompileStats, GraphStore
+from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
 
 log = logging.getLogger("diffshard")
 
+TIMED_CALLS = 3  # each way, per bucket: whether its graphs are kept
 BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's calls
 
 
@@ -54,6 +57,11 @@ def compile_pipeline(
     Adapters may be attached before or during it: their hooks add nothing while a graph is
     traced (`lora.py`), and rows with adapters run eagerly."""
     stats = stats or CompileStats(str(mode))
+    measured = mode == CompileMode.AUTO
+    if measured:
+        mode, why = auto_mode(pipeline)
+        stats.mode = f"auto: {mode}"
+        log.info("--compile auto: %s (%s)", mode, why)
     if mode == CompileMode.OFF:
         stats.finish("off")
         return stats
@@ -64,7 +72,7 @@ def compile_pipeline(
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
-    warm = partial(_warm, pipeline, mode, sizes, max_rows, store, shards, on_progress)
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, store, shards, on_progress, measured)
     if not background:
         warm()
         return stats
@@ -84,6 +92,23 @@ def compile_pipeline(
     return stats
 
 
+def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
+    """What `--compile auto` compiles here, and why: one graph a call where every replica is one
+    stage that traces whole, else each block; nothing where this PyTorch cannot, or for tensor and
+    sequence groups (their ranks exchange between blocks, inside a call)."""
+    if problem := compile_refusal():
+        return CompileMode.OFF, problem
+    deployment = pipeline.deployment
+    if deployment.tensor > 1 or deployment.sequence > 1 or deployment.grouped:
+        return CompileMode.OFF, "tensor and sequence groups run eagerly"
+    shard = pipeline.shard
+    if any(len(s.plan.stages) > 1 for s in pipeline.replicas):
+        return CompileMode.BLOCKS, "the plan splits the model into stages: each block a graph"
+    if why := getattr(shard.spec, "untraceable_begin", None):
+        return CompileMode.BLOCKS, f"a whole call cannot be traced ({why}): each block a graph"
+    return CompileMode.FULL, "one stage per replica: one graph a call"
+
+
 def _warm(
     pipeline: Pipeline,
     mode: CompileMode,
@@ -92,8 +117,10 @@ def _warm(
     store: GraphStore,
     shards: list,
     on_progress: Callable[[CompileStats], None] | None,
+    measured: bool,
 ) -> None:
-    """Every bucket's graphs, from a real request's inputs (`compile_pipeline`)."""
+    """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); `measured`: each
+    bucket's kept only where its calls were faster than eager ones."""
     stats, started = store.stats, time.perf_counter()
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
@@ -113,8 +140,9 @@ def _warm(
                 one = pipeline.stacked([state], batch)
                 for count in rows:
                     inputs = _rows_of(one, count)
-                    for shard in shards:
-                        shard.warm(inputs, count)
+                    added = [(shard, shard.warm(inputs, count)) for shard in shards]
+                    if measured:
+                        _keep_if_faster(stats, added, inputs, size, count)
                     _said(stats, f"{size}px × {count} rows", started, on_progress)
             latents = pipeline.family.unscale_latents(
                 state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
@@ -134,6 +162,48 @@ def _warm(
         stats.compiled,
     )
     stats.finish("ready")
+
+
+def _keep_if_faster(
+    stats: CompileStats, added: list[tuple[ModelShard, list]], inputs: DenoiserInputs, size: int, rows: int
+) -> None:
+    """`--compile auto`: time a bucket's call through its graphs against eagerly (on the first
+    shard: the others hold the same graphs), and stop using the graphs where they were not faster
+    (a tiny model's calls may be quicker than a graph's overhead)."""
+    shard = added[0][0]
+    compiled_s, eager_s = _timed(shard, inputs, rows)
+    kept = compiled_s < eager_s
+    if not kept:
+        for each, keys in added:
+            assert each.compiled is not None
+            each.compiled.drop(keys)
+    stats.buckets.append(
+        {"size": size, "rows": rows, "compiled_ms": round(compiled_s * 1e3, 2),
+         "eager_ms": round(eager_s * 1e3, 2), "kept": kept}
+    )  # fmt: skip
+    log.info(
+        "compile: %dpx × %d rows %s (compiled %.1f ms, eager %.1f ms a call)",
+        size, rows, "compiled" if kept else "kept eager: its graphs were not faster", compiled_s * 1e3,
+        eager_s * 1e3,
+    )  # fmt: skip
+
+
+def _timed(shard: ModelShard, inputs: DenoiserInputs, rows: int) -> tuple[float, float]:
+    """Median seconds of a call of `inputs` through `shard`'s graphs and eagerly, in turn, after
+    one of each (uncounted: the service's call counts are its own)."""
+    plans = {True: CallPlan.plain(rows), False: replace(CallPlan.plain(rows), compiled=False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    assert shard.compiled is not None
+    with shard.compiled.uncounted(), torch.inference_mode():
+        for turn in range(1 + TIMED_CALLS):
+            for graphs, plan in plans.items():
+                started = time.perf_counter()
+                shard.run(inputs, plan)
+                for device in (d for d in shard.devices if d.startswith("cuda")):
+                    torch.cuda.synchronize(device)
+                if turn:
+                    times[graphs].append(time.perf_counter() - started)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def _rows_of(one: DenoiserInputs, count: int) -> DenoiserInputs:

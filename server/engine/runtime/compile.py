@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class CompileMode(enum.StrEnum):
     OFF = "off"
     BLOCKS = "blocks"
     FULL = "full"
+    AUTO = "auto"  # full or blocks as the plan allows, each bucket kept where measured faster
 
 
 def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
@@ -139,13 +141,16 @@ class CompiledDenoiser:
         self._whole: dict[tuple, Any] = {}  # full: padded inputs' signature → graph
         self._blocks: dict[str, dict[tuple, Any]] = {}  # blocks: name → padded flow's signature → graph
         self._count = threading.Lock()
+        self._quiet = threading.local()  # `uncounted`
 
     # Warming: compile or load a bucket from a real call's inputs.
 
-    def warm_whole(self, padded: DenoiserInputs, rows: int) -> None:
+    def warm_whole(self, padded: DenoiserInputs, rows: int) -> list[tuple[str, tuple]]:
+        """The whole call's graph for `padded` (`rows` rows); the (block, key) it added."""
         flat = _flat(padded)
         key = signature(flat)
-        if key not in self._whole:
+        added = [] if key in self._whole else [("", key)]
+        if added:
             what = {"graph": "denoiser", "class": type(self.model).__name__, "config": self.model.config}
             self._whole[key] = self.store.get(
                 self.store.key({**what, "inputs": key}),
@@ -155,13 +160,17 @@ class CompiledDenoiser:
             )
             self.stats.graphs_ready += 1
         self._rows = sorted({*self._rows, rows})
+        return added
 
-    def warm_blocks(self, captured: dict[str, Flow], rows: int) -> None:
-        """Each block's graph for the flow it was called with (`captured`, `rows` rows)."""
+    def warm_blocks(self, captured: dict[str, Flow], rows: int) -> list[tuple[str, tuple]]:
+        """Each block's graph for the flow it was called with (`captured`, `rows` rows); the
+        (block, key) pairs it added."""
+        added = []
         for name, flow in captured.items():
             call, key = self.calls[name], _flow_signature(flow)
             graphs = self._blocks.setdefault(name, {})
             if key not in graphs:
+                added.append((name, key))
                 owner = call.owner
                 what = {"graph": "block", "fn": call.fn.__qualname__, "structure": repr(owner), "inputs": key}
                 graphs[key] = self.store.get(
@@ -169,6 +178,21 @@ class CompiledDenoiser:
                 )
             self.stats.graphs_ready += 1
         self._rows = sorted({*self._rows, rows})
+        return added
+
+    def drop(self, added: list[tuple[str, tuple]]) -> None:
+        """Stop using graphs `warm_*` added (measured slower than eager): their calls run eagerly."""
+        for name, key in added:
+            (self._blocks.get(name, {}) if name else self._whole).pop(key, None)
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Calls on this thread go uncounted (a measurement's, not the service's)."""
+        self._quiet.on = True
+        try:
+            yield
+        finally:
+            self._quiet.on = False
 
     # Serving.
 
@@ -203,6 +227,8 @@ class CompiledDenoiser:
 
     def count(self, paths: set[str]) -> None:
         """One call's path: eager if any block ran eagerly, else padded if any was padded."""
+        if getattr(self._quiet, "on", False):
+            return
         path = next((p for p in ("eager", "padded") if p in paths), "compiled") if paths else "eager"
         with self._count:
             self.stats.calls[path] += 1

@@ -58,6 +58,7 @@ class CompileStats:
     seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
     state: str = "waiting"  # then compiling (in the background), and ready, failed or off
+    buckets: list[dict[str, Any]] = field(default_factory=list)  # each one's timing, and if kept
     done: threading.Event = field(default_factory=threading.Event)  # set once it ended, either way
 
     def finish(self, state: str) -> None:
@@ -73,6 +74,7 @@ class CompileStats:
             "compiled": self.compiled,
             "seconds": round(self.seconds, 2),
             "calls": dict(self.calls),
+            "buckets": list(self.buckets),
         }
 
 

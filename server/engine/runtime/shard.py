@@ -138,21 +138,21 @@ class ModelShard:
                 self.model, self.spec, self.calls, mode, len(self.plan.stages), store
             )
 
-    def warm(self, inputs: DenoiserInputs, rows: int) -> None:
-        """Compile (or load from the cache) the bucket of these inputs padded to `rows` rows."""
+    def warm(self, inputs: DenoiserInputs, rows: int) -> list[tuple[str, tuple]]:
+        """Compile (or load from the cache) the bucket of these inputs padded to `rows` rows; the
+        graphs added (`CompiledDenoiser.drop` takes them)."""
         if self.compiled is None:
             raise ValueError("the shard is not compiled: call compile() first")
         if inputs.sample.shape[0] != rows:
             raise ValueError(f"warm() takes inputs of the bucket's {rows} rows")
         inputs = DenoiserInputs(*TransferCache().move(tuple(vars(inputs).values()), self.device))
         if self.compiled.mode == CompileMode.FULL:
-            self.compiled.warm_whole(inputs, rows)
-            return
+            return self.compiled.warm_whole(inputs, rows)
         captured: dict[str, Flow] = {}  # each block's inputs as its stage sees them
         plan = replace(CallPlan.plain(rows), compiled=False)
         with torch.inference_mode():
             walk(self, inputs, plan, on_block=lambda name, flow: captured.setdefault(name, flow))
-        self.compiled.warm_blocks(captured, rows)
+        return self.compiled.warm_blocks(captured, rows)
 
     # Introspection: where every block and byte lives.
 
