@@ -18,7 +18,13 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
 FROM ${PYTHON_IMAGE} AS cpu-base
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
-RUN python -m venv /opt/venv
+# g++: --compile auto (the default) builds inductor's CPU kernels as C++ at runtime; without a
+# compiler the service serves eagerly and says why. Unpinned for the reason the CUDA base gives.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv
 
 FROM ${CUDA_IMAGE} AS cuda-base
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130

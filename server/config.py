@@ -125,7 +125,7 @@ class Settings(BaseSettings):
         10 * 1024**3, ge=1, description="the finished videos' content in all; past it the oldest go"
     )
     compile: CompileMode = Field(
-        CompileMode.OFF,
+        CompileMode.AUTO,
         description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "
         "stages) | auto (full or blocks as the plan allows, each bucket kept where its calls measured "
         "faster than eager); compiled per shape bucket in the background, kept in cache_dir for the "

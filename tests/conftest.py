@@ -95,6 +95,16 @@ def float32_by_default() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def eager_by_default() -> Iterator[None]:
+    """Servers made in tests run eagerly: `--compile auto` (the default) would compile every one's
+    graphs in the background, minutes of the CI's two cores each. Compiling, auto included, is
+    tested in tests/test_compile.py."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DIFFSHARD_COMPILE", "off")
+        yield
+
+
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/tiny_pipelines.py), built once."""

@@ -188,6 +188,10 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         "owned_by": "diffshard",
         "dtype": runtime.dtype,  # extensions: the weights served
         "quantization": runtime.quantization,
+        # the compiled path (--compile): what auto picked, and whether its graphs are ready yet
+        "compile": {"mode": runtime.compiling.mode, "state": runtime.compiling.state}
+        if runtime.compiling is not None
+        else None,
         "adapters": runtime.service.adapters() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,

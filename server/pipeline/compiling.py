@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -98,6 +99,9 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
     sequence groups (their ranks exchange between blocks, inside a call)."""
     if problem := compile_refusal():
         return CompileMode.OFF, problem
+    on_cpu = any(d == "cpu" for s in pipeline.replicas for d in s.devices)
+    if on_cpu and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++")):
+        return CompileMode.OFF, "no C++ compiler for inductor's CPU kernels: install g++ to compile"
     deployment = pipeline.deployment
     if deployment.tensor > 1 or deployment.sequence > 1 or deployment.grouped:
         return CompileMode.OFF, "tensor and sequence groups run eagerly"
