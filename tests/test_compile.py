@@ -9,6 +9,7 @@ one bucket (2 rows, one image); the inductor kernel cache the first test fills i
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,11 +107,42 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster(
     eager = _images(pipeline, [GUIDED])[0]
     stats = compile_pipeline(pipeline, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
     assert (stats.mode, stats.state) == ("auto: full", "ready"), stats.view()
-    (bucket,) = stats.buckets  # 2 rows at IMAGE_SIZE
-    assert bucket["kept"] == (bucket["compiled_ms"] < bucket["eager_ms"]), bucket
+    bucket, decoder = stats.buckets  # 2 rows at IMAGE_SIZE, and the decoder's one image
+    assert bucket["bucket"] == f"{IMAGE_SIZE}px × 2 rows" and decoder["bucket"].startswith("decoder")
+    assert all(b["kept"] == (b["compiled_ms"] < b["eager_ms"]) for b in stats.buckets), stats.buckets
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     path = "compiled" if bucket["kept"] else "eager"
     assert stats.calls[path] == GUIDED.steps and sum(stats.calls.values()) == GUIDED.steps, stats.calls
+
+
+def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inductor builds its CPU kernels with a C++ compiler: where none is on the PATH (a slim
+    image), auto serves eagerly and says so instead of failing in the background. A tensor
+    group's ranks exchange inside a call: auto leaves them eager too."""
+    from server.pipeline.compiling import auto_mode
+
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    assert auto_mode(pipeline)[0] == CompileMode.FULL
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # the venv's bin: python, no g++
+    monkeypatch.delenv("CXX", raising=False)
+    mode, why = auto_mode(pipeline)
+    assert mode == CompileMode.OFF and "install g++" in why
+    stats = compile_pipeline(pipeline, CompileMode.AUTO, [IMAGE_SIZE], 2, None)
+    assert (stats.mode, stats.state) == ("auto: off", "off") and stats.done.is_set()
+    monkeypatch.undo()
+    group = Pipeline.load(folders["sd15"], plan=plan_parallel_for(folders["sd15"], "tensor"))
+    assert auto_mode(group) == (CompileMode.OFF, "tensor and sequence groups run eagerly")
+
+
+def plan_parallel_for(folder: Path, parallel: str):
+    from server.pipeline.loader import read_family
+    from server.pipeline.planning import plan_model
+
+    family = read_family(folder)
+    return plan_model(family, "cpu,cpu", "memory", dtype=torch.float32, batch=2, side=IMAGE_SIZE,
+                      folder=folder, parallel=parallel)  # fmt: skip
 
 
 def calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline: Pipeline, stats: CompileStats) -> None:

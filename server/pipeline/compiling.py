@@ -25,7 +25,13 @@ from torch.utils._pytree import tree_map
 
 from server.engine import CallPlan, ModelShard, layout_of
 from server.engine.denoisers.blocks import DenoiserInputs
-from server.engine.runtime.compile import CompiledDecoder, CompileMode, decodes_in_tiles, row_buckets
+from server.engine.runtime.compile import (
+    CompiledDecoder,
+    CompileMode,
+    decodes_in_tiles,
+    row_buckets,
+    run_decoder,
+)
 from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
@@ -73,7 +79,9 @@ def compile_pipeline(
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
-    warm = partial(_warm, pipeline, mode, sizes, max_rows, store, shards, on_progress, measured)
+    # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
+    pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured)
     if not background:
         warm()
         return stats
@@ -118,19 +126,18 @@ def _warm(
     mode: CompileMode,
     sizes: Sequence[int],
     max_rows: int,
-    store: GraphStore,
+    decoder: CompiledDecoder,
     shards: list,
     on_progress: Callable[[CompileStats], None] | None,
     measured: bool,
 ) -> None:
     """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); `measured`: each
     bucket's kept only where its calls were faster than eager ones."""
-    stats, started = store.stats, time.perf_counter()
+    stats, started = decoder.store.stats, time.perf_counter()
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
     rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
     images = row_buckets(max(1, max_rows // 2), smallest=1)
-    decoder = CompiledDecoder(pipeline.vae, store)
     per_bucket = 1 if mode == CompileMode.FULL else len(layout_of(shards[0].model).blocks)
     whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
     stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
@@ -152,11 +159,13 @@ def _warm(
                 state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
             )
             for count in images if size in whole else ():  # tiled sizes decode eagerly (CompiledDecoder)
-                decoder.warm(latents.expand(count, *latents.shape[1:]).contiguous())
+                batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
+                key = decoder.warm(batch_latents)
+                if measured:
+                    _keep_decoder_if_faster(stats, decoder, batch_latents, key, size)
                 _said(stats, f"decoder {size}px × {count}", started, on_progress)
         finally:
             state.close()
-    pipeline.decoder = decoder
     log.info(
         "compiled (%s): %d graphs in %.1f s, %d loaded from the cache, %d compiled",
         mode,
@@ -173,41 +182,56 @@ def _keep_if_faster(
 ) -> None:
     """`--compile auto`: time a bucket's call through its graphs against eagerly (on the first
     shard: the others hold the same graphs), and stop using the graphs where they were not faster
-    (a tiny model's calls may be quicker than a graph's overhead)."""
+    (a tiny model's calls may be quicker than a graph's overhead; a large UNet's convolutions are
+    oneDNN's either way)."""
     shard = added[0][0]
-    compiled_s, eager_s = _timed(shard, inputs, rows)
-    kept = compiled_s < eager_s
-    if not kept:
-        for each, keys in added:
-            assert each.compiled is not None
-            each.compiled.drop(keys)
-    stats.buckets.append(
-        {"size": size, "rows": rows, "compiled_ms": round(compiled_s * 1e3, 2),
-         "eager_ms": round(eager_s * 1e3, 2), "kept": kept}
-    )  # fmt: skip
-    log.info(
-        "compile: %dpx × %d rows %s (compiled %.1f ms, eager %.1f ms a call)",
-        size, rows, "compiled" if kept else "kept eager: its graphs were not faster", compiled_s * 1e3,
-        eager_s * 1e3,
-    )  # fmt: skip
-
-
-def _timed(shard: ModelShard, inputs: DenoiserInputs, rows: int) -> tuple[float, float]:
-    """Median seconds of a call of `inputs` through `shard`'s graphs and eagerly, in turn, after
-    one of each (uncounted: the service's call counts are its own)."""
     plans = {True: CallPlan.plain(rows), False: replace(CallPlan.plain(rows), compiled=False)}
-    times: dict[bool, list[float]] = {True: [], False: []}
     assert shard.compiled is not None
-    with shard.compiled.uncounted(), torch.inference_mode():
+    with shard.compiled.uncounted():  # the service's call counts are its own
+        runs = {graphs: partial(shard.run, inputs, plan) for graphs, plan in plans.items()}
+        kept = _faster(stats, runs, shard.devices, f"{size}px × {rows} rows")
+    for each, keys in added if not kept else ():
+        assert each.compiled is not None
+        each.compiled.drop(keys)
+
+
+def _keep_decoder_if_faster(
+    stats: CompileStats, decoder: CompiledDecoder, latents: torch.Tensor, key: tuple | None, size: int
+) -> None:
+    """The same for a batch size's decoder graph."""
+    if key is None:
+        return
+    runs = {True: partial(decoder, latents), False: partial(run_decoder, decoder.vae, latents)}
+    if not _faster(stats, runs, [str(latents.device)], f"decoder {size}px × {latents.shape[0]}"):
+        decoder.drop(key)
+
+
+def _faster(
+    stats: CompileStats, runs: dict[bool, Callable[[], object]], devices: Sequence[str], what: str
+) -> bool:
+    """Whether `runs[True]` (graphs) took less than `runs[False]` (eager): medians of TIMED_CALLS
+    each, in turn, after one of each; recorded in `stats.buckets` and said in the log."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
         for turn in range(1 + TIMED_CALLS):
-            for graphs, plan in plans.items():
+            for graphs, run in runs.items():
                 started = time.perf_counter()
-                shard.run(inputs, plan)
-                for device in (d for d in shard.devices if d.startswith("cuda")):
+                run()
+                for device in (d for d in devices if d.startswith("cuda")):
                     torch.cuda.synchronize(device)
                 if turn:
                     times[graphs].append(time.perf_counter() - started)
-    return statistics.median(times[True]), statistics.median(times[False])
+    compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
+    kept = compiled_s < eager_s
+    stats.buckets.append(
+        {"bucket": what, "compiled_ms": round(compiled_s * 1e3, 2), "eager_ms": round(eager_s * 1e3, 2),
+         "kept": kept}
+    )  # fmt: skip
+    verdict = "compiled" if kept else "kept eager: its graphs were not faster"
+    log.info(
+        "compile: %s %s (%.1f ms compiled, %.1f ms eager)", what, verdict, compiled_s * 1e3, eager_s * 1e3
+    )
+    return kept
 
 
 def _rows_of(one: DenoiserInputs, count: int) -> DenoiserInputs:

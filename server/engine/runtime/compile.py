@@ -255,15 +255,21 @@ class CompiledDecoder:
         self._graphs: dict[tuple, Any] = {}
         self._counts: list[int] = []
 
-    def warm(self, latents: torch.Tensor) -> None:
+    def warm(self, latents: torch.Tensor) -> tuple | None:
+        """The graph for `latents`' shape; its key if added here (`drop` takes it)."""
         key = signature(latents)
         if key in self._graphs or decodes_in_tiles(self.vae, latents.shape):
-            return
+            return None
         what = {"graph": "decoder", "class": type(self.vae).__name__, "config": self.vae.config, "in": key}
         graph = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})
         self._graphs[key] = graph
         self._counts = sorted({*self._counts, latents.shape[0]})
         self.store.stats.graphs_ready += 1
+        return key
+
+    def drop(self, key: tuple) -> None:
+        """Stop using a graph measured slower than eager: its shape decodes eagerly."""
+        self._graphs.pop(key, None)
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         count = latents.shape[0]
