@@ -160,7 +160,7 @@ class TensorAxis(GroupSteps):
     ) -> dict[str, Any]:
         """Rank `index`'s `plan_shards` options: its devices' budgets and its share of the blocks;
         the VAE with the first rank, the text encoders too, or on separate GPUs a share of them on
-        each of the first group's ranks (`spread_encoders` places their layers so)."""
+        each of the first group's ranks (`parts.spread_encoder` places their layers so)."""
         firsts = [devices[0] for devices in ranks[:degree]]
         spread = self.spread if separate_memories(firsts) else 0
         whole = self.options.get("resident", 0) - spread
