@@ -59,7 +59,8 @@ def compile_pipeline(
     `background`: return once what can be refused is checked, and compile on a thread of its own
     at a lower priority while the pipeline serves: a call runs eagerly until its bucket's graphs
     are ready, then through them (no request waits on a compile); `stats.done` is set at the end,
-    `stats.state` says how it ended (a failure is logged, and every call stays eager).
+    `stats.state` says how it ended (a failure is logged: the graphs ready by then stay in use,
+    every other call runs eagerly).
 
     Adapters may be attached before or during it: their hooks add nothing while a graph is
     traced (`lora.py`), and rows with adapters run eagerly."""
@@ -92,7 +93,7 @@ def compile_pipeline(
         try:
             warm()
         except Exception:
-            log.exception("compile failed: calls keep running eagerly")
+            log.exception("compile failed: calls its graphs do not hold yet keep running eagerly")
             stats.finish("failed")
 
     stats.state = "compiling"
