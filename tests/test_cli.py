@@ -170,7 +170,7 @@ def test_a_load_that_fails_after_validation_also_ends_with_one_line(run_cli: Cli
 def test_compile_and_step_budget_settings_say_what_to_fix(run_cli: Cli) -> None:
     done = run_cli("serve", "--compile", "fast")
     assert done.returncode == 2 and "error: --compile (DIFFSHARD_COMPILE)" in done.stderr
-    assert "'off', 'blocks' or 'full'" in done.stderr
+    assert "'off', 'blocks', 'full' or 'auto'" in done.stderr
     done = run_cli("serve", "--compile-sizes", "64,60")
     assert done.returncode == 2 and "multiples of 8, got [64, 60]" in done.stderr
     done = run_cli("serve", "--step-budget", "0")

@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageDraw
 
 from server.engine import CallPlan
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.compiling import compile_pipeline
 from server.pipeline.lora import Adapter, LoraPair
 from server.pipeline.stepcache import StepCache
@@ -76,7 +77,8 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
 ) -> None:
     """`background=True` (how the server compiles): it returns before any graph is built; calls
     run eagerly meanwhile, then through the graphs. With an adapter attached before it (as
-    `--lora`'s are), adapter rows run eagerly and plain rows compiled, each as it was.
+    `--lora`'s are), adapter rows run eagerly and plain rows compiled, each as it was; an
+    img2img edit's steps run compiled and equal its eager image.
     Then the counts of a call no bucket holds (below)."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
     layer = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
@@ -85,7 +87,10 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     pair = LoraPair(torch.randn(2, width), torch.randn(width, 2), alpha=2.0)
     pipeline.add_adapter(Adapter("red", Path("red.safetensors"), {"unet": {layer: pair}}))
     adapted = replace(GUIDED, lora=(("red", 1.0),))
-    eager, eager_adapted = _images(pipeline, [GUIDED, adapted])
+    picture = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (20, 20, 30))
+    ImageDraw.Draw(picture).ellipse((4, 4, IMAGE_SIZE - 8, IMAGE_SIZE - 4), fill=(220, 30, 30))
+    edited = replace(GUIDED, edit=Edit(picture, None, 0.7))  # img2img: its steps from a later one
+    eager, eager_adapted, eager_edited = _images(pipeline, [GUIDED, adapted, edited])
     stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir, background=True)
     assert stats.state == "compiling" and stats.graphs_ready < max(1, stats.graphs_total)
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE  # eager meanwhile
@@ -95,6 +100,21 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     assert np.abs(_images(pipeline, [adapted])[0] - eager_adapted).max() < TOLERANCE
     calls = {path: stats.calls[path] - before[path] for path in before}
     assert calls == {"compiled": GUIDED.steps, "padded": 0, "eager": GUIDED.steps}, calls
+    compiled_before = stats.calls["compiled"]
+    assert np.abs(_images(pipeline, [edited])[0] - eager_edited).max() < TOLERANCE  # an edit, compiled
+    assert stats.calls["compiled"] > compiled_before
+    # attached after the graphs were built (as POST /v1/adapters does), then detached: its rows
+    # run eagerly as an uncompiled pipeline's; plain rows, compiled, are as before
+    blue = Adapter("blue", Path("blue.safetensors"), {"unet": {layer: LoraPair(pair.up.T, pair.down.T, 2.0)}})
+    uncompiled = Pipeline.load(folders["sd15"], devices="cpu")
+    for each in (pipeline, uncompiled):
+        each.add_adapter(blue)
+    asked = replace(GUIDED, lora=(("blue", 1.0),))
+    assert np.abs(_images(pipeline, [asked])[0] - _images(uncompiled, [asked])[0]).max() < TOLERANCE
+    pipeline.adapters.remove("blue")
+    compiled_before = stats.calls["compiled"]
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert stats.calls["compiled"] == compiled_before + GUIDED.steps
     calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline, stats)
 
 
