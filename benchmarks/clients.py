@@ -135,3 +135,16 @@ def summary(runs: list[list[float]], wall: float, steps: int | None = None) -> d
     if steps is not None:
         figures["steps_per_s"] = round(steps / wall, 3)
     return figures
+
+
+def compiled_after(server: Any, started: float, deadline_s: float = 1800) -> dict[str, Any]:
+    """Wait for `server`'s background compile to end (polling /v1/stats with a short backoff):
+    seconds from `started`, and its `compile` view (the buckets kept and their timings)."""
+    wait, ends = 0.05, time.monotonic() + deadline_s
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        while True:
+            view = client.get("/v1/stats").json()["compile"]
+            if view["state"] in ("ready", "failed", "off") or time.monotonic() > ends:
+                return {**view, "ready_after_s": round(time.perf_counter() - started, 2)}
+            time.sleep(wait)  # polling a server's progress: no event to wait on across processes
+            wait = min(1.0, wait * 2)

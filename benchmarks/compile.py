@@ -36,7 +36,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.clients import client_loop
+from benchmarks.clients import client_loop, compiled_after
 from benchmarks.serving import measure
 from server.engine.denoisers.blocks import walk_plain
 from server.engine.denoisers.specs import spec_for
@@ -84,21 +84,6 @@ def startup(*args: str) -> tuple[float, Any]:
     context = live_server(*args, startup_deadline_s=1800)  # a cold compile takes minutes
     server = context.__enter__()
     return time.perf_counter() - started, (context, server)
-
-
-def compiled_after(server: Any, started: float, deadline_s: float = 1800) -> dict[str, Any]:
-    """Wait for `server`'s background compile to end (polling /v1/stats with a short backoff):
-    seconds from `started`, and its `compile` view (the buckets kept and their timings)."""
-    import httpx
-
-    wait, ends = 0.05, time.monotonic() + deadline_s
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        while True:
-            view = client.get("/v1/stats").json()["compile"]
-            if view["state"] in ("ready", "failed", "off") or time.monotonic() > ends:
-                return {**view, "ready_after_s": round(time.perf_counter() - started, 2)}
-            time.sleep(wait)  # polling a server's progress: no event to wait on across processes
-            wait = min(1.0, wait * 2)
 
 
 def serving(cache: Path, rounds: int, per_client: int) -> dict[str, Any]:
