@@ -4,6 +4,7 @@ ran batched give the image they give alone, whatever they share a step with."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,31 @@ def test_idle_housekeeping_runs_off_the_loop_s_lock_until_nothing_idle_is_left(
     finally:
         release.set()
         service.close()
+
+
+def test_housekeeping_tidies_again_after_a_burst_it_never_saw_busy() -> None:
+    """A burst that starts and ends between two of its wake-ups still moves the lanes' idle
+    times: once at the floor, the housekeeper tidies again after it (it used to wait for a lane
+    it saw busy, and a short burst after the floor left its memory behind for good)."""
+    from server.serving.housekeeping import Housekeeper
+
+    long_ago = time.monotonic() - 60
+    since, tidied, stop = [long_ago, long_ago], [threading.Event(), threading.Event()], threading.Event()
+
+    def tidy() -> bool:
+        next(e for e in tidied if not e.is_set()).set()
+        return True  # the floor, every time
+
+    keeper = Housekeeper(lambda: since, tidy, stop, every_s=0.01)
+    keeper.start()
+    try:
+        assert tidied[0].wait(10)
+        assert not tidied[1].wait(0.2)  # at the floor: nothing more while nothing happens
+        since[1] = long_ago + 30  # lane 1 served a burst and went idle again, unseen
+        assert tidied[1].wait(10), "no housekeeping after the burst"
+    finally:
+        stop.set()
+        keeper.join(10)
 
 
 def test_jobs_the_watchdog_answered_are_dropped_not_computed_and_the_loop_recovers(

@@ -29,18 +29,21 @@ class Housekeeper(threading.Thread):
     ) -> None:
         super().__init__(name="diffshard-housekeeping", daemon=True)
         self.idle_since, self.tidy, self.stop, self.every_s = idle_since, tidy, stop, every_s
-        self.at_floor = False
+        self.floor_after: float | None = None  # the lanes' last going idle when the floor was reached
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
             since = self.idle_since()
             if any(s is None for s in since):
-                self.at_floor = False  # busy: there will be something to give back
-                continue
-            if self.at_floor or time.monotonic() - max(since) < self.every_s:
+                continue  # busy
+            # At the floor since the lanes last went idle: nothing to give back. Work that came and
+            # went between two wake-ups moved their idle times, so a burst is never missed.
+            latest = max(since)
+            if latest == self.floor_after or time.monotonic() - latest < self.every_s:
                 continue
             try:
-                self.at_floor = self.tidy()
+                if self.tidy():
+                    self.floor_after = latest
                 empty_device_caches()
             except Exception:
                 log.exception("idle housekeeping failed")
