@@ -90,6 +90,22 @@ def timed(run: Callable[[], CallResult]) -> tuple[float, CallResult]:
     return time.perf_counter() - started, result
 
 
+def paired_rounds(
+    configs: dict[str, Callable[[], CallResult]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor], dict[str, list[CallResult]]]:
+    """Each config once (warm-up, its output kept), then `rounds` rounds of each in turn: each
+    config's seconds, output and results, round by round."""
+    outputs = {name: run().out for name, run in configs.items()}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    results: dict[str, list[CallResult]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, run in configs.items():
+            seconds, result = timed(run)
+            times[name].append(seconds)
+            results[name].append(result)
+    return times, outputs, results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,18 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         "one_worker_2_threads": one_worker(2),
         "sequence_2x1": group,
     }
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    shares: list[float] = []
-    outputs: dict[str, torch.Tensor] = {}
     try:
-        for name, run in configs.items():  # warm-up: each once
-            outputs[name] = run().out
-        for _ in range(rounds):
-            for name, run in configs.items():
-                seconds, result = timed(run)
-                times[name].append(seconds)
-                if name == "sequence_2x1":
-                    shares.append(result.exchange_s / seconds)
+        times, outputs, results = paired_rounds(configs, rounds)
+        shares = [
+            r.exchange_s / s for r, s in zip(results["sequence_2x1"], times["sequence_2x1"], strict=True)
+        ]
     finally:
         workers.close()
         torch.set_num_threads(2)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sequence import lone_inputs, timed
+from benchmarks.sequence import lone_inputs, paired_rounds
 from benchmarks.sequence_peers import IMAGE_TOKENS, TEXT_TOKENS, cpu_flags, cpu_model, flux_shaped, free_port
 from server.engine import CallPlan, ModelShard, plan_shards, run_sequence
 from server.engine.denoisers.blocks import tensor_bytes
@@ -173,15 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_2x1": tensor_group,
         "sequence_2x1": sequence_group,
     }
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    outputs: dict[str, torch.Tensor] = {}
     try:
-        for name, run in configs.items():  # warm-up: each once
-            outputs[name] = run().out
-        for _ in range(rounds):
-            for name, run in configs.items():
-                seconds, _ = timed(run)
-                times[name].append(seconds)
+        times, outputs, _ = paired_rounds(configs, rounds)
     finally:
         workers.close()
         torch.set_num_threads(2)
