@@ -95,6 +95,7 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     assert stats.state == "compiling" and stats.graphs_ready < max(1, stats.graphs_total)
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE  # eager meanwhile
     assert stats.done.wait(timeout=600) and stats.state == "ready", stats.view()
+    assert stats.frozen == 1  # one stage on a CPU: its weights folded into the graph
     before = dict(stats.calls)
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     assert np.abs(_images(pipeline, [adapted])[0] - eager_adapted).max() < TOLERANCE

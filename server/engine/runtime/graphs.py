@@ -14,9 +14,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import reset_code
+from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.engine.hardware.devices import device_kind
@@ -55,6 +58,7 @@ class CompileStats:
     graphs_ready: int = 0
     loaded: int = 0  # from the cache
     compiled: int = 0  # traced and compiled here
+    frozen: int = 0  # of the graphs in use, those with their weights folded in (CPU)
     seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
     state: str = "waiting"  # then compiling (in the background), and ready, failed or off
@@ -72,6 +76,7 @@ class CompileStats:
             "graphs": {"ready": self.graphs_ready, "total": self.graphs_total},
             "loaded": self.loaded,
             "compiled": self.compiled,
+            "frozen": self.frozen,
             "seconds": round(self.seconds, 2),
             "calls": dict(self.calls),
             "buckets": list(self.buckets),
@@ -99,6 +104,7 @@ class GraphStore:
         self.device_kind = " + ".join(dict.fromkeys(compiled_for(torch.device(d)) for d in listed))
         self.stats = stats
         self._loaded: dict[str, Any] = {}
+        self._frozen_code: dict[str, CodeType] = {}  # a frozen graph's function's code (`release`)
         self._lock = threading.Lock()
         # Compiled kernels beside the graphs (one volume keeps both), unless the operator chose a
         # writable place: inductor writes its default into the environment when first imported.
@@ -127,6 +133,38 @@ class GraphStore:
             compiled.disable_guard_check()  # `signature` is checked before every call instead
             self._loaded[key] = compiled
             return compiled
+
+    def frozen(self, key: str, fn: Callable, example: tuple) -> Callable:
+        """`fn` (a function holding its model: `compile.frozen_denoiser`) compiled with inductor's
+        freezing for `example`'s shapes, just in time: its first call here traces and compiles it,
+        or takes inductor's kernels from its cache under the cache directory (`aot_compile`
+        cannot freeze in torch 2.13, so there is no precompiled file)."""
+        with self._lock:
+            if key in self._loaded:
+                return self._loaded[key]
+            hits = counters["inductor"]["fxgraph_cache_hit"]
+            # no guards (each frozen graph's code is its own, and `signature` is checked before
+            # every call): an adapter's hooks attached later would fail the model's, and dynamo
+            # would compile again on the serving path
+            options = {"freezing": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+            with torch.inference_mode():
+                compiled(*example)
+            if counters["inductor"]["fxgraph_cache_hit"] > hits:
+                self.stats.loaded += 1
+            else:
+                self.stats.compiled += 1
+            self._loaded[key] = compiled
+            self._frozen_code[key] = fn.__code__
+            return compiled
+
+    def release(self, key: str) -> None:
+        """Forget a frozen graph (measured slower, or failed): dynamo's entries for its code go
+        with it, and its copy of the weights is freed once no call holds it."""
+        with self._lock:
+            self._loaded.pop(key, None)
+            if (code := self._frozen_code.pop(key, None)) is not None:
+                reset_code(code)
 
     def _path(self, key: str) -> Path | None:
         return None if self.folder is None else self.folder / "compiled" / f"{key}.bin"

@@ -135,7 +135,7 @@ class ModelShard:
             )
         else:
             self.compiled = CompiledDenoiser(
-                self.model, self.spec, self.calls, mode, len(self.plan.stages), store
+                self.model, self.spec, self.calls, mode, [s.device for s in self.plan.stages], store
             )
 
     def warm(self, inputs: DenoiserInputs, rows: int) -> list[tuple[str, tuple]]:
