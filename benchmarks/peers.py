@@ -1,324 +1,318 @@
-"""Our CPU UNet path against OpenVINO's, side by side: what the fastest CPU runtime does with the
-same SD-1.5 UNet on the same cores.
+"""Our served default against OpenVINO on the same CPU: a whole guided image, 10 steps, at 256²
+and 512², through our server over HTTP beside OpenVINO running the same weights.
 
-An SD-1.5 UNet (`SD.reference_configs["sd15"]`: 860M parameters, random weights under seed 0) is
-saved as safetensors into a temporary folder; both sides load those weights. OpenVINO's model is
-exported from it as optimum-intel exports one, by hand: `openvino.convert_model` on the traced
-UNet (spatial dims left dynamic, one model for both sizes), saved as float32, and NNCF's
-`compress_weights` (INT8_ASYM, optimum-intel's 8-bit weight default) for the int8 model: it
-compresses the convolutions too (all 282 weight layers), where ours converts only the Linears.
-optimum-intel itself is not used: the release that resolves with transformers 5 (1.15) cannot
-import optimum 2's exporters.
+The folder: SD-1.5's architecture with random weights (seed 0): its UNet
+(`SD.reference_configs["sd15"]`, 860M parameters), a CLIP text encoder of its size (12 layers,
+768 wide; the built-in tokenizer's vocabulary), SD's VAE and a DDIM schedule, saved as
+diffusers saves a pipeline, safetensors.
 
-Timed: one UNet forward at 2 rows (one guided image), latent 32² (a 256² image) and 64² (512²),
-2 threads each side (torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS=2, one stream,
-LATENCY), in interleaved rounds (every variant once a round, the order rotating), medians:
+Ours: `python -m server serve` on that folder at its defaults (`--dtype auto`, `--compile auto`,
+the planner's workers and threads), with `--compile-sizes 256,512` (the default compiles the
+model's native 512 only) and `--max-batch 2` (a lone image's buckets only: the default 16 rows
+would compile for a quarter of an hour on 2 cores). The benchmark waits for its background
+compile to end, then times `POST /v1/images/generations` end to end (PNG and base64 included).
 
-    ours: fp32 (what `--dtype auto` serves on CPU today), fp32 through `torch.compile` with
-          inductor's freezing (compiled per size in the warm-up, ~1.5 min a size here), bf16,
-          bf16 with channels-last weights and
-          input, int8-dynamic (`Quantization(INT8_DYNAMIC)`: torchao int8 weights and activations
-          in the Linears) on the fp32 and on the bf16 model
-    OpenVINO: fp32, bf16 (INFERENCE_PRECISION_HINT=bf16), int8 weights computing in bf16
+OpenVINO: the text encoder, UNet and VAE decoder converted with `openvino.convert_model` (as
+optimum-intel exports them; optimum-intel itself cannot be installed beside transformers 5, see
+`benchmarks.peers_forward`), compiled for the CPU at 2 threads, one stream, LATENCY, at three
+precisions: fp32, bf16 (INFERENCE_PRECISION_HINT) and int8 weights (NNCF INT8_ASYM, every
+model, as optimum-intel's `load_in_8bit`) computing in bf16. The loop around them is diffusers'
+(`StableDiffusionPipeline`'s: tokenize, encode the prompt and the empty prompt, the scheduler,
+classifier-free guidance, decode) and runs the same 10 steps; its image is PNG-encoded too.
 
-Each variant's output is compared with ours fp32 once (max_abs_diff) so a fast wrong one shows.
-Not measured: OpenVINO with static reshaped inputs, and a full 256² image at 10 steps (its UNet part is
-10 × the 32² forward; the text encoder and VAE are not compared).
-
-Memory: every variant held at once is ~16 GB at a 64² latent (three OpenVINO models, four of
-ours); `--skip` leaves variants out where the host has less.
-
-Target (`meets_target`): at both sizes our best variant within 1.25× of OpenVINO's best, and our
-default (fp32) within 1.5×.
+Rounds are interleaved (every variant once a round at each size, the order rotating); medians.
+Target (`meets_target`): our served image ≤ 1.0× OpenVINO's best at 256², ≤ 1.1× at 512².
+Printed too: the CPU's flags (AMX or not: OpenVINO's bf16 runs on AMX tiles where present), and
+what the server chose (dtype, compile mode, the buckets frozen).
 
     pip install -e '.[peers]' -c constraints.txt
-    python -m benchmarks.peers [--quick] [--rounds N] [--sizes 32 64] [--skip VARIANT ...]
+    python -m benchmarks.peers [--quick] [--rounds N] [--sizes 256 512]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import base64
 import gc
+import io
 import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image
+from transformers import CLIPTextModel
 
-from server.engine.quantize import Quantization, QuantMode
+from benchmarks.clients import compiled_after
+from benchmarks.peers_forward import MISSING, THREADS, TOKENS, Traced, cpu_flags
+from server.demo.tokenizer import build_tokenizer
 from server.pipeline.families.sd import SD
+from tests.live import live_server
+from tests.tiny_pipelines import SD_SCHEDULE, _text_config
 
-ROWS = 2  # one guided image: the unconditional and the prompted row
-THREADS = 2
-TOKENS = 77
-BEST_TARGET = 1.25
-DEFAULT_TARGET = 1.5
-KEEP = SD.keep_precise  # as the server quantizes a UNet: every Linear
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-OURS = (
-    "ours_fp32",
-    "ours_fp32_compiled",
-    "ours_bf16",
-    "ours_bf16_channels_last",
-    "ours_int8_dynamic",
-    "ours_bf16_int8_dynamic",
-)
-OPENVINO = ("openvino_fp32", "openvino_bf16", "openvino_int8_bf16")
-MISSING = "benchmarks.peers needs OpenVINO and NNCF: pip install -e '.[peers]' -c constraints.txt"
+STEPS = 10
+GUIDANCE = 7.5
+PROMPT = "a red circle"
+SEED = 7
+TARGETS = {256: 1.0, 512: 1.1}  # ours / OpenVINO's best, at most
+OPENVINO = {
+    "openvino_fp32": ("fp32", "f32"),
+    "openvino_bf16": ("fp32", "bf16"),
+    "openvino_int8_bf16": ("int8", "bf16"),
+}
+SD_VAE = {
+    "block_out_channels": (128, 256, 512, 512),
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "layers_per_block": 2,
+    "latent_channels": 4,
+    "norm_num_groups": 32,
+    "sample_size": 512,
+    "scaling_factor": 0.18215,
+}
 
 
-def cpu_flags() -> dict[str, bool]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+def build_folder(folder: Path) -> Path:
+    """SD-1.5's architecture, random weights under seed 0 (see the module's docstring)."""
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    text = _text_config(tokenizer)
+    text.update(
+        {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12}
     )
-    return {flag: flag in flags for flag in CPU_FLAGS}
+    StableDiffusionPipeline(
+        vae=AutoencoderKL(**SD_VAE),
+        text_encoder=CLIPTextModel(text),
+        tokenizer=tokenizer,
+        unet=UNet2DConditionModel(**SD.reference_configs["sd15"]),
+        scheduler=DDIMScheduler(**SD_SCHEDULE),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
-class Traced(torch.nn.Module):
-    """The UNet with positional inputs and a tensor out: what convert_model traces."""
-
-    def __init__(self, unet: torch.nn.Module) -> None:
+class _Encoder(torch.nn.Module):
+    def __init__(self, text: torch.nn.Module) -> None:
         super().__init__()
-        self.unet = unet
+        self.text = text
 
-    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return self.unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.text(ids, return_dict=False)[0]
 
 
-def export(unet: torch.nn.Module, folder: Path) -> dict[str, Path]:
-    """fp32 and int8-weight OpenVINO IR of `unet` in `folder`, as optimum-intel writes them."""
+class _Decoder(torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latents / self.vae.config.scaling_factor, return_dict=False)[0]
+
+
+def export(folder: Path, out: Path) -> dict[str, dict[str, Path]]:
+    """Each part's OpenVINO IR, fp32 and int8-weight: {"fp32": {part: path}, "int8": {...}}."""
     import nncf
     import openvino as ov
 
-    example = (torch.randn(ROWS, 4, 32, 32), torch.full((ROWS,), 500.0), torch.randn(ROWS, TOKENS, 768))
+    parts = {  # each part loaded when converted: one in memory at a time
+        "text_encoder": (
+            lambda: _Encoder(CLIPTextModel.from_pretrained(folder / "text_encoder")),
+            (torch.ones(2, TOKENS, dtype=torch.long),),
+        ),
+        "unet": (
+            lambda: Traced(UNet2DConditionModel.from_pretrained(folder / "unet")),
+            (torch.randn(2, 4, 32, 32), torch.full((2,), 500.0), torch.randn(2, TOKENS, 768)),
+        ),
+        "vae_decoder": (
+            lambda: _Decoder(AutoencoderKL.from_pretrained(folder / "vae")),
+            (torch.randn(1, 4, 32, 32),),
+        ),
+    }
+    paths: dict[str, dict[str, Path]] = {"fp32": {}, "int8": {}}
     started = time.perf_counter()
-    with torch.no_grad():
-        model = ov.convert_model(Traced(unet), example_input=example)
-    converted = time.perf_counter() - started
-    paths = {"fp32": folder / "unet_fp32.xml", "int8": folder / "unet_int8.xml"}
-    ov.save_model(model, paths["fp32"], compress_to_fp16=False)
-    started = time.perf_counter()
-    model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    compressed = time.perf_counter() - started
-    ov.save_model(model, paths["int8"], compress_to_fp16=False)
-    del model
-    gc.collect()
-    print(json.dumps({"export": True, "convert_s": round(converted, 1), "compress_s": round(compressed, 1)}))
+    for name, (load, example) in parts.items():
+        with torch.no_grad():
+            model = ov.convert_model(load().eval(), example_input=example)
+        paths["fp32"][name] = out / f"{name}_fp32.xml"
+        ov.save_model(model, paths["fp32"][name], compress_to_fp16=False)
+        paths["int8"][name] = out / f"{name}_int8.xml"
+        ov.save_model(
+            nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM), paths["int8"][name]
+        )
+        del model
+        gc.collect()
+    emit({"export": True, "seconds": round(time.perf_counter() - started, 1)})
     return paths
 
 
-def openvino_variants(paths: dict[str, Path], wanted: set[str]) -> dict[str, Any]:
-    """Infer requests compiled for the CPU at 2 threads, one per OpenVINO variant."""
-    import openvino as ov
+class OpenVinoImage:
+    """diffusers' Stable Diffusion loop around three OpenVINO models at one precision."""
 
-    core = ov.Core()
-    config = {"INFERENCE_NUM_THREADS": THREADS, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
-    plans = {
-        "openvino_fp32": (paths["fp32"], "f32"),
-        "openvino_bf16": (paths["fp32"], "bf16"),
-        "openvino_int8_bf16": (paths["int8"], "bf16"),
-    }
-    requests = {}
-    for name, (path, precision) in plans.items():
-        if name in wanted:
-            compiled = core.compile_model(path, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
-            requests[name] = compiled.create_infer_request()
-    return requests
+    def __init__(self, folder: Path, paths: dict[str, Path], precision: str) -> None:
+        import openvino as ov
 
+        core = ov.Core()
+        config = {
+            "INFERENCE_NUM_THREADS": THREADS,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": precision,
+        }
+        self.parts = {
+            name: core.compile_model(path, "CPU", config).create_infer_request()
+            for name, path in paths.items()
+        }
+        self.tokenizer = build_tokenizer()
+        self.scheduler = DDIMScheduler.from_pretrained(folder / "scheduler")
 
-def our_variants(unet: torch.nn.Module, wanted: set[str]) -> dict[str, torch.nn.Module]:
-    quantization = Quantization(QuantMode.INT8_DYNAMIC, KEEP)
-    models: dict[str, torch.nn.Module] = {"ours_fp32": unet}
-    if wanted & {"ours_bf16", "ours_bf16_channels_last", "ours_bf16_int8_dynamic"}:
-        models["ours_bf16"] = copy.deepcopy(unet).to(torch.bfloat16)
-    if "ours_fp32_compiled" in wanted:
-        # inductor with freezing: weights folded into the graph and prepacked for oneDNN's
-        # convolutions (without it the compiled UNet ran slower than eager here); compiled for
-        # each size in its warm-up forward
-        import torch._inductor.config as inductor
+    def _run(self, part: str, *inputs: np.ndarray) -> np.ndarray:
+        request = self.parts[part]
+        request.infer(dict(enumerate(inputs)))
+        return np.array(request.get_output_tensor(0).data)
 
-        inductor.freezing = True
-        models["ours_fp32_compiled"] = torch.compile(unet, dynamic=False)
-    if "ours_int8_dynamic" in wanted:
-        models["ours_int8_dynamic"] = copy.deepcopy(unet)
-        quantization.apply(models["ours_int8_dynamic"])
-    if "ours_bf16_int8_dynamic" in wanted:
-        models["ours_bf16_int8_dynamic"] = copy.deepcopy(models["ours_bf16"])
-        quantization.apply(models["ours_bf16_int8_dynamic"])
-    gc.collect()
-    return models
-
-
-def runner(name: str, models: dict[str, torch.nn.Module], requests: dict[str, Any]) -> Callable:
-    """A call running variant `name` on (sample, timestep, context): float32 tensors in, out."""
-    if name in requests:
-        request = requests[name]
-
-        def run_openvino(sample, timestep, context):
-            request.infer({0: sample.numpy(), 1: timestep.numpy(), 2: context.numpy()})
-            return torch.from_numpy(np.array(request.get_output_tensor(0).data))
-
-        return run_openvino
-    channels_last = name == "ours_bf16_channels_last"
-    model = models["ours_bf16" if channels_last else name]
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-    def run_ours(sample, timestep, context):
-        sample, context = sample.to(dtype), context.to(dtype)
-        if channels_last:
-            sample = sample.contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode():
-            return model(sample, timestep, encoder_hidden_states=context).sample.float()
-
-    return run_ours
+    def __call__(self, size: int) -> bytes:
+        ids = self.tokenizer(
+            ["", PROMPT], padding="max_length", max_length=TOKENS, truncation=True, return_tensors="np"
+        ).input_ids
+        context = self._run("text_encoder", ids.astype(np.int64))
+        self.scheduler.set_timesteps(STEPS)
+        generator = torch.Generator().manual_seed(SEED)
+        latents = (
+            torch.randn(1, 4, size // 8, size // 8, generator=generator) * self.scheduler.init_noise_sigma
+        )
+        for t in self.scheduler.timesteps:
+            sample = self.scheduler.scale_model_input(torch.cat([latents, latents]), t).numpy()
+            noise = torch.from_numpy(self._run("unet", sample, np.full((2,), float(t), np.float32), context))
+            uncond, cond = noise.chunk(2)
+            latents = self.scheduler.step(uncond + GUIDANCE * (cond - uncond), t, latents).prev_sample
+        image = self._run("vae_decoder", latents.numpy())
+        pixels = ((image[0].transpose(1, 2, 0) / 2 + 0.5).clip(0, 1) * 255).round().astype(np.uint8)
+        png = io.BytesIO()
+        Image.fromarray(pixels).save(png, format="PNG")
+        return png.getvalue()
 
 
-def layout(name: str, models: dict[str, torch.nn.Module]) -> None:
-    """Put the shared bf16 model's weights in the memory format `name` runs with (untimed)."""
-    if "ours_bf16" in models and name in ("ours_bf16", "ours_bf16_channels_last"):
-        fmt = torch.channels_last if name == "ours_bf16_channels_last" else torch.contiguous_format
-        models["ours_bf16"].to(memory_format=fmt)
+def served_image(url: str) -> Callable[[int], bytes]:
+    def run(size: int) -> bytes:
+        body = {
+            "prompt": PROMPT,
+            "seed": SEED,
+            "size": f"{size}x{size}",
+            "num_inference_steps": STEPS,
+            "guidance_scale": GUIDANCE,
+        }
+        answer = httpx.post(f"{url}/v1/images/generations", json=body, timeout=1800)
+        answer.raise_for_status()
+        return base64.b64decode(answer.json()["data"][0]["b64_json"])
+
+    return run
+
+
+def emit(record: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def measure(size: int, runs: dict[str, Callable[[int], bytes]], rounds: int) -> dict[str, float]:
+    """Median seconds of each variant's image at `size`, after one warm-up image each."""
+    for name, run in runs.items():  # warm-up: oneDNN's primitives, OpenVINO's shape's kernels
+        started = time.perf_counter()
+        Image.open(io.BytesIO(run(size))).verify()
+        emit({"size": size, "warmup": name, "seconds": round(time.perf_counter() - started, 2)})
+    names, times = list(runs), {name: [] for name in runs}
+    for turn in range(rounds):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.perf_counter()
+            runs[name](size)
+            times[name].append(time.perf_counter() - started)
+        emit({"size": size, "round": turn, **{f"{n}_s": round(times[n][-1], 3) for n in names}})
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
-    parser.add_argument("--rounds", type=int, help="timed rounds per size (overrides --quick)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64], help="latent sides")
-    parser.add_argument(
-        "--skip", nargs="*", default=[], choices=OURS[1:] + OPENVINO, help="variants left out"
-    )
+    parser.add_argument("--quick", action="store_true", help="3 rounds at 256² only")
+    parser.add_argument("--rounds", type=int, help="timed rounds per size (default 3, or 5 without --quick)")
+    parser.add_argument("--sizes", type=int, nargs="+", choices=sorted(TARGETS), help="image sides")
     args = parser.parse_args(argv)
     try:
         import nncf  # noqa: F401
         import openvino as ov
     except ImportError:
         raise SystemExit(MISSING) from None
-    rounds = args.rounds or (2 if args.quick else 5)
-    wanted = set(OURS + OPENVINO) - set(args.skip)
+    rounds = args.rounds or (3 if args.quick else 5)
+    sizes = args.sizes or ([256] if args.quick else sorted(TARGETS))
     torch.set_num_threads(THREADS)
-    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
-        from diffusers import UNet2DConditionModel
-
-        folder = Path(tmp)
-        torch.manual_seed(0)
-        UNet2DConditionModel(**SD.reference_configs["sd15"]).save_pretrained(
-            folder / "unet", safe_serialization=True
-        )
-        gc.collect()
-        unet = UNet2DConditionModel.from_pretrained(folder / "unet").eval()
-        paths = export(unet, folder)
-        requests = openvino_variants(paths, wanted)
-        models = our_variants(unet, wanted)
-        names = [n for n in OURS + OPENVINO if n in wanted]
-        medians = {size: measure(size, names, models, requests, rounds) for size in args.sizes}
-    summary = summarize(medians, args.sizes)
-    print(
-        json.dumps(
-            {
-                "summary": True,
-                **summary,
-                "rows": ROWS,
-                "threads": THREADS,
-                "rounds": rounds,
-                "torch": torch.__version__,
-                "openvino": ov.get_version(),
-                "cpu_flags": cpu_flags(),
-                "openvino_cpu_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
-                "not_measured": "OpenVINO static shapes, a full 256² image at 10 steps",
-            }
-        )
-    )
-    return 0
-
-
-def measure(
-    size: int, names: list[str], models: dict[str, torch.nn.Module], requests: dict[str, Any], rounds: int
-) -> dict[str, float]:
-    """Median ms of each variant at a `size`² latent; one warm-up call each, checked against fp32."""
-    generator = torch.Generator().manual_seed(size)
-    inputs = (
-        torch.randn(ROWS, 4, size, size, generator=generator),
-        torch.full((ROWS,), 500.0),
-        torch.randn(ROWS, TOKENS, 768, generator=generator),
-    )
-    runs = {name: runner(name, models, requests) for name in names}
-    reference = None
-    check = {}
-    for name in names:  # warm-up: oneDNN primitives, OpenVINO's shape-specific kernels
-        layout(name, models)
-        started = time.perf_counter()
-        out = runs[name](*inputs)
-        reference = out if reference is None else reference
-        check[name] = {
-            "warmup_ms": round((time.perf_counter() - started) * 1e3),
-            "max_abs_diff": round(float((out - reference).abs().max()), 4),
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp, ExitStack() as stack:
+        folder = build_folder(Path(tmp) / "sd15")
+        paths = export(folder, Path(tmp))
+        runs = {
+            name: OpenVinoImage(folder, paths[weights], precision)
+            for name, (weights, precision) in OPENVINO.items()
         }
-    print(json.dumps({"size": size, "warmup": check}))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            layout(name, models)
-            started = time.perf_counter()
-            runs[name](*inputs)
-            times[name].append(time.perf_counter() - started)
-        print(
-            json.dumps(
-                {"size": size, "round": round_, **{f"{n}_ms": round(times[n][-1] * 1e3) for n in names}}
+        started = time.perf_counter()
+        server = stack.enter_context(
+            live_server(
+                "--model",
+                str(folder),
+                "--compile-sizes",
+                ",".join(map(str, sizes)),
+                "--max-batch",
+                "2",
+                "--cache-dir",
+                str(Path(tmp) / "cache"),
+                startup_deadline_s=600,
             )
         )
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
-
-
-def summarize(medians: dict[int, dict[str, float]], sizes: list[int]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+        ready_s = time.perf_counter() - started
+        compiled = compiled_after(server, started)
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+        emit({"ours": True, "ready_s": round(ready_s, 1), "compile": compiled, "model": model})
+        runs = {"ours_served": served_image(server.url), **runs}
+        medians = {size: measure(size, runs, rounds) for size in sizes}
+    summary: dict[str, Any] = {}
     meets = True
-    notes = []
-    for size in sizes:
-        ms = medians[size]
-        ours = {n: v for n, v in ms.items() if n.startswith("ours_")}
-        peers = {n: v for n, v in ms.items() if n.startswith("openvino_")}
-        best_ours, best_peer = min(ours, key=ours.get), min(peers, key=peers.get)
-        best_ratio = ours[best_ours] / peers[best_peer]
-        default_ratio = ms["ours_fp32"] / peers[best_peer]
-        meets = meets and best_ratio <= BEST_TARGET and default_ratio <= DEFAULT_TARGET
-        out[f"latent_{size}"] = {
-            **{f"{n}_median_ms": round(v) for n, v in ms.items()},
-            "ours_best": best_ours,
-            "openvino_best": best_peer,
-            "best_ratio": round(best_ratio, 3),
-            "default_ratio": round(default_ratio, 3),
+    for size, seconds in medians.items():
+        peers = {n: s for n, s in seconds.items() if n.startswith("openvino_")}
+        best = min(peers, key=peers.get)
+        ratio = seconds["ours_served"] / peers[best]
+        meets = meets and ratio <= TARGETS[size]
+        summary[f"image_{size}"] = {
+            **{f"{n}_median_s": round(s, 3) for n, s in seconds.items()},
+            "openvino_best": best,
+            "ratio_to_best": round(ratio, 3),
+            "ratios": {n: round(seconds["ours_served"] / s, 3) for n, s in peers.items()},
+            "target": TARGETS[size],
         }
-        same = {
-            n.removeprefix("ours_"): round(v / peers[f"openvino_{n.removeprefix('ours_')}"], 2)
-            for n, v in ours.items()
-            if f"openvino_{n.removeprefix('ours_')}" in peers
+    flags = cpu_flags()
+    emit(
+        {
+            "summary": True,
+            "meets_target": meets,
+            **summary,
+            "steps": STEPS,
+            "rounds": rounds,
+            "threads": THREADS,
+            "torch": torch.__version__,
+            "openvino": ov.get_version(),
+            "cpu_flags": flags,
+            "amx": bool(flags.get("amx_bf16")),
         }
-        notes.append(
-            f"{size}²: OpenVINO's {best_peer.removeprefix('openvino_')} {peers[best_peer]:.0f} ms vs our "
-            f"{best_ours.removeprefix('ours_')} {ours[best_ours]:.0f} ms ({best_ratio:.2f}×), our fp32 "
-            f"{default_ratio:.2f}×; like for like ours/OpenVINO {same}"
-        )
-    return {
-        "meets_target": meets,
-        "best_target": BEST_TARGET,
-        "default_target": DEFAULT_TARGET,
-        **out,
-        "note": "; ".join(notes),
-    }
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -142,30 +142,33 @@ def _warm(
     per_bucket = 1 if mode == CompileMode.FULL else len(layout_of(shards[0].model).blocks)
     whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
     stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
-    for size in sizes:
-        frame = Image.new("RGB", (size, size)) if pipeline.family.takes_reference else None  # image-to-video
-        warm = GenerationRequest("warm", width=size, height=size, reference=frame)
-        request = pipeline.resolve(pipeline.with_defaults(warm))
-        (state,) = pipeline.start([request])
-        try:
+    states = {}  # each size's warm-up request, resolved
+    try:
+        for size in sizes:
+            frame = Image.new("RGB", (size, size)) if pipeline.family.takes_reference else None  # i2v
+            warm = GenerationRequest("warm", width=size, height=size, reference=frame)
+            (states[size],) = pipeline.start([pipeline.resolve(pipeline.with_defaults(warm))])
+        # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
+        for size, count in [(s, rows[0]) for s in sizes] + [(s, r) for s in sizes for r in rows[1:]]:
             with pipeline.pool.scope() as batch, torch.inference_mode():
-                one = pipeline.stacked([state], batch)
-                for count in rows:
-                    inputs = _rows_of(one, count)
-                    added = [(shard, shard.warm(inputs, count)) for shard in shards]
-                    if measured:
-                        _keep_if_faster(stats, added, inputs, size, count)
-                    _said(stats, f"{size}px × {count} rows", started, on_progress)
+                inputs = _rows_of(pipeline.stacked([states[size]], batch), count)
+                added = [(shard, shard.warm(inputs, count)) for shard in shards]
+                if measured:
+                    _keep_if_faster(stats, added, inputs, size, count)
+                _said(stats, f"{size}px × {count} rows", started, on_progress)
+        for size in whole:  # tiled sizes decode eagerly (CompiledDecoder)
+            state = states[size]
             latents = pipeline.family.unscale_latents(
                 state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
             )
-            for count in images if size in whole else ():  # tiled sizes decode eagerly (CompiledDecoder)
+            for count in images:
                 batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
                 key = decoder.warm(batch_latents)
                 if measured:
                     _keep_decoder_if_faster(stats, decoder, batch_latents, key, size)
                 _said(stats, f"decoder {size}px × {count}", started, on_progress)
-        finally:
+    finally:
+        for state in states.values():
             state.close()
     log.info(
         "compiled (%s): %d graphs in %.1f s, %d loaded from the cache, %d compiled",
