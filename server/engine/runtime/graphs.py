@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import reset_code
-from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -137,13 +136,13 @@ class GraphStore:
 
     def frozen(self, key: str, fn: Callable, example: tuple) -> Callable:
         """`fn` (a function holding its model: `compile.frozen_denoiser`) compiled with inductor's
-        freezing for `example`'s shapes, just in time: its first call here traces and compiles it,
-        or takes inductor's kernels from its cache under the cache directory (`aot_compile`
-        cannot freeze in torch 2.13, so there is no precompiled file)."""
+        freezing for `example`'s shapes, just in time, at every start: its kernels' C++ builds
+        come from inductor's cache under the cache directory, but the graph is never kept whole
+        (`aot_compile` cannot freeze in torch 2.13, and inductor's graph cache cannot keep the
+        prepacked weights: oneDNN's tensors do not pickle)."""
         with self._lock:
             if key in self._loaded:
                 return self._loaded[key]
-            hits = counters["inductor"]["fxgraph_cache_hit"]
             # no guards (each frozen graph's code is its own, and `signature` is checked before
             # every call): an adapter's hooks attached later would fail the model's, and dynamo
             # would compile again on the serving path
@@ -153,10 +152,7 @@ class GraphStore:
             # is not (the SD-1.5 UNet ran 1.0 s a call that way against 0.54 s frozen)
             with torch.inference_mode(), inductor_config.patch(freezing=True):
                 compiled(*example)
-            if counters["inductor"]["fxgraph_cache_hit"] > hits:
-                self.stats.loaded += 1
-            else:
-                self.stats.compiled += 1
+            self.stats.compiled += 1
             self._loaded[key] = compiled
             self._frozen_code[key] = fn.__code__
             return compiled
