@@ -22,18 +22,10 @@ the 2-core CPU image the built-in model's 2-row bucket loads in ~2 s where traci
 compiling it takes ~60 s. A precompiled file that cannot be read or no longer fits is
 ignored with a warning and compiled again.
 
-Frozen graphs (CPU, `full`). On a CPU, inductor's freezing (weights folded into the graph as
-constants and prepacked for oneDNN) is where a compiled UNet gains: the SD-1.5 UNet's bf16
-2-row call took 0.51 s frozen against 0.77 s eager on a 2-core AVX-512 host, where unfrozen
-graphs (weights as inputs) were no faster than eager. A frozen graph closes over its model
-instead of taking it as an argument, is compiled just in time (`aot_compile` cannot freeze in
-torch 2.13) and again at every start, in the background (inductor cannot cache a graph holding
-oneDNN's prepacked weights; its kernels' C++ builds are cached: the built-in model's 4 frozen
-buckets took 232 s cold and 45 s the next start, where its unfrozen graphs loaded in 3 s), and
-holds its own prepacked copy of the weights: the buckets freeze, smallest first (a lone image's
-first), while their copies fit `freeze_budget`; the rest compile unfrozen. Adapters' hooks and
-runtime attach/detach never touch a frozen graph (rows with adapters run eagerly, on the
-model's own weights); weights changed in place would (nothing here does that).
+Frozen graphs (`frozen.py`). On a CPU, a whole call's graph and the decoder's fold their
+weights in (inductor's freezing), within a budget of copies, and are rebuilt at every start in
+the background (the built-in model's 4 frozen buckets: 232 s cold, 45 s the next start, where
+its unfrozen graphs loaded in 3 s).
 
 The loaded functions run without dynamo's guards: this module checks the exact signature (the
 shape, dtype and device of every input tensor, every other input's value) before it calls one,
@@ -44,7 +36,6 @@ graph never calls) run eagerly: the call plan says so.
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -60,12 +51,10 @@ from server.engine.denoisers.blocks import (
     DenoiserInputs,
     Flow,
     map_rows,
-    tensor_bytes,
     walk_plain,
 )
+from server.engine.runtime.frozen import Freezer
 from server.engine.runtime.graphs import GraphStore
-
-log = logging.getLogger("diffshard")
 
 
 class CompileMode(enum.StrEnum):
@@ -119,28 +108,29 @@ def run_decoder(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(latents, return_dict=False)[0]
 
 
-def frozen_denoiser(spec: Any, model: nn.Module, name: str) -> Callable[..., torch.Tensor]:
+def holding_denoiser(spec: Any, model: nn.Module) -> Callable[[], Callable[..., torch.Tensor]]:
     """`run_denoiser` holding `spec` and `model` (freezing folds what a function holds, never its
-    arguments), under a code object of its own named `name`: dynamo keeps graphs per code object,
-    so one bucket's or model's graph is never another's, and `GraphStore.release` frees it alone."""
+    arguments), for `Freezer.freeze`."""
 
-    def run(sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, conditioning: Any):
-        return walk_plain(spec, model, DenoiserInputs(sample, timestep, context, conditioning))
+    def holding() -> Callable[..., torch.Tensor]:
+        def run(sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, conditioning: Any):
+            return walk_plain(spec, model, DenoiserInputs(sample, timestep, context, conditioning))
 
-    run.__code__ = run.__code__.replace(co_name=name, co_qualname=name)
-    return run
+        return run
 
-
-FREEZE_FLOOR = 512 * 2**20  # a small model's frozen buckets all fit
-FROZEN_COPIES = 2  # a large one's: the weights' bytes twice over (a lone image at two sizes)
+    return holding
 
 
-def freeze_budget(model: nn.Module, devices: Sequence[str], mode: CompileMode) -> int:
-    """Bytes of frozen copies of `model`'s weights its graphs may hold: 0 where nothing freezes
-    (a GPU: its graphs gain without; blocks: their graphs take the module as an argument)."""
-    if mode != CompileMode.FULL or any(d != "cpu" for d in devices):
-        return 0
-    return max(FREEZE_FLOOR, FROZEN_COPIES * tensor_bytes(model))
+def holding_decoder(vae: nn.Module) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
+    """`run_decoder` holding `vae`, for `Freezer.freeze`."""
+
+    def holding() -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(latents: torch.Tensor) -> torch.Tensor:
+            return run_decoder(vae, latents)
+
+        return run
+
+    return holding
 
 
 def decodes_in_tiles(vae: nn.Module, shape: Sequence[int]) -> bool:
@@ -187,9 +177,7 @@ class CompiledDenoiser:
         self.stats = store.stats
         self._rows: list[int] = []  # the buckets' row counts, ascending
         self._whole: dict[tuple, Callable[..., torch.Tensor]] = {}  # full: padded inputs' signature → graph
-        self._frozen: dict[tuple, str] = {}  # full: the frozen ones' store keys
-        self._weights = tensor_bytes(model)
-        self._freeze_left = freeze_budget(model, devices, mode)  # bytes more frozen copies may take
+        self._freezer = Freezer(model, devices, mode == CompileMode.FULL, store)  # full, on a CPU
         self._blocks: dict[str, dict[tuple, Any]] = {}  # blocks: name → padded flow's signature → graph
         self._count = threading.Lock()
         self._quiet = threading.local()  # `uncounted`
@@ -203,7 +191,8 @@ class CompiledDenoiser:
         added = [] if key in self._whole else [("", key)]
         if added:
             what = {"graph": "denoiser", "class": type(self.model).__name__, "config": self.model.config}
-            if self._freeze_left >= self._weights and (frozen := self._freeze(what, key, flat)):
+            holding = holding_denoiser(self.spec, self.model)
+            if frozen := self._freezer.freeze({**what, "inputs": key}, key, holding, flat):
                 self._whole[key] = frozen
             else:
                 graph = self.store.get(
@@ -216,24 +205,6 @@ class CompiledDenoiser:
             self.stats.graphs_ready += 1
         self._rows = sorted({*self._rows, rows})
         return added
-
-    def _freeze(self, what: dict[str, Any], key: tuple, flat: tuple) -> Callable[..., torch.Tensor] | None:
-        """A frozen graph for `flat`'s bucket, or None (and nothing freezes from now on) where
-        inductor cannot freeze this model (its weights quantized, say): it compiles unfrozen."""
-        # its weights are its own: one model's frozen graph is never another's (experts)
-        stored = self.store.key({**what, "inputs": key, "frozen": next(self.model.parameters()).data_ptr()})
-        try:
-            run = frozen_denoiser(self.spec, self.model, f"frozen_{stored}")
-            graph = self.store.frozen(stored, run, flat)
-        except Exception as err:
-            log.warning("cannot freeze %s (%s): compiling it unfrozen", type(self.model).__name__, err)
-            self.store.release(stored)
-            self._freeze_left = 0
-            return None
-        self._frozen[key] = stored
-        self._freeze_left -= self._weights
-        self.stats.frozen += 1
-        return graph
 
     def warm_blocks(self, captured: dict[str, Flow], rows: int) -> list[tuple[str, tuple]]:
         """Each block's graph for the flow it was called with (`captured`, `rows` rows); the
@@ -257,10 +228,8 @@ class CompiledDenoiser:
         """Stop using graphs `warm_*` added (measured slower than eager): their calls run eagerly."""
         for name, key in added:
             (self._blocks.get(name, {}) if name else self._whole).pop(key, None)
-            if (stored := self._frozen.pop(key, None)) is not None:  # its copy of the weights, freed
-                self.store.release(stored)
-                self._freeze_left += self._weights
-                self.stats.frozen -= 1
+            if not name:
+                self._freezer.drop(key)
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -329,8 +298,10 @@ class CompiledDecoder:
 
     def __init__(self, vae: nn.Module, store: GraphStore) -> None:
         self.vae, self.store = vae, store
-        self._graphs: dict[tuple, Any] = {}
+        self._graphs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._counts: list[int] = []
+        device = str(next(vae.parameters()).device)
+        self._freezer = Freezer(vae, [device], True, store)  # on a CPU: 1 image first, then 2 …
 
     def warm(self, latents: torch.Tensor) -> tuple | None:
         """The graph for `latents`' shape; its key if added here (`drop` takes it)."""
@@ -338,7 +309,10 @@ class CompiledDecoder:
         if key in self._graphs or decodes_in_tiles(self.vae, latents.shape):
             return None
         what = {"graph": "decoder", "class": type(self.vae).__name__, "config": self.vae.config, "in": key}
-        graph = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})
+        graph = self._freezer.freeze(what, key, holding_decoder(self.vae), (latents,))
+        if graph is None:
+            stored = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})
+            graph = partial(stored, self.vae)
         self._graphs[key] = graph
         self._counts = sorted({*self._counts, latents.shape[0]})
         self.store.stats.graphs_ready += 1
@@ -347,6 +321,7 @@ class CompiledDecoder:
     def drop(self, key: tuple) -> None:
         """Stop using a graph measured slower than eager: its shape decodes eagerly."""
         self._graphs.pop(key, None)
+        self._freezer.drop(key)
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         count = latents.shape[0]
@@ -354,4 +329,4 @@ class CompiledDecoder:
         if found is None:
             return run_decoder(self.vae, latents)
         bucket, graph = found
-        return graph(self.vae, pad_rows(latents, count, bucket))[:count]
+        return graph(pad_rows(latents, count, bucket))[:count]
