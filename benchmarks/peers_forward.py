@@ -70,7 +70,9 @@ OURS = (
     "ours_bf16_int8_dynamic",
 )
 OPENVINO = ("openvino_fp32", "openvino_bf16", "openvino_int8_bf16")
-MISSING = "benchmarks.peers and peers_forward need OpenVINO and NNCF: pip install -e '.[peers]' -c constraints.txt"
+MISSING = (
+    "benchmarks.peers and peers_forward need OpenVINO and NNCF: pip install -e '.[peers]' -c constraints.txt"
+)
 
 
 def cpu_flags() -> dict[str, bool]:
