@@ -119,6 +119,19 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline, stats)
 
 
+def test_int8_weights_compiled_on_a_cpu_equal_their_eager_images(
+    folders: dict[str, Path], cache_dir: Path
+) -> None:
+    """`--quantize int8` on the fast path: its UNet compiled whole on a CPU (frozen where inductor
+    can fold its quantized weights, else unfrozen, with a warning) draws its eager images."""
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
+    eager = _images(pipeline, [GUIDED])[0]
+    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
+    assert stats.state == "ready", stats.view()
+    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert stats.calls == {"compiled": GUIDED.steps, "padded": 0, "eager": 0}, stats.calls
+
+
 def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:
