@@ -135,7 +135,7 @@ class GraphStore:
             return compiled
 
     def frozen(self, key: str, fn: Callable, example: tuple) -> Callable:
-        """`fn` (a function holding its model: `compile.frozen_denoiser`) compiled with inductor's
+        """`fn` (a function holding its model: `frozen.Freezer`) compiled with inductor's
         freezing for `example`'s shapes, just in time, at every start: its kernels' C++ builds
         come from inductor's cache under the cache directory, but the graph is never kept whole
         (`aot_compile` cannot freeze in torch 2.13, and inductor's graph cache cannot keep the
