@@ -122,12 +122,12 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
 def test_int8_weights_compiled_on_a_cpu_equal_their_eager_images(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:
-    """`--quantize int8` on the fast path: its UNet compiled whole on a CPU (frozen where inductor
-    can fold its quantized weights, else unfrozen, with a warning) draws its eager images."""
+    """`--quantize int8` on the fast path: its UNet compiled whole and frozen on a CPU (inductor
+    folds the quantized weights too) draws its eager images."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
     eager = _images(pipeline, [GUIDED])[0]
     stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
-    assert stats.state == "ready", stats.view()
+    assert (stats.state, stats.frozen) == ("ready", 2), stats.view()  # the UNet's and the decoder's
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     assert stats.calls == {"compiled": GUIDED.steps, "padded": 0, "eager": 0}, stats.calls
 
