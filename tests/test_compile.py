@@ -91,11 +91,13 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     ImageDraw.Draw(picture).ellipse((4, 4, IMAGE_SIZE - 8, IMAGE_SIZE - 4), fill=(220, 30, 30))
     edited = replace(GUIDED, edit=Edit(picture, None, 0.7))  # img2img: its steps from a later one
     eager, eager_adapted, eager_edited = _images(pipeline, [GUIDED, adapted, edited])
+    switch = sys.getswitchinterval()
     stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir, background=True)
     assert stats.state == "compiling" and stats.graphs_ready < max(1, stats.graphs_total)
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE  # eager meanwhile
     assert stats.done.wait(timeout=600) and stats.state == "ready", stats.view()
     assert stats.frozen == 2  # one stage on a CPU: the UNet's and the decoder's weights folded in
+    assert sys.getswitchinterval() == switch  # shortened while it compiled, then given back
     before = dict(stats.calls)
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     assert np.abs(_images(pipeline, [adapted])[0] - eager_adapted).max() < TOLERANCE
