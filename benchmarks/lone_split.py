@@ -54,7 +54,7 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPTextModel
@@ -63,7 +63,7 @@ from server.demo.tokenizer import build_tokenizer
 from server.pipeline.families.sd import SD
 from tests.live import LiveServer, live_server
 from tests.test_lora import RANK, UNET_TARGETS, random_pairs
-from tests.tiny_pipelines import SD_SCHEDULE, _text_config, _vae
+from tests.tiny_pipelines import _text_config, _vae, save_sd_folder
 
 LATENT = 32
 TARGET_LONE = 1.1
@@ -86,17 +86,7 @@ def build_folder(folder: Path) -> Path:
     text.update(
         {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 1, "num_attention_heads": 12}
     )
-    StableDiffusionPipeline(
-        vae=_vae(),
-        text_encoder=CLIPTextModel(text),
-        tokenizer=tokenizer,
-        unet=UNet2DConditionModel(**unet_config),
-        scheduler=DDIMScheduler(**SD_SCHEDULE),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    ).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_sd_folder(folder, _vae(), CLIPTextModel(text), tokenizer, UNet2DConditionModel(**unet_config))
 
 
 def build_lora(folder: Path, out: Path, seed: int = 1) -> Path:

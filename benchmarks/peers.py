@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 from PIL import Image
 from transformers import CLIPTextModel
 
@@ -56,7 +56,7 @@ from benchmarks.peers_forward import MISSING, THREADS, TOKENS, Traced, cpu_flags
 from server.demo.tokenizer import build_tokenizer
 from server.pipeline.families.sd import SD
 from tests.live import live_server
-from tests.tiny_pipelines import SD_SCHEDULE, _text_config
+from tests.tiny_pipelines import _text_config, save_sd_folder
 
 STEPS = 10
 GUIDANCE = 7.5
@@ -88,17 +88,8 @@ def build_folder(folder: Path) -> Path:
     text.update(
         {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12}
     )
-    StableDiffusionPipeline(
-        vae=AutoencoderKL(**SD_VAE),
-        text_encoder=CLIPTextModel(text),
-        tokenizer=tokenizer,
-        unet=UNet2DConditionModel(**SD.reference_configs["sd15"]),
-        scheduler=DDIMScheduler(**SD_SCHEDULE),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    ).save_pretrained(folder, safe_serialization=True)
-    return folder
+    unet = UNet2DConditionModel(**SD.reference_configs["sd15"])
+    return save_sd_folder(folder, AutoencoderKL(**SD_VAE), CLIPTextModel(text), tokenizer, unet)
 
 
 class _Encoder(torch.nn.Module):

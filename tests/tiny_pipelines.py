@@ -112,11 +112,17 @@ def build_sd15_folder(folder: Path, vae: dict | None = None, unet: dict | None =
     """`vae`, `unet`: their configs where not the tiny defaults (LARGE_SD15)."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
+    vae_model, unet_model = _vae(**(vae or {})), _unet(cross_attention_dim=TEXT_DIM, **(unet or {}))
+    return save_sd_folder(folder, vae_model, CLIPTextModel(_text_config(tokenizer)), tokenizer, unet_model)
+
+
+def save_sd_folder(folder: Path, vae, text_encoder, tokenizer, unet) -> Path:
+    """An SD-1.x pipeline of these parts and a DDIM schedule, saved as diffusers saves one."""
     StableDiffusionPipeline(
-        vae=_vae(**(vae or {})),
-        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        vae=vae,
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
-        unet=_unet(cross_attention_dim=TEXT_DIM, **(unet or {})),
+        unet=unet,
         scheduler=DDIMScheduler(**SD_SCHEDULE),
         safety_checker=None,
         feature_extractor=None,
