@@ -121,31 +121,22 @@ def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adap
     calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline, stats)
 
 
-def test_int8_weights_compiled_on_a_cpu_equal_their_eager_images(
-    folders: dict[str, Path], cache_dir: Path
+def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weights_frozen_too(
+    folders: dict[str, Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`--quantize int8` on the fast path: its UNet compiled whole and frozen on a CPU (inductor
-    folds the quantized weights too) draws its eager images."""
+    """`--compile auto` on one stage compiles the whole call, times the bucket's calls both ways,
+    and serves it compiled only if that was faster. Its weights here are `--quantize int8`'s: on a
+    CPU they freeze too (inductor folds the quantized weights), and draw their eager images."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
     eager = _images(pipeline, [GUIDED])[0]
-    stats = compile_pipeline(pipeline, CompileMode.FULL, [IMAGE_SIZE], 2, cache_dir)
-    assert (stats.state, stats.frozen) == ("ready", 2), stats.view()  # the UNet's and the decoder's
-    assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
-    assert stats.calls == {"compiled": GUIDED.steps, "padded": 0, "eager": 0}, stats.calls
-
-
-def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster(
-    folders: dict[str, Path], cache_dir: Path
-) -> None:
-    """`--compile auto` on one stage compiles the whole call (the graphs the test above left in the
-    cache), times the bucket's calls both ways, and serves it compiled only if that was faster."""
-    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
-    eager = _images(pipeline, [GUIDED])[0]
-    stats = compile_pipeline(pipeline, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        stats = compile_pipeline(pipeline, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
     assert (stats.mode, stats.state) == ("auto: full", "ready"), stats.view()
+    assert "cannot freeze" not in caplog.text
     bucket, decoder = stats.buckets  # 2 rows at IMAGE_SIZE, and the decoder's one image
     assert bucket["bucket"] == f"{IMAGE_SIZE}px × 2 rows" and decoder["bucket"].startswith("decoder")
     assert all(b["kept"] == (b["compiled_ms"] < b["eager_ms"]) for b in stats.buckets), stats.buckets
+    assert stats.frozen == sum(b["kept"] for b in stats.buckets)  # every graph kept is a frozen one
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     path = "compiled" if bucket["kept"] else "eager"
     assert stats.calls[path] == GUIDED.steps and sum(stats.calls.values()) == GUIDED.steps, stats.calls
