@@ -7,7 +7,8 @@ Each frozen graph holds its own prepacked copy of the weights, so a model's froz
 bounded (`freeze_budget`); the buckets warmed first freeze first, the rest compile unfrozen. A
 frozen graph is a function holding its model (`own_code`), compiled just in time at every start
 (`GraphStore.frozen`: torch 2.13's `aot_compile` cannot freeze, and inductor's graph cache cannot
-keep oneDNN's tensors). Adapters' hooks never reach it: rows with adapters run eagerly on the
+keep oneDNN's tensors). Its attention runs by the kernel measured faster for each of its shapes
+(`attention.py`). Adapters' hooks never reach it: rows with adapters run eagerly on the
 model's own weights, which nothing here changes in place."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from server.engine.denoisers.blocks import tensor_bytes
+from server.engine.runtime.attention import choose_kernels, routed
 from server.engine.runtime.graphs import GraphStore
 
 log = logging.getLogger("diffshard")
@@ -51,6 +53,7 @@ class Freezer:
         self.weights = tensor_bytes(model)
         self.left = freeze_budget(model, devices, whole)  # bytes more frozen copies may take
         self.keys: dict[Any, str] = {}  # bucket → its store key
+        self.kernels: dict[Any, list[str]] = {}  # bucket → its attention shapes' kernels
 
     def freeze(
         self, what: dict[str, Any], bucket: Any, holding: Callable[[], Callable], example: tuple
@@ -63,7 +66,9 @@ class Freezer:
         # its weights are its own: one model's frozen graph is never another's (experts)
         stored = self.store.key({**what, "frozen": next(self.model.parameters()).data_ptr()})
         try:
-            graph = self.store.frozen(stored, own_code(holding(), f"frozen_{stored}"), example)
+            fn = holding()
+            kernels = choose_kernels(fn, example)  # each attention shape's, measured here
+            graph = self.store.frozen(stored, own_code(routed(fn, kernels), f"frozen_{stored}"), example)
         except Exception as err:
             log.warning("cannot freeze %s (%s): compiling it unfrozen", type(self.model).__name__, err)
             self.store.release(stored)
@@ -72,6 +77,8 @@ class Freezer:
         self.keys[bucket] = stored
         self.left -= self.weights
         self.store.stats.frozen += 1
+        self.kernels[bucket] = list(kernels.values())
+        self.store.stats.attention.update(self.kernels[bucket])
         return graph
 
     def drop(self, bucket: Any) -> None:
@@ -80,3 +87,4 @@ class Freezer:
             self.store.release(stored)
             self.left += self.weights
             self.store.stats.frozen -= 1
+            self.store.stats.attention.subtract(self.kernels.pop(bucket))

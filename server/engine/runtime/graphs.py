@@ -11,6 +11,7 @@ import os
 import platform
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class CompileStats:
     loaded: int = 0  # from the cache
     compiled: int = 0  # traced and compiled here
     frozen: int = 0  # of the graphs in use, those with their weights folded in (CPU)
+    attention: Counter[str] = field(default_factory=Counter)  # frozen graphs' attention shapes by kernel
     seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
     state: str = "waiting"  # then compiling (in the background), and ready, failed or off
@@ -77,6 +79,7 @@ class CompileStats:
             "loaded": self.loaded,
             "compiled": self.compiled,
             "frozen": self.frozen,
+            "attention": dict(+self.attention),  # frozen graphs' attention shapes by kernel
             "seconds": round(self.seconds, 2),
             "calls": dict(self.calls),
             "buckets": list(self.buckets),
@@ -96,12 +99,18 @@ class GraphStore:
     """Precompiled functions on disk and in memory, by a key of what they were compiled from."""
 
     def __init__(
-        self, folder: Path | None, devices: torch.device | Sequence[torch.device | str], stats: CompileStats
+        self,
+        folder: Path | None,
+        devices: torch.device | Sequence[torch.device | str],
+        stats: CompileStats,
+        threads: int | None = None,
     ) -> None:
         self.folder = folder if folder is None else _writable(folder / "compiled")
         # every device the compiled code runs on: a cuda:0 + cpu split holds kernels for both
         listed = [devices] if isinstance(devices, torch.device) else devices
         self.device_kind = " + ".join(dict.fromkeys(compiled_for(torch.device(d)) for d in listed))
+        # inductor writes the intra-op threads it sees into its CPU kernels: the callers' count
+        self.threads = threads or torch.get_num_threads()
         self.stats = stats
         self._loaded: dict[str, Any] = {}
         self._frozen_code: dict[str, CodeType] = {}  # a frozen graph's function's code (`release`)
@@ -115,7 +124,8 @@ class GraphStore:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "torchinductor")
 
     def key(self, what: dict[str, Any]) -> str:
-        described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None}
+        described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None,
+                     "threads": self.threads}  # fmt: skip
         return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def get(self, key: str, fn: Callable, example: tuple, external: dict[str, Any]) -> Any:
