@@ -391,3 +391,21 @@ def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders
     image, busy, _ = split_lone(folders["sd15"], request)
     assert abs(image - alone).max() <= 1e-3
     assert set(busy) == {"cpu:0", "cpu:1"} and min(busy.values()) > 0, busy
+
+
+def test_a_tie_in_throughput_and_lone_latency_goes_to_fewer_threads_a_worker() -> None:
+    """Counted costs take threads to scale perfectly; they do not (the SD-1.5 UNet's 512² step:
+    one row on each of two 1-thread replicas 2339 ms, both on one 2-thread replica 2994 ms), so
+    two candidates predicted within 5% both ways are a tie the 1-thread replicas win, where the
+    noise of a startup measurement chose either before. A clear lone-latency gap still decides."""
+    from types import SimpleNamespace
+
+    from server.engine.planning.choose import choose
+    from server.engine.planning.parallel import Candidate, Parallel
+
+    split = Candidate(2, 1, 0.488, lone_step_s=4.406, threads=1, splits_lone=True)
+    for threaded, wins in ((Candidate(1, 1, 0.471, lone_step_s=4.250, threads=2), split),
+                           (Candidate(1, 1, 0.471, lone_step_s=3.000, threads=2), None)):  # fmt: skip
+        search = SimpleNamespace(candidates=[split, threaded], crowded=set(), all_cpu=True, quota=2)
+        best, why = choose(search, [], Parallel.AUTO, True, ["cpu"], "")
+        assert best is (wins or threaded), why

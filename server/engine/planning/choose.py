@@ -1,10 +1,11 @@
 """Which candidate a plan runs, and why (`planner.py` weighs them).
 
 Throughput under load first: among the candidates within NEAR of the fastest, the one quicker
-for a lone image. A lone image is what a lightly loaded server sees, and how it runs is part of
-every candidate: under load each replica steps its own lane's requests, and a lone request
-goes to the replicas with nothing to do as well, its rows split over them (a guided image's
-two halves) or, for a DiT, its tokens (a sequence group), whichever is predicted quickest
+for a lone image (and among those within NEAR of that, the fewest threads a CPU worker). A lone
+image is what a lightly loaded server sees, and how it runs is part of every candidate: under
+load each replica steps its own lane's requests, and a lone request goes to the replicas with
+nothing to do as well, its rows split over them (a guided image's two halves) or, for a DiT, its
+tokens (a sequence group), whichever is predicted quickest
 (`Candidate.lone_step_s`). So `auto` never trades throughput for lone latency: it gets both
 from the same replicas. `--parallel sequence` asks for every call to be a group (one lane).
 
@@ -50,8 +51,15 @@ def choose(
         choosable = busy or choosable
     top = max(map(rate, choosable))
     near = [c for c in choosable if rate(c) >= top * (1 - NEAR)]
-    best = min(near, key=lambda c: c.lone_step_s if c.lone_step_s is not None else float("inf"))
+    quickest = min(map(lone, near))
+    alone = [c for c in near if lone(c) <= quickest * (1 + NEAR)]
+    # a tie again: the fewest threads a CPU worker. Counted costs take intra-op threads to scale
+    # perfectly, and they do not (memory-bound kernels, synchronization): the SD-1.5 UNet's frozen
+    # bf16 step at 512², one row on each of two 1-thread replicas 2339 ms, both rows on one
+    # 2-thread replica 2994 ms (2-core EPYC), where the two were predicted within 4%
+    best = min(alone, key=lambda c: (c.threads or 0, lone(c)))
     tie = " (or as fast, and quicker alone)" if len(near) > 1 else ""
+    tie = " (or as fast and as quick alone, with fewer threads a worker)" if len(alone) > 1 else tie
     reason = f"{best.label} is predicted fastest{tie} ({best.rows_per_s:.3g} rows/s under load"
     baseline = baselines[0] if baselines else None
     if best is not baseline and baseline is not None and baseline.rows_per_s:
@@ -63,3 +71,7 @@ def choose(
 
 def rate(candidate: Candidate) -> float:
     return candidate.rows_per_s or 0.0
+
+
+def lone(candidate: Candidate) -> float:
+    return candidate.lone_step_s if candidate.lone_step_s is not None else float("inf")
