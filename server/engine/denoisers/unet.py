@@ -2,11 +2,13 @@
 up blocks, out, with the skip residuals each up block takes from the down path.
 
 Each block's call is a few lines of `UNet2DConditionModel.forward` (diffusers 0.42) for the
-conditioning the families pass (`added_cond_kwargs`; `timestep_cond` and `class_labels`);
-masks, controlnet residuals and cross-attention kwargs are refused by name. The flow's rows
-carry `h`, the embedding `emb`, the `context` and `stack`, the skip residuals as forward stacks
-them. Step caching (DeepCache, arXiv:2312.00858, its shallowest branch) cuts it where the
-deep part starts (`down_blocks.1`) and ends (the second-to-last up block); a reusing row takes
+conditioning the families pass (`added_cond_kwargs`; `timestep_cond` and `class_labels`) and a
+ControlNet's residuals (`down_block_additional_residuals`, `mid_block_additional_residual`,
+as forward takes them: zeros on rows without a control); masks and cross-attention kwargs are
+refused by name. The flow's rows carry `h`, the embedding `emb`, the `context` and `stack`, the
+skip residuals as forward stacks them, and a control's residuals, added where they are used.
+Step caching (DeepCache, arXiv:2312.00858, its shallowest branch) cuts it where the deep part
+starts (`down_blocks.1`) and ends (the second-to-last up block); a reusing row takes
 that block's kept output.
 """
 
@@ -30,7 +32,8 @@ from server.engine.denoisers.blocks import (
     present,
 )
 
-TAKES = {"added_cond_kwargs", "timestep_cond", "class_labels"}  # the conditioning walked
+CONTROL = ("down_block_additional_residuals", "mid_block_additional_residual")  # a ControlNet's
+TAKES = {"added_cond_kwargs", "timestep_cond", "class_labels", *CONTROL}  # the conditioning walked
 
 
 class UNetSpec:
@@ -151,12 +154,17 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     if model.time_embed_act is not None:
         emb = model.time_embed_act(emb)
     context = model.process_encoder_hidden_states(encoder_hidden_states=context, added_cond_kwargs=added)
-    return {"sample": sample, "emb": emb, "context": context}
+    return {"sample": sample, "emb": emb, "context": context, **controls(rows)}
 
 
 def conv_in(layer: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     h = layer(rows["sample"])
-    return {"h": h, "emb": rows["emb"], "context": rows["context"], "stack": (h,)}
+    return {"h": h, "emb": rows["emb"], "context": rows["context"], "stack": (h,), **controls(rows)}
+
+
+def controls(rows: dict[str, Any]) -> dict[str, Any]:
+    """A ControlNet's residuals, carried to where they are added."""
+    return {name: rows[name] for name in CONTROL if name in rows}
 
 
 def down(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
@@ -173,12 +181,18 @@ def mid(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[
         h = block(rows["h"], rows["emb"], encoder_hidden_states=rows["context"])
     else:
         h = block(rows["h"], rows["emb"])
+    if (control := rows.get("mid_block_additional_residual")) is not None:
+        h = h + control
     return {**rows, "h": h}
 
 
 def up(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     stack, count = rows["stack"], len(block.resnets)
     taken, stack = stack[-count:], stack[:-count]
+    if (control := rows.get("down_block_additional_residuals")) is not None:
+        # the i-th residual forward stacked takes the i-th control residual (a step-cached row's
+        # stack holds the shallow ones only: counted from the bottom, they still line up)
+        taken = tuple(r + c for r, c in zip(taken, control[len(stack) : len(stack) + count], strict=True))
     size = stack[-1].shape[2:] if shared["upsample"] and stack else None  # the last up block: none
     kwargs = {"hidden_states": rows["h"], "temb": rows["emb"], "res_hidden_states_tuple": taken}
     if getattr(block, "has_cross_attention", False):
