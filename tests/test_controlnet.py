@@ -6,16 +6,31 @@ step-cached call's reusing rows add the shallow residuals where forward would.""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
-from diffusers import ControlNetModel, UNet2DConditionModel
+from diffusers import (
+    ControlNetModel,
+    MultiControlNetModel,
+    StableDiffusionControlNetPipeline,
+    UNet2DConditionModel,
+)
+from PIL import Image, ImageDraw
 
 from server.engine import CallPlan, ModelShard, RowGroup, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, walk_plain
 from server.engine.denoisers.specs import spec_for
 from server.engine.denoisers.unet import CONTROL
 from server.engine.runtime.call import CacheAsk
+from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline.controls import Control
+from server.pipeline.lora import Adapter, LoraPair
 from tests.conftest import TINY_UNETS
+from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
 
 ROWS = 2
 
@@ -94,3 +109,110 @@ def test_over_two_stages_and_in_a_step_cached_call_the_residuals_land_where_forw
     reused = shard.run(given(inputs, control), CallPlan((RowGroup(ROWS, cache=reuse),)))
     assert not reused.outcomes[0].refreshed
     assert torch.allclose(reused.out, theirs, atol=1e-5), (reused.out - theirs).abs().max()
+
+
+# The pipeline: images against diffusers' ControlNet pipelines on the tiny SD-1.5 folder (its VAE
+# halves the size: the ControlNet's conditioning embedding downsamples by 2).
+GUIDED = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, guidance_scale=4.0)
+TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
+
+
+def folder_controlnet(folder: Path, seed: int) -> ControlNetModel:
+    unet = UNet2DConditionModel.from_pretrained(folder / "unet")
+    torch.manual_seed(seed)
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16)).eval()
+    for zero in [*net.controlnet_down_blocks, net.controlnet_mid_block]:
+        torch.nn.init.normal_(zero.weight, std=0.3)
+    return net
+
+
+def drawn(shape: str) -> Image.Image:
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE))
+    box = (4, 6, IMAGE_SIZE - 6, IMAGE_SIZE - 4)
+    (ImageDraw.Draw(image).ellipse if shape == "circle" else ImageDraw.Draw(image).rectangle)(
+        box, outline="white"
+    )
+    return image
+
+
+@pytest.fixture(scope="module")
+def controlled(folders: dict[str, Path]) -> tuple[Pipeline, dict[str, ControlNetModel]]:
+    """The tiny SD-1.5 pipeline over two stages, serving ControlNets "a" and "b"."""
+    nets = {"a": folder_controlnet(folders["sd15"], 1), "b": folder_controlnet(folders["sd15"], 2)}
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu,cpu", strategy="even")
+    for name, net in nets.items():
+        pipeline.controlnets.add(name, copy.deepcopy(net))
+    return pipeline, nets
+
+
+def diffusers_controlled(folder: Path, nets: list[ControlNetModel], controls: list[Control]) -> np.ndarray:
+    net = nets[0] if len(nets) == 1 else MultiControlNetModel(nets)
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+        folder, controlnet=net, local_files_only=True, use_safetensors=True, safety_checker=None
+    )
+    pipe.set_progress_bar_config(disable=True)
+    one = len(controls) == 1
+    return diffusers_image(
+        pipe, replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE),
+        image=controls[0].image if one else [c.image for c in controls],
+        controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
+        control_guidance_start=controls[0].start if one else [c.start for c in controls],
+        control_guidance_end=controls[0].end if one else [c.end for c in controls],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        [Control("a", drawn("circle"), 0.8)],
+        [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
+        [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
+    ],
+    ids=["one", "two at once", "a window"],
+)
+def test_images_equal_diffusers_controlnet_pipelines(
+    folders: dict[str, Path], controlled: tuple[Pipeline, dict[str, ControlNetModel]], asked: list[Control]
+) -> None:
+    pipeline, nets = controlled
+    ours = pipeline.generate([replace(GUIDED, control=tuple(asked))])[0]
+    theirs = diffusers_controlled(folders["sd15"], [nets[c.model] for c in asked], asked)
+    plain = pipeline.generate([GUIDED])[0]
+    assert np.abs(ours - theirs).max() < TOLERANCE
+    assert np.abs(ours - plain).max() > 0.05  # the control steered the image
+    assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
+
+
+def test_a_batch_of_four_rows_each_as_alone_in_shared_calls(
+    controlled: tuple[Pipeline, dict[str, ControlNetModel]],
+) -> None:
+    """Control "a" at 0.5, "b" at 1.0, "a" with a LoRA, and a plain request, stepped together:
+    each draws its image alone within 1e-3; every step is one denoiser call of all 8 rows, and
+    each ControlNet one call of only the rows that asked for it."""
+    pipeline, _ = controlled
+    layer = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    width = pipeline.shard.model.get_submodule(layer).in_features
+    torch.manual_seed(0)
+    pair = LoraPair(torch.randn(2, width), torch.randn(width, 2), alpha=2.0)
+    if "red" not in pipeline.adapters.loaded:
+        pipeline.add_adapter(Adapter("red", Path("red.safetensors"), {"unet": {layer: pair}}))
+    circle, square = drawn("circle"), drawn("square")
+    four = [
+        replace(GUIDED, control=(Control("a", circle, 0.5),)),
+        replace(GUIDED, seed=4, control=(Control("b", square, 1.0),)),
+        replace(GUIDED, seed=5, control=(Control("a", square, 1.0),), lora=(("red", 1.0),)),
+        replace(GUIDED, seed=6),
+    ]
+    alone = [pipeline.generate([request])[0] for request in four]
+    rows: dict[str, list[int]] = {"unet": [], "a": [], "b": []}
+    modules = {"unet": pipeline.shard.model.conv_in, **{n: pipeline.controlnets.loaded[n] for n in "ab"}}
+    hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: rows[n].append(args[0].shape[0]))
+             for n, m in modules.items()]  # fmt: skip
+    try:
+        together = pipeline.generate(four)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for mine, theirs in zip(together, alone, strict=True):
+        assert np.abs(mine - theirs).max() < 1e-3
+    steps = GUIDED.steps
+    assert rows == {"unet": [8] * steps, "a": [4] * steps, "b": [2] * steps}, rows

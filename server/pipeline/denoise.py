@@ -43,6 +43,7 @@ from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
 from server.errors import InvalidRequest
 from server.pipeline.adapters import CHANGES, unknown_adapter
+from server.pipeline.controls import ControlNets
 from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, matching
 from server.pipeline.edits import first_latents, keep_unmasked
 from server.pipeline.loader import Components, load_components, read_family
@@ -108,6 +109,7 @@ class Pipeline:
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
         self.encoder_slots = [RowsSlot() for _ in self.encoders]  # the encoding's adapter rows
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
+        self.controlnets = ControlNets(self.family, self.device, self.denoiser_dtype)  # and ControlNets
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
         self.quantization = "off"  # what is quantized (quantizing.describe)
 
@@ -201,6 +203,7 @@ class Pipeline:
         for name, _ in request.lora:
             if name not in self.adapters.loaded:
                 raise InvalidRequest("lora", unknown_adapter(name, self.adapters.loaded))
+        self.controlnets.check(request.control, request.edit is not None and request.edit.mask is not None)
         return resolve(request, self.defaults, self.family)
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
@@ -288,10 +291,11 @@ class Pipeline:
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
                 kept[name].copy_(rows)
+            controls = self.controlnets.rows(request.control, context.shape[0], request.width, request.height)
             return RequestState(
                 request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
                 inpainting=start.inpainting, conditioning=start.conditioning, first_frame=start.first_frame,
-                step_kwargs=step_kwargs(type(scheduler), generator), layout=layout,
+                step_kwargs=step_kwargs(type(scheduler), generator), layout=layout, controls=controls,
             )  # fmt: skip
         except BaseException:
             scope.close()
@@ -329,8 +333,10 @@ class Pipeline:
                         state.preview = (index, state.frames_last(image).float().cpu())
 
     def stacked(self, states: Sequence[RequestState], batch: PoolScope) -> DenoiserInputs:
-        """The denoiser's inputs for every state's rows, in buffers `batch` rents."""
-        return stack_inputs(states, batch, self.family, self.denoiser_dtype, self.device)
+        """The denoiser's inputs for every state's rows (in buffers `batch` rents), controls' too."""
+        inputs = stack_inputs(states, batch, self.family, self.denoiser_dtype, self.device)
+        inputs.conditioning.update(self.controlnets.residuals(states, inputs))
+        return inputs
 
     call_plan = staticmethod(call_plan)
 

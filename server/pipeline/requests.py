@@ -18,6 +18,7 @@ from PIL import Image
 
 from server.errors import InvalidRequest
 from server.pipeline.clips import Clip, check_frames
+from server.pipeline.controls import Control
 from server.pipeline.edits import Edit
 from server.pipeline.families import Family
 from server.pipeline.families.base import edit_size
@@ -51,6 +52,7 @@ class GenerationRequest:
     step_cache: StepCache | None = None  # reuse of the last steps' features (stepcache.py)
     frames: int | None = None  # a video's frames (video families only); None: an image
     latent_frames: int = 1  # what a video weighs in work: its latent frames (set with the defaults)
+    control: tuple[Control, ...] = ()  # ControlNets steering its rows (controls.py), summed
     # image-to-video's first frame (RGB, resized to the video's size); compared by the others' fields
     reference: Image.Image | None = field(default=None, compare=False)
 

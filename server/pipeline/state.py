@@ -10,6 +10,7 @@ import torch
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.runtime.pool import PoolScope
+from server.pipeline.controls import RowControl
 from server.pipeline.edits import Inpainting
 from server.pipeline.requests import GenerationRequest
 from server.pipeline.stepcache import RowCache
@@ -39,6 +40,7 @@ class RequestState:
     cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (stepcache.py)
     layout: tuple[Any, ...] = ()  # what its conditioning's positions depend on (an edit's image sizes)
     expert: int = 0  # the denoiser its rows ran at the last step (`Family.experts`' index)
+    controls: tuple[RowControl, ...] = ()  # its ControlNets and their images (controls.py)
 
     @property
     def previews(self) -> dict[int, int]:

@@ -197,6 +197,8 @@ def cut_rows(inputs: DenoiserInputs, start: int, stop: int) -> DenoiserInputs:
             return obj[start:stop]
         if isinstance(obj, dict):
             return {key: cut(value) for key, value in obj.items()}
+        if isinstance(obj, tuple | list):  # a ControlNet's residuals
+            return type(obj)(cut(value) for value in obj)
         return obj
 
     return DenoiserInputs(*(cut(value) for value in vars(inputs).values()))

@@ -90,6 +90,7 @@ class Family:
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
     default_true_cfg: ClassVar[float] = 1.0  # its scale when a request sets none (1: off)
     step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
+    controlnets: ClassVar[tuple[str, ...]] = ()  # the ControlNet classes it takes (controls.py)
     # Linear layers --quantize leaves in the model's dtype, named from the denoiser's root: none
     # in a UNet, whose first and last layers are convolutions (which no mode converts)
     keep_precise: ClassVar[tuple[str, ...]] = ()

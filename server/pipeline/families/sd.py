@@ -17,6 +17,7 @@ class SD(Family):
         "StableDiffusionImg2ImgPipeline",
         "StableDiffusionInpaintPipeline",
     )
+    controlnets: ClassVar[tuple[str, ...]] = ("ControlNetModel",)
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "sd15": {
             "sample_size": 64,

@@ -23,6 +23,7 @@ class SDXL(Family):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     default_guidance: ClassVar[float] = 5.0
+    controlnets: ClassVar[tuple[str, ...]] = ("ControlNetModel",)
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "sdxl": {
             "sample_size": 128,

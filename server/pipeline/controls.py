@@ -1,0 +1,136 @@
+"""ControlNets per row: a request's controls (`Control`: a served ControlNet, its image, scale and
+step window), each one's image as diffusers' ControlNet pipelines prepare it, and a call's
+residuals. Each ControlNet runs once a step, on the rows that ask for it then (each row its own
+image, scale and window); its residuals are scaled per row and added to those rows only, zeros
+elsewhere, so a row without a control draws exactly what it draws in a call without one. Several
+controls on a row add up, as diffusers' Multi-ControlNet sums them."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+from torch import nn
+
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.errors import InvalidRequest
+
+MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
+MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
+RESIDUALS = ("down_block_additional_residuals", "mid_block_additional_residual")  # the UNet's kwargs
+
+
+@dataclass(frozen=True)
+class Control:
+    """One control a request asks for: diffusers' `controlnet_conditioning_scale` and
+    `control_guidance_start`/`_end` for one ControlNet and its image."""
+
+    model: str
+    image: Image.Image = field(compare=False, repr=False)
+    scale: float = 1.0
+    start: float = 0.0  # the share of the steps before it takes effect
+    end: float = 1.0  # the share after which it stops
+
+    def on_at(self, index: int, steps: int) -> bool:
+        """Whether it acts at step `index` of `steps` (diffusers' `controlnet_keep`)."""
+        return not (index / steps < self.start or (index + 1) / steps > self.end)
+
+
+@dataclass(frozen=True)
+class RowControl:
+    """A control on one request's rows: its image, prepared, on every row."""
+
+    control: Control
+    image: torch.Tensor  # [rows, 3, H, W] in [0, 1]
+
+
+class ControlNets:
+    """The ControlNets a pipeline serves, by name, on its first stage's device."""
+
+    def __init__(self, family: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.family, self.device, self.dtype = family, device, dtype
+        self.loaded: dict[str, nn.Module] = {}
+        self.processor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)  # the pipelines'
+
+    def add(self, name: str, net: nn.Module) -> None:
+        kind = type(net).__name__
+        if kind not in self.family.controlnets:
+            takes = ", ".join(self.family.controlnets) or "none"
+            raise ValueError(f"ControlNet {name!r} is a {kind}: a {self.family.name} model takes {takes}")
+        self.loaded[name] = net.to(self.device, self.dtype).eval()
+
+    def check(self, controls: Sequence[Control], inpainting: bool) -> None:
+        """Raise InvalidRequest naming `control` where a request's controls cannot run here."""
+        if len(controls) > MAX_CONTROLS:
+            raise InvalidRequest("control", f"at most {MAX_CONTROLS} controls a request; got {len(controls)}")
+        if controls and inpainting:
+            raise InvalidRequest("control", "a control with an inpainting mask is not supported yet")
+        for c in controls:
+            if c.model not in self.loaded:
+                raise InvalidRequest("control", unknown_controlnet(c.model, self.loaded))
+            if not 0.0 <= c.scale <= MAX_SCALE:
+                raise InvalidRequest("control", f"scale must be from 0 to {MAX_SCALE}; got {c.scale}")
+            if not 0.0 <= c.start < c.end <= 1.0:
+                raise InvalidRequest("control", f"start and end: 0 ≤ start < end ≤ 1; got {c.start}, {c.end}")
+
+    def rows(self, controls: Sequence[Control], rows: int, width: int, height: int) -> tuple[RowControl, ...]:
+        """Each control's image prepared as the ControlNet pipelines prepare it (resized to the
+        image's size, RGB in [0, 1]), on the request's `rows`."""
+        prepared = []
+        for c in controls:
+            pixels = self.processor.preprocess(c.image, height=height, width=width).to(torch.float32)
+            image = pixels.to(self.device, self.dtype).expand(rows, -1, -1, -1).contiguous()
+            prepared.append(RowControl(c, image))
+        return tuple(prepared)
+
+    def residuals(self, states: Sequence[Any], inputs: DenoiserInputs) -> dict[str, Any]:
+        """The residuals of a call of `states`' rows (`inputs`): each ControlNet asked for at this
+        step once, on its rows; {} where none acts."""
+        asked: dict[str, list[tuple[slice, RowControl]]] = {}
+        start = 0
+        for state in states:
+            span = slice(start, start + state.rows)
+            start = span.stop
+            for row in state.controls:
+                if row.control.on_at(state.index, state.steps):
+                    asked.setdefault(row.control.model, []).append((span, row))
+        if not asked:
+            return {}
+        down: list[torch.Tensor] = []
+        mid = torch.empty(0)
+        for name, rows in asked.items():
+            index = torch.cat([torch.arange(s.start, s.stop, device=inputs.sample.device) for s, _ in rows])
+            made_down, made_mid = self.loaded[name](
+                inputs.sample.index_select(0, index),
+                inputs.timestep.index_select(0, index),  # type: ignore[union-attr]
+                encoder_hidden_states=inputs.context.index_select(0, index),
+                controlnet_cond=torch.cat([row.image for _, row in rows]),
+                added_cond_kwargs=select(inputs.conditioning.get("added_cond_kwargs"), index),
+                return_dict=False,
+            )
+            scale = [torch.full((s.stop - s.start,), row.control.scale) for s, row in rows]
+            scale = torch.cat(scale).to(inputs.sample.device).view(-1, 1, 1, 1)  # float32: scaled as
+            if not down:  # ControlNetModel scales, in float32 arithmetic, then rounded once
+                down = [inputs.sample.new_zeros((start, *d.shape[1:])) for d in made_down]
+                mid = inputs.sample.new_zeros((start, *made_mid.shape[1:]))
+            for total, made in zip([*down, mid], [*made_down, made_mid], strict=True):
+                total.index_add_(0, index, (made * scale).to(total.dtype))
+        return dict(zip(RESIDUALS, (tuple(down), mid), strict=True))
+
+
+def select(value: Mapping[str, torch.Tensor] | None, index: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    return None if value is None else {k: v.index_select(0, index) for k, v in value.items()}
+
+
+def unknown_controlnet(name: str, loaded: Mapping[str, object]) -> str:
+    """What to tell a request asking for a ControlNet not served: the nearest name, and those loaded."""
+    if not loaded:
+        return f"no ControlNet named {name!r}: this server serves none"
+    close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"no ControlNet named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"
