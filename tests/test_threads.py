@@ -84,3 +84,25 @@ def test_a_process_pinned_to_one_cpu_sees_one() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
+
+
+def test_a_lone_call_takes_the_idle_replicas_threads_and_gives_them_back() -> None:
+    """`Lane.idle_cores`: a lane of 1 thread with one idle replica runs a decode on 2, then 1 again;
+    with none idle (or a lane leaving torch's threads alone) nothing changes."""
+    from server.pipeline.deployment import Lane
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        idle: list = ["a replica"]
+        lane = Lane(shard=None, spare=lambda: idle)  # type: ignore[arg-type]
+        with lane.idle_cores(1):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        idle.clear()
+        with lane.idle_cores(1):
+            assert torch.get_num_threads() == 1
+        with Lane(shard=None, spare=lambda: ["a replica"]).idle_cores(None):  # type: ignore[arg-type]
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

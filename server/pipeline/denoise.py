@@ -341,8 +341,7 @@ class Pipeline:
     call_plan = staticmethod(call_plan)
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
-        """The (first) denoiser on `inputs` as `plan` says, through this lane (`Lane.forward`:
-        over idle replicas too, its rows or its tokens split)."""
+        """The (first) denoiser on `inputs` as `plan` says, through this lane (`Lane.forward`)."""
         return self.lane.forward(inputs, plan)
 
     @torch.inference_mode()
@@ -360,7 +359,8 @@ class Pipeline:
     def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] images in [0, 1] from the denoiser's latents, in one VAE call."""
         latents = self.family.unscale_latents(latents.to(self.encoder_device, self.vae.dtype))
-        return (self.decoder(latents) / 2 + 0.5).clamp(0, 1)
+        with self.lane.idle_cores(self.lane_threads):  # alone, a decode takes the idle cores too
+            return (self.decoder(latents) / 2 + 0.5).clamp(0, 1)
 
     def _decode(self, states: Sequence[RequestState]) -> None:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
