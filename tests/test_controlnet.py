@@ -216,3 +216,29 @@ def test_a_batch_of_four_rows_each_as_alone_in_shared_calls(
         assert np.abs(mine - theirs).max() < 1e-3
     steps = GUIDED.steps
     assert rows == {"unet": [8] * steps, "a": [4] * steps, "b": [2] * steps}, rows
+
+
+def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() -> None:
+    from server.errors import InvalidRequest
+    from server.pipeline.controls import MAX_CONTROLS, ControlNets
+    from server.pipeline.families.sd import SD
+    from server.pipeline.families.sd3 import SD3
+
+    nets = ControlNets(SD, torch.device("cpu"), torch.float32)
+    nets.loaded["edges"] = torch.nn.Identity()  # checked by name only
+    image = drawn("circle")
+    cases = [
+        ([Control("edgs", image)], "did you mean 'edges'"),
+        ([Control("edges", image, scale=2.5)], "scale must be from 0 to 2.0; got 2.5"),
+        ([Control("edges", image, start=0.6, end=0.4)], "0 ≤ start < end ≤ 1"),
+        ([Control("edges", image)] * (MAX_CONTROLS + 1), f"at most {MAX_CONTROLS} controls"),
+    ]
+    for controls, says in cases:
+        with pytest.raises(InvalidRequest, match=says) as caught:
+            nets.check(controls, inpainting=False)
+        assert caught.value.field == "control"
+    with pytest.raises(InvalidRequest, match="inpainting mask"):
+        nets.check([Control("edges", image)], inpainting=True)
+    nets.check([Control("edges", image, 0.5, 0.2, 0.8)], inpainting=False)  # fine
+    with pytest.raises(ValueError, match="a sd3 model takes none"):
+        ControlNets(SD3, torch.device("cpu"), torch.float32).add("edges", control_for(TINY_UNETS["sd15"]()))

@@ -130,9 +130,14 @@ class RowsMismatch(RuntimeError):
 
 
 def unknown_adapter(name: str, loaded: Mapping[str, object]) -> str:
-    """What to tell a request asking for an adapter not served: the nearest name, and those loaded."""
+    return unknown("adapter", name, loaded, "this server loads none (serve --lora NAME=FILE)")
+
+
+def unknown(kind: str, name: str, loaded: Mapping[str, object], none: str) -> str:
+    """What to tell a request asking for a `kind` not served: the nearest name, and those loaded
+    (`none`: what to say where none is)."""
     if not loaded:
-        return f"no adapter named {name!r}: this server loads none (serve --lora NAME=FILE)"
+        return f"no {kind} named {name!r}: {none}"
     close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "."
-    return f"no adapter named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"
+    return f"no {kind} named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"

@@ -7,7 +7,6 @@ controls on a row add up, as diffusers' Multi-ControlNet sums them."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.errors import InvalidRequest
+from server.pipeline.adapters import unknown
 
 MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
 MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
@@ -72,7 +72,8 @@ class ControlNets:
             raise InvalidRequest("control", "a control with an inpainting mask is not supported yet")
         for c in controls:
             if c.model not in self.loaded:
-                raise InvalidRequest("control", unknown_controlnet(c.model, self.loaded))
+                unknown_net = unknown("ControlNet", c.model, self.loaded, "this server serves none")
+                raise InvalidRequest("control", unknown_net)
             if not 0.0 <= c.scale <= MAX_SCALE:
                 raise InvalidRequest("control", f"scale must be from 0 to {MAX_SCALE}; got {c.scale}")
             if not 0.0 <= c.start < c.end <= 1.0:
@@ -125,12 +126,3 @@ class ControlNets:
 
 def select(value: Mapping[str, torch.Tensor] | None, index: torch.Tensor) -> dict[str, torch.Tensor] | None:
     return None if value is None else {k: v.index_select(0, index) for k, v in value.items()}
-
-
-def unknown_controlnet(name: str, loaded: Mapping[str, object]) -> str:
-    """What to tell a request asking for a ControlNet not served: the nearest name, and those loaded."""
-    if not loaded:
-        return f"no ControlNet named {name!r}: this server serves none"
-    close = difflib.get_close_matches(name, loaded, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return f"no ControlNet named {name!r}{hint} Loaded: {', '.join(sorted(loaded))} (GET /v1/models)"
