@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from server.engine import CallPlan, ModelShard, layout_of
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.hardware.threads import intra_op_threads
 from server.engine.runtime.compile import (
     CompiledDecoder,
     CompileMode,
@@ -141,13 +142,8 @@ def _as_lanes(threads: int | None, fn: Callable[..., None], *args: Any) -> None:
     num_threads`), and times measured here must be a lane's: graphs built with the process's 2
     threads, run by 2 replicas of 1 thread side by side (a lone 512² image's rows split), took
     2.9 s a step against the 1.34 s their bucket was timed at."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         fn(*args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _warm(

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from server.engine import (
@@ -29,6 +28,7 @@ from server.engine import (
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import separate_memories
+from server.engine.hardware.threads import intra_op_threads
 from server.engine.runtime.sequence import SequenceGroup, groups_for
 from server.engine.runtime.tensor import run_tensor
 
@@ -119,14 +119,8 @@ class Lane:
         replicas' while it runs: a lone image's VAE decode is one call on one lane, and left at its
         lane's threads it kept the other cores idle (a 512² image's 6.8 s on 1 of 2 cores)."""
         spare = len(self.spare()) if threads else 0
-        before = torch.get_num_threads()
-        if spare:
-            torch.set_num_threads(threads * (1 + spare))  # type: ignore[operator]
-        try:
+        with intra_op_threads(threads * (1 + spare) if threads and spare else None):
             yield
-        finally:
-            if spare:
-                torch.set_num_threads(before)
 
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
         """One call over this lane's shard and idle replicas, unless the plan keeps its rows

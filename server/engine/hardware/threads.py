@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +46,19 @@ def fit_threads(threads: int | None = None) -> int:
     count = threads or cpu_quota()
     torch.set_num_threads(count)
     return count
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """This thread's torch intra-op threads set to `threads` (None: unchanged) while it runs."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads is not None:
+            torch.set_num_threads(before)
 
 
 def _v2_quota(path: Path) -> int | None:
