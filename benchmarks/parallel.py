@@ -80,6 +80,7 @@ from server.engine import CostModel, ParallelPlan, build_shards
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.denoisers.specs import spec_for
 from server.engine.hardware.devices import cpu_dtype
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.plan import plan_shards
 from server.engine.runtime.shard import ModelShard
 from server.pipeline.families.sd import SD
@@ -271,7 +272,7 @@ def run_lanes(
 
     def lane(index: int) -> None:
         if threads is not None:
-            torch.set_num_threads(threads)
+            set_intra_op_threads(threads)
         shard, x = shards[index % len(shards)], inputs[index]
         while not stop.is_set():
             out = shard(x.sample, x.timestep, x.context, **x.conditioning)

@@ -60,6 +60,7 @@ from benchmarks.sequence_peers import (
 from server.engine import CallPlan, ModelShard, plan_shards, run_sequence
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.memory import retain_freed_host_memory
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.runtime.call import CallResult
 from server.engine.runtime.replicas import Workers, sharing_weights
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_worker(threads: int) -> Callable[[], CallResult]:
         def run() -> CallResult:
-            torch.set_num_threads(threads)
+            set_intra_op_threads(threads)
             return shards[0].run(inputs, call)
 
         return run

@@ -54,6 +54,7 @@ from benchmarks.sequence_peers import IMAGE_TOKENS, TEXT_TOKENS, cpu_flags, cpu_
 from server.engine import CallPlan, ModelShard, plan_shards, run_sequence
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.hardware.memory import retain_freed_host_memory
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.runtime.call import CallResult
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.tensor import as_rank, run_tensor, split_model
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_worker(threads: int) -> Callable[[], CallResult]:
         def run() -> CallResult:
-            torch.set_num_threads(threads)
+            set_intra_op_threads(threads)
             return whole[0].run(inputs, call)
 
         return run

@@ -6,12 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from server.engine.hardware.threads import cpu_quota, fit_threads
+from server.engine.hardware.threads import cpu_quota, fit_threads, set_intra_op_threads
 
 AFFINITY = len(os.sched_getaffinity(0))
 HUGE = "100000000 100000"  # a quota of 1000 CPUs: more than any affinity here
@@ -70,6 +71,35 @@ def test_fit_threads_sets_torch_threads() -> None:
         assert fit_threads(None) == cpu_quota() == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("setter", [torch.set_num_threads, set_intra_op_threads], ids=["torch", "ours"])
+def test_a_threads_count_survives_another_thread_setting_one_before_its_first_op(setter) -> None:
+    """torch gives a thread its count at its first parallel op from the last count set on any
+    thread: a lane that set 1 and ran its first op after the main thread set 2 ran at 2 from then
+    on (torch's own setter, kept here to show the race is real). `set_intra_op_threads` holds."""
+    set_in_lane, main_set = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def lane() -> None:
+        setter(1)
+        set_in_lane.set()
+        assert main_set.wait(timeout=30)
+        x = torch.randn(256, 256)
+        x @ x  # the thread's first parallel op
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    try:
+        thread = threading.Thread(target=lane)
+        thread.start()
+        assert set_in_lane.wait(timeout=30)
+        torch.set_num_threads(2)
+        main_set.set()
+        thread.join(timeout=30)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == ([2] if setter is torch.set_num_threads else [1])
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="taskset (util-linux) is not installed")

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from server.engine.hardware.threads import set_intra_op_threads
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
 from server.pipeline import Pipeline, RequestState, group_states
 from server.serving.calls import WatchedCalls
@@ -179,7 +180,7 @@ class StepLoop:
 
     def _run(self) -> None:
         if self.threads is not None:  # a CPU worker's share of the cores
-            torch.set_num_threads(self.threads)
+            set_intra_op_threads(self.threads)
         try:
             while self._turn():
                 pass

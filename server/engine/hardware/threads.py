@@ -44,14 +44,27 @@ def cpu_quota(
 def fit_threads(threads: int | None = None) -> int:
     """Set torch's intra-op threads to `threads`, or to `cpu_quota()` when None; returns the number."""
     count = threads or cpu_quota()
-    torch.set_num_threads(count)
+    set_intra_op_threads(count)
     return count
+
+
+def set_intra_op_threads(count: int) -> None:
+    """This thread's torch intra-op threads, set so they stay set.
+
+    torch (OpenMP) gives each thread its count lazily, at its first parallel op, from the value
+    the process last set on any thread; `torch.set_num_threads` alone does not count as that
+    first time. A lane that set 1 thread, then ran its first op after another thread set 2, ran
+    at 2 ever after: two lanes' oneDNN calls woke each other's cores on every op (the built-in
+    model's lone image 0.55 s instead of 0.33). Reading the count first makes the init happen
+    here."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
 
 
 @contextmanager
 def intra_op_threads(threads: int | None) -> Iterator[None]:
     """This thread's torch intra-op threads set to `threads` (None: unchanged) while it runs."""
-    before = torch.get_num_threads()
+    before = torch.get_num_threads()  # also this thread's lazy init (`set_intra_op_threads`)
     if threads is not None:
         torch.set_num_threads(threads)
     try:

@@ -31,6 +31,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from server.engine.hardware.devices import cpu_dtype, device_kind
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.work import count_ops
 
@@ -205,7 +206,7 @@ def shared_overhead(speed: DeviceSpeed, workers: int, threads: int, beside_serve
     spent: list[float] = []
 
     def worker() -> None:
-        torch.set_num_threads(threads)
+        set_intra_op_threads(threads)
         with torch.inference_mode():
             run()  # warm: this thread's OpenMP team, the allocator's caches
             start.wait()

@@ -19,6 +19,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.denoisers.specs import spec_for
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.parallel import ParallelPlan
 from server.engine.planning.plan import ShardPlan
 from server.engine.runtime.call import CallPlan, CallResult
@@ -110,7 +111,7 @@ class Workers:
     def _start(self) -> ThreadPoolExecutor:
         def init() -> None:
             if self.threads is not None:
-                torch.set_num_threads(self.threads)
+                set_intra_op_threads(self.threads)
 
         return ThreadPoolExecutor(self.count, thread_name_prefix="diffshard-micro", initializer=init)
 
