@@ -2,6 +2,7 @@
 What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
 from server.engine import DeviceMemory
+from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.runtime.graphs import CompileStats
 from server.engine.runtime.pool import PoolStats
 from server.pipeline.denoise import Pipeline
@@ -19,5 +20,6 @@ __all__ = [
     "PoolStats",
     "RequestState",
     "group_states",
+    "set_intra_op_threads",
     "size_warning",
 ]

@@ -28,9 +28,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from server.engine.hardware.threads import set_intra_op_threads
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
-from server.pipeline import Pipeline, RequestState, group_states
+from server.pipeline import Pipeline, RequestState, group_states, set_intra_op_threads
 from server.serving.calls import WatchedCalls
 from server.serving.health import is_out_of_memory
 from server.serving.jobs import Job, failure_outcome, leaving_outcome
