@@ -75,14 +75,17 @@ ENV PYTHONUNBUFFERED=1 \
     MPLCONFIGDIR=/tmp/matplotlib \
     DIFFSHARD_HOST=0.0.0.0 \
     DIFFSHARD_CACHE_DIR=/var/cache/diffshard
-# The LoRA adapters shipped with the package (the diamond trained on the built-in model) at a fixed
-# path, whatever the Python version: compose and the cpu overlay load DIFFSHARD_LORA=diamond=from there.
+# The LoRA adapter and the ControlNet shipped with the package (the diamond and the silhouette, trained
+# on the built-in model) at fixed paths, whatever the Python version: compose and the cpu overlay load
+# DIFFSHARD_LORA=diamond=... and DIFFSHARD_CONTROLNET=silhouette=... from there.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps /wheels/*.whl \
     && python -c "from server.demo import MODEL_DIR; assert (MODEL_DIR / 'model_index.json').is_file(), MODEL_DIR" \
     && install -d /opt/diffshard \
     && ln -s "$(python -c "from server.demo import MODEL_DIR; print(MODEL_DIR.parent / 'adapters')")" /opt/diffshard/adapters \
     && test -f /opt/diffshard/adapters/diamond.safetensors \
+    && ln -s "$(python -c "from server.demo import MODEL_DIR; print(MODEL_DIR.parent / 'controlnets')")" /opt/diffshard/controlnets \
+    && test -f /opt/diffshard/controlnets/silhouette/config.json \
     && groupadd --gid 10001 diffshard \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin diffshard \
     && install -d -o 10001 -g 10001 -m 0750 /var/cache/diffshard \

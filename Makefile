@@ -59,9 +59,10 @@ test-tools:
 	  "(https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/)" >&2
 
 # The main job: serve the built-in model on http://127.0.0.1:8000 (flags: `python -m server serve -h`),
-# with the LoRA trained on it (ask for "a red diamond" with lora {"diamond": 1}).
+# with the LoRA trained on it (ask for "a red diamond" with lora {"diamond": 1}) and the ControlNet
+# (control [{"model": "silhouette", "image": a shape's silhouette}] places the shape).
 run: $(VENV)/.runtime
-	$(PY) -m server serve --lora diamond=server/demo/adapters/diamond.safetensors
+	$(PY) -m server serve --lora diamond=server/demo/adapters/diamond.safetensors --controlnet silhouette=server/demo/controlnets/silhouette
 
 test: $(VENV)/.test test-tools lint
 	$(PY) -m pytest

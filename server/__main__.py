@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
-from server.app import check_quantization_runs, create_app, decoder_for, fitted_plan
+from server.app import create_app
 from server.config import Settings
 from server.config_values import is_loopback
 from server.engine import Costs, Strategy
@@ -37,6 +37,7 @@ from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import read_family
 from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
 from server.pipeline.quantizing import describe
+from server.planned import check_quantization_runs, decoder_for, fitted_plan
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -57,6 +58,7 @@ PLAN_SETTINGS = (
     "quantize",
     "denoiser_file",
     "vae_tiling",
+    "controlnet",
 )
 
 

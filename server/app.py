@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from pathlib import Path
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
@@ -27,7 +27,7 @@ from server.api.hosts import TrustedHosts
 from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
-from server.api.uploads import bound_decoder
+from server.api.uploads import DATA_URL_PREFIX, bound_decoder
 from server.config import Settings
 from server.config_values import read_api_keys
 from server.engine import ParallelPlan
@@ -36,21 +36,19 @@ from server.engine.hardware.memory import (
     release_freed_host_memory,
     retain_freed_host_memory,
 )
-from server.engine.hardware.threads import cpu_quota, fit_threads
-from server.engine.quantize import refusal
+from server.engine.hardware.threads import fit_threads
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, prepare_compiler
-from server.engine.runtime.pool import ANY_DEVICE, ActivationPool, default_pool_budgets
-from server.errors import ConfigError, PlanError
+from server.engine.runtime.pool import ActivationPool
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
-from server.pipeline.families import Family
+from server.pipeline.controls import MAX_CONTROLS
 from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.lorafiles import read_adapter
-from server.pipeline.planning import largest_side, plan_model, step_knees
+from server.pipeline.planning import step_knees
 from server.pipeline.quantizing import describe
-from server.pipeline.tiling import DecoderMemory, decoder_memory
+from server.planned import check_quantization_runs, decoder_for, fitted_plan, pool_budgets
 from server.serving import Runtime, Service
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
@@ -58,96 +56,6 @@ from server.serving.videostore import shown
 log = logging.getLogger("diffshard")
 
 IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back while the service has nothing to do
-
-
-def plan_for(
-    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
-) -> ParallelPlan:
-    """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
-    options.setdefault("side", largest_side(family, settings.pixel_limit(family)))
-    return plan_model(
-        family,
-        settings.devices,
-        options.pop("strategy", settings.strategy),
-        dtype=settings.torch_dtype,
-        batch=settings.max_batch,
-        max_memory=settings.max_memory,
-        folder=folder,
-        parallel=options.pop("parallel", settings.parallel),
-        layout=settings.layout,
-        threads=settings.threads or cpu_quota(),
-        pick_threads=settings.threads is None,  # --threads N: a lone CPU worker runs N
-        costs=settings.costs,
-        cache_dir=settings.cache_dir,
-        quantize=settings.quantize,
-        denoiser_file=settings.denoiser_file,
-        **options,
-    )
-
-
-def fitted_plan(
-    settings: Settings, family: Family, *, folder: Path | None = None, **options: object
-) -> tuple[Settings, ParallelPlan]:
-    """`plan_for`, and the settings it holds for. With --max-batch left to its default, a reserve
-    for that many rows that does not fit beside the weights is halved until it does (down to a
-    lone request's rows): a video model's 16 rows of 81 frames would not fit one GPU. Said in the
-    log; an explicit --max-batch is kept, and a plan that fits at no batch fails at the smallest."""
-    asked = batch = settings.max_batch
-    fixed = "max_batch" in settings.model_fields_set
-    while True:
-        try:
-            plan = plan_for(settings, family, folder=folder, **dict(options))
-        except PlanError:
-            if fixed or batch // 2 < family.lone_rows:
-                raise
-            batch //= 2
-            settings = settings.model_copy(update={"max_batch": batch})
-            continue
-        if batch != asked:
-            log.warning(
-                "--max-batch: the default's activation reserve does not fit beside the weights, so a "
-                "step runs at most %d rows (set --max-batch to choose; `plan` shows the reserve)",
-                batch,
-            )
-        return settings, plan
-
-
-def decoder_for(
-    settings: Settings, family: Family, plan: ParallelPlan, side: int | None = None
-) -> DecoderMemory:
-    """The VAE decoder's predicted peak for the largest allowed image (or `side`²; a video model's
-    longest admitted clip at it), whole and in tiles, and whether `--vae-tiling` tiles: auto
-    weighs it against the plan's activation reserve on the VAE's device (the first stage's, where
-    the Pipeline puts it), if it has a budget."""
-    first = plan.replicas[0]
-    device = next(d for d in first.devices if d.device == first.stages[0].device)
-    reserve = device.activation_reserve if device.budget is not None else None
-    return decoder_memory(
-        family.config.vae,
-        side=side or largest_side(family, settings.pixel_limit(family)),
-        default_tile=family.native_size,
-        dtype=family.held_dtype("vae", settings.torch_dtype),
-        frames=family.clip and family.clip.longest(settings.max_batch),  # a video's longest, whole
-        setting=settings.vae_tiling,
-        reserve=reserve,
-    )
-
-
-def check_quantization_runs(settings: Settings) -> None:
-    """A mode a device cannot run stops the start, in one line naming the device."""
-    for mode in set(settings.quantize.values()):
-        for device in settings.devices:
-            if problem := refusal(mode, device):
-                raise ConfigError(f"--quantize (DIFFSHARD_QUANTIZE): {problem}")
-
-
-def pool_budgets(settings: Settings) -> dict[str, int]:
-    """The pool's idle budget per device: the defaults, overridden by --pool-budget (one SIZE for
-    every device, or device=SIZE for some)."""
-    budgets = default_pool_budgets(settings.devices)
-    if ANY_DEVICE in settings.pool_budget:
-        budgets = dict.fromkeys([*budgets, ANY_DEVICE], settings.pool_budget[ANY_DEVICE])
-    return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
 
 
 def load_service(
@@ -183,6 +91,9 @@ def load_service(
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))
         log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
+    for name, folder in settings.controlnet.items():  # one of another family stops the start, naming it
+        pipeline.controlnets.load(name, folder)
+        log.info("ControlNet %s: %s", name, folder)
 
     def housekeeping() -> bool:  # idle a while: give back what bursts left; True once all is back
         freed = pool.trim(idle_for_s=IDLE_TRIM_S)
@@ -363,6 +274,7 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.read_timeout_s,
         by_path={
+            **_control_bodies(settings),
             "/v1/images/edits": (settings.edit_body_bytes, image_settings),
             # a video's first frame (input_reference) beside its fields
             "/v1/videos": (
@@ -376,6 +288,14 @@ def create_app(
     app.add_middleware(HttpMetrics, metrics=metrics, rejected=runtime.http_rejected)  # it sees the 413s too
     app.add_middleware(RequestContext)  # outermost: every answer carries the request id
     return app
+
+
+def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
+    """With ControlNets served, a generation's body may carry MAX_CONTROLS images in base64."""
+    if not settings.controlnet:
+        return {}
+    images = MAX_CONTROLS * (4 * math.ceil(settings.max_image_bytes / 3) + DATA_URL_PREFIX)
+    return {"/v1/images/generations": (settings.max_body_bytes + images, "DIFFSHARD_MAX_IMAGE_BYTES")}
 
 
 def _bounds(settings: Settings, keyed: bool) -> Bounds:

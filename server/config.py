@@ -14,10 +14,10 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.config_values import (
-    LOOPBACK_NAMES,
     AllowedHosts,
     Budgets,
     CompileSizes,
+    ControlNetFolders,
     Devices,
     GpuName,
     JobStoreURL,
@@ -26,8 +26,8 @@ from server.config_values import (
     QuantizeValue,
     StepCacheSetting,
     VaeTilingValue,
-    is_loopback,
     read_api_keys,
+    trusted_hosts,
 )
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     lora: Loras = Field(
         None,
         description="a LoRA adapter NAME=PATH to serve (repeat the flag; in the variable: comma-separated)",
+        json_schema_extra={"repeatable": True},
+    )
+    controlnet: ControlNetFolders = Field(
+        None,
+        description="a ControlNet NAME=FOLDER to serve (diffusers' format, safetensors; repeat the flag; "
+        "in the variable: comma-separated)",
         json_schema_extra={"repeatable": True},
     )
     lora_dir: Path | None = Field(
@@ -347,14 +353,7 @@ class Settings(BaseSettings):
 
     @property
     def trusted_hosts(self) -> tuple[str, ...]:
-        """`allowed_hosts`, or by default the loopback names on a loopback address (a web page's
-        DNS rebinding cannot reach it) and any host elsewhere (pod IPs, Service names, ingresses)."""
-        if self.allowed_hosts is not None:
-            return self.allowed_hosts
-        if not is_loopback(self.host):
-            return ("*",)
-        bound = f"[{self.host}]" if ":" in self.host else self.host.lower()
-        return tuple(dict.fromkeys((*LOOPBACK_NAMES, bound)))
+        return trusted_hosts(self.allowed_hosts, self.host)
 
     @property
     def key_queue_limit(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from pydantic_settings import NoDecode
 from server.engine.hardware.devices import parse_memory_map, parse_size, resolve_devices
 from server.engine.hardware.gpus import gpu_profile
 from server.engine.runtime.pool import ANY_DEVICE
+from server.pipeline.controls import controlnet_folder
 from server.pipeline.quantizing import QuantizeSetting, parse_quantize
 from server.pipeline.stepcache import StepCache, parse_step_cache
 from server.pipeline.tiling import VaeTiling, parse_vae_tiling
@@ -36,8 +38,8 @@ PoolBudgets = Annotated[dict[str, int], NoDecode, BeforeValidator(_pool_budgets)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-def _loras(value: object) -> dict[str, Path]:
-    """NAME=PATH entries (repeated flags, or one comma-separated variable) → {name: file}."""
+def _named(value: object, check: Callable[[Path], Path], what: str) -> dict[str, Path]:
+    """NAME=PATH entries (repeated flags, or one comma-separated variable) → {name: checked path}."""
     entries = (
         value if isinstance(value, list | tuple) else [e for e in str(value or "").split(",") if e.strip()]
     )
@@ -48,8 +50,8 @@ def _loras(value: object) -> dict[str, Path]:
         if not ADAPTER_NAME.fullmatch(name) or not path:
             raise ValueError(f"write NAME=PATH (a name of letters, digits, _ . -), got {entry!r}")
         if name in out:
-            raise ValueError(f"two adapters are named {name!r}")
-        out[name] = _adapter_file(Path(path.strip()))
+            raise ValueError(f"two {what} are named {name!r}")
+        out[name] = check(Path(path.strip()))
     return out
 
 
@@ -59,7 +61,10 @@ def _adapter_file(path: Path) -> Path:
     return path
 
 
-Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(_loras)]
+Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(lambda v: _named(v, _adapter_file, "adapters"))]
+ControlNetFolders = Annotated[
+    dict[str, Path], NoDecode, BeforeValidator(lambda v: _named(v, controlnet_folder, "ControlNets"))
+]
 
 
 def _sizes(value: object) -> tuple[int, ...]:
@@ -106,6 +111,17 @@ def is_loopback(host: str) -> bool:
     except socket.gaierror:
         return False
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def trusted_hosts(allowed: tuple[str, ...] | None, host: str) -> tuple[str, ...]:
+    """`allowed`, or by default the loopback names on a loopback address (a web page's DNS
+    rebinding cannot reach it) and any host elsewhere (pod IPs, Service names, ingresses)."""
+    if allowed is not None:
+        return allowed
+    if not is_loopback(host):
+        return ("*",)
+    bound = f"[{host}]" if ":" in host else host.lower()
+    return tuple(dict.fromkeys((*LOOPBACK_NAMES, bound)))
 
 
 def read_api_keys(path: Path) -> frozenset[str]:

@@ -25,8 +25,14 @@ from tests.waiting import wait_until
 
 STARTUP_DEADLINE_S = 120
 ROOT = Path(__file__).resolve().parents[1]
-# `make run`'s arguments (the Makefile's): the built-in model with the diamond adapter
-MAKE_RUN = ("--lora", f"diamond={ROOT / 'server/demo/adapters/diamond.safetensors'}")
+# `make run`'s arguments (the Makefile's): the built-in model with the diamond adapter and the
+# silhouette ControlNet
+MAKE_RUN = (
+    "--lora",
+    f"diamond={ROOT / 'server/demo/adapters/diamond.safetensors'}",
+    "--controlnet",
+    f"silhouette={ROOT / 'server/demo/controlnets/silhouette'}",
+)
 
 
 def free_port() -> int:

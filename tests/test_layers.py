@@ -24,6 +24,7 @@ RANKS = {
     "config": 4,
     "config_values": 4,
     "app": 5,
+    "planned": 5,
     "__main__": 6,
     "__init__": 0,
 }

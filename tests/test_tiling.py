@@ -18,13 +18,13 @@ from PIL import Image, ImageDraw
 from torch.profiler import ProfilerActivity, profile
 
 from server.__main__ import main
-from server.app import decoder_for, plan_for
 from server.config import Settings
 from server.engine.runtime.compile import CompiledDecoder, run_decoder
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.loader import read_family
 from server.pipeline.tiling import VaeShape, VaeTiling, decoder_memory, decoder_peak, set_tiling
+from server.planned import decoder_for, plan_for
 from server.serving.limits import check_limits
 from tests.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
 

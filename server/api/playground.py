@@ -20,6 +20,7 @@ from server.api.errors import APIError
 FILES = {  # what /playground/{name} serves: nothing else can be asked for
     "playground.js": "text/javascript",
     "lora.js": "text/javascript",
+    "control.js": "text/javascript",
     "edit.js": "text/javascript",
     "mode.js": "text/javascript",
     "video.js": "text/javascript",

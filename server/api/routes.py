@@ -25,8 +25,10 @@ from server.api.schemas import (
     ImagesResponse,
     generation_requests,
     quality_of,
+    read_controls,
 )
 from server.api.streaming import EVENTS, Feed, image_events
+from server.errors import InvalidRequest
 from server.serving import Job, Service, encode_async
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -76,7 +78,8 @@ STREAMED = {
 async def generate_images(
     body: ImageGenerationRequest, request: Request, response: Response, service: ServiceDep
 ) -> ImagesResponse | StreamingResponse:
-    requests = generation_requests(body, service.name, service.limits.max_n)
+    controls = read_controls(body.control, service.limits)
+    requests = generation_requests(body, service.name, service.limits.max_n, controls=controls)
     return await _answer(body, requests, request, response, service, "image_generation")
 
 
@@ -87,6 +90,8 @@ async def edit_images(
     """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
     transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask."""
     body, edits = await read_edit_form(request, service.limits, together=service.edits_by_reference)
+    if body.control:
+        raise InvalidRequest("control", "is served on /v1/images/generations; edits do not take it yet")
     requests = generation_requests(body, service.name, service.limits.max_n, edits)
     return await _answer(body, requests, request, response, service, "image_edit")
 
@@ -193,6 +198,7 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         if runtime.compiling is not None
         else None,
         "adapters": runtime.service.adapters() if runtime.service else [],
+        "controlnets": runtime.service.controlnets() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,
         "video": clips,  # null: the model makes images only

@@ -25,8 +25,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server.api.uploads import read_base64_image
 from server.errors import InvalidRequest
-from server.serving import FORMATS, SEED_LIMIT, Edit, GenerationRequest, parse_step_cache
+from server.serving import (
+    FORMATS,
+    MAX_CONTROLS,
+    SEED_LIMIT,
+    Control,
+    Edit,
+    GenerationRequest,
+    Limits,
+    parse_step_cache,
+)
 
 MAX_GUIDANCE = 100.0
 RANDOM_SEED = -1  # as A1111's: the server draws one (and answers it with each image)
@@ -55,6 +65,18 @@ UNSERVED = {
     "frame_duration_ms": "gif output is not served",
     "svg": "svg output is not served",
 }
+
+
+class ControlField(BaseModel):
+    """One control: a served ControlNet (GET /v1/models lists them), its image, and its weight."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str
+    image: str = Field(description="the control image (edges, depth, pose...): base64, or a data URL")
+    scale: float = Field(1.0, description="its residuals' weight, 0 to 2 (controlnet_conditioning_scale)")
+    start: float = Field(0.0, description="the share of the steps before it acts, 0 <= start < end")
+    end: float = Field(1.0, description="the share of the steps after which it stops, end <= 1")
 
 
 class ImageGenerationRequest(BaseModel):
@@ -99,6 +121,9 @@ class ImageGenerationRequest(BaseModel):
         False,
         description="its rows run in calls of their own, so the same seed gives the same bytes "
         "whatever else is batched (slower under load)",
+    )
+    control: list[ControlField] | None = Field(
+        None, description=f"ControlNets guiding the layout, at most {MAX_CONTROLS} (Multi-ControlNet)"
     )
     # any JSON: parse_step_cache checks it, so every bad value gets its one message
     step_cache: object = Field(
@@ -194,6 +219,20 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def read_controls(fields: list[ControlField] | None, limits: Limits) -> tuple[Control, ...]:
+    """A request's `control`, each image decoded within the image limits (InvalidRequest naming
+    `control[i].image`); whether each names a served ControlNet, and its ranges, the pipeline
+    checks with the rest of the request."""
+    fields = fields or []
+    if len(fields) > MAX_CONTROLS:
+        raise InvalidRequest("control", f"at most {MAX_CONTROLS} controls a request; got {len(fields)}")
+    bounds = {"max_bytes": limits.max_image_bytes, "max_pixels": limits.max_image_pixels}
+    return tuple(
+        Control(f.model, read_base64_image(f.image, f"control[{i}].image", **bounds), f.scale, f.start, f.end)
+        for i, f in enumerate(fields)
+    )
+
+
 def checked_lora(lora: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
     """A request's `lora` as (adapter, scale) pairs, within MAX_LORAS and ±MAX_LORA_SCALE (whether
     the adapters exist is the pipeline's check)."""
@@ -231,10 +270,14 @@ def check_output(body: ImageGenerationRequest) -> None:
 
 
 def generation_requests(
-    body: ImageGenerationRequest, served_name: str, max_n: int, edits: list[Edit] | None = None
+    body: ImageGenerationRequest,
+    served_name: str,
+    max_n: int,
+    edits: list[Edit] | None = None,
+    controls: tuple[Control, ...] = (),
 ) -> list[GenerationRequest]:
-    """One pipeline request per image (with `edits`, n per image edited, in order);
-    InvalidRequest names what the wire format does not allow."""
+    """One pipeline request per image (with `edits`, n per image edited, in order; `controls`
+    from `read_controls`); InvalidRequest names what the wire format does not allow."""
     if not 1 <= body.n <= max_n:  # before building n requests
         raise InvalidRequest("n", f"must be between 1 and {max_n}, got {body.n}", "DIFFSHARD_MAX_N")
     sources = edits or [None]
@@ -283,6 +326,7 @@ def generation_requests(
             edit=edit,
             true_cfg_scale=true_cfg,
             step_cache=step_cache,
+            control=controls,
         )
         for i, edit in enumerate(edit for edit in sources for _ in range(body.n))
     ]

@@ -15,7 +15,11 @@ it white. `mask_to_repaint` turns one into the other.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import math
+import re
 import struct
 import warnings
 import zlib
@@ -27,6 +31,8 @@ from server.errors import InvalidRequest
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 MASK_FORMATS = ("PNG",)
+DATA_URL = re.compile(r"data:image/[a-z]+;base64,", re.IGNORECASE)
+DATA_URL_PREFIX = 64  # bytes allowed for a data URL's "data:image/...;base64," before the image
 
 
 def bound_decoder(max_pixels: int) -> None:
@@ -67,6 +73,20 @@ def read_image(
         raise InvalidRequest(
             field, f"could not be decoded as a {named} image ({type(err).__name__})"
         ) from None
+
+
+def read_base64_image(text: str, field: str, *, max_bytes: int, max_pixels: int) -> Image.Image:
+    """An image sent inside JSON, as base64 or a data URL of it: its length bounded before it is
+    decoded, then `read_image`'s checks."""
+    encoded = text[found.end() :] if (found := DATA_URL.match(text)) else text
+    if len(encoded) > 4 * math.ceil(max_bytes / 3):
+        message = f"is over {max_bytes} bytes once decoded; the limit is {max_bytes}"
+        raise InvalidRequest(field, message, "DIFFSHARD_MAX_IMAGE_BYTES")
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(field, "is not base64 (or a data:image/png;base64,... URL)") from None
+    return read_image(data, field, max_bytes=max_bytes, max_pixels=max_pixels)
 
 
 def check_png_chunks(data: bytes, field: str) -> None:

@@ -7,10 +7,13 @@ controls on a row add up, as diffusers' Multi-ControlNet sums them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
@@ -23,6 +26,8 @@ from server.pipeline.adapters import unknown
 MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
 MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
 RESIDUALS = ("down_block_additional_residuals", "mid_block_additional_residual")  # the UNet's kwargs
+# what a ControlNet shares with the denoiser it was made for (its residuals' shapes, its inputs)
+SHARED_CONFIG = ("in_channels", "block_out_channels", "cross_attention_dim", "addition_embed_type")
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,49 @@ class RowControl:
 class ControlNets:
     """The ControlNets a pipeline serves, by name, on its first stage's device."""
 
-    def __init__(self, family: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, family: Any, device: torch.device, dtype: torch.dtype, denoiser: Mapping[str, Any] | None = None
+    ) -> None:
         self.family, self.device, self.dtype = family, device, dtype
+        self.denoiser = denoiser or {}  # the denoiser's config, which a ControlNet's must fit
         self.loaded: dict[str, nn.Module] = {}
         self.processor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)  # the pipelines'
 
+    def load(self, name: str, folder: Path) -> None:
+        """The ControlNet in `folder` (`controlnet_folder`'s) served as `name`; ValueError naming
+        it if it is not one this model's family takes."""
+        config = json.loads((folder / "config.json").read_text())
+        kind = config["_class_name"]
+        self._fits(name, kind, config)
+        self.add(name, getattr(diffusers, kind).from_pretrained(folder, use_safetensors=True))
+
     def add(self, name: str, net: nn.Module) -> None:
-        kind = type(net).__name__
+        self._fits(name, type(net).__name__, getattr(net, "config", {}))
+        self.loaded[name] = net.to(self.device, self.dtype).eval()
+
+    def _fits(self, name: str, kind: str, config: Mapping[str, Any]) -> None:
         if kind not in self.family.controlnets:
             takes = ", ".join(self.family.controlnets) or "none"
             raise ValueError(f"ControlNet {name!r} is a {kind}: a {self.family.name} model takes {takes}")
-        self.loaded[name] = net.to(self.device, self.dtype).eval()
+        for key in SHARED_CONFIG:
+            mine, theirs = _listed(config.get(key)), _listed(self.denoiser.get(key))
+            if key in config and key in self.denoiser and mine != theirs:
+                raise ValueError(
+                    f"ControlNet {name!r} was made for another model: its {key} is {mine}, "
+                    f"the denoiser's {theirs}"
+                )
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What /v1/models lists: each served ControlNet's name, class, family and bytes."""
+        return [
+            {
+                "name": name,
+                "class": type(net).__name__,
+                "family": self.family.name,
+                "bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
+            }
+            for name, net in self.loaded.items()
+        ]
 
     def check(self, controls: Sequence[Control], inpainting: bool) -> None:
         """Raise InvalidRequest naming `control` where a request's controls cannot run here."""
@@ -122,6 +159,27 @@ class ControlNets:
             for total, made in zip([*down, mid], [*made_down, made_mid], strict=True):
                 total.index_add_(0, index, (made * scale).to(total.dtype))
         return dict(zip(RESIDUALS, (tuple(down), mid), strict=True))
+
+
+def controlnet_folder(folder: Path) -> Path:
+    """`folder` if it holds a ControlNet in diffusers' format with safetensors weights, else a
+    ValueError saying what is missing (checked at startup, before any weight loads)."""
+    config = folder / "config.json"
+    if not folder.is_dir() or not config.is_file():
+        raise ValueError(f"{folder} is not a ControlNet folder (diffusers' format: config.json and weights)")
+    try:
+        kind = json.loads(config.read_text()).get("_class_name")
+    except ValueError:
+        raise ValueError(f"{config} is not JSON") from None
+    if not isinstance(kind, str) or not isinstance(getattr(diffusers, kind, None), type):
+        raise ValueError(f"{config} names no diffusers class (_class_name: {kind!r})")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} holds no .safetensors weights (ControlNets load from safetensors only)")
+    return folder
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def select(value: Mapping[str, torch.Tensor] | None, index: torch.Tensor) -> dict[str, torch.Tensor] | None:

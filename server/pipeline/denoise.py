@@ -109,7 +109,7 @@ class Pipeline:
         self._encoding = threading.Lock()  # lanes share the tokenizers, which are not thread-safe
         self.encoder_slots = [RowsSlot() for _ in self.encoders]  # the encoding's adapter rows
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
-        self.controlnets = ControlNets(self.family, self.device, self.denoiser_dtype)  # and ControlNets
+        self.controlnets = ControlNets(self.family, self.device, self.denoiser_dtype, self.shard.model.config)
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
         self.quantization = "off"  # what is quantized (quantizing.describe)
 

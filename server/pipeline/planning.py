@@ -71,6 +71,7 @@ def plan_model(
     quantize: QuantizeSetting | None = None,
     denoiser_file: Path | None = None,
     layout: str | None = None,
+    controlnets: Mapping[str, Path] | None = None,
 ) -> ParallelPlan:
     """The plan for `family`'s denoiser (built on the meta device) over `devices`, reserving
     activations for `batch` rows of `side`² images; its encoders and VAE (the folder's, or a
@@ -81,7 +82,8 @@ def plan_model(
     `device_profile`'s published peaks, said in the plan); `threads` is the CPU's intra-op
     threads in all (a lone CPU worker runs the count predicted fastest up to it, or all of them
     without `pick_threads`). Weights count as `quantize` (`--quantize`) leaves them, the
-    denoiser's as `denoiser_file` (GGUF) holds them."""
+    denoiser's as `denoiser_file` (GGUF) holds them; `controlnets`' folders (`--controlnet`) count
+    beside the encoders, where the Pipeline runs them."""
     tensor = parallel == Parallel.TENSOR or (layout is not None and not layout.endswith("x1"))
     if tensor and (QuantMode.NF4 in (quantize or {}).values() or denoiser_file):  # bitsandbytes' layers
         raise PlanError(
@@ -89,6 +91,8 @@ def plan_model(
             "nf4 and GGUF files are not split"
         )
     sizes, quantizations = resident_bytes(family, folder, dtype, quantize or {})
+    for path in (controlnets or {}).values():  # held in the denoiser's dtype
+        sizes[f"controlnet {path}"] = part_bytes(path.parent, (path.name,), dtype)
     resident = sum(sizes.values())
     spread = sum(n for name, n in sizes.items() if name in family.text_encoders)  # see spread_encoders
     model = meta_denoiser(family)

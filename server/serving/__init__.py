@@ -3,6 +3,7 @@ What the HTTP layer needs of the pipeline (request values, image encoding) it ge
 
 from server.pipeline import Edit, GenerationRequest
 from server.pipeline.clips import frames_for, seconds_of
+from server.pipeline.controls import MAX_CONTROLS, Control
 from server.pipeline.images import FORMATS, encode_async, to_uint8
 from server.pipeline.requests import KINDS, MAX_MODEL_STEPS, SEED_LIMIT
 from server.pipeline.stepcache import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_INTERVAL, parse_step_cache
@@ -18,9 +19,11 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "FORMATS",
     "KINDS",
+    "MAX_CONTROLS",
     "MAX_INTERVAL",
     "MAX_MODEL_STEPS",
     "SEED_LIMIT",
+    "Control",
     "Distribution",
     "Edit",
     "GenerationRequest",

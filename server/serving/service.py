@@ -244,6 +244,10 @@ class Service:
         leaving, loaded = set(self.pipeline.adapters.uses.leaving), self.pipeline.adapters.loaded
         return [a.describe() | {"bytes": a.bytes} for a in list(loaded.values()) if a.name not in leaving]
 
+    def controlnets(self) -> list[dict[str, Any]]:
+        """The ControlNets served: name, class, the family it fits, bytes."""
+        return self.pipeline.controlnets.describe()
+
     def serves_adapter(self, name: str) -> bool:
         """Whether `name` is attached (served, or unloading while requests still use it)."""
         return name in self.pipeline.adapters.loaded
@@ -308,6 +312,8 @@ class Service:
                 for device, view in self.devices().items()
             },
             "pool": self.pool(),
+            # beside the first stage, counted in its device's other_bytes
+            "controlnets": [c | {"device": str(self.pipeline.device)} for c in self.controlnets()],
             "text": str(shard),
         } | ({"tensor_ranks": self.tensor_ranks()} if self.pipeline.deployment.tensor > 1 else {})
 

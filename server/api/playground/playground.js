@@ -3,6 +3,7 @@
 // video model's server makes videos (video.js), and a panel of the devices' memory.
 // Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
 
+import { addControlImage, chosenControl, controlProblem, setupControl, showControlNets } from "./control.js";
 import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
 import { mode, offerVideo, setupModes, showDefaultSize } from "./mode.js";
@@ -126,7 +127,7 @@ function invalidField() {
     }
   }
   if (!$("prompt").value.trim()) return { text: "Write a prompt first.", param: "prompt" };
-  return null;
+  return mode() === "generate" ? controlProblem() : null;
 }
 
 function requestBody() {
@@ -143,6 +144,8 @@ function requestBody() {
   const lora = chosenAdapters();
   if (lora) body.lora = lora;
   if (mode() === "video") return body; // a video job (POST /v1/videos) takes no more
+  const control = mode() === "generate" ? chosenControl() : null;
+  if (control) body.control = control;
   Object.assign(body, {
     n: form.n.valueAsNumber,
     stream: true,
@@ -188,6 +191,7 @@ function card(index, body) {
   item.querySelector(".title").textContent = `Image ${index + 1}`;
   const prompt = body.prompt.trim();
   item.querySelector("img").dataset.prompt = prompt.length > 100 ? `${prompt.slice(0, 99)}…` : prompt;
+  addControlImage(item, body);
   return item;
 }
 
@@ -532,6 +536,7 @@ async function readModel() {
   if (!response.ok) return; // 401 until a key is entered: read again on the next refresh
   const model = (await response.json()).data[0];
   showAdapters(model.adapters ?? []);
+  showControlNets(model.controlnets ?? []);
   showVocabulary(model.vocabulary, model.adapters ?? []);
   showGuidance(model.family);
   if (model.video) {
@@ -588,6 +593,7 @@ function start() {
   });
   $("stop").addEventListener("click", () => running?.abort());
   setupModes();
+  setupControl();
   setupEdit({
     problem: (problem) => {
       clearError();

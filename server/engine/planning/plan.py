@@ -83,7 +83,7 @@ class DeviceEstimate:
     param_bytes: int
     activation_reserve: int
     budget: int | None  # --max-memory's, else on CUDA the free memory less a margin
-    other_bytes: int = 0  # what else sits there beside the shard: text encoders, VAE
+    other_bytes: int = 0  # what else sits there beside the shard: text encoders, VAE, ControlNets
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def _raise_no_fit(
         shared = f", shared by {repeats[device]} stages" if repeats[device] > 1 else ""
         kept = f"{format_bytes(reserve)} kept for activations"
         if device == devices[0] and resident:
-            kept += f" and {format_bytes(resident)} for text encoders and VAE"
+            kept += f" and {format_bytes(resident)} for text encoders, VAE and ControlNets"
         return f"{device} (budget {format_bytes(budgets[device])}, {kept}{shared})"
 
     lower = "lower --max-batch or --max-pixels (the activation reserve), " if reserve else ""

@@ -1,0 +1,158 @@
+"""ControlNets served over HTTP (issue 54): `--controlnet NAME=FOLDER` on the tiny SD-1.5 folder,
+through uvicorn and OpenAI's SDK (`control` in `extra_body`). Each image equals diffusers'
+StableDiffusionControlNetPipeline within 2/255 (one control, two at once, a start/end window);
+/v1/models lists the ControlNets with the family they fit; bad controls are refused naming the
+field and its limit, and the server goes on serving; a bad folder stops the start, named."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from server.config import Settings
+from server.pipeline.controls import Control
+from server.pipeline.loader import read_family
+from server.planned import plan_for
+from tests.live import LiveServer, live_server
+from tests.test_controlnet import GUIDED, diffusers_controlled, drawn, folder_controlnet
+from tests.tiny_pipelines import IMAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def nets(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """ControlNets "a" and "b" for the tiny SD-1.5 folder, saved in diffusers' format."""
+    root = tmp_path_factory.mktemp("controlnets")
+    for name, seed in (("a", 1), ("b", 2)):
+        folder_controlnet(folders["sd15"], seed).save_pretrained(root / name, safe_serialization=True)
+    return {name: root / name for name in "ab"}
+
+
+@pytest.fixture(scope="module")
+def served(folders: dict[str, Path], nets: dict[str, Path]) -> Iterator[LiveServer]:
+    flags = [f for name, path in nets.items() for f in ("--controlnet", f"{name}={path}")]
+    with live_server("--model", str(folders["sd15"]), "--devices", "cpu", "--threads", "1", *flags) as server:
+        server.nets = list(nets.values())  # type: ignore[attr-defined]
+        yield server
+
+
+def png_base64(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def wire(control: Control, data_url: bool = False) -> dict:
+    image = png_base64(control.image)
+    return {
+        "model": control.model,
+        "image": f"data:image/png;base64,{image}" if data_url else image,
+        "scale": control.scale,
+        "start": control.start,
+        "end": control.end,
+    }
+
+
+def generate(server: LiveServer, **extra: object) -> np.ndarray:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    body = {"seed": GUIDED.seed, "num_inference_steps": GUIDED.steps, "guidance_scale": GUIDED.guidance_scale}
+    answer = client.images.generate(
+        prompt=GUIDED.prompt,
+        size=f"{IMAGE_SIZE}x{IMAGE_SIZE}",
+        extra_body={"negative_prompt": GUIDED.negative_prompt, **body, **extra},
+    )
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), np.float32) / 255
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        [Control("a", drawn("circle"), 0.8)],
+        [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
+        [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
+    ],
+    ids=["one", "two at once", "a window"],
+)
+def test_over_http_images_equal_diffusers_controlnet_pipelines(
+    served: LiveServer, folders: dict[str, Path], nets: dict[str, Path], asked: list[Control]
+) -> None:
+    from diffusers import ControlNetModel
+
+    ours = generate(served, control=[wire(c, data_url=i == 0) for i, c in enumerate(asked)])
+    loaded = {n: ControlNetModel.from_pretrained(path, use_safetensors=True) for n, path in nets.items()}
+    theirs = diffusers_controlled(folders["sd15"], [loaded[c.model] for c in asked], asked)
+    assert np.abs(ours - theirs).max() <= 2 / 255
+    assert np.abs(ours - generate(served)).max() > 0.05  # the control steered the image
+
+
+def test_models_and_shards_list_the_controlnets_and_bad_controls_are_named(
+    served: LiveServer, folders: dict[str, Path]
+) -> None:
+    import httpx
+
+    listed = httpx.get(f"{served.url}/v1/models", timeout=10).json()["data"][0]["controlnets"]
+    assert [(n["name"], n["class"], n["family"]) for n in listed] == [
+        ("a", "ControlNetModel", "sd"),
+        ("b", "ControlNetModel", "sd"),
+    ]
+    assert all(n["bytes"] > 0 for n in listed)
+    shards = httpx.get(f"{served.url}/v1/shards", timeout=10).json()
+    first = shards["plan"]["stages"][0]["device"]
+    assert [(n["name"], n["device"], n["bytes"]) for n in shards["controlnets"]] == [
+        (n["name"], first, n["bytes"]) for n in listed
+    ]
+    sd15, nets = folders["sd15"], [f"{n['name']}={path}" for n, path in zip(listed, served.nets, strict=True)]
+    beside = [  # the plan `serve` makes, without and with them
+        plan_for(Settings(model=sd15, devices="cpu", threads=1, controlnet=c), read_family(sd15), folder=sd15)
+        for c in ([], nets)
+    ]
+    beside = [plan.replicas[0] for plan in beside]
+    assert shards["plan"]["devices"][0]["other_bytes"] == beside[1].devices[0].other_bytes
+    counted = beside[1].devices[0].other_bytes - beside[0].devices[0].other_bytes
+    assert counted == sum(n["bytes"] for n in listed)  # the plan counts them where they run
+    circle, gif = png_base64(drawn("circle")), base64.b64encode(b"GIF89a").decode()
+    cases = [
+        ({"model": "aa", "image": circle}, "control", "did you mean 'a'"),
+        ({"model": "a", "image": circle, "scale": 3.0}, "control", "scale must be from 0 to 2.0"),
+        ({"model": "a", "image": circle, "start": 0.9, "end": 0.1}, "control", "start < end"),
+        ({"model": "a", "image": "not base64!"}, "control[0].image", "is not base64"),
+        ({"model": "a", "image": gif}, "control[0].image", "not a png or jpeg or webp image"),
+    ]
+    for control, field, says in cases:
+        with pytest.raises(openai.BadRequestError, match=says) as caught:
+            generate(served, control=[control])
+        assert caught.value.param == field, caught.value.body
+    five = [{"model": "a", "image": circle}] * 5
+    with pytest.raises(openai.BadRequestError, match="at most 4 controls"):
+        generate(served, control=five)
+    generate(served, control=[{"model": "a", "image": circle}])  # still serving
+
+
+def test_a_bad_controlnet_folder_stops_the_start_naming_it(tmp_path: Path, nets: dict[str, Path]) -> None:
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((nets["a"] / "config.json").read_text())
+    for value, says in (
+        (f"edges={tmp_path / 'missing'}", "is not a ControlNet folder"),
+        (f"edges={weightless}", "holds no .safetensors weights"),
+        (f"a={nets['a']},a={nets['b']}", "two ControlNets are named 'a'"),
+        ("=nowhere", "write NAME=PATH"),
+    ):
+        with pytest.raises(ValidationError, match=says):
+            Settings(controlnet=value)
+    assert Settings(controlnet=f"edges={nets['a']}").controlnet == {"edges": nets["a"]}
+
+
+def test_a_controlnet_for_another_model_stops_the_start(folders: dict[str, Path], nets: dict) -> None:
+    """The SDXL folder's server is handed the SD-1.5 ControlNet (the same class): it exits, naming
+    what differs."""
+    flags = ("--model", str(folders["sdxl"]), "--devices", "cpu", "--controlnet", f"a={nets['a']}")
+    with pytest.raises(RuntimeError, match="was made for another model"), live_server(*flags):
+        pass
