@@ -145,9 +145,12 @@ def controlled(folders: dict[str, Path]) -> tuple[Pipeline, dict[str, ControlNet
     return pipeline, nets
 
 
-def diffusers_controlled(folder: Path, nets: list[ControlNetModel], controls: list[Control]) -> np.ndarray:
+def diffusers_controlled(
+    folder: Path, nets: list[ControlNetModel], controls: list[Control], kind=StableDiffusionControlNetPipeline
+) -> np.ndarray:
+    """What diffusers' ControlNet pipeline `kind` draws for GUIDED with `controls`."""
     net = nets[0] if len(nets) == 1 else MultiControlNetModel(nets)
-    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+    pipe = kind.from_pretrained(
         folder, controlnet=net, local_files_only=True, use_safetensors=True, safety_checker=None
     )
     pipe.set_progress_bar_config(disable=True)
@@ -161,15 +164,14 @@ def diffusers_controlled(folder: Path, nets: list[ControlNetModel], controls: li
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "asked",
-    [
-        [Control("a", drawn("circle"), 0.8)],
-        [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
-        [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
-    ],
-    ids=["one", "two at once", "a window"],
-)
+ASKED = {  # what the pipeline tests and the HTTP ones each compare with diffusers
+    "one": [Control("a", drawn("circle"), 0.8)],
+    "two at once": [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
+    "a window": [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
+}
+
+
+@pytest.mark.parametrize("asked", list(ASKED.values()), ids=list(ASKED))
 def test_images_equal_diffusers_controlnet_pipelines(
     folders: dict[str, Path], controlled: tuple[Pipeline, dict[str, ControlNetModel]], asked: list[Control]
 ) -> None:

@@ -22,7 +22,7 @@ from server.pipeline.controls import Control
 from server.pipeline.loader import read_family
 from server.planned import plan_for
 from tests.live import LiveServer, live_server
-from tests.test_controlnet import GUIDED, diffusers_controlled, drawn, folder_controlnet
+from tests.test_controlnet import ASKED, GUIDED, diffusers_controlled, drawn, folder_controlnet
 from tests.tiny_pipelines import IMAGE_SIZE
 
 
@@ -71,15 +71,7 @@ def generate(server: LiveServer, **extra: object) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), np.float32) / 255
 
 
-@pytest.mark.parametrize(
-    "asked",
-    [
-        [Control("a", drawn("circle"), 0.8)],
-        [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
-        [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
-    ],
-    ids=["one", "two at once", "a window"],
-)
+@pytest.mark.parametrize("asked", list(ASKED.values()), ids=list(ASKED))
 def test_over_http_images_equal_diffusers_controlnet_pipelines(
     served: LiveServer, folders: dict[str, Path], nets: dict[str, Path], asked: list[Control]
 ) -> None:
@@ -90,6 +82,30 @@ def test_over_http_images_equal_diffusers_controlnet_pipelines(
     theirs = diffusers_controlled(folders["sd15"], [loaded[c.model] for c in asked], asked)
     assert np.abs(ours - theirs).max() <= 2 / 255
     assert np.abs(ours - generate(served)).max() > 0.05  # the control steered the image
+
+
+@pytest.fixture(scope="module")
+def sdxl_served(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The tiny SDXL folder serving ControlNet "a", made from its UNet (text-time embeddings too)."""
+    path = tmp_path_factory.mktemp("sdxl-controlnet") / "a"
+    folder_controlnet(folders["sdxl"], 1).save_pretrained(path, safe_serialization=True)
+    flags = ("--devices", "cpu", "--threads", "1", "--controlnet", f"a={path}")
+    with live_server("--model", str(folders["sdxl"]), *flags) as server:
+        server.nets = [path]  # type: ignore[attr-defined]
+        yield server
+
+
+def test_over_http_an_sdxl_image_equals_diffusers_sdxl_controlnet_pipeline(
+    sdxl_served: LiveServer, folders: dict[str, Path]
+) -> None:
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+
+    asked = [Control("a", drawn("circle"), 0.8, start=0.0, end=0.75)]
+    ours = generate(sdxl_served, control=[wire(c) for c in asked])
+    net = ControlNetModel.from_pretrained(sdxl_served.nets[0], use_safetensors=True)
+    theirs = diffusers_controlled(folders["sdxl"], [net], asked, StableDiffusionXLControlNetPipeline)
+    assert np.abs(ours - theirs).max() <= 2 / 255
+    assert np.abs(ours - generate(sdxl_served)).max() > 0.05  # the control steered the image
 
 
 def test_models_and_shards_list_the_controlnets_and_bad_controls_are_named(

@@ -121,6 +121,15 @@ def one_cycle(opt: torch.optim.Optimizer, lr: float, steps: int, warmup: float) 
     return torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=max(warmup, 2 / steps))
 
 
+def descend(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, params: list) -> None:
+    """One optimizer step on `loss`, its gradients clipped to norm 1, and the schedule's step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
 def log(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -204,11 +213,7 @@ def train_denoiser(
         noisy = noise_schedule.add_noise(x0, noise, t)
         target = noise_schedule.get_velocity(x0, noise, t)
         loss = F.mse_loss(unet(noisy, t, encoder_hidden_states=context).sample, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        descend(loss, opt, sched, params)
         decay = min(budget.ema_decay, (1 + step) / (10 + step))  # short warm-up of the average
         with torch.no_grad():
             for ema, live in ((ema_unet, unet), (ema_text, text_encoder)):

@@ -39,7 +39,7 @@ from diffusers import ControlNetModel, DDPMScheduler, StableDiffusionPipeline
 from server.demo import MODEL_DIR
 from server.demo.dataset import BACKGROUND_MAX, COLOR_JITTER, COLORS, all_prompts, sample_batch
 from server.demo.sampling import load_pipeline
-from server.demo.train import SCHEDULE, log, one_cycle
+from server.demo.train import SCHEDULE, descend, log, one_cycle
 
 CONTROLNETS_DIR = Path(__file__).parent / "controlnets"
 DEFAULT_OUT = CONTROLNETS_DIR / "silhouette"
@@ -117,11 +117,7 @@ def train_controlnet(pipe: StableDiffusionPipeline, budget: Budget, g: torch.Gen
             down_block_additional_residuals=down, mid_block_additional_residual=mid,
         ).sample  # fmt: skip
         loss = F.mse_loss(predicted, noise_schedule.get_velocity(x0, noise, t))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        descend(loss, opt, sched, params)
         loss_avg = 0.98 * loss_avg + 0.02 * loss.item() if step else loss.item()
         if step % 50 == 0 or step == budget.steps - 1:
             losses.append({"step": step, "loss": round(loss_avg, 5)})

@@ -48,7 +48,7 @@ from peft.utils import get_peft_model_state_dict
 from server.demo import MODEL_DIR
 from server.demo.dataset import COLORS, SHAPES, caption, sample_batch
 from server.demo.sampling import load_pipeline
-from server.demo.train import SCHEDULE, log, one_cycle
+from server.demo.train import SCHEDULE, descend, log, one_cycle
 
 SHAPE = "diamond"
 ADAPTERS_DIR = Path(__file__).parent / "adapters"
@@ -136,11 +136,7 @@ def train_lora(pipe: StableDiffusionPipeline, budget: Budget, g: torch.Generator
         noisy = noise_schedule.add_noise(x0, noise, t)
         target = noise_schedule.get_velocity(x0, noise, t)
         loss = F.mse_loss(pipe.unet(noisy, t, encoder_hidden_states=context).sample, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        descend(loss, opt, sched, params)
         loss_avg = 0.98 * loss_avg + 0.02 * loss.item() if step else loss.item()
         if step % 50 == 0 or step == budget.steps - 1:
             losses.append({"step": step, "loss": round(loss_avg, 5)})
