@@ -273,8 +273,8 @@ def create_app(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.read_timeout_s,
+        whole=_control_bodies(settings),
         by_path={
-            **_control_bodies(settings),
             "/v1/images/edits": (settings.edit_body_bytes, image_settings),
             # a video's first frame (input_reference) beside its fields
             "/v1/videos": (
@@ -295,7 +295,8 @@ def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
     if not settings.controlnet:
         return {}
     images = MAX_CONTROLS * (4 * math.ceil(settings.max_image_bytes / 3) + DATA_URL_PREFIX)
-    return {"/v1/images/generations": (settings.max_body_bytes + images, "DIFFSHARD_MAX_IMAGE_BYTES")}
+    named = "DIFFSHARD_MAX_BODY_BYTES, DIFFSHARD_MAX_IMAGE_BYTES"
+    return {"/v1/images/generations": (settings.max_body_bytes + images, named)}
 
 
 def _bounds(settings: Settings, keyed: bool) -> Bounds:

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -177,6 +178,10 @@ def test_keys_guard_v1_but_not_health(keyed_server: LiveServer) -> None:
 
 
 GOOD = {"prompt": "a blue square", "num_inference_steps": 2, "seed": 1}
+# a generation's body limit on make run's server: --max-body-bytes' 64 KiB and room for four
+# base64 control images of --max-image-bytes' 4 MiB (its ControlNet), a data URL's prefix each
+CONTROLLED_LIMIT = 2**16 + 4 * (4 * math.ceil(4 * 2**20 / 3) + 64)
+CONTROLLED_BODY = CONTROLLED_LIMIT + 2**16
 BAD_BODIES = [
     # (body, param, words the message must contain)
     ({**GOOD, "size": "60x64"}, "size", ["multiples of 8"]),
@@ -245,12 +250,12 @@ def test_bad_input_gets_the_envelope_and_serving_goes_on(server: LiveServer, bod
         (b"[1, 2]", "application/json", 400, "invalid_body", ["JSON object"]),
         (b"prompt=a", "application/x-www-form-urlencoded", 400, "invalid_content_type", ["application/json"]),
         (b'{"prompt": "\xff"}', "application/json", 400, "invalid_body", ["UTF-8 JSON"]),
-        (
-            json.dumps({**GOOD, "prompt": "a" * 70_000}).encode(),
+        (  # over --max-body-bytes and the room make run's ControlNet gives four control images
+            json.dumps({**GOOD, "prompt": "a" * CONTROLLED_BODY}).encode(),
             "application/json",
             413,
             "body_too_large",
-            ["65536 bytes", "DIFFSHARD_MAX_BODY_BYTES"],
+            [f"over {CONTROLLED_LIMIT} bytes (DIFFSHARD_MAX_BODY_BYTES, DIFFSHARD_MAX_IMAGE_BYTES)"],
         ),
     ],
 )
@@ -270,8 +275,8 @@ def test_malformed_and_huge_bodies(
 def test_a_streamed_body_over_the_limit_is_cut_off(server: LiveServer) -> None:
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count as it streams
         yield b'{"prompt": "'
-        for _ in range(100):
-            yield b"a" * 1024
+        for _ in range(CONTROLLED_BODY // 2**16):
+            yield b"a" * 2**16
         yield b'"}'
 
     response = httpx.post(f"{server.url}/v1/images/generations", content=chunks(), timeout=60)

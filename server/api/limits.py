@@ -1,7 +1,9 @@
 """Refuse request bodies over a byte limit, or slower than the read timeout, before anything
 parses them. Routes that take images (edits) have a larger limit of their own, and their body
 is not read here: it streams to the route (which bounds each part as it comes, api/multipart.py)
-under the same limit and deadline, so a large upload is never held whole.
+under the same limit and deadline, so a large upload is never held whole. A JSON route that
+may carry images (generations with ControlNets served: base64 control images) has a larger
+limit too, and is read here whole like any other.
 
 The body is read here, up to the limit, and handed on whole; a body that goes past the
 limit (by its Content-Length or as it streams in) is answered 413 at once. A body that has not
@@ -30,22 +32,26 @@ class BodyLimit:
         max_bytes: int,
         read_timeout_s: float = 30.0,
         by_path: dict[str, tuple[int, str]] | None = None,
+        whole: dict[str, tuple[int, str]] | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
-        self.by_path = by_path or {}  # path → (its limit, the settings that make it)
+        self.by_path = by_path or {}  # path → (its limit, the settings that make it): streamed to the route
+        self.whole = whole or {}  # likewise, but read here whole (a JSON body with images in it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit, setting = self.by_path.get(scope["path"], (self.max_bytes, "DIFFSHARD_MAX_BODY_BYTES"))
+        path = scope["path"]
+        default = (self.max_bytes, "DIFFSHARD_MAX_BODY_BYTES")
+        limit, setting = self.by_path.get(path) or self.whole.get(path) or default
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(scope, receive, send, limit, setting)
             return
-        if scope["path"] in self.by_path:
+        if path in self.by_path:
             await self._stream(scope, receive, send, limit, setting)
             return
         try:

@@ -143,12 +143,13 @@ class ControlNets:
         mid = torch.empty(0)
         for name, rows in asked.items():
             index = torch.cat([torch.arange(s.start, s.stop, device=inputs.sample.device) for s, _ in rows])
+            here = self.device  # the ControlNets' (the first replica's); a lane's call may be elsewhere
             made_down, made_mid = self.loaded[name](
-                inputs.sample.index_select(0, index),
-                inputs.timestep.index_select(0, index),  # type: ignore[union-attr]
-                encoder_hidden_states=inputs.context.index_select(0, index),
+                inputs.sample.index_select(0, index).to(here),
+                inputs.timestep.index_select(0, index).to(here),  # type: ignore[union-attr]
+                encoder_hidden_states=inputs.context.index_select(0, index).to(here),
                 controlnet_cond=torch.cat([row.image for _, row in rows]),
-                added_cond_kwargs=select(inputs.conditioning.get("added_cond_kwargs"), index),
+                added_cond_kwargs=select(inputs.conditioning.get("added_cond_kwargs"), index, here),
                 return_dict=False,
             )
             scale = [torch.full((s.stop - s.start,), row.control.scale) for s, row in rows]
@@ -157,7 +158,7 @@ class ControlNets:
                 down = [inputs.sample.new_zeros((start, *d.shape[1:])) for d in made_down]
                 mid = inputs.sample.new_zeros((start, *made_mid.shape[1:]))
             for total, made in zip([*down, mid], [*made_down, made_mid], strict=True):
-                total.index_add_(0, index, (made * scale).to(total.dtype))
+                total.index_add_(0, index, (made.to(total.device) * scale).to(total.dtype))
         return dict(zip(RESIDUALS, (tuple(down), mid), strict=True))
 
 
@@ -182,5 +183,7 @@ def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, list | tuple) else value
 
 
-def select(value: Mapping[str, torch.Tensor] | None, index: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    return None if value is None else {k: v.index_select(0, index) for k, v in value.items()}
+def select(
+    value: Mapping[str, torch.Tensor] | None, index: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    return None if value is None else {k: v.index_select(0, index).to(device) for k, v in value.items()}

@@ -19,6 +19,7 @@ OVERLAYS = ("cpu", "gpu")
 # The LoRA adapters the image ships: the Dockerfile links this path to the installed package's
 # server/demo/adapters (package data), so a file there is this repository's file of that name.
 IMAGE_ADAPTERS = "/opt/diffshard/adapters"
+IMAGE_CONTROLNETS = "/opt/diffshard/controlnets"
 KUBECTL = (
     "kubectl ≥ 1.21 (kustomize components), e.g. Debian's `kubectl` from Kubernetes' own apt "
     "repository, https://pkgs.k8s.io (https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/); "
@@ -57,9 +58,11 @@ def container(objects: list[dict]) -> dict:
 
 
 def in_image(path: str) -> Path | None:
-    """The repository file the image holds at `path` (one of the shipped adapters), else None."""
+    """The repository file the image holds at `path` (one of the shipped adapters or ControlNets),
+    else None."""
     folder, _, name = path.rpartition("/")
-    return ROOT / "server" / "demo" / "adapters" / name if folder == IMAGE_ADAPTERS else None
+    shipped = {IMAGE_ADAPTERS: "adapters", IMAGE_CONTROLNETS: "controlnets"}
+    return ROOT / "server" / "demo" / shipped[folder] / name if folder in shipped else None
 
 
 def adapter_paths(value: str) -> dict[str, str]:

@@ -99,7 +99,7 @@ def test_configmap_values_are_valid_settings(name: str) -> None:
         if field.annotation is Path or field.annotation == Path | None:
             assert value.startswith("/"), f"{variable}: {value}"
             continue
-        if variable == "DIFFSHARD_LORA":  # NAME=PATH; an adapter the image ships is this checkout's
+        if variable in ("DIFFSHARD_LORA", "DIFFSHARD_CONTROLNET"):  # NAME=PATH; what the image ships: ours
             paths = adapter_paths(value)
             assert all(p.startswith("/") for p in paths.values()), f"{variable}: {value}"
             value = ",".join(f"{n}={in_image(p)}" for n, p in paths.items() if in_image(p))
