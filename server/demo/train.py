@@ -130,6 +130,16 @@ def descend(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, params: 
     sched.step()
 
 
+def training_parser(doc: str | None, default_out: Path) -> argparse.ArgumentParser:
+    """The options an adapter's training script shares: --out, --quick, --seed, --steps."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default_out, help=f"default {default_out}")
+    parser.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="override the step count")
+    return parser
+
+
 def log(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 

@@ -23,7 +23,6 @@ says where the shape goes and how large it is, which the base model draws at ran
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -39,7 +38,7 @@ from diffusers import ControlNetModel, DDPMScheduler, StableDiffusionPipeline
 from server.demo import MODEL_DIR
 from server.demo.dataset import BACKGROUND_MAX, COLOR_JITTER, COLORS, all_prompts, sample_batch
 from server.demo.sampling import load_pipeline
-from server.demo.train import SCHEDULE, descend, log, one_cycle
+from server.demo.train import SCHEDULE, descend, log, one_cycle, training_parser
 
 CONTROLNETS_DIR = Path(__file__).parent / "controlnets"
 DEFAULT_OUT = CONTROLNETS_DIR / "silhouette"
@@ -128,13 +127,7 @@ def train_controlnet(pipe: StableDiffusionPipeline, budget: Budget, g: torch.Gen
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help="override the step count")
+    parser = training_parser(__doc__, DEFAULT_OUT)
     args = parser.parse_args(argv)
     budget = QUICK if args.quick else Budget()
     if args.steps is not None:

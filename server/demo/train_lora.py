@@ -30,7 +30,6 @@ is a layer above this package, which may not import it) adds its evaluation to t
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -48,7 +47,7 @@ from peft.utils import get_peft_model_state_dict
 from server.demo import MODEL_DIR
 from server.demo.dataset import COLORS, SHAPES, caption, sample_batch
 from server.demo.sampling import load_pipeline
-from server.demo.train import SCHEDULE, descend, log, one_cycle
+from server.demo.train import SCHEDULE, descend, log, one_cycle, training_parser
 
 SHAPE = "diamond"
 ADAPTERS_DIR = Path(__file__).parent / "adapters"
@@ -167,13 +166,7 @@ def save_adapter(pipe: StableDiffusionPipeline, out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help="override the step count")
+    parser = training_parser(__doc__, DEFAULT_OUT)
     parser.add_argument("--rank", type=int, help="override the LoRA rank (at most 8)")
     parser.add_argument("--lr", type=float, help="override the peak learning rate")
     args = parser.parse_args(argv)
