@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import json
 import logging
 import os
@@ -388,4 +389,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # nothing made is garbage now: exit skips the sweep of every object (~2 s)
+    sys.exit(code)
