@@ -5,6 +5,7 @@ from server.engine import DeviceMemory
 from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.runtime.graphs import CompileStats
 from server.engine.runtime.pool import PoolStats
+from server.engine.runtime.tracing import trace_gate
 from server.pipeline.denoise import Pipeline
 from server.pipeline.edits import Edit
 from server.pipeline.requests import Defaults, GenerationRequest, size_warning
@@ -22,4 +23,5 @@ __all__ = [
     "group_states",
     "set_intra_op_threads",
     "size_warning",
+    "trace_gate",
 ]

@@ -36,6 +36,7 @@ from server.engine.runtime.compile import (
     run_decoder,
 )
 from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
+from server.engine.runtime.tracing import compiling_on_this_thread, trace_gate
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
 
@@ -91,6 +92,7 @@ def compile_pipeline(
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
     warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured)
     warm = partial(_as_lanes, pipeline.lane_threads, warm)
+    trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
     if not background:
         warm()
         stats.finish("ready")
@@ -137,12 +139,12 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
 
 
 def _as_lanes(threads: int | None, fn: Callable[..., None], *args: Any) -> None:
-    """`fn(*args)` with this thread's intra-op threads those of a lane (`threads`; None: the
-    process's). Inductor writes the count it sees into its CPU kernels (`#pragma omp parallel
-    num_threads`), and times measured here must be a lane's: graphs built with the process's 2
-    threads, run by 2 replicas of 1 thread side by side (a lone 512² image's rows split), took
-    2.9 s a step against the 1.34 s their bucket was timed at."""
-    with intra_op_threads(threads):
+    """`fn(*args)` on a thread marked as compiling (`compiling_here`), with its intra-op threads
+    those of a lane (`threads`; None: the process's). Inductor writes the count it sees into its
+    CPU kernels (`#pragma omp parallel num_threads`), and times measured here must be a lane's:
+    graphs built with the process's 2 threads, run by 2 replicas of 1 thread side by side (a lone
+    512² image's rows split), took 2.9 s a step against the 1.34 s their bucket was timed at."""
+    with intra_op_threads(threads), compiling_on_this_thread():
         fn(*args)
 
 

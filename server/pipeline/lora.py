@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from server.engine.quantize import layer_dtype, layer_features
 from server.engine.runtime.call import RowsSlot
 from server.engine.runtime.tensor import RowLinear, current_rank
+from server.engine.runtime.tracing import compiling_here
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
 
@@ -238,7 +239,7 @@ class AdapterSet:
     def _hook(self, module_name: str, slot: RowsSlot):
         def add_deltas(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
             rows = slot.rows
-            if rows is None or torch.compiler.is_compiling():  # a graph never holds an adapter
+            if rows is None or compiling_here():  # a graph never holds an adapter
                 return output
             if len(rows.rows) != output.shape[0]:
                 raise RowsMismatch(

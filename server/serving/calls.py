@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from server.pipeline import Pipeline
+from server.pipeline import Pipeline, trace_gate
 from server.pipeline.state import RequestState
 from server.serving.faults import inject_fault
 from server.serving.health import Heartbeat, Watchdog
@@ -49,7 +49,8 @@ class WatchedCalls:
             if self.inject_faults:
                 workers = getattr(getattr(self.pipeline, "lane", None), "workers", None)
                 inject_fault(method.__name__, items, self._closed, deadline_s, workers)
-            result = method(items)
+            with trace_gate().call():  # never beside a background compile's trace
+                result = method(items)
             try:
                 self.pipeline.synchronize()  # so step times are device times, not enqueue times
             except BaseException:
