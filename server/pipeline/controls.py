@@ -3,7 +3,9 @@ step window), each one's image as diffusers' ControlNet pipelines prepare it, an
 residuals. Each ControlNet runs once a step, on the rows that ask for it then (each row its own
 image, scale and window); its residuals are scaled per row and added to those rows only, zeros
 elsewhere, so a row without a control draws exactly what it draws in a call without one. Several
-controls on a row add up, as diffusers' Multi-ControlNet sums them."""
+controls on a row add up, as diffusers' Multi-ControlNet sums them. What differs by family (how
+its pipeline prepares a control image, how its net is called, the residuals' names) is the
+family's (`Family.control_image`, `control_residuals`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from typing import Any
 
 import diffusers
 import torch
-from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import nn
 
@@ -25,9 +26,11 @@ from server.pipeline.adapters import unknown
 
 MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
 MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
-RESIDUALS = ("down_block_additional_residuals", "mid_block_additional_residual")  # the UNet's kwargs
 # what a ControlNet shares with the denoiser it was made for (its residuals' shapes, its inputs)
-SHARED_CONFIG = ("in_channels", "block_out_channels", "cross_attention_dim", "addition_embed_type")
+SHARED_CONFIG = (
+    "in_channels", "block_out_channels", "cross_attention_dim", "addition_embed_type",  # a UNet's
+    "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",  # FLUX.1's (its width: the family's)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class RowControl:
     """A control on one request's rows: its image, prepared, on every row."""
 
     control: Control
-    image: torch.Tensor  # [rows, 3, H, W] in [0, 1]
+    image: torch.Tensor  # [rows, ...] as the family's net takes it (`Family.control_image`)
 
 
 class ControlNets:
@@ -63,7 +66,6 @@ class ControlNets:
         self.family, self.device, self.dtype = family, device, dtype
         self.denoiser = denoiser or {}  # the denoiser's config, which a ControlNet's must fit
         self.loaded: dict[str, nn.Module] = {}
-        self.processor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)  # the pipelines'
 
     def load(self, name: str, folder: Path) -> None:
         """The ControlNet in `folder` (`controlnet_folder`'s) served as `name`; ValueError naming
@@ -81,6 +83,8 @@ class ControlNets:
         if kind not in self.family.controlnets:
             takes = ", ".join(self.family.controlnets) or "none"
             raise ValueError(f"ControlNet {name!r} is a {kind}: a {self.family.name} model takes {takes}")
+        if refusal := self.family.control_refusal(dict(config)):
+            raise ValueError(f"ControlNet {name!r}: {refusal}")
         for key in SHARED_CONFIG:
             mine, theirs = _listed(config.get(key)), _listed(self.denoiser.get(key))
             if key in config and key in self.denoiser and mine != theirs:
@@ -116,13 +120,14 @@ class ControlNets:
             if not 0.0 <= c.start < c.end <= 1.0:
                 raise InvalidRequest("control", f"start and end: 0 ≤ start < end ≤ 1; got {c.start}, {c.end}")
 
-    def rows(self, controls: Sequence[Control], rows: int, width: int, height: int) -> tuple[RowControl, ...]:
-        """Each control's image prepared as the ControlNet pipelines prepare it (resized to the
-        image's size, RGB in [0, 1]), on the request's `rows`."""
+    def rows(self, request: Any, rows: int, vae: nn.Module, generator: Any) -> tuple[RowControl, ...]:
+        """Each of a request's controls, its image prepared as the family's ControlNet pipeline
+        prepares it (at the request's size; FLUX.1's encoded by `vae`, a sample drawn from the
+        request's `generator`: before its noise, as FluxControlNetPipeline draws them), on its `rows`."""
         prepared = []
-        for c in controls:
-            pixels = self.processor.preprocess(c.image, height=height, width=width).to(torch.float32)
-            image = pixels.to(self.device, self.dtype).expand(rows, -1, -1, -1).contiguous()
+        for c in request.control:
+            image = self.family.control_image(c.image, request.width, request.height, vae, generator)
+            image = image.to(self.device, self.dtype).expand(rows, *image.shape[1:]).contiguous()
             prepared.append(RowControl(c, image))
         return tuple(prepared)
 
@@ -139,27 +144,26 @@ class ControlNets:
                     asked.setdefault(row.control.model, []).append((span, row))
         if not asked:
             return {}
-        down: list[torch.Tensor] = []
-        mid = torch.empty(0)
+        totals: dict[str, list[torch.Tensor]] = {}
+        tupled: dict[str, bool] = {}  # a keyword taking a tuple of residuals (else one tensor)
         for name, rows in asked.items():
             index = torch.cat([torch.arange(s.start, s.stop, device=inputs.sample.device) for s, _ in rows])
             here = self.device  # the ControlNets' (the first replica's); a lane's call may be elsewhere
-            made_down, made_mid = self.loaded[name](
-                inputs.sample.index_select(0, index).to(here),
-                inputs.timestep.index_select(0, index).to(here),  # type: ignore[union-attr]
-                encoder_hidden_states=inputs.context.index_select(0, index).to(here),
-                controlnet_cond=torch.cat([row.image for _, row in rows]),
-                added_cond_kwargs=select(inputs.conditioning.get("added_cond_kwargs"), index, here),
-                return_dict=False,
-            )
+            image = torch.cat([row.image for _, row in rows])
+            made = self.family.control_residuals(self.loaded[name], _rows(inputs, index, here), image)
             scale = [torch.full((s.stop - s.start,), row.control.scale) for s, row in rows]
-            scale = torch.cat(scale).to(inputs.sample.device).view(-1, 1, 1, 1)  # float32: scaled as
-            if not down:  # ControlNetModel scales, in float32 arithmetic, then rounded once
-                down = [inputs.sample.new_zeros((start, *d.shape[1:])) for d in made_down]
-                mid = inputs.sample.new_zeros((start, *made_mid.shape[1:]))
-            for total, made in zip([*down, mid], [*made_down, made_mid], strict=True):
-                total.index_add_(0, index, (made.to(total.device) * scale).to(total.dtype))
-        return dict(zip(RESIDUALS, (tuple(down), mid), strict=True))
+            scale = torch.cat(scale).to(inputs.sample.device)  # float32: scaled as the nets scale,
+            for key, value in made.items():  # in float32 arithmetic, then rounded once
+                if value is None:
+                    continue
+                tupled[key] = isinstance(value, tuple)
+                parts = value if tupled[key] else (value,)
+                if key not in totals:
+                    totals[key] = [inputs.sample.new_zeros((start, *p.shape[1:])) for p in parts]
+                for total, part in zip(totals[key], parts, strict=True):
+                    scaled = part.to(total.device) * scale.view(-1, *[1] * (part.dim() - 1))
+                    total.index_add_(0, index, scaled.to(total.dtype))
+        return {key: tuple(parts) if tupled[key] else parts[0] for key, parts in totals.items()}
 
 
 def controlnet_folder(folder: Path) -> Path:
@@ -183,7 +187,14 @@ def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, list | tuple) else value
 
 
-def select(
-    value: Mapping[str, torch.Tensor] | None, index: torch.Tensor, device: torch.device
-) -> dict[str, torch.Tensor] | None:
-    return None if value is None else {k: v.index_select(0, index).to(device) for k, v in value.items()}
+def _rows(inputs: DenoiserInputs, index: torch.Tensor, device: torch.device) -> DenoiserInputs:
+    """The rows `index` of a call's inputs, on `device`."""
+
+    def take(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.index_select(0, index).to(device)
+        if isinstance(value, Mapping):
+            return {k: take(v) for k, v in value.items()}
+        return value
+
+    return DenoiserInputs(*(take(v) for v in vars(inputs).values()))

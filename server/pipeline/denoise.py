@@ -280,8 +280,9 @@ class Pipeline:
                 begin = family.edit_begin(request.steps, edit.strength) * scheduler.order
             if hasattr(scheduler, "set_begin_index"):
                 scheduler.set_begin_index(begin)
-            # Noise as diffusers' randn_tensor draws it: on the CPU generator, then moved.
+            # Noise as diffusers' randn_tensor draws it (CPU generator, then moved); controls draw first
             generator = torch.Generator("cpu").manual_seed(request.seed)
+            controls = self.controlnets.rows(request, context.shape[0], self.vae, generator)
             start = first_latents(
                 edit, family=family, vae=self.vae, scheduler=scheduler, first_t=scheduler.timesteps[begin],
                 generator=generator, scope=scope, width=request.width, height=request.height,
@@ -291,7 +292,6 @@ class Pipeline:
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
                 kept[name].copy_(rows)
-            controls = self.controlnets.rows(request.control, context.shape[0], request.width, request.height)
             return RequestState(
                 request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
                 inpainting=start.inpainting, conditioning=start.conditioning, first_frame=start.first_frame,

@@ -11,12 +11,19 @@ streams joined inside each block (they return them apart again): one block each.
 (modulated by temb) and `proj_out` end it. No skips: the image stream, the text stream, temb
 and the rotary cos and sin cross every boundary.
 
+A ControlNet's residuals (`controlnet_block_samples`, `controlnet_single_block_samples`, as
+forward takes them: zeros on rows without a control) are added to the image stream after each
+block, the i-th block taking sample i // ceil(blocks / samples) as forward does. `begin` lays
+them out one a block, and each block takes the first and passes the rest on, so the blocks of a
+stream keep one function (and one compiled graph).
+
 Packing the latents and making the position ids are glue outside any module, done here in
 `forward` as FluxPipeline does them, so a request's latents stay [B, 16, h, w] everywhere else.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,6 +44,11 @@ from server.engine.denoisers.blocks import (
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 
+# a ControlNet's residuals (FluxControlNetModel's outputs, forward's kwargs), by the stream taking them
+CONTROL = {
+    "controlnet_block_samples": "transformer_blocks",
+    "controlnet_single_block_samples": "single_transformer_blocks",
+}
 T5_TOKENS = 512  # FluxPipeline's max_sequence_length default (dev and schnell)
 NATIVE_LATENT = 128  # FluxPipeline's default_sample_size: 1024 px; the config has no sample_size
 
@@ -94,7 +106,10 @@ class FluxTransformerSpec:
         return DenoiserInputs(sample, timestep, context, conditioning)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
-        rows = token_rows(inputs, ("pooled_projections", "guidance"), "FLUX.1")
+        rows = token_rows(inputs, ("pooled_projections", "guidance", *CONTROL), "FLUX.1")
+        for key, stream in CONTROL.items():
+            if key in rows:
+                rows[key] = per_block(rows[key], len(getattr(model, stream)))
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
         # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
@@ -106,8 +121,8 @@ class FluxTransformerSpec:
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
         calls = {"embed": BlockCall(model, embed)}
-        for stream in ("transformer_blocks", "single_transformer_blocks"):
-            calls.update((f"{stream}.{i}", BlockCall(b, joint)) for i, b in enumerate(getattr(model, stream)))
+        for stream, fn in (("transformer_blocks", joint), ("single_transformer_blocks", single)):
+            calls.update((f"{stream}.{i}", BlockCall(b, fn)) for i, b in enumerate(getattr(model, stream)))
         calls["out"] = BlockCall(model, out)  # the MMDiT's: norm_out(hidden, temb), proj_out
         return calls
 
@@ -158,10 +173,21 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         temb = model.time_text_embed(timestep, rows["pooled_projections"])
     else:
         temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, rows["pooled_projections"])
-    return {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+    out = {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+    return {**out, **{key: rows[key] for key in CONTROL if key in rows}}
 
 
 def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """A double-stream block."""
+    return controlled(_joint(block, rows, shared), rows, "controlnet_block_samples")
+
+
+def single(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """A single-stream block (it takes and returns the streams apart, as a double one)."""
+    return controlled(_joint(block, rows, shared), rows, "controlnet_single_block_samples")
+
+
+def _joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     context, hidden = block(
         hidden_states=rows["hidden"],
         encoder_hidden_states=rows["context"],
@@ -169,3 +195,22 @@ def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         image_rotary_emb=shared["rotary"],
     )
     return {"hidden": hidden, "temb": rows["temb"], "context": context}
+
+
+def per_block(samples: tuple[torch.Tensor, ...], blocks: int) -> tuple[torch.Tensor, ...]:
+    """A stream's control residuals one a block: block i's is sample i // ceil(blocks / samples)."""
+    interval = math.ceil(blocks / len(samples))
+    return tuple(samples[i // interval] for i in range(blocks))
+
+
+def controlled(out: dict[str, Any], rows: dict[str, Any], key: str) -> dict[str, Any]:
+    """A block's output with its control residual added (if its stream has them), the rest of
+    the residuals passed on."""
+    for each in CONTROL:
+        if each in rows:
+            out[each] = rows[each]
+    if samples := out.pop(key, None):
+        out["hidden"] = out["hidden"] + samples[0]
+        if samples[1:]:
+            out[key] = samples[1:]
+    return out

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from diffusers import UNet2DConditionModel
+from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 
 from server.engine.denoisers.blocks import TEXT_MASK
@@ -281,6 +282,29 @@ class Family:
     def attach(self, vae: nn.Module) -> None:
         """Read what the latents' scaling keeps in the VAE's weights (FLUX.2's batch-norm
         statistics), once loaded; the others' is in its config."""
+
+    # ControlNets (`controls.py`): the UNet families' `ControlNetModel` here; others override.
+
+    def control_refusal(self, config: dict[str, Any]) -> str | None:
+        """Why a ControlNet of a class `controlnets` names cannot run here (None: it can)."""
+        return None
+
+    def control_image(
+        self, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+    ) -> torch.Tensor:
+        """A control image [1, ...] as the family's ControlNet pipeline gives its net: here RGB in
+        [0, 1] at the image's size (StableDiffusion(XL)ControlNetPipeline's processor)."""
+        processor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)
+        return processor.preprocess(image, height=height, width=width).to(torch.float32)
+
+    def control_residuals(self, net: nn.Module, inputs: Any, image: torch.Tensor) -> dict[str, Any]:
+        """`net`'s residuals for `inputs`' rows (DenoiserInputs) and their control `image`, unscaled,
+        by the denoiser's keyword."""
+        down, mid = net(
+            inputs.sample, inputs.timestep, encoder_hidden_states=inputs.context, controlnet_cond=image,
+            added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"), return_dict=False,
+        )  # fmt: skip
+        return {"down_block_additional_residuals": tuple(down), "mid_block_additional_residual": mid}
 
 
 def tokenize(tokenizer: Any, prompts: list[str]) -> Any:

@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
+from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from server.engine.denoisers.flux import T5_TOKENS
+from server.engine.denoisers.flux import T5_TOKENS, image_ids, pack
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Asked, TextEmbeddings, tokenize
 from server.pipeline.families.flow import PackedFlow
@@ -73,6 +74,11 @@ FLUX_VAE = {
 }
 
 
+def inner_width(config: dict[str, Any]) -> int:
+    """A FLUX.1 transformer's (or ControlNet's) block width: what its residuals' last dim is."""
+    return config["num_attention_heads"] * config["attention_head_dim"]
+
+
 class Flux(PackedFlow):
     name: ClassVar[str] = "flux"
     pipeline_classes: ClassVar[tuple[str, ...]] = (
@@ -86,6 +92,7 @@ class Flux(PackedFlow):
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     default_steps: ClassVar[int] = 28  # FluxPipeline's
     default_guidance: ClassVar[float] = 3.5  # FluxPipeline's
+    controlnets: ClassVar[tuple[str, ...]] = ("FluxControlNetModel",)
     # as SD3's (sd3.py): the projections in and the output head
     keep_precise: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder", "norm_out", "proj_out")
     # 1.5 megapixels: 16 rows of it reserve activations that leave both stages of a 2x24 GiB split
@@ -128,6 +135,42 @@ class Flux(PackedFlow):
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         return dict(extras)  # the text and image position ids depend on the size only: the spec makes them
+
+    def control_refusal(self, config: dict[str, Any]) -> str | None:
+        if config.get("conditioning_embedding_channels") is not None:
+            return "an XLabs-style FLUX ControlNet (its input_hint_block takes pixels) is not supported yet"
+        if config.get("num_mode") is not None:
+            return "a union FLUX ControlNet (control modes) is not supported yet"
+        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
+        if width != ours:
+            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
+        return None
+
+    def control_image(
+        self, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+    ) -> torch.Tensor:
+        """FluxControlNetPipeline's: RGB in [-1, 1], encoded by the VAE (a sample, drawn from the
+        request's generator before its noise, as the pipeline draws it), scaled, packed."""
+        pixels = VaeImageProcessor(vae_scale_factor=16).preprocess(image, height=height, width=width)
+        device = next(vae.parameters()).device
+        latents = vae.encode(pixels.to(device, vae.dtype)).latent_dist.sample(generator)
+        return pack(self.scale_latents(latents))
+
+    def control_residuals(self, net: nn.Module, inputs: Any, image: torch.Tensor) -> dict[str, Any]:
+        sample, context = inputs.sample, inputs.context
+        _, _, h, w = sample.shape
+        blocks, singles = net(
+            hidden_states=pack(sample), controlnet_cond=image, conditioning_scale=1.0,
+            timestep=inputs.timestep.to(sample.dtype) / 1000,
+            guidance=inputs.conditioning.get("guidance") if net.config.guidance_embeds else None,
+            pooled_projections=inputs.conditioning["pooled_projections"], encoder_hidden_states=context,
+            txt_ids=torch.zeros(context.shape[1], 3, device=sample.device, dtype=sample.dtype),
+            img_ids=image_ids(h, w, sample.device, sample.dtype), return_dict=False,
+        )  # fmt: skip
+        return {
+            "controlnet_block_samples": tuple(blocks) if blocks is not None else None,
+            "controlnet_single_block_samples": tuple(singles) if singles is not None else None,
+        }
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         if len(encoders) < 2:
