@@ -381,6 +381,30 @@ def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, *
         service.close()
 
 
+def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(folders) -> None:
+    """A compiled decoder runs the threads it was built with (a lane's 1): with the other replica
+    idle, a lone image's decode runs eagerly on both cores instead, and draws the same image."""
+    from server.pipeline import GenerationRequest, Pipeline
+
+    through_graph: list[int] = []
+
+    def with_graph(pipeline):
+        eager = pipeline.decoder
+
+        def compiled(latents: torch.Tensor) -> torch.Tensor:  # where a compiled decoder would run
+            through_graph.append(torch.get_num_threads())
+            return eager(latents)
+
+        pipeline.decoder = compiled
+        return pipeline
+
+    request = [GenerationRequest("a red circle", seed=3, steps=2, guidance_scale=5.0)]
+    alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]
+    image, _, _ = split_lone(folders["sd15"], request, with_graph)
+    assert through_graph == []
+    assert abs(image - alone).max() <= 1e-3
+
+
 def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:
     """With a plan that splits lone requests, one request's guidance halves run on both replicas
     at once (both workers busy), and its image is the one-worker image within 1e-3."""

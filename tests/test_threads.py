@@ -126,13 +126,13 @@ def test_a_lone_call_takes_the_idle_replicas_threads_and_gives_them_back() -> No
     try:
         idle: list = ["a replica"]
         lane = Lane(shard=None, spare=lambda: idle)  # type: ignore[arg-type]
-        with lane.idle_cores(1):
-            assert torch.get_num_threads() == 2
+        with lane.idle_cores(1) as wider:
+            assert torch.get_num_threads() == 2 and wider
         assert torch.get_num_threads() == 1
         idle.clear()
-        with lane.idle_cores(1):
-            assert torch.get_num_threads() == 1
-        with Lane(shard=None, spare=lambda: ["a replica"]).idle_cores(None):  # type: ignore[arg-type]
-            assert torch.get_num_threads() == 1
+        with lane.idle_cores(1) as wider:
+            assert torch.get_num_threads() == 1 and not wider
+        with Lane(shard=None, spare=lambda: ["a replica"]).idle_cores(None) as wider:  # type: ignore[arg-type]
+            assert torch.get_num_threads() == 1 and not wider
     finally:
         torch.set_num_threads(before)

@@ -356,11 +356,11 @@ class Pipeline:
             self._decode(states[start : start + count])
         return [s.image for s in states]
 
-    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
-        """[N, 3, H, W] images in [0, 1] from the denoiser's latents, in one VAE call."""
+    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] in [0, 1], one VAE call
         latents = self.family.unscale_latents(latents.to(self.encoder_device, self.vae.dtype))
-        with self.lane.idle_cores(self.lane_threads):  # alone, a decode takes the idle cores too
-            return (self.decoder(latents) / 2 + 0.5).clamp(0, 1)
+        with self.lane.idle_cores(self.lane_threads) as wider:  # alone: the idle cores too, eagerly
+            pixels = run_decoder(self.vae, latents) if wider else self.decoder(latents)
+        return (pixels / 2 + 0.5).clamp(0, 1)
 
     def _decode(self, states: Sequence[RequestState]) -> None:
         pixels = self._pixels(torch.cat([s.latents for s in states]))
