@@ -118,6 +118,27 @@ def test_controlled_and_plain_rows_in_one_call_each_give_their_image_alone(flux_
     assert rows == {"transformer": [3] * REQUEST.steps, "a": [1] * REQUEST.steps, "b": [1] * REQUEST.steps}
 
 
+def test_a_sequence_group_cuts_the_residuals_with_the_image_tokens(flux_controlled) -> None:
+    """A group of two (every call: `--parallel sequence`) cuts a ControlNet's residuals with the
+    image tokens they add to: the controlled image of one worker, every step a group call."""
+    from server.engine import ParallelPlan, plan_shards
+    from server.pipeline.families import meta_denoiser
+    from server.pipeline.loader import read_family
+
+    folder, pipeline, nets = flux_controlled
+    request = pipeline.resolve(replace(REQUEST, control=tuple(ASKED["two at once"])))
+    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    plan = ParallelPlan(
+        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
+    )
+    lane = Pipeline.load(folder, plan=plan).lanes()[0]
+    for name, net in nets.items():
+        lane.controlnets.add(name, copy.deepcopy(net))
+    grouped = lane.generate([request])[0]
+    assert float(np.abs(grouped - pipeline.generate([request])[0]).max()) * 255 <= 2
+    assert lane.lane.groups.calls == REQUEST.steps
+
+
 def test_flux_controlnets_another_model_cannot_run_are_refused_naming_why(flux_controlled) -> None:
     _, pipeline, nets = flux_controlled
     controlnets = ControlNets(

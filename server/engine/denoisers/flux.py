@@ -135,14 +135,15 @@ class FluxTransformerSpec:
         return dit_boundary(model.transformer_blocks, "transformer_blocks", last)
 
     def sequence(self, model: nn.Module) -> SequenceSplit:
-        """Both streams' blocks on a slice of the image and of the text tokens, with the rotary
-        embeddings of the positions the slice holds."""
+        """Both streams' blocks on a slice of the image and of the text tokens (and of a
+        ControlNet's residuals, one an image token), with the rotary embeddings of the positions the
+        slice holds."""
         blocks = frozenset(
             f"{stream}.{i}"
             for stream in ("transformer_blocks", "single_transformer_blocks")
             for i in range(len(getattr(model, stream)))
         )
-        return SequenceSplit(blocks, TOKENS, rotary_slice)
+        return SequenceSplit(blocks, {**TOKENS, **dict.fromkeys(CONTROL, 1)}, rotary_slice)
 
     def tensor(self, model: nn.Module) -> TensorSplit:
         """diffusers' own plan for FLUX.1 (`_tp_plan`: heads, MLPs and the single blocks' packed

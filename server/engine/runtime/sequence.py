@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from server.engine.denoisers.blocks import Flow, SequenceSplit
+from server.engine.denoisers.blocks import Flow, SequenceSplit, map_rows
 from server.engine.runtime.call import CallPlan, CallResult
 from server.errors import GroupBroken, WorkerLost
 
@@ -120,12 +120,12 @@ class Rank:
         """This rank's slice of a whole flow (a view: nothing moves)."""
         rows, cuts = dict(flow.rows), {}
         for key, dim in self.split.tokens.items():
-            tensor = rows.get(key)
-            if tensor is None:
+            value = rows.get(key)
+            if value is None or (isinstance(value, tuple) and not value):
                 continue
-            length = tensor.shape[dim]
+            length = (value if isinstance(value, torch.Tensor) else value[0]).shape[dim]
             start, stop = chunks(length, self.size)[self.index]
-            rows[key] = tensor.narrow(dim, start, stop - start)
+            rows[key] = map_rows(value, lambda t, d=dim, s=start, n=stop - start: t.narrow(d, s, n))
             cuts[key] = (start, stop, length)
         shared = self.split.shared(flow.shared, cuts) if self.split.shared else flow.shared
         return Flow(rows, shared)
@@ -137,8 +137,7 @@ class Rank:
         rows = dict(flow.rows)
         for key, dim in self.split.tokens.items():
             if key in mine:
-                here = mine[key].device  # this rank's stage's device
-                rows[key] = torch.cat([part[key].to(here) for part in everyone], dim=dim)
+                rows[key] = _joined([part[key] for part in everyone], dim)
         return Flow(rows, shared)
 
     # Attention.
@@ -190,6 +189,15 @@ class Rank:
 
     def attention(self) -> SequenceAttention:
         return SequenceAttention(self)
+
+
+def _joined(parts: list[Any], dim: int) -> Any:
+    """Every rank's slice of an entry (a tensor, or a tuple of them: a ControlNet's residuals)
+    joined along its token `dim`, on this rank's device (the first part's)."""
+    if isinstance(parts[0], tuple):
+        return tuple(_joined(list(each), dim) for each in zip(*parts, strict=True))
+    here = parts[0].device  # this rank's stage's device
+    return torch.cat([part.to(here) for part in parts], dim=dim)
 
 
 def _keys_mask(parts: Sequence[tuple], at: int, device: torch.device) -> torch.Tensor | None:
