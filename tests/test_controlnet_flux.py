@@ -3,7 +3,8 @@ FLUX.1-dev folder's transformer (1 double and 2 single layers against its 2 and 
 sample feeds several blocks as forward spreads them; their zero layers drawn at random: zeros
 would prove nothing). Our pipeline, over two stages, equals diffusers' FluxControlNetPipeline
 (one net, two at once, a start/end window), and a batch of controlled and plain rows gives each
-row's image alone; over HTTP, two at once equal diffusers' too."""
+row's image alone; a sequence group cuts the residuals with the tokens; over HTTP the same three
+images as diffusers'."""
 
 from __future__ import annotations
 
@@ -172,20 +173,15 @@ def flux_served(
         yield server, root
 
 
-def test_over_http_two_flux_controls_equal_diffusers_and_models_lists_them(
-    flux_served, flux_controlled
+@pytest.mark.parametrize("asked", list(ASKED.values()), ids=list(ASKED))
+def test_over_http_images_equal_diffusers_flux_controlnet_pipeline(
+    flux_served, flux_controlled, asked: list[Control]
 ) -> None:
-    import httpx
     import openai
 
     (server, root), (folder, _, _) = flux_served, flux_controlled
-    asked = ASKED["two at once"]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    body = {
-        "seed": REQUEST.seed,
-        "num_inference_steps": REQUEST.steps,
-        "guidance_scale": REQUEST.guidance_scale,
-    }
+    body = {"seed": REQUEST.seed, "num_inference_steps": REQUEST.steps, "guidance_scale": 3.5}
     answer = client.images.generate(
         prompt=REQUEST.prompt, size="32x32", extra_body={**body, "control": [wire(c) for c in asked]}
     )
@@ -193,6 +189,12 @@ def test_over_http_two_flux_controls_equal_diffusers_and_models_lists_them(
     loaded = {name: FluxControlNetModel.from_pretrained(root / name) for name in "ab"}
     reference = theirs(folder, [loaded[c.model] for c in asked], asked, REQUEST)
     assert np.abs(ours - reference).max() <= 2 / 255
+
+
+def test_models_lists_the_flux_controlnets_with_their_family(flux_served) -> None:
+    import httpx
+
+    server, _ = flux_served
     listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["controlnets"]
     assert [(n["name"], n["class"], n["family"]) for n in listed] == [
         ("a", "FluxControlNetModel", "flux"),
