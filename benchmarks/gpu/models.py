@@ -19,6 +19,7 @@ phase cut short keeps what finished):
 
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
 import subprocess
@@ -383,3 +384,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.freeze()  # exit skips sweeping every module's objects (~1.5 s a phase)
