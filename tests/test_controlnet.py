@@ -242,5 +242,5 @@ def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() ->
     with pytest.raises(InvalidRequest, match="inpainting mask"):
         nets.check([Control("edges", image)], inpainting=True)
     nets.check([Control("edges", image, 0.5, 0.2, 0.8)], inpainting=False)  # fine
-    with pytest.raises(ValueError, match="a sd3 model takes none"):
+    with pytest.raises(ValueError, match="is a ControlNetModel: a sd3 model takes SD3ControlNetModel"):
         ControlNets(SD3, torch.device("cpu"), torch.float32).add("edges", control_for(TINY_UNETS["sd15"]()))

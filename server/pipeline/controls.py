@@ -126,7 +126,8 @@ class ControlNets:
         request's `generator`: before its noise, as FluxControlNetPipeline draws them), on its `rows`."""
         prepared = []
         for c in request.control:
-            image = self.family.control_image(c.image, request.width, request.height, vae, generator)
+            net = self.loaded[c.model]
+            image = self.family.control_image(net, c.image, request.width, request.height, vae, generator)
             image = image.to(self.device, self.dtype).expand(rows, *image.shape[1:]).contiguous()
             prepared.append(RowControl(c, image))
         return tuple(prepared)

@@ -18,6 +18,7 @@ only on refreshing rows, and a reusing row adds the residual they made at its la
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from server.engine.denoisers.blocks import (
 
 CLIP_TOKENS = 77  # both CLIP encoders' hidden states, side by side in the channels
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length; zeros without text_encoder_3
+
+
+CONTROL = {"block_controlnet_hidden_states": "transformer_blocks"}  # an MMDiT ControlNet's residuals
 
 
 class SD3TransformerSpec:
@@ -70,9 +74,14 @@ class SD3TransformerSpec:
         return DenoiserInputs(sample, timestep, context, conditioning)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
-        return Flow(
-            token_rows(inputs, ("pooled_projections",), "MMDiT"), {"size": tuple(inputs.sample.shape[-2:])}
-        )
+        rows = token_rows(inputs, ("pooled_projections", *CONTROL), "MMDiT")
+        if samples := rows.get("block_controlnet_hidden_states"):  # as forward adds them: block i
+            blocks = model.transformer_blocks  # sample int(i / (blocks / samples)), but the last
+            interval = len(blocks) / len(samples)  # block's (its context is not carried on)
+            rows["block_controlnet_hidden_states"] = tuple(
+                None if b.context_pre_only else samples[int(i / interval)] for i, b in enumerate(blocks)
+            )
+        return Flow(rows, {"size": tuple(inputs.sample.shape[-2:])})
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
         calls = {"embed": BlockCall(model, embed)}
@@ -95,7 +104,7 @@ class SD3TransformerSpec:
     def sequence(self, model: nn.Module) -> SequenceSplit:
         """Each transformer block on a slice of the image tokens and of the text tokens."""
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
-        return SequenceSplit(blocks, TOKENS)
+        return SequenceSplit(blocks, {**TOKENS, **dict.fromkeys(CONTROL, 1)})
 
     def tensor(self, model: nn.Module) -> TensorSplit:
         """Each joint block's attention (both streams, and the 3.5 models' second attention) by
@@ -148,14 +157,36 @@ def dit_boundary(blocks: nn.ModuleList, name: str, last: str | None = None) -> C
 def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     hidden = model.pos_embed(rows["sample"]).contiguous()
     temb = model.time_text_embed(rows["timestep"], rows["pooled_projections"])
-    return {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+    out = {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
+    return carried(out, rows, CONTROL)
 
 
 def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     context, hidden = block(
         hidden_states=rows["hidden"], encoder_hidden_states=rows["context"], temb=rows["temb"]
     )
-    return {"hidden": hidden, "temb": rows["temb"], "context": context}
+    out = {"hidden": hidden, "temb": rows["temb"], "context": context}
+    return controlled(out, rows, "block_controlnet_hidden_states", CONTROL)
+
+
+# A ControlNet's residuals, laid out one a block by `begin` (None: a block that takes none), so
+# the blocks of a stream keep one function (and one compiled graph): each takes the first.
+
+
+def carried(out: dict[str, Any], rows: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """`out` with the residuals of `keys` that `rows` carries, passed on."""
+    return {**out, **{key: rows[key] for key in keys if key in rows}}
+
+
+def controlled(out: dict[str, Any], rows: dict[str, Any], key: str, keys: Iterable[str]) -> dict[str, Any]:
+    """A block's output with its residual of `key` added to the image stream, the rest passed on."""
+    out = carried(out, rows, keys)
+    if samples := out.pop(key, None):
+        if samples[0] is not None:
+            out["hidden"] = out["hidden"] + samples[0]
+        if samples[1:]:
+            out[key] = samples[1:]
+    return out
 
 
 def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from server.engine.denoisers.blocks import (
     diffusers_split,
     present,
 )
-from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
+from server.engine.denoisers.dit import TOKENS, carried, controlled, dit_boundary, out, token_rows
 
 # a ControlNet's residuals (FluxControlNetModel's outputs, forward's kwargs), by the stream taking them
 CONTROL = {
@@ -108,8 +108,9 @@ class FluxTransformerSpec:
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
         rows = token_rows(inputs, ("pooled_projections", "guidance", *CONTROL), "FLUX.1")
         for key, stream in CONTROL.items():
-            if key in rows:
-                rows[key] = per_block(rows[key], len(getattr(model, stream)))
+            if key in rows:  # block i takes sample i // ceil(blocks / samples), as forward adds them
+                blocks, samples = len(getattr(model, stream)), rows[key]
+                rows[key] = tuple(samples[i // math.ceil(blocks / len(samples))] for i in range(blocks))
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
         # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
@@ -175,17 +176,17 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     else:
         temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, rows["pooled_projections"])
     out = {"hidden": hidden, "temb": temb, "context": model.context_embedder(rows["context"])}
-    return {**out, **{key: rows[key] for key in CONTROL if key in rows}}
+    return carried(out, rows, CONTROL)
 
 
 def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     """A double-stream block."""
-    return controlled(_joint(block, rows, shared), rows, "controlnet_block_samples")
+    return controlled(_joint(block, rows, shared), rows, "controlnet_block_samples", CONTROL)
 
 
 def single(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     """A single-stream block (it takes and returns the streams apart, as a double one)."""
-    return controlled(_joint(block, rows, shared), rows, "controlnet_single_block_samples")
+    return controlled(_joint(block, rows, shared), rows, "controlnet_single_block_samples", CONTROL)
 
 
 def _joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
@@ -196,22 +197,3 @@ def _joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> di
         image_rotary_emb=shared["rotary"],
     )
     return {"hidden": hidden, "temb": rows["temb"], "context": context}
-
-
-def per_block(samples: tuple[torch.Tensor, ...], blocks: int) -> tuple[torch.Tensor, ...]:
-    """A stream's control residuals one a block: block i's is sample i // ceil(blocks / samples)."""
-    interval = math.ceil(blocks / len(samples))
-    return tuple(samples[i // interval] for i in range(blocks))
-
-
-def controlled(out: dict[str, Any], rows: dict[str, Any], key: str) -> dict[str, Any]:
-    """A block's output with its control residual added (if its stream has them), the rest of
-    the residuals passed on."""
-    for each in CONTROL:
-        if each in rows:
-            out[each] = rows[each]
-    if samples := out.pop(key, None):
-        out["hidden"] = out["hidden"] + samples[0]
-        if samples[1:]:
-            out[key] = samples[1:]
-    return out

@@ -120,10 +120,11 @@ class Rank:
         """This rank's slice of a whole flow (a view: nothing moves)."""
         rows, cuts = dict(flow.rows), {}
         for key, dim in self.split.tokens.items():
-            value = rows.get(key)
-            if value is None or (isinstance(value, tuple) and not value):
+            value = rows.get(key)  # a tensor, or a tuple of them (a ControlNet's residuals; None: none)
+            first = value if not isinstance(value, tuple) else next((t for t in value if t is not None), None)
+            if first is None:
                 continue
-            length = (value if isinstance(value, torch.Tensor) else value[0]).shape[dim]
+            length = first.shape[dim]
             start, stop = chunks(length, self.size)[self.index]
             rows[key] = map_rows(value, lambda t, d=dim, s=start, n=stop - start: t.narrow(d, s, n))
             cuts[key] = (start, stop, length)
@@ -196,6 +197,8 @@ def _joined(parts: list[Any], dim: int) -> Any:
     joined along its token `dim`, on this rank's device (the first part's)."""
     if isinstance(parts[0], tuple):
         return tuple(_joined(list(each), dim) for each in zip(*parts, strict=True))
+    if parts[0] is None:
+        return None
     here = parts[0].device  # this rank's stage's device
     return torch.cat([part.to(here) for part in parts], dim=dim)
 

@@ -290,9 +290,9 @@ class Family:
         return None
 
     def control_image(
-        self, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+        self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
     ) -> torch.Tensor:
-        """A control image [1, ...] as the family's ControlNet pipeline gives its net: here RGB in
+        """A control image [1, ...] as the family's ControlNet pipeline gives `net`: here RGB in
         [0, 1] at the image's size (StableDiffusion(XL)ControlNetPipeline's processor)."""
         processor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)
         return processor.preprocess(image, height=height, width=width).to(torch.float32)
@@ -305,6 +305,11 @@ class Family:
             added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"), return_dict=False,
         )  # fmt: skip
         return {"down_block_additional_residuals": tuple(down), "mid_block_additional_residual": mid}
+
+
+def inner_width(config: dict[str, Any]) -> int:
+    """A DiT's (or its ControlNet's) block width: the last dim of a ControlNet's residuals."""
+    return config["num_attention_heads"] * config["attention_head_dim"]
 
 
 def tokenize(tokenizer: Any, prompts: list[str]) -> Any:

@@ -21,7 +21,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from server.engine.denoisers.flux import T5_TOKENS, image_ids, pack
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, tokenize
+from server.pipeline.families.base import Asked, TextEmbeddings, inner_width, tokenize
 from server.pipeline.families.flow import PackedFlow
 
 # FLUX.1's transformer/config.json (dev and schnell differ only in guidance_embeds): diffusers'
@@ -72,11 +72,6 @@ FLUX_VAE = {
     "use_quant_conv": False,
     "use_post_quant_conv": False,
 }
-
-
-def inner_width(config: dict[str, Any]) -> int:
-    """A FLUX.1 transformer's (or ControlNet's) block width: what its residuals' last dim is."""
-    return config["num_attention_heads"] * config["attention_head_dim"]
 
 
 class Flux(PackedFlow):
@@ -147,7 +142,7 @@ class Flux(PackedFlow):
         return None
 
     def control_image(
-        self, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+        self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
     ) -> torch.Tensor:
         """FluxControlNetPipeline's: RGB in [-1, 1], encoded by the VAE (a sample, drawn from the
         request's generator before its noise, as the pipeline draws it), scaled, packed."""

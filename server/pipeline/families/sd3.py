@@ -10,13 +10,14 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import SD3Transformer2DModel
+from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 
 from server.engine.denoisers.dit import (
     T5_TOKENS,  # diffusers' max_sequence_length default: T5's, or its zeros'
 )
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, penultimate_states
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, inner_width, penultimate_states
 
 
 class SD3(Family):
@@ -37,6 +38,7 @@ class SD3(Family):
     keep_precise: ClassVar[tuple[str, ...]] = ("context_embedder", "norm_out", "proj_out")
     default_steps: ClassVar[int] = 28
     default_guidance: ClassVar[float] = 7.0
+    controlnets: ClassVar[tuple[str, ...]] = ("SD3ControlNetModel",)
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {
         "sd3": {  # stabilityai/stable-diffusion-3-medium-diffusers, transformer/config.json
             "sample_size": 128,
@@ -99,6 +101,41 @@ class SD3(Family):
             slope = (high - low) / (top - base)
             kwargs["mu"] = tokens * slope + (low - slope * base)
         scheduler.set_timesteps(steps, device=device, **kwargs)
+
+    def control_refusal(self, config: dict[str, Any]) -> str | None:
+        if config.get("extra_conditioning_channels"):
+            return "an SD3 ControlNet with extra conditioning channels (a mask's) is not supported yet"
+        if not config.get("use_pos_embed", True):
+            return "an SD3.5 ControlNet without a position embedding of its own (8B) is not supported yet"
+        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
+        if width != ours:
+            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
+        return None
+
+    def control_image(
+        self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+    ) -> torch.Tensor:
+        """StableDiffusion3ControlNetPipeline's: RGB in [-1, 1], encoded by the VAE, scaled (not
+        shifted for InstantX's nets, those with a zero pooled projection). It samples the VAE's
+        posterior from torch's global generator, unseeded; we take its mode, so a seed draws one
+        image (the same within a trained VAE's narrow posterior)."""
+        pixels = VaeImageProcessor().preprocess(image, height=height, width=width)
+        device = next(vae.parameters()).device
+        latents = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
+        if net.config.force_zeros_for_pooled_projection:
+            return latents * self.config.vae["scaling_factor"]
+        return self.scale_latents(latents)
+
+    def control_residuals(self, net: nn.Module, inputs: Any, image: torch.Tensor) -> dict[str, Any]:
+        pooled, config = inputs.conditioning["pooled_projections"], net.config
+        if config.force_zeros_for_pooled_projection:  # InstantX's nets, as the pipeline feeds them
+            pooled = torch.zeros_like(pooled)
+        (samples,) = net(
+            hidden_states=inputs.sample, controlnet_cond=image, conditioning_scale=1.0,
+            encoder_hidden_states=inputs.context if config.joint_attention_dim is not None else None,
+            pooled_projections=pooled, timestep=inputs.timestep, return_dict=False,
+        )  # fmt: skip
+        return {"block_controlnet_hidden_states": tuple(samples)}
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         index = self.config.index
