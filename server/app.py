@@ -254,6 +254,8 @@ def create_app(
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
     app.state.serve_metrics = serve_metrics
     app.state.makes_videos = read_family(settings.model).clip is not None  # configs only
+    # an edit form's text fields: a JSON body's bytes, and its controls' images in base64
+    app.state.form_text_bytes = settings.max_body_bytes + _control_bytes(settings)
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     dtype = str(settings.torch_dtype).removeprefix("torch.")
@@ -279,7 +281,7 @@ def create_app(
         read_timeout_s=settings.read_timeout_s,
         whole=_control_bodies(settings),
         by_path={
-            "/v1/images/edits": (settings.edit_body_bytes, image_settings),
+            "/v1/images/edits": (settings.edit_body_bytes + _control_bytes(settings), image_settings),
             # a video's first frame (input_reference) beside its fields
             "/v1/videos": (
                 settings.max_image_bytes + settings.max_body_bytes,
@@ -294,13 +296,19 @@ def create_app(
     return app
 
 
+def _control_bytes(settings: Settings) -> int:
+    """With ControlNets served, a body may carry MAX_CONTROLS control images in base64 (a
+    generation's in its JSON, an edit's in its `control` field)."""
+    if not settings.controlnet:
+        return 0
+    return MAX_CONTROLS * (4 * math.ceil(settings.max_image_bytes / 3) + DATA_URL_PREFIX)
+
+
 def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
-    """With ControlNets served, a generation's body may carry MAX_CONTROLS images in base64."""
     if not settings.controlnet:
         return {}
-    images = MAX_CONTROLS * (4 * math.ceil(settings.max_image_bytes / 3) + DATA_URL_PREFIX)
     named = "DIFFSHARD_MAX_BODY_BYTES, DIFFSHARD_MAX_IMAGE_BYTES"
-    return {"/v1/images/generations": (settings.max_body_bytes + images, named)}
+    return {"/v1/images/generations": (settings.max_body_bytes + _control_bytes(settings), named)}
 
 
 def _bounds(settings: Settings, keyed: bool) -> Bounds:

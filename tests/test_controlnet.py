@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ import torch
 from diffusers import (
     ControlNetModel,
     MultiControlNetModel,
+    StableDiffusionControlNetImg2ImgPipeline,
+    StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
     UNet2DConditionModel,
 )
@@ -28,8 +31,10 @@ from server.engine.denoisers.unet import CONTROL
 from server.engine.runtime.call import CacheAsk
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.controls import Control
+from server.pipeline.edits import Edit
 from server.pipeline.lora import Adapter, LoraPair
 from tests.conftest import TINY_UNETS
+from tests.test_edits import left_half_mask, source_image
 from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
 
 ROWS = 2
@@ -146,18 +151,24 @@ def controlled(folders: dict[str, Path]) -> tuple[Pipeline, dict[str, ControlNet
 
 
 def diffusers_controlled(
-    folder: Path, nets: list[ControlNetModel], controls: list[Control], kind=StableDiffusionControlNetPipeline
+    folder: Path,
+    nets: list[ControlNetModel],
+    controls: list[Control],
+    kind=StableDiffusionControlNetPipeline,
+    **edit: Any,
 ) -> np.ndarray:
-    """What diffusers' ControlNet pipeline `kind` draws for GUIDED with `controls`."""
+    """What diffusers' ControlNet pipeline `kind` draws for GUIDED with `controls` (and `edit`:
+    an edit pipeline's image, mask and strength, its control image as `control_image`)."""
     net = nets[0] if len(nets) == 1 else MultiControlNetModel(nets)
     pipe = kind.from_pretrained(
         folder, controlnet=net, local_files_only=True, use_safetensors=True, safety_checker=None
     )
     pipe.set_progress_bar_config(disable=True)
     one = len(controls) == 1
+    control = controls[0].image if one else [c.image for c in controls]
+    images = {"image": edit.pop("image"), "control_image": control} if edit else {"image": control}
     return diffusers_image(
-        pipe, replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE),
-        image=controls[0].image if one else [c.image for c in controls],
+        pipe, replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE), **images, **edit,
         controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
         control_guidance_start=controls[0].start if one else [c.start for c in controls],
         control_guidance_end=controls[0].end if one else [c.end for c in controls],
@@ -237,10 +248,38 @@ def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() ->
     ]
     for controls, says in cases:
         with pytest.raises(InvalidRequest, match=says) as caught:
-            nets.check(controls, inpainting=False)
+            nets.check(controls)
         assert caught.value.field == "control"
-    with pytest.raises(InvalidRequest, match="inpainting mask"):
-        nets.check([Control("edges", image)], inpainting=True)
-    nets.check([Control("edges", image, 0.5, 0.2, 0.8)], inpainting=False)  # fine
+    nets.check([Control("edges", image, 0.5, 0.2, 0.8)])  # fine
     with pytest.raises(ValueError, match="is a ControlNetModel: a sd3 model takes SD3ControlNetModel"):
         ControlNets(SD3, torch.device("cpu"), torch.float32).add("edges", control_for(TINY_UNETS["sd15"]()))
+
+
+EDITED = {  # control with an edit: img2img (a window over the steps its strength leaves), inpainting
+    "img2img": (Edit(source_image(), None, 0.75, keep_unmasked=False), ASKED["a window"]),
+    "inpainting": (Edit(source_image(), left_half_mask(), 0.75, keep_unmasked=False), ASKED["one"]),
+}
+EDIT_PIPELINES = {
+    "img2img": StableDiffusionControlNetImg2ImgPipeline,
+    "inpainting": StableDiffusionControlNetInpaintPipeline,
+}
+
+
+@pytest.mark.parametrize("kind", list(EDITED))
+def test_control_with_an_edit_equals_diffusers_controlnet_edit_pipelines(
+    folders: dict[str, Path], controlled: tuple[Pipeline, dict[str, ControlNetModel]], kind: str
+) -> None:
+    """img2img and inpainting with a control give StableDiffusionControlNet(Img2Img|Inpaint)Pipeline's
+    image: the window counts the steps the edit's strength runs, as diffusers' `controlnet_keep`."""
+    pipeline, nets = controlled
+    edit, asked = EDITED[kind]
+    request = pipeline.resolve(replace(GUIDED, edit=edit, control=tuple(asked)))
+    ours = pipeline.generate([request])[0]
+    masked = {"mask_image": edit.mask} if edit.mask else {}
+    theirs = diffusers_controlled(
+        folders["sd15"], [nets[c.model] for c in asked], asked, EDIT_PIPELINES[kind],
+        image=edit.image, strength=edit.strength, **masked,
+    )  # fmt: skip
+    plain = pipeline.generate([replace(request, control=())])[0]
+    assert np.abs(ours - theirs).max() < TOLERANCE, np.abs(ours - theirs).max()
+    assert np.abs(ours - plain).max() > 0.05  # the control steered the edit

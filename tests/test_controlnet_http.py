@@ -1,13 +1,15 @@
 """ControlNets served over HTTP (issue 54): `--controlnet NAME=FOLDER` on the tiny SD-1.5 folder,
 through uvicorn and OpenAI's SDK (`control` in `extra_body`). Each image equals diffusers'
 StableDiffusionControlNetPipeline within 2/255 (one control, two at once, a start/end window);
-/v1/models lists the ControlNets with the family they fit; bad controls are refused naming the
-field and its limit, and the server goes on serving; a bad folder stops the start, named."""
+an inpainting edit with a control equals StableDiffusionControlNetInpaintPipeline's; /v1/models
+lists the ControlNets with the family they fit; bad controls are refused naming the field and its
+limit, and the server goes on serving; a bad folder stops the start, named."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,15 @@ from server.pipeline.controls import Control
 from server.pipeline.loader import read_family
 from server.planned import plan_for
 from tests.live import LiveServer, live_server
-from tests.test_controlnet import ASKED, GUIDED, diffusers_controlled, drawn, folder_controlnet
+from tests.test_controlnet import (
+    ASKED,
+    EDIT_PIPELINES,
+    EDITED,
+    GUIDED,
+    diffusers_controlled,
+    drawn,
+    folder_controlnet,
+)
 from tests.tiny_pipelines import IMAGE_SIZE
 
 
@@ -43,10 +53,14 @@ def served(folders: dict[str, Path], nets: dict[str, Path]) -> Iterator[LiveServ
         yield server
 
 
-def png_base64(image: Image.Image) -> str:
+def png_bytes(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
-    return base64.b64encode(out.getvalue()).decode()
+    return out.getvalue()
+
+
+def png_base64(image: Image.Image) -> str:
+    return base64.b64encode(png_bytes(image)).decode()
 
 
 def wire(control: Control, data_url: bool = False) -> dict:
@@ -149,6 +163,51 @@ def test_models_and_shards_list_the_controlnets_and_bad_controls_are_named(
     with pytest.raises(openai.BadRequestError, match="at most 4 controls"):
         generate(served, control=five)
     generate(served, control=[{"model": "a", "image": circle}])  # still serving
+
+
+def test_over_http_an_inpainting_edit_with_a_control_equals_diffusers_pipeline(
+    served: LiveServer, folders: dict[str, Path], nets: dict[str, Path]
+) -> None:
+    """`control` on /v1/images/edits (JSON text in the form, as the SDK sends `extra_body`): the
+    image StableDiffusionControlNetInpaintPipeline draws; bad controls named as on generations."""
+    from diffusers import ControlNetModel
+
+    edit, asked = EDITED["inpainting"]
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    alpha = np.where(np.asarray(edit.mask) == 255, 0, 255).astype(np.uint8)  # OpenAI's: clear repaints
+    mask = Image.fromarray(np.dstack([np.zeros((*alpha.shape, 3), np.uint8), alpha]), "RGBA")
+    extra = {
+        "negative_prompt": GUIDED.negative_prompt, "seed": GUIDED.seed, "num_inference_steps": GUIDED.steps,
+        "guidance_scale": GUIDED.guidance_scale, "strength": edit.strength, "keep_unmasked": False,
+    }  # fmt: skip
+
+    def edited(control: object) -> np.ndarray:
+        answer = client.images.edit(
+            image=("source.png", png_bytes(edit.image)), mask=("mask.png", png_bytes(mask)),
+            prompt=GUIDED.prompt, extra_body={**extra, "control": control},
+        )  # fmt: skip
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), np.float32) / 255
+
+    ours = edited(json.dumps([wire(c) for c in asked]))
+    net = ControlNetModel.from_pretrained(nets[asked[0].model], use_safetensors=True)
+    theirs = diffusers_controlled(
+        folders["sd15"], [net], asked, EDIT_PIPELINES["inpainting"],
+        image=edit.image, mask_image=edit.mask, strength=edit.strength,
+    )  # fmt: skip
+    assert np.abs(ours - theirs).max() <= 2 / 255
+    for control, says in (
+        ("[{not json", "is not valid JSON: send a list"),
+        (json.dumps([{"model": "aa", "image": png_base64(asked[0].image)}]), "did you mean 'a'"),
+        ([wire(asked[0])], "send it as one field of JSON text"),  # the SDK flattens a list: control[][model]
+    ):
+        with pytest.raises(openai.BadRequestError, match=says) as caught:
+            edited(control)
+        assert caught.value.param == "control", caught.value.body
+    assert np.abs(edited(json.dumps([wire(c) for c in asked])) - ours).max() == 0  # still serving
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 128, 4), np.uint8))
+    large = json.dumps([wire(Control("a", noise))])
+    assert len(large) > Settings().max_body_bytes  # a control image takes its image bound, not the body's
+    assert edited(large).shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
 
 
 def test_a_bad_controlnet_folder_stops_the_start_naming_it(tmp_path: Path, nets: dict[str, Path]) -> None:

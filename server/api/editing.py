@@ -20,8 +20,13 @@ from server.api.uploads import MASK_FORMATS, mask_to_repaint, read_image
 from server.errors import InvalidRequest
 from server.serving import Edit, Limits
 
-JSON_FIELDS = ("lora", "step_cache")  # step_cache: a policy's name, or JSON
+JSON_FIELDS = ("lora", "step_cache", "control")  # step_cache: a policy's name, or JSON
 MAX_FORM_FIELDS = 64  # text fields: the body's fields, each once
+EXAMPLES = {
+    "lora": 'an object, e.g. {"style": 0.8}',
+    "step_cache": 'an object, e.g. {"policy": "deep", "interval": 3}',
+    "control": 'a list, e.g. [{"model": "edges", "image": "<base64>", "scale": 0.8}]',
+}
 DEFAULT_STRENGTH = 0.8  # img2img: diffusers' default; inpainting repaints fully (1.0)
 
 
@@ -34,7 +39,7 @@ async def read_edit_form(
     if not content_type.startswith("multipart/form-data"):
         message = f"send an edit as multipart/form-data (image, mask, prompt, ...), not {content_type!r}"
         raise APIError(400, message, code="invalid_content_type")
-    form = await read_form(request, form_limits(limits, request.app.state.settings.max_body_bytes))
+    form = await read_form(request, form_limits(limits, request.app.state.form_text_bytes))
     try:
         body = ImageEditRequest.model_validate(form_fields(form.fields))
     except ValidationError as err:
@@ -81,14 +86,17 @@ def form_limits(limits: Limits, max_text_bytes: int) -> FormLimits:
 def form_fields(text: dict[str, str]) -> dict[str, object]:
     """A form's text fields as a JSON body holds them: `lora`, and `step_cache` as an object, sent
     either as JSON text or as OpenAI's SDKs send a nested object in a form, a field a key
-    (`lora[style]=0.8`, `step_cache[threshold]=0.2`), whose numbers are read as numbers."""
+    (`lora[style]=0.8`, `step_cache[threshold]=0.2`), whose numbers are read as numbers;
+    `control`, a list of objects, as JSON text only (a flattened list loses which key is whose)."""
     fields: dict[str, object] = {}
     nested: dict[str, dict[str, object]] = {}
     for name, value in text.items():
         outer, bracket, inner = name.partition("[")
+        if bracket and outer == "control":  # a list: SDKs flatten it to control[][model]... fields
+            raise InvalidRequest("control", f"send it as one field of JSON text: {EXAMPLES['control']}")
         if bracket and outer in JSON_FIELDS and inner.endswith("]") and "[" not in inner:
             nested.setdefault(outer, {})[inner[:-1]] = _number_or_text(value)
-        elif name in JSON_FIELDS and (name == "lora" or value.lstrip().startswith("{")):
+        elif name in JSON_FIELDS and (name != "step_cache" or value.lstrip().startswith("{")):
             fields[name] = json_field(name, value)  # as the JSON route: too deep is a 400, not a crash
         else:
             fields[name] = value
@@ -114,8 +122,7 @@ def json_field(name: str, text: str) -> object:
     except RecursionError:
         raise InvalidRequest(name, "is nested too deeply to parse") from None
     except ValueError:
-        example = '{"style": 0.8}' if name == "lora" else '{"policy": "deep", "interval": 3}'
-        raise InvalidRequest(name, f"is not valid JSON: send an object, e.g. {example}") from None
+        raise InvalidRequest(name, f"is not valid JSON: send {EXAMPLES[name]}") from None
 
 
 def check_fidelity(fidelity: str | None, keep_unmasked: bool, *, masked: bool) -> None:

@@ -264,6 +264,12 @@ def _edit_form(b: Bounds) -> dict[str, Any]:
         "type": "string",
         "description": 'a JSON object of adapters and scales, e.g. {"style": 0.8}',
     }
+    props["control"] = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "description": 'a JSON list of controls, as generations take them, e.g. [{"model": "edges", '
+        '"image": "<base64>", "scale": 0.8}]',
+    }
     step_cache = props["step_cache"]
     default = step_cache.get("default")
     props["step_cache"] = {  # a form's fields are text: the policy's name, or its object as JSON

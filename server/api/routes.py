@@ -28,7 +28,6 @@ from server.api.schemas import (
     read_controls,
 )
 from server.api.streaming import EVENTS, Feed, image_events
-from server.errors import InvalidRequest
 from server.serving import Job, Service, encode_async
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -88,11 +87,11 @@ async def edit_images(
     request: Request, response: Response, service: ServiceDep
 ) -> ImagesResponse | StreamingResponse:
     """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
-    transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask."""
+    transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask.
+    `control` (JSON text) steers the edit as it steers a generation."""
     body, edits = await read_edit_form(request, service.limits, together=service.edits_by_reference)
-    if body.control:
-        raise InvalidRequest("control", "is served on /v1/images/generations; edits do not take it yet")
-    requests = generation_requests(body, service.name, service.limits.max_n, edits)
+    controls = read_controls(body.control, service.limits)
+    requests = generation_requests(body, service.name, service.limits.max_n, edits, controls)
     return await _answer(body, requests, request, response, service, "image_edit")
 
 

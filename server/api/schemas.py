@@ -137,7 +137,8 @@ class ImageGenerationRequest(BaseModel):
 
 class ImageEditRequest(ImageGenerationRequest):
     """`POST /v1/images/edits`' fields beside its files (`image`, `mask`): form fields are text,
-    so numbers and booleans are read from it ("2", "true"), and `lora` is a JSON object."""
+    so numbers and booleans are read from it ("2", "true"), `lora` is a JSON object and `control`
+    a JSON list."""
 
     model_config = ConfigDict(strict=False, extra="forbid")
 

@@ -105,12 +105,10 @@ class ControlNets:
             for name, net in self.loaded.items()
         ]
 
-    def check(self, controls: Sequence[Control], inpainting: bool) -> None:
+    def check(self, controls: Sequence[Control]) -> None:
         """Raise InvalidRequest naming `control` where a request's controls cannot run here."""
         if len(controls) > MAX_CONTROLS:
             raise InvalidRequest("control", f"at most {MAX_CONTROLS} controls a request; got {len(controls)}")
-        if controls and inpainting:
-            raise InvalidRequest("control", "a control with an inpainting mask is not supported yet")
         for c in controls:
             if c.model not in self.loaded:
                 unknown_net = unknown("ControlNet", c.model, self.loaded, "this server serves none")

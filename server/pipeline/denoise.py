@@ -203,7 +203,7 @@ class Pipeline:
         for name, _ in request.lora:
             if name not in self.adapters.loaded:
                 raise InvalidRequest("lora", unknown_adapter(name, self.adapters.loaded))
-        self.controlnets.check(request.control, request.edit is not None and request.edit.mask is not None)
+        self.controlnets.check(request.control)
         return resolve(request, self.defaults, self.family)
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
