@@ -6,11 +6,13 @@ A silhouette drawn where the base model does not put its shape (a small circle i
 uploaded as the control image: the request carries it as a data URL with the ControlNet's name
 and scale, the card shows it beside the result, the result is the API's image for that very body,
 and its shape sits on the silhouette (intersection over union), where the plain image's does not.
+Edit mode keeps the control: an edit's form sends it as JSON text, and the page shows the API's image.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from selenium.webdriver.support.ui import Select
 
 from server.demo.train_controlnet import silhouettes
 from tests import test_playground as page
+from tests import test_playground_edit as edits
 from tests.live import LiveServer
 
 browser = page.browser  # the same fixtures: one Chromium, the shared make-run server
@@ -91,4 +94,20 @@ def test_a_control_upload_makes_an_image_that_follows_it(
 
     follows, ignores = overlap(shape_of(controlled), wanted), overlap(shape_of(plain), wanted)
     assert follows > 0.5 and follows > ignores + 0.2, (follows, ignores)
+
+    # the plain image edited with the control on: its form carries the same list as JSON text
+    choice.select_by_value("silhouette")
+    browser.execute_script(edits.RECORD_SENT)
+    browser.find_element(By.CSS_SELECTOR, ".card .edit-this").click()
+    until(browser, lambda b: b.find_element(By.ID, "canvas-frame").is_displayed(), "the editor")
+    assert browser.find_element(By.ID, "control").is_displayed()
+    browser.find_element(By.ID, "go").click()
+    until(browser, staleness_of(plain_image), "the edit")
+    [edited] = final_images(browser, 1)
+    [edit] = [s for s in edits.sent(browser) if "path" in s]  # RECORD_REQUESTS's entry beside it: none
+    assert edit["path"] == "/v1/images/edits"
+    assert json.loads(edits.form_fields(edit)["control"]) == [sent]
+    np.testing.assert_array_equal(shown_pixels(browser, edited), edits.api_edit(server, edit))
+    caption = browser.find_element(By.CSS_SELECTOR, ".card .control-image figcaption")
+    assert caption.text == "Control: silhouette at 1.00"
     assert not [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]

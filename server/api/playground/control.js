@@ -1,6 +1,6 @@
 // The form's ControlNet: one of those GET /v1/models lists (the server loads them at startup),
-// a control image read from a file (edges, a depth map, a pose), and its scale; a generation
-// carries it as `control`, and its cards show the control image beside the result.
+// a control image read from a file (edges, a depth map, a pose), and its scale; a generation or
+// an edit carries it as `control`, and its cards show the control image beside the result.
 
 const $ = (id) => document.getElementById(id);
 let image = null; // the chosen file as a data URL, read once when it is chosen

@@ -127,7 +127,7 @@ function invalidField() {
     }
   }
   if (!$("prompt").value.trim()) return { text: "Write a prompt first.", param: "prompt" };
-  return mode() === "generate" ? controlProblem() : null;
+  return mode() === "video" ? null : controlProblem();
 }
 
 function requestBody() {
@@ -144,7 +144,7 @@ function requestBody() {
   const lora = chosenAdapters();
   if (lora) body.lora = lora;
   if (mode() === "video") return body; // a video job (POST /v1/videos) takes no more
-  const control = mode() === "generate" ? chosenControl() : null;
+  const control = chosenControl(); // generations and edits (an edit's form sends it as JSON text)
   if (control) body.control = control;
   Object.assign(body, {
     n: form.n.valueAsNumber,
