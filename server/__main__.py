@@ -60,6 +60,7 @@ PLAN_SETTINGS = (
     "denoiser_file",
     "vae_tiling",
     "controlnet",
+    "controlnet_dir",
 )
 
 

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
 from server import __version__
-from server.api import docs, health, playground, routes, videos
+from server.api import admin, docs, health, playground, routes, videos
 from server.api.errors import install_error_handlers
 from server.api.hosts import TrustedHosts
 from server.api.limits import BodyLimit
@@ -92,7 +92,7 @@ def load_service(
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))
         log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
-    for name, folder in settings.controlnet.items():  # one of another family stops the start, naming it
+    for name, folder in settings.controlnets.items():  # one of another family stops the start, naming it
         pipeline.controlnets.load(name, folder)
         log.info("ControlNet %s: %s", name, folder)
 
@@ -268,6 +268,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(routes.router)
+    app.include_router(admin.router)
     app.include_router(videos.router)
     app.include_router(playground.router)
     app.include_router(docs.router)
@@ -297,15 +298,15 @@ def create_app(
 
 
 def _control_bytes(settings: Settings) -> int:
-    """With ControlNets served, a body may carry MAX_CONTROLS control images in base64 (a
-    generation's in its JSON, an edit's in its `control` field)."""
-    if not settings.controlnet:
+    """With ControlNets served (or loadable at runtime), a body may carry MAX_CONTROLS control
+    images in base64 (a generation's in its JSON, an edit's in its `control` field)."""
+    if not (settings.controlnet or settings.controlnet_dir):
         return 0
     return MAX_CONTROLS * (4 * math.ceil(settings.max_image_bytes / 3) + DATA_URL_PREFIX)
 
 
 def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
-    if not settings.controlnet:
+    if not _control_bytes(settings):
         return {}
     named = "DIFFSHARD_MAX_BODY_BYTES, DIFFSHARD_MAX_IMAGE_BYTES"
     return {"/v1/images/generations": (settings.max_body_bytes + _control_bytes(settings), named)}

@@ -19,15 +19,18 @@ from server.config_values import (
     CompileSizes,
     ControlNetFolders,
     Devices,
+    Folder,
     GpuName,
     JobStoreURL,
+    KeyFile,
     Loras,
     PoolBudgets,
     QuantizeValue,
+    ServedStrategy,
     StepCacheSetting,
     VaeTilingValue,
-    read_api_keys,
     trusted_hosts,
+    with_folder,
 )
 from server.demo import MODEL_DIR
 from server.engine import Costs, Parallel, Strategy
@@ -39,6 +42,7 @@ from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.runtime.compile import CompileMode
 from server.errors import ConfigError
 from server.pipeline.clips import work_limit
+from server.pipeline.controls import controlnet_folder
 from server.pipeline.families import Family, pipeline_classes
 from server.pipeline.loader import gguf_tensor_bytes, read_family
 from server.pipeline.quantizing import QuantizeSetting, check_parts
@@ -49,7 +53,6 @@ from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILT_IN_NAME = "diffshard-shapes"
-SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)
 
 
 class Settings(BaseSettings):
@@ -75,7 +78,9 @@ class Settings(BaseSettings):
     devices: Devices = Field(
         "auto", description="auto (every GPU, else cpu) | cpu | cuda:0,cuda:1 ... in order"
     )
-    strategy: Strategy = Field(Strategy.MEMORY, description="how to split the denoiser: even, memory or cost")
+    strategy: ServedStrategy = Field(
+        Strategy.MEMORY, description="how to split the denoiser: even, memory or cost"
+    )
     parallel: Parallel = Field(
         Parallel.AUTO,
         description="with several devices: replicas, pipeline (stages busy with micro-batches at once), "
@@ -166,11 +171,18 @@ class Settings(BaseSettings):
         "in the variable: comma-separated)",
         json_schema_extra={"repeatable": True},
     )
-    lora_dir: Path | None = Field(
-        None, description="a folder whose every .safetensors file is an adapter, named by its stem"
+    lora_dir: Folder | None = Field(
+        None,
+        description="a folder whose every .safetensors file is an adapter, named by its stem; admins "
+        "load more from it at runtime (POST /v1/adapters)",
     )
-    api_key_file: Path | None = Field(None, description="bearer keys, one a line; unset: no auth")
-    admin_key_file: Path | None = Field(
+    controlnet_dir: Folder | None = Field(
+        None,
+        description="a folder whose every subfolder is a ControlNet, named by it; admins load more from "
+        "it at runtime (POST /v1/controlnets)",
+    )
+    api_key_file: KeyFile | None = Field(None, description="bearer keys, one a line; unset: no auth")
+    admin_key_file: KeyFile | None = Field(
         None, description="operators' bearer keys, one a line: they also see every key's jobs in /v1/stats"
     )
 
@@ -298,13 +310,6 @@ class Settings(BaseSettings):
         gguf_tensor_bytes(path)  # an unreadable file fails now, naming it
         return path
 
-    @field_validator("strategy")
-    @classmethod
-    def _strategy(cls, strategy: Strategy) -> Strategy:
-        if strategy not in SERVED_STRATEGIES:
-            raise ValueError(f"must be one of {', '.join(SERVED_STRATEGIES)}")
-        return strategy
-
     @field_validator("max_memory")
     @classmethod
     def _budgets_name_devices(cls, budgets: dict[str, int], info) -> dict[str, int]:
@@ -313,13 +318,6 @@ class Settings(BaseSettings):
             if devices and device not in devices:
                 raise ValueError(f"names {device}, which is not among the devices {list(devices)}")
         return budgets
-
-    @field_validator("api_key_file", "admin_key_file")
-    @classmethod
-    def _key_file(cls, path: Path | None) -> Path | None:
-        if path is not None and not read_api_keys(path):
-            raise ValueError(f"{path} holds no keys: write one key a line")
-        return path
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -334,22 +332,21 @@ class Settings(BaseSettings):
         cpu_bf16 = cpu_serves_bf16(self.threads or cpu_quota(), self.cache_dir)
         return torch.bfloat16 if cpu_bf16 and best == torch.bfloat16 else torch.float32
 
-    @field_validator("lora_dir")
-    @classmethod
-    def _lora_dir(cls, folder: Path | None) -> Path | None:
-        if folder is not None and not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder")
-        return folder
-
     @property
     def adapters(self) -> dict[str, Path]:
         """Every adapter to serve: `lora` entries, then `lora_dir`'s files (a name given twice: error)."""
-        found = dict(self.lora)
-        for path in sorted(self.lora_dir.glob("*.safetensors")) if self.lora_dir else ():
-            if path.stem in found:
-                raise ConfigError(f"two adapters are named {path.stem!r} (--lora and --lora-dir)")
-            found[path.stem] = path
-        return found
+        files = sorted(self.lora_dir.glob("*.safetensors")) if self.lora_dir else []
+        return with_folder(self.lora, {f.stem: f for f in files}, "adapters", "--lora and --lora-dir")
+
+    @property
+    def controlnets(self) -> dict[str, Path]:
+        """Every ControlNet to serve: `controlnet` entries, then `controlnet_dir`'s subfolders."""
+        found = sorted(p for p in self.controlnet_dir.iterdir() if p.is_dir()) if self.controlnet_dir else []
+        try:
+            listed = {p.name: controlnet_folder(p) for p in found}
+        except ValueError as error:
+            raise ConfigError(f"--controlnet-dir: {error}") from None
+        return with_folder(self.controlnet, listed, "ControlNets", "--controlnet and --controlnet-dir")
 
     @property
     def trusted_hosts(self) -> tuple[str, ...]:

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import AfterValidator, BeforeValidator
 from pydantic_settings import NoDecode
 
+from server.engine import Strategy
 from server.engine.hardware.devices import parse_memory_map, parse_size, resolve_devices
 from server.engine.hardware.gpus import gpu_profile
 from server.engine.runtime.pool import ANY_DEVICE
+from server.errors import ConfigError
 from server.pipeline.controls import controlnet_folder
 from server.pipeline.quantizing import QuantizeSetting, parse_quantize
 from server.pipeline.stepcache import StepCache, parse_step_cache
@@ -59,6 +61,43 @@ def _adapter_file(path: Path) -> Path:
     if path.suffix != ".safetensors" or not path.is_file():
         raise ValueError(f"{path} is not a .safetensors file (adapters load from safetensors only)")
     return path
+
+
+def _folder(path: Path) -> Path:
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder")
+    return path
+
+
+Folder = Annotated[Path, AfterValidator(_folder)]
+
+
+SERVED_STRATEGIES = tuple(s for s in Strategy if s != Strategy.EXPLICIT)  # explicit: `plan --layout`
+
+
+def _served_strategy(strategy: Strategy) -> Strategy:
+    if strategy not in SERVED_STRATEGIES:
+        raise ValueError(f"must be one of {', '.join(SERVED_STRATEGIES)}")
+    return strategy
+
+
+ServedStrategy = Annotated[Strategy, AfterValidator(_served_strategy)]
+
+
+def _key_file(path: Path) -> Path:
+    if not read_api_keys(path):
+        raise ValueError(f"{path} holds no keys: write one key a line")
+    return path
+
+
+KeyFile = Annotated[Path, AfterValidator(_key_file)]
+
+
+def with_folder(given: dict[str, Path], found: dict[str, Path], what: str, flags: str) -> dict[str, Path]:
+    """NAME=PATH entries, then those a folder holds (a name given twice: ConfigError naming `flags`)."""
+    for name in given.keys() & found.keys():
+        raise ConfigError(f"two {what} are named {name!r} ({flags})")
+    return given | found
 
 
 Loras = Annotated[dict[str, Path], NoDecode, BeforeValidator(lambda v: _named(v, _adapter_file, "adapters"))]

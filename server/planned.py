@@ -41,7 +41,7 @@ def plan_for(
         cache_dir=settings.cache_dir,
         quantize=settings.quantize,
         denoiser_file=settings.denoiser_file,
-        controlnets=settings.controlnet,
+        controlnets=settings.controlnets,
         **options,
     )
 

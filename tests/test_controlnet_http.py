@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from server.config import Settings
+from server.errors import ConfigError
 from server.pipeline.controls import Control
 from server.pipeline.loader import read_family
 from server.planned import plan_for
@@ -223,6 +225,19 @@ def test_a_bad_controlnet_folder_stops_the_start_naming_it(tmp_path: Path, nets:
         with pytest.raises(ValidationError, match=says):
             Settings(controlnet=value)
     assert Settings(controlnet=f"edges={nets['a']}").controlnet == {"edges": nets["a"]}
+    # --controlnet-dir: every subfolder served, named by it, after --controlnet's
+    (shelf := tmp_path / "shelf").mkdir()
+    shutil.copytree(nets["b"], shelf / "b")
+    assert Settings(controlnet=f"a={nets['a']}", controlnet_dir=shelf).controlnets == {
+        "a": nets["a"], "b": shelf / "b",
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=r"two ControlNets are named 'b' \(--controlnet and"):
+        _ = Settings(controlnet=f"b={nets['a']}", controlnet_dir=shelf).controlnets
+    shutil.copytree(weightless, shelf / "weightless")
+    with pytest.raises(ConfigError, match=r"--controlnet-dir: .*weightless holds no \.safetensors weights"):
+        _ = Settings(controlnet_dir=shelf).controlnets
+    with pytest.raises(ValidationError, match="is not a folder"):
+        Settings(controlnet_dir=nets["a"] / "config.json")
 
 
 def test_a_controlnet_for_another_model_stops_the_start(folders: dict[str, Path], nets: dict) -> None:

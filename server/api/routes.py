@@ -1,6 +1,6 @@
-"""/v1: OpenAI's Images API, the model list, the shard and step-loop views, adapters loaded and
-unloaded at runtime. Routes stay thin: the wire format is schemas.py's, checks and generation
-the serving layer's, errors errors.py's."""
+"""/v1: OpenAI's Images API, the model list, the shard and step-loop views (admin.py: what an
+operator loads and unloads at runtime). Routes stay thin: the wire format is schemas.py's, checks
+and generation the serving layer's, errors errors.py's."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import asyncio
 import base64
 import contextlib
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.auth import require_key
 from server.api.deps import RuntimeDep, ServiceDep
@@ -196,8 +194,8 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         "compile": {"mode": runtime.compiling.mode, "state": runtime.compiling.state}
         if runtime.compiling is not None
         else None,
-        "adapters": runtime.service.adapters() if runtime.service else [],
-        "controlnets": runtime.service.controlnets() if runtime.service else [],
+        "adapters": runtime.service.attached.adapters() if runtime.service else [],
+        "controlnets": runtime.service.attached.controlnets() if runtime.service else [],
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,
         "video": clips,  # null: the model makes images only
@@ -224,69 +222,3 @@ async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     viewer = None if request.state.admin else request.state.owner
     engine = service.stats().seen_by(viewer).to_dict() | {"rejected": runtime.rejected()}
     return {"engine": engine, "pool": service.pool(), "threads": service.threads, "compile": compiled}
-
-
-class AdapterLoad(BaseModel):
-    """An adapter to serve from now on: a file of the server's --lora-dir, by its name there."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(description="what requests call it (`lora`); letters, digits, _ . -")
-    file: str | None = Field(
-        None, description="the .safetensors file in --lora-dir (default: NAME.safetensors)"
-    )
-
-
-ENVELOPE = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
-ADAPTER_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "a bad name or file, a file that does not fit the model", "content": ENVELOPE},
-    403: {"description": "not an admin key; no admin keys or no --lora-dir", "content": ENVELOPE},
-    404: {"description": "no adapter of that name is served", "content": ENVELOPE},
-    409: {"description": "an adapter of that name is served (or still unloading)", "content": ENVELOPE},
-}
-
-
-def _admin(request: Request) -> None:
-    """403 unless an admin key came. Without admin keys every caller would count as one
-    (auth.py), so runtime changes stay off: a server with no keys is open to anyone on its
-    network, and an adapter, though code-free, changes every image its users get."""
-    if not request.app.state.admin_keys:
-        message = "adapters change at runtime only on a server with admin keys (--admin-key-file)"
-        raise APIError(403, message, code="permission_denied")
-    if not request.state.admin:
-        raise APIError(403, "loading and unloading adapters takes an admin key", code="permission_denied")
-
-
-def _admin_folder(request: Request) -> Path:
-    """The folder runtime adapters come from, for an admin; 403 otherwise."""
-    _admin(request)
-    folder = request.app.state.settings.lora_dir
-    if folder is None:
-        message = "adapters load at runtime from --lora-dir only, and this server has none"
-        raise APIError(403, message, code="permission_denied")
-    return folder
-
-
-@router.post("/adapters", responses=ADAPTER_ERRORS)
-async def load_adapter(body: AdapterLoad, request: Request, service: ServiceDep) -> dict[str, Any]:
-    """Serve a LoRA file of --lora-dir from the next request on (admin keys only): it attaches
-    between two steps, running requests unchanged. Answers what /v1/models lists for it."""
-    folder = _admin_folder(request)
-    if service.serves_adapter(body.name):
-        raise APIError(409, f"an adapter named {body.name!r} is served (or still unloading)", code="conflict")
-    file = body.file or f"{body.name}.safetensors"
-    return await asyncio.to_thread(service.load_adapter, body.name, file, folder)
-
-
-@router.delete("/adapters/{name}", responses=ADAPTER_ERRORS)
-async def unload_adapter(name: str, request: Request, service: ServiceDep) -> dict[str, Any]:
-    """Stop serving an adapter (admin keys only): requests asking for it get 400 from now on;
-    those running finish with it, and it is detached after the last (`status`: unloading until
-    then, `requests` of them; unloaded when none used it)."""
-    _admin(request)
-    try:
-        users = await asyncio.to_thread(service.unload_adapter, name)
-    except KeyError:
-        raise APIError(
-            404, f"no adapter named {name!r} is served (GET /v1/models)", code="not_found"
-        ) from None
-    return {"name": name, "status": "unloading" if users else "unloaded", "requests": users}

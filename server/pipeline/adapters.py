@@ -15,7 +15,7 @@ import difflib
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,19 +86,23 @@ CHANGES = ChangeLock()  # one per process: pipelines share the encoders' and den
 
 
 class Uses:
-    """Jobs holding each adapter, and the adapters leaving (unloaded, still in use)."""
+    """Jobs holding each of the things loaded at runtime (adapters, ControlNets), and those leaving
+    (unloaded, still in use). A request names them in `field`."""
 
-    def __init__(self) -> None:
+    def __init__(self, field: str = "lora", noun: str = "adapter") -> None:
         self._lock = threading.Lock()
+        self.field, self.noun = field, noun
         self.count: Counter[str] = Counter()
         self.leaving: set[str] = set()
 
-    def hold(self, names: Iterable[str]) -> None:
-        """Count a job's adapters; InvalidRequest if one is being unloaded (nothing counted)."""
+    def hold(self, names: Iterable[str], served: Callable[[str], bool] = lambda _: True) -> None:
+        """Count a job's names; InvalidRequest if one is being unloaded or no longer `served`
+        (unloaded since its request was checked): nothing counted then."""
         names = set(names)
         with self._lock:
-            for name in sorted(names & self.leaving):
-                raise InvalidRequest("lora", f"adapter {name!r} is being unloaded: it takes no new request")
+            for name in sorted(n for n in names if n in self.leaving or not served(n)):
+                message = f"{self.noun} {name!r} is being unloaded: it takes no new request"
+                raise InvalidRequest(self.field, message)
             self.count.update(names)
 
     def release(self, names: Iterable[str]) -> list[str]:

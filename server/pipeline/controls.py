@@ -10,6 +10,7 @@ family's (`Family.control_image`, `control_residuals`)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.errors import InvalidRequest
-from server.pipeline.adapters import unknown
+from server.pipeline.adapters import NAME, Uses, unknown
 
 MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
 MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
@@ -65,7 +66,10 @@ class ControlNets:
     ) -> None:
         self.family, self.device, self.dtype = family, device, dtype
         self.denoiser = denoiser or {}  # the denoiser's config, which a ControlNet's must fit
+        # replaced whole on a change (runtime loads): a step reading it never sees it change
         self.loaded: dict[str, nn.Module] = {}
+        self.uses = Uses("control", "ControlNet")  # jobs holding each, and those unloading
+        self._adding = threading.Lock()
 
     def load(self, name: str, folder: Path) -> None:
         """The ControlNet in `folder` (`controlnet_folder`'s) served as `name`; ValueError naming
@@ -77,7 +81,26 @@ class ControlNets:
 
     def add(self, name: str, net: nn.Module) -> None:
         self._fits(name, type(net).__name__, getattr(net, "config", {}))
-        self.loaded[name] = net.to(self.device, self.dtype).eval()
+        net = net.to(self.device, self.dtype).eval()
+        with self._adding:
+            if name in self.loaded:
+                raise ValueError(f"a ControlNet named {name!r} is served (or still unloading)")
+            self.loaded = {**self.loaded, name: net}
+
+    def remove(self, name: str) -> None:
+        """Stop holding `name` (no job uses it now: `Uses`)."""
+        with self._adding:
+            self.loaded = {k: v for k, v in self.loaded.items() if k != name}
+        self.uses.gone(name)
+
+    def hold(self, names: set[str]) -> None:
+        """A job's ControlNets, held until `release`; InvalidRequest if one is unloading or gone."""
+        self.uses.hold(names, served=lambda name: name in self.loaded)
+
+    def release(self, names: set[str]) -> None:
+        """A job's end: the unloading ControlNets it was the last to hold go now."""
+        for name in self.uses.release(names):
+            self.remove(name)
 
     def _fits(self, name: str, kind: str, config: Mapping[str, Any]) -> None:
         if kind not in self.family.controlnets:
@@ -103,6 +126,7 @@ class ControlNets:
                 "bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
             }
             for name, net in self.loaded.items()
+            if name not in self.uses.leaving
         ]
 
     def check(self, controls: Sequence[Control]) -> None:
@@ -165,21 +189,37 @@ class ControlNets:
         return {key: tuple(parts) if tupled[key] else parts[0] for key, parts in totals.items()}
 
 
-def controlnet_folder(folder: Path) -> Path:
+def controlnet_folder(folder: Path, shown: str | None = None) -> Path:
     """`folder` if it holds a ControlNet in diffusers' format with safetensors weights, else a
-    ValueError saying what is missing (checked at startup, before any weight loads)."""
-    config = folder / "config.json"
+    ValueError saying what is missing (checked before any weight loads), naming the folder as
+    `shown` (a runtime load's: the client's words, not a server path) or by its path."""
+    named, config = shown or str(folder), folder / "config.json"
     if not folder.is_dir() or not config.is_file():
-        raise ValueError(f"{folder} is not a ControlNet folder (diffusers' format: config.json and weights)")
+        raise ValueError(f"{named} is not a ControlNet folder (diffusers' format: config.json and weights)")
     try:
         kind = json.loads(config.read_text()).get("_class_name")
     except ValueError:
-        raise ValueError(f"{config} is not JSON") from None
+        raise ValueError(f"{named}'s config.json is not JSON") from None
     if not isinstance(kind, str) or not isinstance(getattr(diffusers, kind, None), type):
-        raise ValueError(f"{config} names no diffusers class (_class_name: {kind!r})")
+        raise ValueError(f"{named}'s config.json names no diffusers class (_class_name: {kind!r})")
     if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder} holds no .safetensors weights (ControlNets load from safetensors only)")
+        raise ValueError(f"{named} holds no .safetensors weights (ControlNets load from safetensors only)")
     return folder
+
+
+def runtime_controlnet(name: str, folder: str, root: Path) -> Path:
+    """`folder` inside `root` (--controlnet-dir) as a runtime ControlNet's: a client names a folder
+    of the operator's, never a server path. InvalidRequest names the field that is wrong."""
+    if not NAME.fullmatch(name):
+        raise InvalidRequest("name", "a name is 1-64 letters, digits, _ . - (first a letter or digit)")
+    base = root.resolve()
+    path = (base / folder).resolve()  # links followed: one pointing out of the folder is refused
+    if not path.is_relative_to(base) or path == base:
+        raise InvalidRequest("folder", f"{folder!r} is not inside the ControlNet folder (--controlnet-dir)")
+    try:
+        return controlnet_folder(path, repr(folder))
+    except ValueError as error:
+        raise InvalidRequest("folder", str(error)) from None
 
 
 def _listed(value: Any) -> Any:

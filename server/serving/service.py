@@ -12,17 +12,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import GenerationRequest, Pipeline, size_warning
-from server.pipeline.adapters import adapter_file
 from server.pipeline.clips import Clip
 from server.pipeline.loader import closed_vocabulary
-from server.pipeline.lorafiles import read_adapter
+from server.serving.attached import Attached
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job
 from server.serving.limits import Limits, check_limits, fit_defaults
@@ -59,6 +56,7 @@ class Service:
         threads: int | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.attached = Attached(pipeline)  # adapters and ControlNets, changed at runtime
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.name = name  # the model's id, as clients know it
         self.limits = limits or Limits()
@@ -124,14 +122,13 @@ class Service:
         timeout_s, setting = self.limits.deadline(video)
         job = Job(resolved, rows, timeout_s, owner=owner, timeout_setting=setting)
         job.on_partial, job.on_progress = on_partial, on_progress
-        held = {name for r in resolved for name, _ in r.lora}
-        self.pipeline.adapters.uses.hold(held)  # an adapter being unloaded: InvalidRequest
+        release = self.attached.hold(resolved)  # an adapter or ControlNet unloading: InvalidRequest
         try:
             queued = self._queue(job, request_id)
         except BaseException:
-            self.pipeline.adapters.release(held)
+            release()
             raise
-        queued.future.add_done_callback(lambda _: self.pipeline.adapters.release(held))  # however it ends
+        queued.future.add_done_callback(lambda _: release())  # however it ends
         return queued
 
     def checked(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
@@ -239,47 +236,6 @@ class Service:
             **self.busy(),
         }
 
-    def adapters(self) -> list[dict[str, Any]]:
-        """The LoRA adapters served: name, rank, parts, target modules, bytes (not those leaving)."""
-        leaving, loaded = set(self.pipeline.adapters.uses.leaving), self.pipeline.adapters.loaded
-        return [a.describe() | {"bytes": a.bytes} for a in list(loaded.values()) if a.name not in leaving]
-
-    def controlnets(self) -> list[dict[str, Any]]:
-        """The ControlNets served: name, class, the family it fits, bytes."""
-        return self.pipeline.controlnets.describe()
-
-    def serves_adapter(self, name: str) -> bool:
-        """Whether `name` is attached (served, or unloading while requests still use it)."""
-        return name in self.pipeline.adapters.loaded
-
-    def load_adapter(self, name: str, file: str, folder: Path) -> dict[str, Any]:
-        """Serve `folder`/`file` as adapter `name` from the next step on (blocks until the calls in
-        flight end). Only a .safetensors file inside `folder`: a client never names a server path.
-        InvalidRequest says what is wrong (`name` or `file`)."""
-        path = adapter_file(name, file, folder)
-        try:
-            adapter = read_adapter(name, path, self.pipeline.family)
-        except Exception as error:  # not LoRA weights, or not readable: the operator's file, said
-            raise InvalidRequest("file", f"{file!r}: {error}") from error
-        try:
-            self.pipeline.add_adapter(adapter)
-        except ModelFolderError as error:  # a file that does not fit, or a name taken meanwhile
-            raise InvalidRequest("file", str(error)) from error
-        log.info("LoRA %s loaded at runtime: %s", name, adapter.describe())
-        return adapter.describe() | {"bytes": adapter.bytes}
-
-    def unload_adapter(self, name: str) -> int:
-        """Stop serving `name`: new requests for it get 400; it stays attached until the last job
-        holding it ends. The jobs still holding it (0: detached now). KeyError if not served."""
-        adapters = self.pipeline.adapters
-        if name not in adapters.loaded or name in adapters.uses.leaving:
-            raise KeyError(name)
-        users = adapters.uses.leave(name)
-        if users == 0:
-            adapters.remove(name)
-        log.info("LoRA %s unloading: %d request(s) still use it", name, users)
-        return users
-
     def pool(self) -> dict[str, dict[str, Any]]:
         return {
             device: asdict(s) | {"hit_rate": s.hit_rate} for device, s in self.pipeline.pool.stats().items()
@@ -313,7 +269,7 @@ class Service:
             },
             "pool": self.pool(),
             # beside the first stage, counted in its device's other_bytes
-            "controlnets": [c | {"device": str(self.pipeline.device)} for c in self.controlnets()],
+            "controlnets": [c | {"device": str(self.pipeline.device)} for c in self.attached.controlnets()],
             "text": str(shard),
         } | ({"tensor_ranks": self.tensor_ranks()} if self.pipeline.deployment.tensor > 1 else {})
 
