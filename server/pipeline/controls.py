@@ -157,25 +157,28 @@ class ControlNets:
     def residuals(self, states: Sequence[Any], inputs: DenoiserInputs) -> dict[str, Any]:
         """The residuals of a call of `states`' rows (`inputs`): each ControlNet asked for at this
         step once, on its rows; {} where none acts."""
-        asked: dict[str, list[tuple[slice, RowControl]]] = {}
+        asked: dict[str, list[tuple[slice, range, RowControl]]] = {}  # each request's rows, those run
         start = 0
         for state in states:
             span = slice(start, start + state.rows)
             start = span.stop
             for row in state.controls:
                 if row.control.on_at(state.index, state.steps):
-                    asked.setdefault(row.control.model, []).append((span, row))
+                    asked.setdefault(row.control.model, []).append((span, self._runs_on(span), row))
         if not asked:
             return {}
         totals: dict[str, list[torch.Tensor]] = {}
         tupled: dict[str, bool] = {}  # a keyword taking a tuple of residuals (else one tensor)
+        device = inputs.sample.device
         for name, rows in asked.items():
-            index = torch.cat([torch.arange(s.start, s.stop, device=inputs.sample.device) for s, _ in rows])
+            index = torch.tensor([r for _, run, _ in rows for r in run], device=device)
+            into = torch.cat([torch.arange(s.start, s.stop, device=device) for s, _, _ in rows])
+            source = torch.tensor(_sources(rows), device=device)  # each landing row's row in the call
             here = self.device  # the ControlNets' (the first replica's); a lane's call may be elsewhere
-            image = torch.cat([row.image for _, row in rows])
+            image = torch.cat([row.image[: len(run)] for _, run, row in rows])
             made = self.family.control_residuals(self.loaded[name], _rows(inputs, index, here), image)
-            scale = [torch.full((s.stop - s.start,), row.control.scale) for s, row in rows]
-            scale = torch.cat(scale).to(inputs.sample.device)  # float32: scaled as the nets scale,
+            scale = torch.cat([torch.full((len(run),), row.control.scale) for _, run, row in rows])
+            scale = scale.to(device)  # float32: scaled as the nets scale,
             for key, value in made.items():  # in float32 arithmetic, then rounded once
                 if value is None:
                     continue
@@ -185,8 +188,26 @@ class ControlNets:
                     totals[key] = [inputs.sample.new_zeros((start, *p.shape[1:])) for p in parts]
                 for total, part in zip(totals[key], parts, strict=True):
                     scaled = part.to(total.device) * scale.view(-1, *[1] * (part.dim() - 1))
-                    total.index_add_(0, index, scaled.to(total.dtype))
+                    total.index_add_(0, into, scaled.index_select(0, source).to(total.dtype))
         return {key: tuple(parts) if tupled[key] else parts[0] for key, parts in totals.items()}
+
+    def _runs_on(self, span: slice) -> range:
+        """The rows of a request's `span` its ControlNets run on: all, or the positive row of a
+        guided pair where the family's pipeline reuses its residuals for the negative row."""
+        if self.family.control_on_positive and span.stop - span.start == 2:
+            return range(span.stop - 1, span.stop)
+        return range(span.start, span.stop)
+
+
+def _sources(rows: Sequence[tuple[slice, range, RowControl]]) -> list[int]:
+    """For each row residuals land on (the spans' rows, in order), the row of the net's call that
+    made them: its own, or the one row run for its pair (`ControlNets._runs_on`)."""
+    sources, at = [], 0
+    for span, run, _ in rows:
+        width = span.stop - span.start
+        sources += [at + (i if len(run) == width else 0) for i in range(width)]
+        at += len(run)
+    return sources
 
 
 def controlnet_folder(folder: Path, shown: str | None = None) -> Path:

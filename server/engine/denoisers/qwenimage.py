@@ -7,6 +7,8 @@ makes the rotary frequencies of the image positions (centred: `scale_rope`) and 
 positions after them, once for every block. Those form the `embed` block. Then 60 double-stream
 `transformer_blocks` map (image tokens, text tokens) with temb, the text mask and the rotary
 frequencies: one block each. `norm_out` (modulated by temb) and `proj_out` end it. No skips.
+A ControlNet's `controlnet_block_samples` are added to the image tokens after each block, as
+forward adds them (laid out one a block by `begin`, as FLUX.1's).
 
 Prompts differ in length: each row's text tokens come zero-padded to `TEXT_TOKENS` with a mask
 (`encoder_hidden_states_mask`, which the attention processor joins to the image's). `begin`
@@ -17,6 +19,7 @@ padding masked out of attention (equal to diffusers' unpadded lone prompt within
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,11 +42,12 @@ from server.engine.denoisers.blocks import (
     diffusers_split,
     present,
 )
-from server.engine.denoisers.dit import dit_boundary, out, token_rows
+from server.engine.denoisers.dit import carried, controlled, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import pack, unpack
 
 TEXT_TOKENS = 512  # QwenImagePipeline's max_sequence_length default: a prompt's tokens past it are cut
 TEXT_BUCKET = 64  # a call's text columns: the longest prompt's, rounded up to this
+CONTROL = {"controlnet_block_samples": "transformer_blocks"}  # a ControlNet's residuals
 
 
 class QwenImageTransformerSpec:
@@ -83,7 +87,12 @@ class QwenImageTransformerSpec:
             raise ValueError(
                 "the Qwen-Image block walk takes Qwen-Image's transformer (not 2511's or Layered's)"
             )
-        rows = token_rows(inputs, (TEXT_MASK, REFERENCES, REFERENCE_SHAPES), "Qwen-Image")
+        rows = token_rows(inputs, (TEXT_MASK, REFERENCES, REFERENCE_SHAPES, *CONTROL), "Qwen-Image")
+        if samples := rows.get("controlnet_block_samples"):  # block i takes sample i // ceil(blocks /
+            blocks = len(model.transformer_blocks)  # samples), as forward adds them
+            rows["controlnet_block_samples"] = tuple(
+                samples[i // math.ceil(blocks / len(samples))] for i in range(blocks)
+            )
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
         rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(TEXT_MASK, None))
@@ -116,7 +125,8 @@ class QwenImageTransformerSpec:
         """Each block on a slice of the image tokens and of the text tokens (and their mask),
         with the rotary frequencies of the positions the slice holds."""
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
-        return SequenceSplit(blocks, {"hidden": 1, "context": 1, "text_mask": 1}, rotary_slice)
+        tokens = {"hidden": 1, "context": 1, "text_mask": 1, **dict.fromkeys(CONTROL, 1)}
+        return SequenceSplit(blocks, tokens, rotary_slice)
 
     def tensor(self, model: nn.Module) -> TensorSplit:
         """diffusers' own plan for Qwen-Image (`_tp_plan`: heads and both streams' MLPs), and each
@@ -156,7 +166,8 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     hidden = model.img_in(rows["hidden"])
     temb = model.time_text_embed(rows["timestep"].to(hidden.dtype), hidden)
     context = model.txt_in(model.txt_norm(rows["context"]))
-    return {"hidden": hidden, "temb": temb, "context": context, "text_mask": rows["text_mask"]}
+    out = {"hidden": hidden, "temb": temb, "context": context, "text_mask": rows["text_mask"]}
+    return carried(out, rows, CONTROL)
 
 
 def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
@@ -167,4 +178,5 @@ def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         temb=rows["temb"],
         image_rotary_emb=shared["rotary"],
     )
-    return {"hidden": hidden, "temb": rows["temb"], "context": context, "text_mask": rows["text_mask"]}
+    out = {"hidden": hidden, "temb": rows["temb"], "context": context, "text_mask": rows["text_mask"]}
+    return controlled(out, rows, "controlnet_block_samples", CONTROL)

@@ -92,6 +92,8 @@ class Family:
     default_true_cfg: ClassVar[float] = 1.0  # its scale when a request sets none (1: off)
     step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
     controlnets: ClassVar[tuple[str, ...]] = ()  # the ControlNet classes it takes (controls.py)
+    # its ControlNet pipeline runs the net on the positive row only, and adds that to the negative's
+    control_on_positive: ClassVar[bool] = False
     # Linear layers --quantize leaves in the model's dtype, named from the denoiser's root: none
     # in a UNet, whose first and last layers are convolutions (which no mode converts)
     keep_precise: ClassVar[tuple[str, ...]] = ()

@@ -17,13 +17,15 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from server.engine.denoisers.blocks import TEXT_MASK
 from server.engine.denoisers.flux import pack
 from server.engine.denoisers.qwenimage import TEXT_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, padded_text
+from server.pipeline.families.base import Asked, TextEmbeddings, inner_width, padded_text
 from server.pipeline.families.flow import PackedFlow
 
 # QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
@@ -88,6 +90,38 @@ class QwenImage(PackedFlow):
     }  # Qwen/Qwen-Image: the defaults
 
     text_tokens: ClassVar[int] = TEXT_TOKENS  # a prompt's tokens kept (after the template's)
+    controlnets: ClassVar[tuple[str, ...]] = ("QwenImageControlNetModel",)
+    control_on_positive: ClassVar[bool] = True  # QwenImageControlNetPipeline: the negative row reuses them
+
+    def control_refusal(self, config: dict[str, Any]) -> str | None:
+        if config.get("extra_condition_channels"):
+            return "an inpainting Qwen-Image ControlNet (a mask's channels) is not supported yet"
+        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
+        if width != ours:
+            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
+        return None
+
+    def control_image(
+        self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
+    ) -> torch.Tensor:
+        """QwenImageControlNetPipeline's: RGB in [-1, 1], a one-frame video encoded by the VAE (a
+        sample, drawn from the request's generator before its noise), normalized, packed."""
+        processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        pixels = processor.preprocess(image, height=height, width=width)
+        device = next(vae.parameters()).device
+        latents = vae.encode(self.vae_pixels(pixels.to(device, vae.dtype))).latent_dist.sample(generator)
+        return pack(self.scale_latents(latents))
+
+    def control_residuals(self, net: nn.Module, inputs: Any, image: torch.Tensor) -> dict[str, Any]:
+        sample = inputs.sample
+        _, _, h, w = sample.shape
+        samples = net(
+            hidden_states=pack(sample), controlnet_cond=image.to(sample.dtype), conditioning_scale=1.0,
+            timestep=inputs.timestep.to(sample.dtype) / 1000, encoder_hidden_states=inputs.context,
+            encoder_hidden_states_mask=inputs.conditioning.get(TEXT_MASK), img_shapes=[(1, h // 2, w // 2)],
+            return_dict=False,
+        )  # fmt: skip
+        return {"controlnet_block_samples": tuple(samples)}
 
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
