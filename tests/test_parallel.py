@@ -362,17 +362,17 @@ def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> 
         plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")
 
 
-def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, **load):
-    """`request` alone on two CPU replicas whose plan splits lone requests (`prepare` adds what
-    the pipeline serves; `load`: more of `Pipeline.load`'s options): its image, each worker's
-    busy seconds and the loop's stats."""
+def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, splits: bool = True, **load):
+    """`request` alone on two CPU replicas whose plan splits lone requests (or not: `splits`;
+    `prepare` adds what the pipeline serves; `load`: more of `Pipeline.load`'s options): its
+    image, each worker's busy seconds and the loop's stats."""
     from server.pipeline import Pipeline
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loader import read_family
     from server.serving import Service
 
     one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True)
+    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=splits)
     service = Service(prepare(Pipeline.load(folder, plan=plan, **load)), "tiny")
     try:
         image = service.submit(request).future.result(timeout=60)[0]
@@ -381,9 +381,11 @@ def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, *
         service.close()
 
 
-def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(folders) -> None:
+@pytest.mark.parametrize("splits", [True, False], ids=["rows split", "rows not split"])
+def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(folders, splits: bool) -> None:
     """A compiled decoder runs the threads it was built with (a lane's 1): with the other replica
-    idle, a lone image's decode runs eagerly on both cores instead, and draws the same image."""
+    idle, a lone image's decode runs eagerly on both cores instead, and draws the same image,
+    whether or not the plan splits a lone request's rows (not: its denoiser calls stay on one)."""
     from server.pipeline import GenerationRequest, Pipeline
 
     through_graph: list[int] = []
@@ -400,9 +402,10 @@ def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(fo
 
     request = [GenerationRequest("a red circle", seed=3, steps=2, guidance_scale=5.0)]
     alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]
-    image, _, _ = split_lone(folders["sd15"], request, with_graph)
+    image, busy, _ = split_lone(folders["sd15"], request, with_graph, splits)
     assert through_graph == []
     assert abs(image - alone).max() <= 1e-3
+    assert (min(busy.values()) > 0) == splits, busy
 
 
 def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:

@@ -165,13 +165,13 @@ class Pipeline:
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 
-    def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Pipeline]:
+    def lanes(self, spare: Callable[[int], Spare] | None = None, splits: bool = True) -> list[Pipeline]:
         """A view of this pipeline per lane of its deployment (`Deployment.lanes`): the
         encoders, VAE, pool and defaults are shared; each lane steps its own requests through
         its replica's shard, where the stage gates interleave the lanes."""
         views, first = [], self.deployment
-        more = [d.lanes(spare and matching(spare, first, d)) for d in self.experts[1:]]
-        for i, lane in enumerate(first.lanes(spare)):
+        more = [d.lanes(spare and matching(spare, first, d), splits) for d in self.experts[1:]]
+        for i, lane in enumerate(first.lanes(spare, splits)):
             view = copy.copy(self)
             view.lane, view.shard, view.device = lane, lane.shard, lane.shard.device
             view.expert_lanes = (lane, *(lanes[i] for lanes in more))

@@ -134,7 +134,7 @@ class Lane:
         if self.shard.tensor is not None and self.workers is not None:  # every call: its tensor group's
             ranks = [self.shard, *self.spare()]
             return run_tensor(ranks, self.shard.tensor, inputs, plan, self.workers.submit)
-        if not plan.splittable:
+        if not plan.splittable or self.workers is None:  # no helper threads: its rows stay here
             return self.shard.run(inputs, plan)
         spare = self.spare()
         split = self.shard.sequence
@@ -194,11 +194,13 @@ class Deployment:
         ranks together (a rank holds only a share of the split blocks)."""
         return self.lanes()[0] if self.tensor > 1 else Lane(self.replicas[0])
 
-    def lanes(self, spare: Callable[[int], Spare] | None = None) -> list[Lane]:
+    def lanes(self, spare: Callable[[int], Spare] | None = None, splits: bool = True) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
-        for the micro-batches it sends them. Grouped: one lane, the other replicas always its; tensor
-        groups: a lane per group (its ranks: `tensor` consecutive replicas), every call on all of them."""
+        for the micro-batches it sends them if it `splits` its rows over them (else it only
+        takes their cores for a lone decode: `Lane.idle_cores`). Grouped: one lane, the other
+        replicas always its; tensor groups: a lane per group (its ranks: `tensor` consecutive
+        replicas), every call on all of them."""
         groups = GroupCalls()  # counted over every lane
         if self.tensor > 1:
             ranks = [self.replicas[i : i + self.tensor] for i in range(0, len(self.replicas), self.tensor)]
@@ -220,6 +222,6 @@ class Deployment:
             return [Lane(shard, groups=groups) for shard in shards]
         helpers = len(self.replicas) - 1
         return [
-            Lane(s, Workers(helpers, self.threads), spare(i), self.sequence, groups)
+            Lane(s, Workers(helpers, self.threads) if splits else None, spare(i), self.sequence, groups)
             for i, s in enumerate(shards)
         ]

@@ -63,12 +63,11 @@ class Service:
         self.failures_unready = failures_unready
         pipeline.defaults = fit_defaults(pipeline.defaults, self.limits, pipeline.family)
         # A lone request's rows go to idle replicas only with a lane per whole replica, and only
-        # where the plan predicts it pays.
-        self.splits_lone = (
-            pipeline.splits_lone and len(pipeline.replicas) > 1 and pipeline.lanes_per_replica == 1
-        )
+        # where the plan predicts it pays; its decode takes their cores either way.
+        whole = len(pipeline.replicas) > 1 and pipeline.lanes_per_replica == 1
+        self.splits_lone = pipeline.splits_lone and whole
         self.loops: list[StepLoop] = []
-        lanes = pipeline.lanes(self._idle_replicas if self.splits_lone else None)
+        lanes = pipeline.lanes(self._idle_replicas if whole else None, splits=self.splits_lone)
         # Lanes feeding one replica share its devices' memory, planned for max_batch rows.
         lane_batch = max(2, max_batch // pipeline.lanes_per_replica) if len(lanes) > 1 else max_batch
         lane_budget = (
