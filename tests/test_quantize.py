@@ -121,6 +121,10 @@ def test_int8_flux_holds_under_0_4_of_its_float32_denoiser_bytes(flux_folder: Pa
 def test_mixed_lora_and_plain_rows_on_an_int8_base_equal_each_alone(
     folders: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Each row within 2/255 of its image alone, and far from its adapter at a neighbouring scale.
+    Not 1e-3: int8-dynamic rounds each token's activations to 255 levels, so the ~1e-7 a batch
+    moves a float32 input by (the text encoder's and attention's kernels block a batch otherwise)
+    flips a level now and then: 3.4e-3 on an AVX-512 Xeon without bf16, 0 on a Zen 4 EPYC."""
     folder = folders["sd15"]
     style = random_lora(folder, tmp_path / "style.safetensors", 1, "sd15")
     pipeline = Pipeline.load(folder, devices="cpu", quantize="int8-dynamic")
@@ -133,10 +137,12 @@ def test_mixed_lora_and_plain_rows_on_an_int8_base_equal_each_alone(
     together = pipeline.generate(requests)
     alone = [pipeline.generate([r])[0] for r in requests]
     for mixed, single in zip(together, alone, strict=True):
-        assert np.abs(mixed - single).max() < 1e-3
+        assert np.abs(mixed - single).max() <= 2 / 255
     assert np.abs(alone[0] - pipeline.generate([replace(requests[0], lora=())])[0]).max() > 0.01, (
         "the adapter acts"
     )
+    neighbour = pipeline.generate([replace(requests[2], lora=(("style", 0.45),))])[0]
+    assert np.abs(alone[2] - neighbour).max() > 3 * 2 / 255  # a row given another's scale would show
 
 
 def test_lora_rows_on_a_gguf_base_act_and_mix_with_plain_rows(sd3_folder: Path, tmp_path: Path) -> None:
