@@ -41,17 +41,17 @@ class ControlNetLoad(BaseModel):
 ENVELOPE = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
 
 
-def _errors(what: str, setting: str) -> dict[int | str, dict[str, Any]]:
+def _errors(what: str, source: str, setting: str) -> dict[int | str, dict[str, Any]]:
     return {
-        400: {"description": "a bad name or file, one that does not fit the model", "content": ENVELOPE},
+        400: {"description": f"a bad name or {source}, one that does not fit the model", "content": ENVELOPE},
         403: {"description": f"not an admin key; no admin keys or no {setting}", "content": ENVELOPE},
         404: {"description": f"no {what} of that name is served", "content": ENVELOPE},
         409: {"description": f"a {what} of that name is served (or unloading)", "content": ENVELOPE},
     }
 
 
-ADAPTER_ERRORS = _errors("LoRA adapter", "--lora-dir")
-CONTROLNET_ERRORS = _errors("ControlNet", "--controlnet-dir")
+ADAPTER_ERRORS = _errors("LoRA adapter", "file", "--lora-dir")
+CONTROLNET_ERRORS = _errors("ControlNet", "folder", "--controlnet-dir")
 
 
 def _admin(request: Request, what: str) -> None:
