@@ -165,7 +165,7 @@ def test_a_controlnet_loaded_at_runtime_serves_the_next_request_and_only_admins_
         weights.write_bytes(b"not weights")
     (served.nets / "empty").mkdir()
     for body, field, says in (
-        ({"name": "x", "folder": "../adapters"}, "folder", "not inside the ControlNet folder"),
+        ({"name": "x", "folder": "../adapters"}, "folder", "not inside the --controlnet-dir folder"),
         ({"name": "x", "folder": str(SILHOUETTE)}, "folder", "not inside"),  # a server path: refused too
         ({"name": "x", "folder": "nope"}, "folder", "'nope' is not a ControlNet folder"),
         ({"name": "empty"}, "folder", "'empty' is not a ControlNet folder"),

@@ -68,15 +68,22 @@ class ChangeLock:
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # as --lora's names (config.ADAPTER_NAME)
 
 
-def adapter_file(name: str, file: str, folder: Path) -> Path:
-    """`file` inside `folder` as a runtime adapter's path: a client names a file of the operator's
-    folder, never a server path. InvalidRequest names the field that is wrong."""
+def runtime_path(name: str, given: str, folder: Path, field: str, setting: str) -> Path:
+    """`given` inside `folder` (`setting`'s) as the path of what an admin loads as `name`: a client
+    names something of the operator's folder, never a server path. InvalidRequest names the field
+    that is wrong (`name`, or `field`: the file's or folder's)."""
     if not NAME.fullmatch(name):
         raise InvalidRequest("name", "a name is 1-64 letters, digits, _ . - (first a letter or digit)")
     root = folder.resolve()
-    path = (root / file).resolve()  # links followed: one pointing out of the folder is refused
+    path = (root / given).resolve()  # links followed: one pointing out of the folder is refused
     if not path.is_relative_to(root) or path == root:
-        raise InvalidRequest("file", f"{file!r} is not inside the adapter folder (--lora-dir)")
+        raise InvalidRequest(field, f"{given!r} is not inside the {setting} folder")
+    return path
+
+
+def adapter_file(name: str, file: str, folder: Path) -> Path:
+    """`file` inside `folder` as a runtime adapter's path (`runtime_path`)."""
+    path = runtime_path(name, file, folder, "file", "--lora-dir")
     if path.suffix != ".safetensors" or not path.is_file():
         raise InvalidRequest("file", f"{file!r} is not a .safetensors file in the adapter folder")
     return path

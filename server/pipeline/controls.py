@@ -23,7 +23,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.errors import InvalidRequest
-from server.pipeline.adapters import NAME, Uses, unknown
+from server.pipeline.adapters import Uses, runtime_path, unknown
 
 MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
 MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
@@ -231,12 +231,7 @@ def controlnet_folder(folder: Path, shown: str | None = None) -> Path:
 def runtime_controlnet(name: str, folder: str, root: Path) -> Path:
     """`folder` inside `root` (--controlnet-dir) as a runtime ControlNet's: a client names a folder
     of the operator's, never a server path. InvalidRequest names the field that is wrong."""
-    if not NAME.fullmatch(name):
-        raise InvalidRequest("name", "a name is 1-64 letters, digits, _ . - (first a letter or digit)")
-    base = root.resolve()
-    path = (base / folder).resolve()  # links followed: one pointing out of the folder is refused
-    if not path.is_relative_to(base) or path == base:
-        raise InvalidRequest("folder", f"{folder!r} is not inside the ControlNet folder (--controlnet-dir)")
+    path = runtime_path(name, folder, root, "folder", "--controlnet-dir")
     try:
         return controlnet_folder(path, repr(folder))
     except ValueError as error:

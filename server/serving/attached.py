@@ -69,14 +69,7 @@ class Attached:
     def unload_adapter(self, name: str) -> int:
         """Stop serving `name`: new requests for it get 400; it stays attached until the last job
         holding it ends. The jobs still holding it (0: detached now). KeyError if not served."""
-        adapters = self.pipeline.adapters
-        if name not in adapters.loaded or name in adapters.uses.leaving:
-            raise KeyError(name)
-        users = adapters.uses.leave(name)
-        if users == 0:
-            adapters.remove(name)
-        log.info("LoRA %s unloading: %d request(s) still use it", name, users)
-        return users
+        return _unload(self.pipeline.adapters, name, "LoRA")
 
     def controlnets(self) -> list[dict[str, Any]]:
         """The ControlNets served: name, class, the family it fits, bytes (not those leaving)."""
@@ -105,11 +98,16 @@ class Attached:
     def unload_controlnet(self, name: str) -> int:
         """As `unload_adapter`: new requests naming it get 400; it goes when the last job holding
         it ends. The jobs still holding it (0: gone now). KeyError if not served."""
-        nets = self.pipeline.controlnets
-        if name not in nets.loaded or name in nets.uses.leaving:
-            raise KeyError(name)
-        users = nets.uses.leave(name)
-        if users == 0:
-            nets.remove(name)
-        log.info("ControlNet %s unloading: %d request(s) still use it", name, users)
-        return users
+        return _unload(self.pipeline.controlnets, name, "ControlNet")
+
+
+def _unload(served: Any, name: str, what: str) -> int:
+    """Mark `name` of `served` (Adapters or ControlNets: their `loaded`, `uses` and `remove`)
+    leaving, and remove it now if no job holds it. The jobs holding it; KeyError if not served."""
+    if name not in served.loaded or name in served.uses.leaving:
+        raise KeyError(name)
+    users = served.uses.leave(name)
+    if users == 0:
+        served.remove(name)
+    log.info("%s %s unloading: %d request(s) still use it", what, name, users)
+    return users

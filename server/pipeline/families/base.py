@@ -314,6 +314,14 @@ def inner_width(config: dict[str, Any]) -> int:
     return config["num_attention_heads"] * config["attention_head_dim"]
 
 
+def other_width(net: dict[str, Any], denoiser: dict[str, Any]) -> str | None:
+    """Why a DiT's ControlNet cannot run beside `denoiser`: its blocks' width differs (None: same)."""
+    width, ours = inner_width(net), inner_width(denoiser)
+    if width != ours:
+        return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
+    return None
+
+
 def tokenize(tokenizer: Any, prompts: list[str]) -> Any:
     """Every prompt padded to the tokenizer's full length: CLIP's causal attention keeps the
     padding from reaching the tokens before it, so prompts batch without changing each other."""

@@ -21,7 +21,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from server.engine.denoisers.flux import T5_TOKENS, image_ids, pack
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, inner_width, tokenize
+from server.pipeline.families.base import Asked, TextEmbeddings, other_width, tokenize
 from server.pipeline.families.flow import PackedFlow
 
 # FLUX.1's transformer/config.json (dev and schnell differ only in guidance_embeds): diffusers'
@@ -136,10 +136,7 @@ class Flux(PackedFlow):
             return "an XLabs-style FLUX ControlNet (its input_hint_block takes pixels) is not supported yet"
         if config.get("num_mode") is not None:
             return "a union FLUX ControlNet (control modes) is not supported yet"
-        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
-        if width != ours:
-            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
-        return None
+        return other_width(config, self.config.denoiser)
 
     def control_image(
         self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator

@@ -25,7 +25,7 @@ from server.engine.denoisers.blocks import TEXT_MASK
 from server.engine.denoisers.flux import pack
 from server.engine.denoisers.qwenimage import TEXT_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, inner_width, padded_text
+from server.pipeline.families.base import Asked, TextEmbeddings, other_width, padded_text
 from server.pipeline.families.flow import PackedFlow
 
 # QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
@@ -96,10 +96,7 @@ class QwenImage(PackedFlow):
     def control_refusal(self, config: dict[str, Any]) -> str | None:
         if config.get("extra_condition_channels"):
             return "an inpainting Qwen-Image ControlNet (a mask's channels) is not supported yet"
-        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
-        if width != ours:
-            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
-        return None
+        return other_width(config, self.config.denoiser)
 
     def control_image(
         self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator

@@ -17,7 +17,7 @@ from server.engine.denoisers.dit import (
     T5_TOKENS,  # diffusers' max_sequence_length default: T5's, or its zeros'
 )
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, inner_width, penultimate_states
+from server.pipeline.families.base import Asked, Family, TextEmbeddings, other_width, penultimate_states
 
 
 class SD3(Family):
@@ -107,10 +107,7 @@ class SD3(Family):
             return "an SD3 ControlNet with extra conditioning channels (a mask's) is not supported yet"
         if not config.get("use_pos_embed", True):
             return "an SD3.5 ControlNet without a position embedding of its own (8B) is not supported yet"
-        width, ours = (inner_width(c) for c in (config, self.config.denoiser))
-        if width != ours:
-            return f"it was made for another model: its blocks are {width} wide, the transformer's {ours}"
-        return None
+        return other_width(config, self.config.denoiser)
 
     def control_image(
         self, net: nn.Module, image: Any, width: int, height: int, vae: nn.Module, generator: torch.Generator
