@@ -228,6 +228,7 @@ def test_edits_start_and_blend_with_the_vae_on_another_fake_gpu(
             width=IMAGE_SIZE,
             height=IMAGE_SIZE,
             device=device,
+            dtype=torch.float32,
         )
         kept = start.inpainting
         made = [start.latents, start.conditioning, *([] if kept is None else vars(kept).values())]
@@ -383,7 +384,7 @@ def test_a_first_frame_is_encoded_on_the_vaes_fake_gpu_and_lands_with_the_latent
         start = first_latents(
             None, family=family, vae=vae, scheduler=scheduler, first_t=scheduler.timesteps[0],
             generator=torch.Generator("cpu").manual_seed(0), scope=scope, width=32, height=32,
-            device=device, frames=9, reference=source(),
+            device=device, dtype=torch.float32, frames=9, reference=source(),
         )  # fmt: skip
         assert start.latents.device == start.conditioning.device == device
         assert start.conditioning.shape == (1, 20, 3, 4, 4)  # the mask's 4 and the frame's 16 channels

@@ -280,13 +280,13 @@ class Pipeline:
                 begin = family.edit_begin(request.steps, edit.strength) * scheduler.order
             if hasattr(scheduler, "set_begin_index"):
                 scheduler.set_begin_index(begin)
-            # Noise as diffusers' randn_tensor draws it (CPU generator, then moved); controls draw first
-            generator = torch.Generator("cpu").manual_seed(request.seed)
+            generator = torch.Generator("cpu").manual_seed(request.seed)  # as diffusers'; controls draw first
             controls = self.controlnets.rows(request, context.shape[0], self.vae, generator)
             start = first_latents(
                 edit, family=family, vae=self.vae, scheduler=scheduler, first_t=scheduler.timesteps[begin],
                 generator=generator, scope=scope, width=request.width, height=request.height,
-                device=self.device, frames=request.frames, reference=request.reference,
+                device=self.device, dtype=self.denoiser_dtype, frames=request.frames,
+                reference=request.reference,
             )  # fmt: skip
             kept = {}
             for name, rows in {"context": context, **extras}.items():

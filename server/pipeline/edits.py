@@ -87,16 +87,20 @@ def first_latents(
     width: int,
     height: int,
     device: torch.device,
+    dtype: torch.dtype,
     frames: int | None = None,
     reference: Image.Image | None = None,
 ) -> Start:
     """Noise for a generation; for an edit, its image noised to `first_t`, the first timestep it
     runs. An inpainting denoiser (9 input channels) sees every request as inpainting: without a
     mask the whole image is repainted, without an image it starts from black, at strength 1.
-    Image-to-video (a `reference`): noise, and the first frame's channels beside it."""
+    Image-to-video (a `reference`): noise, and the first frame's channels beside it. The noise
+    is drawn in the dtype its diffusers pipeline draws it in (`family.noise_dtype` of the model's
+    `dtype`), then held in float32."""
     shape = family.latent_shape(width, height, frames)
+    drawn = family.noise_dtype(dtype, edit is not None)
     if reference is not None:  # as WanImageToVideoPipeline: the noise drawn, the frame resized
-        noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)
+        noise = torch.randn(shape, generator=generator, dtype=drawn).to(LATENT_DTYPE)
         noise.mul_(family.init_noise_sigma(scheduler))
         frame = reference.convert("RGB")
         pixels = _processors(family.vae_scale_factor)[0].preprocess(frame, height=height, width=width)
@@ -107,8 +111,8 @@ def first_latents(
         return Start(latents, conditioning=condition)
     conditioned = family.inpainting_channels > 0
     if edit is None and not conditioned:
-        noise = scope.rent(shape, LATENT_DTYPE, "cpu", pinned=device.type == "cuda")
-        torch.randn(shape, generator=generator, dtype=LATENT_DTYPE, out=noise)
+        noise = scope.rent(shape, drawn, "cpu", pinned=device.type == "cuda")
+        torch.randn(shape, generator=generator, dtype=drawn, out=noise)
         latents = scope.rent(shape, LATENT_DTYPE, device)
         latents.copy_(noise)
         latents.mul_(family.init_noise_sigma(scheduler))
@@ -127,7 +131,7 @@ def first_latents(
     # Every tensor is moved to `device` (the latents') before they meet: the VAE may sit on another
     # device, and the CPU generator's draws are on the CPU (as diffusers' randn_tensor draws them).
     clean = None if conditioned and full else _encode(vae, family, pixels, generator).to(device)
-    noise = torch.randn(shape, generator=generator, dtype=LATENT_DTYPE).to(device)
+    noise = torch.randn(shape, generator=generator, dtype=drawn).to(device, LATENT_DTYPE)
     latents = scope.rent(shape, LATENT_DTYPE, device)
     if full:
         latents.copy_(noise)
@@ -141,7 +145,7 @@ def first_latents(
         masked = _encode(vae, family, pixels * (mask < 0.5), generator).to(device)
         conditioning = torch.cat([small, masked], dim=1)
         return Start(latents, conditioning=_kept(scope, device, conditioning)[0])
-    torch.randn(shape, generator=generator, dtype=LATENT_DTYPE)  # the masked image's draw, unused
+    torch.randn(shape, generator=generator, dtype=vae.dtype)  # the masked image's posterior draw, unused
     return Start(latents, Inpainting(*_kept(scope, device, clean, noise, small)))
 
 

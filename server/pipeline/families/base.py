@@ -184,6 +184,12 @@ class Family:
         """Image-to-video: the image encoder's tokens [N, T, D] for each first frame."""
         raise NotImplementedError(f"a {self.name} model takes no image")
 
+    def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
+        """The dtype its diffusers pipeline draws the first noise in (`dtype`: the model's, its
+        prompt embeddings'). Drawn so, a seed makes diffusers' image on every torch release:
+        2.11's bfloat16 draw is not 2.13's (nor float32's rounded), found on the lent H100."""
+        return dtype
+
     @property
     def pastes_first_frame(self) -> bool:
         """Whether a first frame, optional, is pasted over the first latent frame at every step

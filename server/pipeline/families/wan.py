@@ -89,6 +89,9 @@ class Wan(Family):
         "wan2.2-t2v-a14b": WAN22_T2V_A14B,
     }
 
+    def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
+        return torch.float32  # every Wan pipeline of diffusers draws its noise in float32
+
     @property
     def reference_parts(self) -> dict[str, Any]:  # type: ignore[override]
         """UMT5-XXL and the VAE of the planned config (Wan 2.1's, or Wan 2.2's for TI2V-5B)."""

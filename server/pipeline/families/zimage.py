@@ -69,6 +69,9 @@ class ZImage(PackedFlow):
     def cfg_scale(self, request: Asked, expert: int = 0) -> float:
         return request.guidance_scale
 
+    def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
+        return dtype if edit else torch.float32  # ZImagePipeline's float32; its img2img's prompts'
+
     def guide(
         self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
     ) -> torch.Tensor:
