@@ -92,10 +92,10 @@ def test_a_bfloat16_models_first_noise_is_diffusers_bit_for_bit(folders: dict[st
     request = pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=4))
     pipe = REFERENCE[kind].from_pretrained(folders[kind], dtype=torch.bfloat16)
     pipe.scheduler.set_timesteps(request.steps)
-    size = (request.height, request.width)
-    theirs = pipe.prepare_latents(1, 4, *size, torch.bfloat16, "cpu", torch.Generator().manual_seed(request.seed))
+    size, seeded = (request.height, request.width), lambda: torch.Generator().manual_seed(request.seed)
+    theirs = pipe.prepare_latents(1, 4, *size, torch.bfloat16, "cpu", seeded())
     shape = (1, 4, *(side // pipe.vae_scale_factor for side in size))  # what prepare_latents draws
-    drawn = randn_tensor(shape, torch.Generator().manual_seed(request.seed), dtype=torch.bfloat16)
+    drawn = randn_tensor(shape, seeded(), dtype=torch.bfloat16)
     [state] = pipeline.start([request])
     try:  # held in float32 for the scheduler's arithmetic: scaled by init_noise_sigma there
         assert torch.equal(state.latents, drawn.float() * pipe.scheduler.init_noise_sigma)
