@@ -144,7 +144,7 @@ def compiled_after(server: Any, started: float, deadline_s: float = 1800) -> dic
     with httpx.Client(base_url=server.url, timeout=30) as client:
         while True:
             view = client.get("/v1/stats").json()["compile"]
-            if view["state"] in ("ready", "failed", "off") or time.monotonic() > ends:
+            if view["state"] in ("ready", "stopped", "failed", "off") or time.monotonic() > ends:
                 return {**view, "ready_after_s": round(time.perf_counter() - started, 2)}
             time.sleep(wait)  # polling a server's progress: no event to wait on across processes
             wait = min(1.0, wait * 2)

@@ -87,7 +87,14 @@ def load_service(
     pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
     sizes = settings.compile_sizes or (pipeline.defaults.size,)
     compile_pipeline(  # in the background: no request waits on it
-        pipeline, settings.compile, sizes, settings.max_batch, settings.cache_dir, compiling, background=True
+        pipeline,
+        settings.compile,
+        sizes,
+        settings.max_batch,
+        settings.cache_dir,
+        compiling,
+        background=True,
+        budget_s=settings.compile_budget_s,
     )
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))

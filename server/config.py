@@ -139,6 +139,10 @@ class Settings(BaseSettings):
     compile_sizes: CompileSizes = Field(
         None, description="image sides to compile, e.g. 64,128 (default: the model's default size)"
     )
+    compile_budget_s: float = Field(
+        1800, gt=0, description="seconds the background compile may take: once a bucket ends past it, "
+        "no other is begun and the calls they would hold run eagerly (a lone image's come first)",
+    )  # fmt: skip
     max_memory: Budgets = Field(
         None,
         description="per-device budgets, e.g. cuda:0=20GiB,cuda:1=20GiB (default on GPUs: free less 10%)",

@@ -195,7 +195,8 @@ def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(
 ) -> None:
     """SD3's blocks over two stages (graphs kept on disk: blocks take their module as an argument):
     a second start loads every one; a corrupt file is compiled again. The decoder, frozen on a
-    CPU, is built again at every start (inductor cannot keep its prepacked weights)."""
+    CPU, is built again at every start (inductor cannot keep its prepacked weights). A start past
+    its time budget builds its first bucket and begins no other."""
 
     def start() -> CompileStats:
         pipeline = Pipeline.load(sd3_folder, devices="cpu,cpu", strategy="even")
@@ -205,6 +206,15 @@ def test_a_second_start_loads_from_the_cache_and_a_corrupt_file_compiles_again(
     assert first.graphs_ready == first.graphs_total  # SD3's blocks share graphs: fewer were built
     again = start()
     assert (again.loaded, again.compiled, again.frozen) == (first.loaded + first.compiled - 1, 1, 1)
+    budgeted = Pipeline.load(sd3_folder, devices="cpu,cpu", strategy="even")
+    eager = _images(budgeted, [GUIDED])[0]
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        stopped = compile_pipeline(budgeted, CompileMode.BLOCKS, [IMAGE_SIZE], 2, cache_dir, budget_s=1e-9)
+    # past its budget: the first bucket (the denoiser's) is built all the same, the decoder's never begun
+    assert (stopped.state, stopped.graphs_ready, stopped.frozen) == ("stopped", again.graphs_ready - 1, 0)
+    assert "compile stopped at its budget (--compile-budget-s 1e-09): 1 of 2 buckets built" in caplog.text
+    assert np.abs(_images(budgeted, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert stopped.calls["compiled"] > 0
     newest = max((cache_dir / "compiled").glob("*.bin"), key=lambda file: file.stat().st_mtime)
     newest.write_bytes(b"not a graph")  # one file: compiling them all again takes minutes
     pipeline = Pipeline.load(sd3_folder, devices="cpu,cpu", strategy="even")

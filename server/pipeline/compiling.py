@@ -59,6 +59,7 @@ def compile_pipeline(
     stats: CompileStats | None = None,
     on_progress: Callable[[CompileStats], None] | None = None,
     background: bool = False,
+    budget_s: float | None = None,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
     row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
@@ -69,6 +70,10 @@ def compile_pipeline(
     are ready, then through them (no request waits on a compile); `stats.done` is set at the end,
     `stats.state` says how it ended (a failure is logged: the graphs ready by then stay in use,
     every other call runs eagerly).
+
+    `budget_s`: once a bucket ends past it, no other is begun (`stats.state` "stopped"): the
+    buckets not built run eagerly. Buckets are taken most useful first (a lone image's at each
+    size), and the first is always built.
 
     Adapters may be attached before or during it: their hooks add nothing while a graph is
     traced (`lora.py`), and rows with adapters run eagerly."""
@@ -90,24 +95,22 @@ def compile_pipeline(
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
     # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
-    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured)
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s)
     warm = partial(_as_lanes, pipeline.lane_threads, warm)
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
     if not background:
-        warm()
-        stats.finish("ready")
+        stats.finish(warm())
         return stats
 
     def run() -> None:
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread's nice value alone
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-        switch, state = sys.getswitchinterval(), "ready"
+        switch, state = sys.getswitchinterval(), "failed"
         sys.setswitchinterval(SWITCH_WHILE_COMPILING)
         try:
-            warm()
+            state = warm()
         except Exception:
             log.exception("compile failed: calls its graphs do not hold yet keep running eagerly")
-            state = "failed"
         finally:
             sys.setswitchinterval(switch)
         stats.finish(state)
@@ -138,14 +141,14 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
     return CompileMode.FULL, "one stage per replica: one graph a call"
 
 
-def _as_lanes(threads: int | None, fn: Callable[..., None], *args: Any) -> None:
+def _as_lanes(threads: int | None, fn: Callable[..., str], *args: Any) -> str:
     """`fn(*args)` on a thread marked as compiling (`compiling_here`), with its intra-op threads
     those of a lane (`threads`; None: the process's). Inductor writes the count it sees into its
     CPU kernels (`#pragma omp parallel num_threads`), and times measured here must be a lane's:
     graphs built with the process's 2 threads, run by 2 replicas of 1 thread side by side (a lone
     512² image's rows split), took 2.9 s a step against the 1.34 s their bucket was timed at."""
     with intra_op_threads(threads), compiling_on_this_thread():
-        fn(*args)
+        return fn(*args)
 
 
 def _warm(
@@ -157,9 +160,11 @@ def _warm(
     shards: list,
     on_progress: Callable[[CompileStats], None] | None,
     measured: bool,
-) -> None:
+    budget_s: float | None,
+) -> str:
     """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); `measured`: each
-    bucket's kept only where its calls were faster than eager ones."""
+    bucket's kept only where its calls were faster than eager ones. Says how it ended: "ready",
+    or "stopped" where `budget_s` ran out first."""
     stats, started = decoder.store.stats, time.perf_counter()
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
@@ -169,30 +174,47 @@ def _warm(
     whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
     stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
     states = {}  # each size's warm-up request, resolved
+
+    def denoiser(size: int, count: int) -> None:
+        with pipeline.pool.scope() as batch, torch.inference_mode():
+            inputs = _rows_of(pipeline.stacked([states[size]], batch), count)
+            added = [(shard, shard.warm(inputs, count)) for shard in shards]
+            if measured:
+                _keep_if_faster(stats, added, inputs, size, count)
+        _said(stats, f"{size}px × {count} rows", started, on_progress)
+
+    def decoding(size: int, count: int) -> None:  # tiled sizes decode eagerly (CompiledDecoder)
+        latents = pipeline.family.unscale_latents(
+            states[size].latents.to(pipeline.encoder_device, pipeline.vae.dtype)
+        )
+        batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
+        key = decoder.warm(batch_latents)
+        if measured:
+            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size)
+        _said(stats, f"decoder {size}px × {count}", started, on_progress)
+
+    # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
+    buckets = [partial(denoiser, s, rows[0]) for s in sizes]
+    buckets += [partial(denoiser, s, r) for s in sizes for r in rows[1:]]
+    buckets += [partial(decoding, s, n) for s in whole for n in images]
+    ended = "ready"
     try:
         for size in sizes:
             frame = Image.new("RGB", (size, size)) if pipeline.family.takes_reference else None  # i2v
             warm = GenerationRequest("warm", width=size, height=size, reference=frame)
             (states[size],) = pipeline.start([pipeline.resolve(pipeline.with_defaults(warm))])
-        # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
-        for size, count in [(s, rows[0]) for s in sizes] + [(s, r) for s in sizes for r in rows[1:]]:
-            with pipeline.pool.scope() as batch, torch.inference_mode():
-                inputs = _rows_of(pipeline.stacked([states[size]], batch), count)
-                added = [(shard, shard.warm(inputs, count)) for shard in shards]
-                if measured:
-                    _keep_if_faster(stats, added, inputs, size, count)
-                _said(stats, f"{size}px × {count} rows", started, on_progress)
-        for size in whole:  # tiled sizes decode eagerly (CompiledDecoder)
-            state = states[size]
-            latents = pipeline.family.unscale_latents(
-                state.latents.to(pipeline.encoder_device, pipeline.vae.dtype)
-            )
-            for count in images:
-                batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
-                key = decoder.warm(batch_latents)
-                if measured:
-                    _keep_decoder_if_faster(stats, decoder, batch_latents, key, size)
-                _said(stats, f"decoder {size}px × {count}", started, on_progress)
+        for built, bucket in enumerate(buckets):
+            if built and budget_s is not None and time.perf_counter() - started > budget_s:
+                log.warning(
+                    "compile stopped at its budget (--compile-budget-s %g): %d of %d buckets built, "
+                    "the others' calls run eagerly",
+                    budget_s,
+                    built,
+                    len(buckets),
+                )
+                ended = "stopped"
+                break
+            bucket()
     finally:
         for state in states.values():
             state.close()
@@ -204,6 +226,7 @@ def _warm(
         stats.loaded,
         stats.compiled,
     )
+    return ended
 
 
 def _keep_if_faster(

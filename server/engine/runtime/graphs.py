@@ -63,7 +63,7 @@ class CompileStats:
     attention: Counter[str] = field(default_factory=Counter)  # frozen graphs' attention shapes by kernel
     seconds: float = 0.0
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "padded": 0, "eager": 0})
-    state: str = "waiting"  # then compiling (in the background), and ready, failed or off
+    state: str = "waiting"  # then compiling (in the background), and ready, stopped (budget), failed or off
     buckets: list[dict[str, Any]] = field(default_factory=list)  # each one's timing, and if kept
     done: threading.Event = field(default_factory=threading.Event)  # set once it ended, either way
 
