@@ -38,6 +38,7 @@ features. `tests/test_gpu.py` holds the GPU target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,7 +58,7 @@ from server.engine.hardware.memory import retain_freed_host_memory
 from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.runtime.call import CallResult
 from server.engine.runtime.replicas import Workers, sharing_weights
-from server.engine.runtime.tensor import as_rank, run_tensor, split_model
+from server.engine.runtime.tensor import run_tensor, split_model
 
 TARGET = 0.6  # the tensor group's lone call over one worker of one thread
 TOLERANCE = 1e-4
@@ -92,9 +93,11 @@ def _process_rank(rank: int, degree: int, rounds: int, result_dir: str) -> None:
         model = flux_shaped()
         inputs = lone_inputs(model)
         split = ModelShard(model, plan_shards(model, ["cpu"], "memory")).spec.tensor(model)
-        split_model(model, split, rank, degree)
+        slots = split_model(model, split, rank, degree)
         shard, call = ModelShard(model, plan_shards(model, ["cpu"], "memory")), CallPlan.plain(1)
-        with as_rank(ProcessRank()):
+        with contextlib.ExitStack() as held:  # every split block exchanges through the gloo group
+            for slot in slots.values():
+                held.enter_context(slot.holding(ProcessRank()))
             output = shard.run(inputs, call).out  # the warm-up
             times = []
             for _ in range(rounds):

@@ -41,6 +41,7 @@ from server.engine.hardware.threads import fit_threads
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, prepare_compiler
 from server.engine.runtime.pool import ActivationPool
+from server.engine.runtime.tracing import GiveWay
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
 from server.pipeline.compiling import compile_pipeline
@@ -110,7 +111,8 @@ def load_service(
     budget = step_budget(settings, pipeline, threads)
     # after the step budget's timed calls (a compile beside them slowed them and the start: the
     # built-in model's cold start to ready 34.6 s against 9.9 s eager), before the lanes copy the
-    # pipeline; in the background: no request waits on it
+    # pipeline; in the background, giving way while the step loops have work
+    give_way = GiveWay()
     compile_pipeline(
         pipeline,
         settings.compile,
@@ -120,6 +122,7 @@ def load_service(
         compiling,
         background=True,
         budget_s=settings.compile_budget_s,
+        give_way=give_way,
     )
     bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
@@ -135,6 +138,7 @@ def load_service(
         inject_faults=settings.inject_faults,
         tidy=housekeeping,
         threads=threads,
+        background=give_way,
     )
 
 

@@ -121,3 +121,17 @@ def test_family_names_appear_only_in_the_pipeline_families() -> None:
         if FAMILY_NAMES.search(line)
     ]
     assert not named, f"family names outside server/pipeline/: {named}"
+
+
+def test_no_per_call_state_lives_in_a_thread_local() -> None:
+    """A call carries its state in its call plan and the slots the walker fills, never in a
+    thread-local (a rank, a measurement's uncounted calls): the one exception is the compile-thread
+    flag (`runtime/tracing.py`), since `torch.compiler.is_compiling()` answers for every thread."""
+    allowed = {SERVER / "engine" / "runtime" / "tracing.py": 1}
+    found = {
+        path: n
+        for room in ("engine", "pipeline")
+        for path in (SERVER / room).rglob("*.py")
+        if (n := path.read_text().count("threading.local("))
+    }
+    assert found == allowed, found

@@ -7,6 +7,7 @@ a row count) from a real request's inputs, so the graphs are exactly what the st
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -36,7 +37,8 @@ from server.engine.runtime.compile import (
     run_decoder,
 )
 from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
-from server.engine.runtime.tracing import compiling_on_this_thread, trace_gate
+from server.engine.runtime.pool import ActivationPool
+from server.engine.runtime.tracing import CompileStopped, GiveWay, compiling_on_this_thread, trace_gate
 from server.pipeline.denoise import Pipeline
 from server.pipeline.requests import GenerationRequest
 
@@ -47,7 +49,7 @@ BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's
 # ... but not the interpreter: tracing holds the GIL, and the step loop, taking it back after
 # each operator, waited up to the 5 ms default each time (a first request during a cold compile
 # took 24 s against 0.6 s): a shorter interval while it compiles
-SWITCH_WHILE_COMPILING = 0.0005
+SWITCH_WHILE_COMPILING = 0.00005
 
 
 def compile_pipeline(
@@ -60,6 +62,7 @@ def compile_pipeline(
     on_progress: Callable[[CompileStats], None] | None = None,
     background: bool = False,
     budget_s: float | None = None,
+    give_way: GiveWay | None = None,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
     row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
@@ -69,7 +72,8 @@ def compile_pipeline(
     at a lower priority while the pipeline serves: a call runs eagerly until its bucket's graphs
     are ready, then through them (no request waits on a compile); `stats.done` is set at the end,
     `stats.state` says how it ended (a failure is logged: the graphs ready by then stay in use,
-    every other call runs eagerly).
+    every other call runs eagerly). `give_way`: the service says there when its step loops have
+    work, and a background compile pauses meanwhile.
 
     `budget_s`: once a bucket ends past it, no other is begun (`stats.state` "stopped"): the
     buckets not built run eagerly. Buckets are taken most useful first (a lone image's at each
@@ -95,7 +99,10 @@ def compile_pipeline(
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
     # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
-    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s)
+    give_way = give_way or GiveWay()  # never told of work: never pauses
+    warm = partial(
+        _warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s, give_way
+    )
     warm = partial(_as_lanes, pipeline.lane_threads, warm)
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
     if not background:
@@ -108,7 +115,11 @@ def compile_pipeline(
         switch, state = sys.getswitchinterval(), "failed"
         sys.setswitchinterval(SWITCH_WHILE_COMPILING)
         try:
-            state = warm()
+            with give_way.paused_while_serving():
+                state = warm()
+        except CompileStopped:
+            state = "stopped"
+            log.info("compile stopped: the server is shutting down")
         except Exception:
             log.exception("compile failed: calls its graphs do not hold yet keep running eagerly")
         finally:
@@ -161,11 +172,16 @@ def _warm(
     on_progress: Callable[[CompileStats], None] | None,
     measured: bool,
     budget_s: float | None,
+    give_way: GiveWay,
 ) -> str:
     """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); `measured`: each
     bucket's kept only where its calls were faster than eager ones. Says how it ended: "ready",
     or "stopped" where `budget_s` ran out first."""
     stats, started = decoder.store.stats, time.perf_counter()
+    # The warm-up requests' tensors live as long as the compile (minutes): rented from the
+    # service's pool they would read as its rented bytes all along, over its idle budget.
+    pipeline = copy.copy(pipeline)
+    pipeline.pool = ActivationPool()
     # A guided request is 2 rows; split over idle replicas, each gets 1 (padding it to 2 would
     # double their work).
     rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
@@ -180,7 +196,7 @@ def _warm(
             inputs = _rows_of(pipeline.stacked([states[size]], batch), count)
             added = [(shard, shard.warm(inputs, count)) for shard in shards]
             if measured:
-                _keep_if_faster(stats, added, inputs, size, count)
+                _keep_if_faster(stats, added, inputs, size, count, give_way)
         _said(stats, f"{size}px × {count} rows", started, on_progress)
 
     def decoding(size: int, count: int) -> None:  # tiled sizes decode eagerly (CompiledDecoder)
@@ -190,7 +206,7 @@ def _warm(
         batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
         key = decoder.warm(batch_latents)
         if measured:
-            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size)
+            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size, give_way)
         _said(stats, f"decoder {size}px × {count}", started, on_progress)
 
     # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
@@ -230,47 +246,64 @@ def _warm(
 
 
 def _keep_if_faster(
-    stats: CompileStats, added: list[tuple[ModelShard, list]], inputs: DenoiserInputs, size: int, rows: int
+    stats: CompileStats,
+    added: list[tuple[ModelShard, list]],
+    inputs: DenoiserInputs,
+    size: int,
+    rows: int,
+    give_way: GiveWay,
 ) -> None:
     """`--compile auto`: time a bucket's call through its graphs against eagerly (on the first
     shard: the others hold the same graphs), and stop using the graphs where they were not faster
     (a tiny model's calls may be quicker than a graph's overhead; a large UNet's convolutions are
     oneDNN's either way)."""
     shard = added[0][0]
-    plans = {True: CallPlan.plain(rows), False: replace(CallPlan.plain(rows), compiled=False)}
-    assert shard.compiled is not None
-    with shard.compiled.uncounted():  # the service's call counts are its own
-        runs = {graphs: partial(shard.run, inputs, plan) for graphs, plan in plans.items()}
-        kept = _faster(stats, runs, shard.devices, f"{size}px × {rows} rows")
+    measured = replace(CallPlan.plain(rows), counted=False)  # the service's call counts are its own
+    plans = {True: measured, False: replace(measured, compiled=False)}
+    runs = {graphs: partial(shard.run, inputs, plan) for graphs, plan in plans.items()}
+    kept = _faster(stats, runs, shard.devices, f"{size}px × {rows} rows", give_way)
     for each, keys in added if not kept else ():
         assert each.compiled is not None
         each.compiled.drop(keys)
 
 
 def _keep_decoder_if_faster(
-    stats: CompileStats, decoder: CompiledDecoder, latents: torch.Tensor, key: tuple | None, size: int
+    stats: CompileStats,
+    decoder: CompiledDecoder,
+    latents: torch.Tensor,
+    key: tuple | None,
+    size: int,
+    give_way: GiveWay,
 ) -> None:
     """The same for a batch size's decoder graph."""
     if key is None:
         return
     runs = {True: partial(decoder, latents), False: partial(run_decoder, decoder.vae, latents)}
-    if not _faster(stats, runs, [str(latents.device)], f"decoder {size}px × {latents.shape[0]}"):
+    if not _faster(stats, runs, [str(latents.device)], f"decoder {size}px × {latents.shape[0]}", give_way):
         decoder.drop(key)
 
 
 def _faster(
-    stats: CompileStats, runs: dict[bool, Callable[[], object]], devices: Sequence[str], what: str
+    stats: CompileStats,
+    runs: dict[bool, Callable[[], object]],
+    devices: Sequence[str],
+    what: str,
+    give_way: GiveWay,
 ) -> bool:
     """Whether `runs[True]` (graphs) took less than `runs[False]` (eager): medians of TIMED_CALLS
-    each, in turn, after one of each; recorded in `stats.buckets` and said in the log."""
+    each, in turn, after one of each; recorded in `stats.buckets` and said in the log. A call
+    paused for the step loops' work (`give_way`) is timed again."""
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for turn in range(1 + TIMED_CALLS):
             for graphs, run in runs.items():
-                started = time.perf_counter()
-                run()
-                for device in (d for d in devices if d.startswith("cuda")):
-                    torch.cuda.synchronize(device)
+                pauses = -1
+                while pauses != give_way.pauses:
+                    give_way.wait()
+                    pauses, started = give_way.pauses, time.perf_counter()
+                    run()
+                    for device in (d for d in devices if d.startswith("cuda")):
+                        torch.cuda.synchronize(device)
                 if turn:
                     times[graphs].append(time.perf_counter() - started)
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])

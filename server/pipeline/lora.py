@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from server.engine.quantize import layer_dtype, layer_features
 from server.engine.runtime.call import RowsSlot
-from server.engine.runtime.tensor import RowLinear, current_rank
+from server.engine.runtime.tensor import RowLinear
 from server.engine.runtime.tracing import compiling_here
 from server.errors import ModelFolderError
 from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
@@ -261,7 +261,7 @@ class AdapterSet:
             hidden.mul_(mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1]))
             delta = F.linear(hidden, stacked.up)
             if isinstance(layer, RowLinear):  # a tensor rank's part of its inputs: a partial delta
-                delta = current_rank().all_reduce(delta)
+                delta = layer.slot.rank.all_reduce(delta)
             return output.add_(delta)
 
         return add_deltas

@@ -53,8 +53,10 @@ class StepLoop:
         inject_faults: bool = False,
         threads: int | None = None,
         name: str = "diffshard-loop",
+        on_activity: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.on_activity = on_activity  # told whenever the loop gets work or runs out of it
         self.threads = threads  # torch intra-op threads of this loop's thread (None: torch's)
         self.max_queue = max_queue
         self.max_queue_per_key = max_queue_per_key or max_queue  # jobs one API key may have waiting
@@ -101,7 +103,7 @@ class StepLoop:
                 self._stats.rejected["key_queue_full"] += 1
                 raise KeyOverloaded(self.retry_after(), self.max_queue_per_key)
             self._lineup.append(job)
-            self.idle_since = None
+            self._set_idle(False)
             self._wake.notify()
         return job
 
@@ -194,13 +196,12 @@ class StepLoop:
         """One turn of the loop; False when it should stop."""
         with self._wake:
             while not (self._lineup or self._active or self._stopping):
-                if self.idle_since is None:
-                    self.idle_since = time.monotonic()  # housekeeping (`Service`) may start
+                self._set_idle(True)  # housekeeping and a background compile (`Service`) may start
                 self._wake.wait()
             if self._stopping:
                 self._stop()
                 return False
-            self.idle_since = None
+            self._set_idle(False)
             # 1. Leavers first: they take no place and no encoding.
             self._drop_leavers()
             # 2. Who steps this turn, and who is admitted to (the rest of the admitted are parked).
@@ -229,6 +230,13 @@ class StepLoop:
         with self._wake:
             self._wake.notify_all()  # wait_idle() may be waiting
         return True
+
+    def _set_idle(self, idle: bool) -> None:
+        """Out of work since now, or with work (called with the lock held)."""
+        if idle != (self.idle_since is not None):
+            self.idle_since = time.monotonic() if idle else None
+            if self.on_activity is not None:
+                self.on_activity()
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,18 @@ from server.serving.loop import StepLoop
 from server.serving.stats import DeviceView, LoopStats
 
 log = logging.getLogger("diffshard")
+
+BACKGROUND_STOP_S = 10.0  # for work beside the loops to end at close (a C++ compile it waits on)
+
+
+class Background(Protocol):
+    """Work beside the step loops that gives way to them (a background compile: `GiveWay`)."""
+
+    def serving(self, busy: bool) -> None:
+        """The step loops have work (True), or none left (False)."""
+
+    def stop(self, timeout_s: float) -> bool:
+        """End now; whether it ended within `timeout_s`."""
 
 
 class Service:
@@ -54,8 +66,10 @@ class Service:
         tidy: Callable[[], bool] | None = None,
         idle_s: float = IDLE_S,
         threads: int | None = None,
+        background: Background | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.background, self._serving_lock = background, threading.Lock()
         self.attached = Attached(pipeline)  # adapters and ControlNets, changed at runtime
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.name = name  # the model's id, as clients know it
@@ -85,6 +99,7 @@ class Service:
                 inject_faults=inject_faults,
                 threads=pipeline.lane_threads,
                 name="diffshard-loop" if len(lanes) == 1 else f"diffshard-lane-{index}",
+                on_activity=self._activity,
             )
             for index, lane in enumerate(lanes)
         ]
@@ -95,6 +110,12 @@ class Service:
             idle = lambda: [loop.idle_since for loop in self.loops]  # noqa: E731
             self.housekeeper = Housekeeper(idle, tidy, self._closing, idle_s)
             self.housekeeper.start()
+
+    def _activity(self) -> None:
+        """A lane got work or ran out of it: whether any has work now, said in order."""
+        if self.background is not None:
+            with self._serving_lock:
+                self.background.serving(any(loop.idle_since is None for loop in self.loops))
 
     def _idle_replicas(self, mine: int) -> Callable[[], list]:
         """Lane `mine`'s view of the others: the shards of the lanes with no job queued or
@@ -321,3 +342,5 @@ class Service:
             loop.close()
             if loop.pipeline.lane.workers is not None:  # the lane's helper threads go with it
                 loop.pipeline.lane.workers.close()
+        if self.background is not None and not self.background.stop(BACKGROUND_STOP_S):
+            log.warning("the background compile did not stop within %g s", BACKGROUND_STOP_S)

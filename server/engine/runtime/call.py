@@ -50,6 +50,7 @@ class RowGroup:
 class CallPlan:
     groups: tuple[RowGroup, ...]
     compiled: bool = True  # compiled graphs may run it (False: every block eagerly)
+    counted: bool = True  # in the service's compiled-call counts (a measurement's call: False)
 
     @classmethod
     def plain(cls, rows: int) -> CallPlan:

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -180,7 +179,6 @@ class CompiledDenoiser:
         self._freezer = Freezer(model, devices, mode == CompileMode.FULL, store)  # full, on a CPU
         self._blocks: dict[str, dict[tuple, Any]] = {}  # blocks: name → padded flow's signature → graph
         self._count = threading.Lock()
-        self._quiet = threading.local()  # `uncounted`
 
     # Warming: compile or load a bucket from a real call's inputs.
 
@@ -231,19 +229,11 @@ class CompiledDenoiser:
             if not name:
                 self._freezer.drop(key)
 
-    @contextmanager
-    def uncounted(self) -> Iterator[None]:
-        """Calls on this thread go uncounted (a measurement's, not the service's)."""
-        self._quiet.on = True
-        try:
-            yield
-        finally:
-            self._quiet.on = False
-
     # Serving.
 
-    def whole(self, inputs: DenoiserInputs) -> torch.Tensor | None:
-        """The call through its bucket's whole graph (counted), or None (the walker runs it)."""
+    def whole(self, inputs: DenoiserInputs, counted: bool = True) -> torch.Tensor | None:
+        """The call through its bucket's whole graph (`counted`: in the service's call counts), or
+        None (the walker runs it)."""
         if self.mode != CompileMode.FULL:
             return None
         flat = _flat(inputs)
@@ -252,7 +242,8 @@ class CompiledDenoiser:
         if found is None:
             return None
         bucket, graph = found
-        self.count({"padded" if bucket > rows else "compiled"})
+        if counted:
+            self.count({"padded" if bucket > rows else "compiled"})
         with torch.inference_mode():
             return graph(*pad_rows(flat, rows, bucket))[:rows]
 
@@ -273,8 +264,6 @@ class CompiledDenoiser:
 
     def count(self, paths: set[str]) -> None:
         """One call's path: eager if any block ran eagerly, else padded if any was padded."""
-        if getattr(self._quiet, "on", False):
-            return
         path = next((p for p in ("eager", "padded") if p in paths), "compiled") if paths else "eager"
         with self._count:
             self.stats.calls[path] += 1

@@ -188,7 +188,8 @@ class Rank:
         mine = slice(begin, begin + lengths[self.index])
         return torch.cat([o[:, :, mine].to(here) for o in outs], dim=1)
 
-    def attention(self) -> SequenceAttention:
+    def attention(self, block: str) -> SequenceAttention:
+        """While split block `block` runs on this rank: its attention over every rank's tokens."""
         return SequenceAttention(self)
 
 

@@ -23,7 +23,6 @@ outputs in rank order, so every rank holds the same values after each reduction.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,31 +37,58 @@ from server.engine.runtime.call import CallPlan, CallResult
 from server.engine.runtime.sequence import Group, Rank, Submit, run_ranks
 from server.errors import PlanError
 
-# Each thread's rank while it runs a split block (a row or gathered layer exchanges through it).
-_current = threading.local()
+
+class RankSlot:
+    """Where the rank running a split block leaves itself for the block's split layers (row and
+    gathered ones exchange through it), as `RowsSlot` holds a stage's adapter rows: a slot per
+    split block of a rank's module tree, and a block runs one call at a time (its stage's gate)."""
+
+    def __init__(self) -> None:
+        self._rank: Any = None
+
+    @property
+    def rank(self) -> Any:
+        if self._rank is None:
+            raise RuntimeError("a tensor-split layer ran outside its tensor group's call")
+        return self._rank
+
+    @contextmanager
+    def holding(self, rank: Any) -> Iterator[None]:
+        """The block's split layers exchange through `rank` meanwhile: anything with `all_reduce`
+        and `gather` (a `TensorRank`; `benchmarks.tensor`'s rank of a `torch.distributed` group)."""
+        self._rank = rank
+        try:
+            yield
+        finally:
+            self._rank = None
 
 
-def current_rank() -> TensorRank:
-    rank = getattr(_current, "rank", None)
-    if rank is None:
-        raise RuntimeError("a tensor-split layer ran outside its tensor group's call")
-    return rank
+def rank_slots(model: nn.Module) -> dict[str, RankSlot]:
+    """The slots `split_model` gave `model`'s split blocks, by block."""
+    slots = getattr(model, "rank_slots", None)
+    if slots is None:
+        raise PlanError("this model was not split for a tensor group (split_model)")
+    return slots
 
 
 class RowLinear(nn.Linear):
     """A row-split Linear: this rank's inputs' slice of the weights; partial outputs summed over
     the ranks, then the (whole) bias added."""
 
+    slot: RankSlot
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = current_rank().all_reduce(F.linear(x, self.weight))
+        out = self.slot.rank.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
 class GatheredLinear(nn.Linear):
     """A column-split Linear whose every rank gets the whole output back (gathered in order)."""
 
+    slot: RankSlot
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = current_rank().gather(F.linear(x, self.weight, self.bias))
+        parts = self.slot.rank.gather(F.linear(x, self.weight, self.bias))
         here = x.device
         return torch.cat([p.to(here) for p in parts], dim=-1)
 
@@ -81,10 +107,11 @@ def _bounds(length: int, parts: Sequence[int], index: int, size: int) -> list[in
 
 
 def split_layer(
-    layer: nn.Linear, cut: Cut, index: int, size: int, parts: tuple[int, ...] = (1,)
+    layer: nn.Linear, cut: Cut, index: int, size: int, slot: RankSlot, parts: tuple[int, ...] = (1,)
 ) -> nn.Linear:
     """Rank `index`'s part of `layer` (of a group of `size`): a new Linear holding its slice (a
-    copy: the whole weight is no longer referenced once every rank has its part)."""
+    copy: the whole weight is no longer referenced once every rank has its part); a row or
+    gathered one exchanges through `slot`'s rank."""
     weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
     if cut in (Cut.COLUMN, Cut.PACKED_COLUMN, Cut.GATHERED):
         keep = _bounds(weight.shape[0], parts, index, size)
@@ -98,6 +125,8 @@ def split_layer(
     if bias is not None:
         out.bias = nn.Parameter(bias.clone(), requires_grad=False)
     out.rank_part = RankPart(dim, keep, tuple(layer.weight.shape))
+    if cls is not nn.Linear:
+        out.slot = slot
     return out
 
 
@@ -121,59 +150,63 @@ class RankPart:
         return down, up
 
 
-def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> None:
+def split_model(model: nn.Module, split: TensorSplit, index: int, size: int) -> dict[str, RankSlot]:
     """Replace, in place, every layer of `split`'s blocks that it cuts by rank `index`'s part,
     and (`rank_heads`) give the attention modules fed by column-split queries their share of the
-    heads; a group that does not divide them is refused before anything changes."""
-    cut_layers = []
+    heads; a group that does not divide them is refused before anything changes. Each block's
+    split layers exchange through its slot (returned by block, and `rank_slots(model)`)."""
+    cut_layers, slots = [], {block: RankSlot() for block in split.blocks}
     for block in split.blocks:
         for name, layer in model.get_submodule(block).named_modules():
             cut = split.cut_of(f"{block}.{name}")
             if cut is not None and isinstance(layer, nn.RMSNorm if cut == Cut.NORM else nn.Linear):
-                cut_layers.append((f"{block}.{name}", layer, cut))
-    attentions = {path.rpartition(".")[0] for path, _, _ in cut_layers if path.endswith(".to_q")}
+                cut_layers.append((block, f"{block}.{name}", layer, cut))
+    attentions = {path.rpartition(".")[0] for _, path, _, _ in cut_layers if path.endswith(".to_q")}
     for path in sorted(attentions):
         heads = model.get_submodule(path).heads
         if heads % size:
             raise PlanError(f"a tensor group of {size} must divide the attention heads ({heads} in {path})")
-    for path, layer, cut in cut_layers:
+    for block, path, layer, cut in cut_layers:
         parts = split.parts_of(path) if cut in PACKED else (1,)
         parent, _, child = path.rpartition(".")
         part = (
-            RankRMSNorm(layer, index, size)
+            RankRMSNorm(layer, index, size, slots[block])
             if cut == Cut.NORM
-            else split_layer(layer, cut, index, size, parts)
+            else split_layer(layer, cut, index, size, slots[block], parts)
         )
         setattr(model.get_submodule(parent), child, part)
     for path in attentions if split.rank_heads else ():
         model.get_submodule(path).heads //= size
+    model.rank_slots = slots
+    return slots
 
 
 class RankRMSNorm(nn.Module):
     """`torch.nn.RMSNorm` over every head's features (Wan's `rms_norm_across_heads`) on a rank's
     slice of them: the squares' sum over the ranks, each scaling its own features."""
 
-    def __init__(self, norm: nn.RMSNorm, index: int, size: int) -> None:
+    def __init__(self, norm: nn.RMSNorm, index: int, size: int, slot: RankSlot) -> None:
         super().__init__()
-        self.features, self.eps = int(norm.normalized_shape[-1]), norm.eps
+        self.features, self.eps, self.slot = int(norm.normalized_shape[-1]), norm.eps, slot
         keep = _bounds(self.features, (1,), index, size)
         weight = None if norm.weight is None else nn.Parameter(norm.weight.detach()[keep].clone(), False)
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        squares = current_rank().all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        squares = self.slot.rank.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         out = (x.float() * torch.rsqrt(squares / self.features + eps)).type_as(x)
         return out if self.weight is None else out * self.weight
 
 
 class TensorRank(Rank):
-    """This thread's place in one call's tensor group (`Rank`'s exchanges): the walker runs the
-    split blocks with the whole flow (`cut` and `join` leave it as it is) and its split layers
-    exchange through it."""
+    """A rank's place in one call's tensor group (`Rank`'s exchanges): the walker runs the split
+    blocks with the whole flow (`cut` and `join` leave it as it is) and its tree's split layers
+    exchange through it (left in the block's slot while it runs)."""
 
-    def __init__(self, group: Group, index: int, split: TensorSplit) -> None:
+    def __init__(self, group: Group, index: int, split: TensorSplit, slots: dict[str, RankSlot]) -> None:
         super().__init__(group, index, split)  # type: ignore[arg-type]  # only `blocks` is read
+        self.slots = slots
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `partial`, in rank order (the same values on every rank)."""
@@ -191,20 +224,9 @@ class TensorRank(Rank):
         return flow
 
     @contextmanager
-    def attention(self) -> Iterator[None]:  # type: ignore[override]  # "while a split block runs"
-        with as_rank(self):
+    def attention(self, block: str) -> Iterator[None]:  # type: ignore[override]  # "while `block` runs"
+        with self.slots[block].holding(self):
             yield
-
-
-@contextmanager
-def as_rank(rank: Any) -> Iterator[None]:
-    """Split layers run on this thread exchange through `rank`: anything with `all_reduce` and
-    `gather` (a `TensorRank`; `benchmarks.tensor`'s rank of a `torch.distributed` group)."""
-    _current.rank = rank
-    try:
-        yield
-    finally:
-        _current.rank = None
 
 
 def run_tensor(
@@ -212,4 +234,7 @@ def run_tensor(
 ) -> CallResult:
     """One call of `plan` over a tensor group (`shards`: rank k's holds its parts of the split
     layers), rank 0 on this thread; rank 0's result (`sequence.run_ranks`)."""
-    return run_ranks(shards, lambda group, index: TensorRank(group, index, split), inputs, plan, submit)
+    slots = [rank_slots(shard.model) for shard in shards]
+    return run_ranks(
+        shards, lambda group, index: TensorRank(group, index, split, slots[index]), inputs, plan, submit
+    )

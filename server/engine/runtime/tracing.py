@@ -9,17 +9,28 @@ Two things torch keeps for the whole process while it compiles:
 - `torch.compiler.is_compiling()` is one flag, True on every thread for the whole of a compile:
   an adapter's hook that asked it dropped the adapter from eager rows served meanwhile.
   `compiling_here()` asks this thread alone.
+
+And one thing the interpreter keeps: the GIL. Dynamo's tracing and inductor's lowering are
+Python through and through, and an eager call takes the GIL back after every operator: beside a
+compile, a step loop's calls waited for it most of the time (the built-in model's lone request
+2-4x slower while the compile ran, whatever its nice value or the switch interval). So a
+background compile gives way (`GiveWay`): it pauses while the step loops have work.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
+
+TORCH_DIR = str(Path(torch.__file__).parent)
 
 
 class TraceGate:
@@ -34,6 +45,10 @@ class TraceGate:
         self._depth = 0
         self.traces_waiting = 0
         self.queued = 0  # calls waiting for a trace to end
+
+    def tracing_here(self) -> bool:
+        """Whether this thread holds the gate (calls wait for it: it must not wait for them)."""
+        return self._tracer == threading.get_ident()
 
     @contextmanager
     def call(self) -> Iterator[None]:
@@ -90,6 +105,77 @@ def trace_gate() -> TraceGate:
 
     torch.fx.Tracer.trace = trace  # type: ignore[method-assign]
     return gate
+
+
+class CompileStopped(BaseException):
+    """Raised inside a background compile told to stop (`GiveWay.stop`): a BaseException, so
+    that no `except Exception` in torch turns it into a fallback."""
+
+
+class GiveWay:
+    """A background compile that gives way to serving: the service says when its step loops have
+    work (`serving`), and the compile thread, inside `paused_while_serving`, stops at the next
+    Python call it makes into torch (dynamo's tracing, inductor's lowering, the timed calls of
+    `--compile auto`) until they have none, holding no core and no GIL meanwhile. It never stops
+    while it holds the trace gate (the calls wait for that trace to end). What runs outside
+    Python (a C++ compiler's process) goes on, at the compile's nice value.
+
+    `stop` ends the compile at its next such call (`CompileStopped`): a server shutting down
+    must not leave a thread inside torch while the interpreter exits (it crashed the exit)."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = False
+        self._ended = threading.Event()
+        self._ended.set()  # no compile runs
+        self.pauses = 0
+
+    def serving(self, busy: bool) -> None:
+        """The step loops have work (True) or have none left (False)."""
+        if busy and not self._stopping:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    def wait(self) -> None:
+        """Until the step loops have no work; CompileStopped once told to stop."""
+        if not self._idle.is_set():
+            self.pauses += 1
+            self._idle.wait()
+        if self._stopping:
+            raise CompileStopped
+
+    def stop(self, timeout_s: float) -> bool:
+        """End the compile at its next call into torch; whether it ended within `timeout_s`."""
+        self._stopping = True
+        self._idle.set()
+        return self._ended.wait(timeout_s)
+
+    @contextmanager
+    def paused_while_serving(self) -> Iterator[None]:
+        """On the compile's thread: what runs inside stops whenever the step loops have work."""
+        idle, gate, here = self._idle, trace_gate(), __file__
+
+        def on_call(frame: FrameType, event: str, arg: Any) -> None:
+            # A global trace function, called as each frame begins: returning None traces no lines.
+            if (idle.is_set() and not self._stopping) or gate.tracing_here():
+                return None
+            name = frame.f_code.co_filename
+            # torch's frames and the trace gate's (before a trace waits for the calls): never one of
+            # ours that may hold a lock the step loops take, nor logging's
+            if name.startswith(TORCH_DIR) or name == here:
+                self.wait()
+            return None
+
+        self._ended.clear()
+        previous = sys.gettrace()
+        sys.settrace(on_call)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+            self._ended.set()
 
 
 _compiling = threading.local()

@@ -113,7 +113,7 @@ class _Walk:
         elif shard.compiled is not None:
             self.paths.add("eager")
         if out is None and split:
-            with self.rank.attention():
+            with self.rank.attention(name):
                 out = call.fn(call.owner, flow.rows, flow.shared)
         elif out is None:
             out = call.fn(call.owner, flow.rows, flow.shared)
@@ -158,11 +158,11 @@ def walk(
     try:
         whole_graph = plan.compiled and not plan.cached and not any(plan.adapters) and rank is None
         if shard.compiled is not None and whole_graph:
-            whole = shard.compiled.whole(inputs)  # --compile full: one graph for the call
+            whole = shard.compiled.whole(inputs, plan.counted)  # --compile full: one graph for the call
             if whole is not None:
                 return CallResult(whole, [Outcome() for _ in plan.groups])
         out, outcomes = _blocks(state, inputs)
-        if shard.compiled is not None and on_block is None:
+        if shard.compiled is not None and on_block is None and plan.counted:
             shard.compiled.count(state.paths)
         return CallResult(out.to(shard.device), outcomes)
     finally:
