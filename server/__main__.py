@@ -35,7 +35,7 @@ from server.engine.hardware.devices import format_bytes, planning_absent_devices
 from server.engine.hardware.memory import bound_kernel_cache
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
-from server.pipeline.loader import read_family
+from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
 from server.pipeline.quantizing import describe
 from server.planned import check_quantization_runs, decoder_for, fitted_plan
@@ -254,10 +254,12 @@ class DrainingServer(uvicorn.Server):
 def serve_command(args: argparse.Namespace) -> int:
     """Validate, take both ports, plan, then serve; the model loads once uvicorn runs. Exit 0 after
     a drain, 1 if the model failed to load (the cause is the last line)."""
-    settings = _settings(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())  # lines about a request end with its id
+    logging.captureWarnings(True)  # a library's warnings.warn in the log's format, its source named
+    quiet_libraries()
+    settings = _settings(args)
     logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # a key sent in a query stays out
     _refuse_remote_fault_injection(settings)
     check_quantization_runs(settings)  # float8 or nf4 on a device without them: one line, now

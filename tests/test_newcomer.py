@@ -58,6 +58,25 @@ def test_the_startup_log_is_ours_and_says_ready_last(newcomer) -> None:
     assert "placed (each of" in started or "placed (one replica)" in started  # the plan, then ready
 
 
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ([\w.]+): (.*)")
+SPANS_LINES = ("parallel:", "placed (")  # our records that continue on lines of their own (tables)
+
+
+def test_the_first_screen_holds_only_our_own_lines(newcomer) -> None:
+    """Up to ready, every record is ours or uvicorn's: a library's warning (a diffusers model cast
+    after loading, say) would come named by its logger or bare, and every bare line continues one
+    of our records that spans lines (the plan, the placement)."""
+    server, _ = newcomer
+    lines = "".join(server.log).split("diffshard: ready:")[0].splitlines()
+    spans = False
+    for line in lines:
+        if record := RECORD.match(line):
+            assert record.group(1) in ("diffshard", "uvicorn.error"), line
+            spans = record.group(1) == "diffshard" and record.group(2).startswith(SPANS_LINES)
+        else:
+            assert spans, f"a line that is not ours before ready: {line!r}"
+
+
 def test_a_misspelt_required_field_is_named_with_the_field_it_may_mean(newcomer) -> None:
     server, _ = newcomer
     error = error_of(httpx.post(f"{server.url}/v1/images/generations", json={"promt": "a red circle"}))

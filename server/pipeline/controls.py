@@ -77,11 +77,16 @@ class ControlNets:
         config = json.loads((folder / "config.json").read_text())
         kind = config["_class_name"]
         self._fits(name, kind, config)
-        self.add(name, getattr(diffusers, kind).from_pretrained(folder, use_safetensors=True))
+        # in the served dtype as it loads: diffusers keeps a net's float32 modules so (a cast after
+        # loading warns that it cannot, on every start)
+        net = getattr(diffusers, kind).from_pretrained(folder, use_safetensors=True, torch_dtype=self.dtype)
+        self.add(name, net)
 
     def add(self, name: str, net: nn.Module) -> None:
         self._fits(name, type(net).__name__, getattr(net, "config", {}))
-        net = net.to(self.device, self.dtype).eval()
+        net = net.to(self.device).eval()
+        if net.dtype != self.dtype:
+            net = net.to(dtype=self.dtype)
         with self._adding:
             if name in self.loaded:
                 raise ValueError(f"a ControlNet named {name!r} is served (or still unloading)")

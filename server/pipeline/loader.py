@@ -52,10 +52,13 @@ def quiet_libraries() -> None:
     """Keep the libraries' chatter out of the service's log: transformers' progress bars and its
     notes on backends diffshard never uses (CLIPImageProcessor without torchvision), diffusers'
     progress bars. Their warnings about real problems still show (errors only for transformers,
-    whose warnings here are all about optional backends)."""
+    whose warnings here are all about optional backends), in the log's own format and naming
+    their source (through the root logger, not a handler of their own)."""
+    for library in (transformers, diffusers):
+        library.utils.logging.disable_progress_bar()
+        library.utils.logging.disable_default_handler()
+        library.utils.logging.enable_propagation()
     transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.disable_progress_bar()
 
 
 def closed_vocabulary(tokenizers: tuple[Any, ...]) -> tuple[str, ...] | None:
