@@ -4,6 +4,7 @@ flag is the whole process's, so both are exercised here with real traces on a se
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -12,7 +13,13 @@ import torch
 from torch import nn
 
 from server.engine.runtime.call import AdapterRows, RowsSlot
-from server.engine.runtime.tracing import compiling_here, compiling_on_this_thread, trace_gate
+from server.engine.runtime.tracing import (
+    CompileStopped,
+    GiveWay,
+    compiling_here,
+    compiling_on_this_thread,
+    trace_gate,
+)
 from server.pipeline.lora import Adapter, AdapterSet, LoraPair, Target
 from tests.waiting import wait_until
 
@@ -142,3 +149,76 @@ def test_an_adapter_row_run_while_another_thread_compiles_keeps_its_adapter(tmp_
     finally:
         go_on.set()
         compiler.join(DEADLINE_S)
+
+
+def _compiling(
+    give_way: GiveWay, steps: list[int], stop_at: threading.Event, gated: bool = False
+) -> threading.Thread:
+    """A stand-in for the background compile: a thread under `give_way` calling into torch (a
+    function of torch.nn.functional, Python in torch's own files) in a loop, counting its steps;
+    `gated`: holding the trace gate meanwhile, as a trace does."""
+
+    def run() -> None:
+        with give_way.paused_while_serving(), trace_gate().trace() if gated else contextlib.nullcontext():
+            while not stop_at.is_set():
+                torch.nn.functional.relu(torch.ones(1))
+                steps[0] += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: steps[0] > 0, DEADLINE_S, "the compile to begin")
+    return thread
+
+
+def test_a_background_compile_pauses_while_the_step_loops_have_work() -> None:
+    """Told of work, the compile stops at its next call into torch and makes no progress while the
+    work runs here; told it is done, it goes on."""
+    give_way, steps, done = GiveWay(), [0], threading.Event()
+    thread = _compiling(give_way, steps, done)
+    give_way.serving(True)
+    wait_until(lambda: give_way.pauses == 1, DEADLINE_S, "the compile to pause")
+    paused_at = steps[0]
+    for _ in range(50):  # the step loop's calls
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert steps[0] == paused_at
+    give_way.serving(False)
+    wait_until(lambda: steps[0] > paused_at, DEADLINE_S, "the compile to go on")
+    done.set()
+    thread.join(DEADLINE_S)
+
+
+def test_a_compile_holding_the_trace_gate_never_pauses() -> None:
+    """The step loops' calls wait for a trace in progress: pausing it for them would wait forever."""
+    give_way, steps, done = GiveWay(), [0], threading.Event()
+    thread = _compiling(give_way, steps, done, gated=True)
+    give_way.serving(True)
+    before = steps[0]
+    wait_until(lambda: steps[0] > before + 100, DEADLINE_S, "the trace to go on")
+    assert give_way.pauses == 0
+    done.set()
+    thread.join(DEADLINE_S)
+
+
+def test_a_stopped_compile_ends_at_its_next_call_into_torch_even_while_paused() -> None:
+    give_way, steps = GiveWay(), [0]
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with give_way.paused_while_serving():
+                while True:
+                    torch.nn.functional.relu(torch.ones(1))
+                    steps[0] += 1
+        except CompileStopped as stopped:
+            ended.append(stopped)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: steps[0] > 0, DEADLINE_S, "the compile to begin")
+    give_way.serving(True)
+    wait_until(lambda: give_way.pauses == 1, DEADLINE_S, "the compile to pause")
+    assert give_way.stop(DEADLINE_S)
+    thread.join(DEADLINE_S)
+    assert ended and not thread.is_alive()
+    give_way.serving(True)  # a stopped compile is never told to wait again
+    assert give_way.stop(0)

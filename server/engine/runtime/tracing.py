@@ -155,16 +155,15 @@ class GiveWay:
     @contextmanager
     def paused_while_serving(self) -> Iterator[None]:
         """On the compile's thread: what runs inside stops whenever the step loops have work."""
-        idle, gate, here = self._idle, trace_gate(), __file__
+        idle, gate = self._idle, trace_gate()
 
         def on_call(frame: FrameType, event: str, arg: Any) -> None:
             # A global trace function, called as each frame begins: returning None traces no lines.
             if (idle.is_set() and not self._stopping) or gate.tracing_here():
                 return None
-            name = frame.f_code.co_filename
-            # torch's frames and the trace gate's (before a trace waits for the calls): never one of
-            # ours that may hold a lock the step loops take, nor logging's
-            if name.startswith(TORCH_DIR) or name == here:
+            # only in torch's frames: never in one of ours that may hold a lock the step loops
+            # take (the trace gate's, waiting for their calls to end), nor in logging's
+            if frame.f_code.co_filename.startswith(TORCH_DIR):
                 self.wait()
             return None
 
