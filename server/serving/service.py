@@ -327,6 +327,8 @@ class Service:
     def drain(self, timeout_s: float) -> bool:
         """Refuse new jobs; wait up to `timeout_s` for those in flight. True if they all ended."""
         deadline = time.monotonic() + timeout_s
+        if self.background is not None:
+            self.background.stop(0)  # nothing more is compiled for a server going away; `close` waits
         for loop in self.loops:
             loop.stop_admitting()
         return all(loop.wait_idle(max(0.0, deadline - time.monotonic())) for loop in self.loops)
