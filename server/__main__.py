@@ -38,7 +38,7 @@ from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
 from server.pipeline.quantizing import describe
-from server.planned import check_quantization_runs, decoder_for, fitted_plan
+from server.planned import check_quantization_runs, decoder_for, fitted_plan, pixel_limit
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -163,7 +163,7 @@ def _plan(args: argparse.Namespace) -> None:
     decoder = decoder_for(settings, family, plan, options.get("side"))
     modes = None
     if args.quantize is not None:  # asked about quantizing: how each mode fits, beside the plan
-        side = options.get("side") or largest_side(family, settings.pixel_limit(family))
+        side = options.get("side") or largest_side(family, pixel_limit(settings, family))
         modes = fits_by_mode(
             family,
             settings.devices,

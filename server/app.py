@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
@@ -50,7 +49,15 @@ from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import step_knees
 from server.pipeline.quantizing import describe
-from server.planned import check_quantization_runs, decoder_for, fitted_plan, pool_budgets
+from server.planned import (
+    check_quantization_runs,
+    decoder_for,
+    fitted_plan,
+    pixel_limit,
+    pool_budgets,
+    request_defaults,
+    request_limits,
+)
 from server.serving import Runtime, Service
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
@@ -85,7 +92,7 @@ def load_service(
         denoiser_file=settings.denoiser_file,
         vae_tiling=decoder_for(settings, family, plan).tiling,
     )
-    pipeline.defaults = replace(pipeline.defaults, step_cache=settings.step_cache)
+    pipeline.defaults = request_defaults(settings, pipeline.family, pipeline.defaults)
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
         pipeline.add_adapter(read_adapter(name, path, pipeline.family))
         log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
@@ -107,7 +114,7 @@ def load_service(
         threads,
         f"; each lane runs {lanes}" if lanes is not None else "",
     )
-    limits = settings.limits(pipeline.family)
+    limits = request_limits(settings, pipeline.family)
     budget = step_budget(settings, pipeline, threads)
     # after the step budget's timed calls (a compile beside them slowed them and the start: the
     # built-in model's cold start to ready 34.6 s against 9.9 s eager), before the lanes copy the
@@ -149,7 +156,9 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
         return None if settings.step_budget == "off" else float(settings.step_budget)
     family = pipeline.family
     native = family.native_size
-    sides = [s for s in (native, 2 * native, 4 * native) if s * s <= settings.pixel_limit(family)] or [native]
+    sides = [s for s in (native, 2 * native, 4 * native) if s * s <= pixel_limit(settings, family)] or [
+        native
+    ]
     device = pipeline.shard.devices[0]
     lane_threads = pipeline.lane_threads or threads
     knees = step_knees(
@@ -328,7 +337,7 @@ def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
 def _bounds(settings: Settings, keyed: bool) -> Bounds:
     """What the OpenAPI document says of request bodies: these settings on this model."""
     family = read_family(settings.model)
-    limits = settings.limits(family)
+    limits = request_limits(settings, family)
     return Bounds(
         served_name=settings.served_name,
         max_n=limits.max_n,

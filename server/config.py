@@ -5,7 +5,6 @@ device, a strategy), with messages that say what to fix."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -41,14 +40,12 @@ from server.engine.planning.cache import default_cache_dir
 from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.runtime.compile import CompileMode
 from server.errors import ConfigError
-from server.pipeline.clips import work_limit
 from server.pipeline.controls import controlnet_folder
-from server.pipeline.families import Family, pipeline_classes
+from server.pipeline.families import pipeline_classes
 from server.pipeline.loader import gguf_tensor_bytes, read_family
 from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
-from server.serving import Limits
 from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -231,6 +228,14 @@ class Settings(BaseSettings):
         "pixels / native pixels; a larger request runs alone); auto: the knee the planner's costs "
         "predict (where doubling rows adds < 10% rows/s); off: only --max-batch",
     )
+    default_steps: int | None = Field(
+        None, ge=1, le=1000, description="num_inference_steps of a request naming none (default: the "
+        "folder's recommended.json, else its pipeline's: Z-Image-Turbo 8, a Z-Image base folder 50)",
+    )  # fmt: skip
+    default_guidance: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="guidance_scale of a request naming none (default: "
+        "the folder's recommended.json, else its pipeline's: Z-Image-Turbo 0, a Z-Image base folder 5)",
+    )  # fmt: skip
     step_cache: StepCacheSetting = Field(
         StepCache(),
         description="a request's step_cache when it sends none: off, deep (UNets), first_block "
@@ -366,32 +371,6 @@ class Settings(BaseSettings):
         if self.model_name:
             return self.model_name
         return BUILT_IN_NAME if self.model.resolve() == MODEL_DIR.resolve() else self.model.resolve().name
-
-    def pixel_limit(self, family: Family) -> int:
-        """`max_pixels`, or by default the family's multiple of the model's native area (4x for SD:
-        SD-1.5 1024², the built-in 128²; FLUX.1 less, so two 24 GiB GPUs hold its default plan)."""
-        return self.max_pixels or int(family.default_area * family.native_size**2)
-
-    def work_limit(self, family: Family) -> float:
-        return work_limit(self.max_work, family.clip, explicit="max_work" in self.model_fields_set)
-
-    def limits(self, family: Family) -> Limits:
-        clip, max_pixels = family.clip, self.pixel_limit(family)
-        return Limits(
-            max_n=self.max_n,
-            max_steps=self.max_steps,
-            max_pixels=self.pixel_limit(family),
-            max_prompt_chars=self.max_prompt_chars,
-            max_work=self.work_limit(family),
-            native_pixels=family.native_size**2,
-            request_timeout_s=self.request_timeout_s,
-            video_timeout_s=self.video_timeout_s,
-            max_image_bytes=self.max_image_bytes,
-            max_image_pixels=self.max_image_pixels or 4 * self.pixel_limit(family),
-            max_edit_images=self.max_edit_images,
-            max_clip=math.inf if clip is None else clip.max_clip(self.max_batch, max_pixels),
-            clip=clip,
-        )
 
     @property
     def edit_body_bytes(self) -> int:

@@ -1,10 +1,13 @@
 """What the settings plan on this host, before a weight loads: the denoiser's split (`plan_for`,
-with the batch reserve fitted), the VAE decoder's tiling, the activation pool's budgets, and
-whether the quantization asked for runs on the devices. `serve` and `plan` both use it."""
+with the batch reserve fitted), the VAE decoder's tiling, the activation pool's budgets, whether
+the quantization asked for runs on the devices, and what one request may ask of the model and
+gets when it names nothing (`request_limits`, `request_defaults`). `serve` and `plan` both use it."""
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from pathlib import Path
 
 from server.config import Settings
@@ -13,9 +16,12 @@ from server.engine.hardware.threads import cpu_quota
 from server.engine.quantize import refusal
 from server.engine.runtime.pool import ANY_DEVICE, default_pool_budgets
 from server.errors import ConfigError, PlanError
+from server.pipeline.clips import work_limit
 from server.pipeline.families import Family
 from server.pipeline.planning import largest_side, plan_model
+from server.pipeline.requests import Defaults
 from server.pipeline.tiling import DecoderMemory, decoder_memory
+from server.serving import Limits
 
 log = logging.getLogger("diffshard")
 
@@ -24,7 +30,7 @@ def plan_for(
     settings: Settings, family: Family, *, folder: Path | None = None, **options: object
 ) -> ParallelPlan:
     """The plan `serve` runs: reserve for `max_batch` rows at the largest allowed image."""
-    options.setdefault("side", largest_side(family, settings.pixel_limit(family)))
+    options.setdefault("side", largest_side(family, pixel_limit(settings, family)))
     return plan_model(
         family,
         settings.devices,
@@ -85,7 +91,7 @@ def decoder_for(
     reserve = device.activation_reserve if device.budget is not None else None
     return decoder_memory(
         family.config.vae,
-        side=side or largest_side(family, settings.pixel_limit(family)),
+        side=side or largest_side(family, pixel_limit(settings, family)),
         default_tile=family.native_size,
         dtype=family.held_dtype("vae", settings.torch_dtype),
         frames=family.clip and family.clip.longest(settings.max_batch),  # a video's longest, whole
@@ -109,3 +115,53 @@ def pool_budgets(settings: Settings) -> dict[str, int]:
     if ANY_DEVICE in settings.pool_budget:
         budgets = dict.fromkeys([*budgets, ANY_DEVICE], settings.pool_budget[ANY_DEVICE])
     return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
+
+
+def pixel_limit(settings: Settings, family: Family) -> int:
+    """`max_pixels`, or by default the family's multiple of the model's native area (4x for SD:
+    SD-1.5 1024², the built-in 128²; FLUX.1 less, so two 24 GiB GPUs hold its default plan)."""
+    return settings.max_pixels or int(family.default_area * family.native_size**2)
+
+
+def request_limits(settings: Settings, family: Family) -> Limits:
+    """What one request may ask of a `family` model under these settings."""
+    clip, max_pixels = family.clip, pixel_limit(settings, family)
+    explicit_work = "max_work" in settings.model_fields_set
+    return Limits(
+        max_n=settings.max_n,
+        max_steps=settings.max_steps,
+        max_pixels=max_pixels,
+        max_prompt_chars=settings.max_prompt_chars,
+        max_work=work_limit(settings.max_work, clip, explicit=explicit_work),
+        native_pixels=family.native_size**2,
+        request_timeout_s=settings.request_timeout_s,
+        video_timeout_s=settings.video_timeout_s,
+        max_image_bytes=settings.max_image_bytes,
+        max_image_pixels=settings.max_image_pixels or 4 * max_pixels,
+        max_edit_images=settings.max_edit_images,
+        max_clip=math.inf if clip is None else clip.max_clip(settings.max_batch, max_pixels),
+        clip=clip,
+    )
+
+
+def request_defaults(settings: Settings, family: Family, defaults: Defaults) -> Defaults:
+    """The model's `defaults` (its folder's, else its family's) with the operator's steps and
+    guidance where set (`--default-steps`, `--default-guidance`); ConfigError where one cannot
+    be served: steps over `--max-steps`, guidance to a model without a guidance input."""
+    steps, guidance = settings.default_steps, settings.default_guidance
+    if steps is not None and steps > settings.max_steps:
+        raise ConfigError(
+            f"--default-steps (DIFFSHARD_DEFAULT_STEPS): {steps} is over --max-steps ({settings.max_steps}): "
+            "a request naming none would be refused"
+        )
+    if guidance is not None and guidance != family.default_guidance and not family.takes_guidance:
+        raise ConfigError(
+            f"--default-guidance (DIFFSHARD_DEFAULT_GUIDANCE): a {family.name} model has no guidance input"
+            ": leave it unset (a negative prompt's true_cfg_scale guides it)"
+        )
+    return replace(
+        defaults,
+        steps=defaults.steps if steps is None else steps,
+        guidance_scale=defaults.guidance_scale if guidance is None else guidance,
+        step_cache=settings.step_cache,
+    )

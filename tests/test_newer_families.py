@@ -375,26 +375,40 @@ def edits_over_http(folder: Path, url: str) -> None:
     assert family["supports"]["edits"] == "by reference"
 
 
+def png_pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
+
+
 def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -> None:
+    """... and with the operator's defaults (`--default-steps 3`, and `--default-guidance 4`
+    where the model has a guidance input): a request naming neither gets them, as the pipeline
+    called with them draws it, and /v1/models shows them."""
     name, folder, one = family
     request = one.resolve(CASES[name].requests[1])
     extra = {"seed": request.seed, "num_inference_steps": request.steps,
              "negative_prompt": request.negative_prompt, **CASES[name].knobs(request)}  # fmt: skip
     size = f"{request.width}x{request.height}"
-    with live_server("--model", str(folder)) as server:
+    guidance = 4.0 if one.family.takes_guidance else one.defaults.guidance_scale
+    defaults = ("--default-steps", "3", *(("--default-guidance", "4") if one.family.takes_guidance else ()))
+    with live_server("--model", str(folder), *defaults) as server:
         if name == "flux2":  # edits by reference on the same server
             edits_over_http(folder, server.url)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         plain = client.images.generate(prompt=request.prompt, size=size, extra_body=extra)
         events = list(client.images.generate(prompt=request.prompt, size=size, stream=True, partial_images=1,
                                              extra_body=extra))  # fmt: skip
-        described = client.models.list().data[0].model_extra["family"]
+        unnamed = client.images.generate(prompt=request.prompt, size=size, extra_body={"seed": request.seed})
+        listed = client.models.list().data[0].model_extra
     assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
     assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
-    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json)))).astype(int)
     reference = (theirs(name, folder, request) * 255).round().astype(int)
-    assert int(np.abs(served - reference).max()) <= 2
+    assert int(np.abs(png_pixels(plain.data[0].b64_json) - reference).max()) <= 2
+    described = listed["family"]
     assert described["name"] == name and described["supports"]["step_caches"] == ["off", "first_block"]
+    assert listed["defaults"] == {"num_inference_steps": 3, "guidance_scale": guidance}
+    asked = replace(request, negative_prompt=None, steps=3, guidance_scale=guidance, true_cfg_scale=1.0)
+    reference = (theirs(name, folder, asked) * 255).round().astype(int)
+    assert int(np.abs(png_pixels(unnamed.data[0].b64_json) - reference).max()) <= 2
 
 
 def test_a_published_dev_folder_naming_a_pixtral_processor_loads_its_text_tokenizer(tmp_path) -> None:
@@ -591,3 +605,21 @@ def test_a_guided_and_a_cached_row_step_over_two_fake_gpus(built, name: str) -> 
         finally:
             for state in states:
                 state.close()
+
+
+def test_operator_defaults_a_model_cannot_serve_stop_the_start(built) -> None:
+    """Named with the setting: guidance for a model without a guidance input, steps over the limit."""
+    from server.config import Settings
+    from server.errors import ConfigError
+    from server.pipeline.requests import read_defaults
+    from server.planned import request_defaults
+
+    folder = built("qwen-image")
+    family = read_family(folder)
+    defaults = read_defaults(folder, family)
+    with pytest.raises(ConfigError, match=r"^--default-guidance .*no guidance input"):
+        request_defaults(Settings(model=folder, default_guidance=4), family, defaults)
+    with pytest.raises(ConfigError, match=r"^--default-steps .*150 is over --max-steps \(100\)"):
+        request_defaults(Settings(model=folder, default_steps=150), family, defaults)
+    fitted = request_defaults(Settings(model=folder, default_steps=20), family, defaults)
+    assert (fitted.steps, fitted.guidance_scale) == (20, defaults.guidance_scale)

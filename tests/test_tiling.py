@@ -24,7 +24,7 @@ from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.loader import read_family
 from server.pipeline.tiling import VaeShape, VaeTiling, decoder_memory, decoder_peak, set_tiling
-from server.planned import decoder_for, plan_for
+from server.planned import decoder_for, plan_for, request_limits
 from server.serving.limits import check_limits
 from tests.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
 
@@ -52,7 +52,9 @@ def test_a_1024_request_in_tiles_equals_diffusers_with_enable_tiling_and_whole_w
         plan = plan_for(settings, family, folder=large_sd15)
         pipeline = Pipeline.load(large_sd15, plan=plan, vae_tiling=decoder_for(settings, family, plan).tiling)
         resolved = pipeline.resolve(request)
-        check_limits([resolved], settings.limits(family), family.rows)  # 1024² within the raised limit
+        check_limits(
+            [resolved], request_limits(settings, family), family.rows
+        )  # 1024² within the raised limit
         ours = images[tiling] = pipeline.generate([request])[0]
         set_tiling(pipe.vae, tiling == "on")
         theirs = diffusers_image(pipe, resolved)

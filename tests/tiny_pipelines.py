@@ -23,6 +23,7 @@ from diffusers import (
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
+    UniPCMultistepScheduler,
 )
 from transformers import (
     CLIPTextConfig,
@@ -346,13 +347,16 @@ def write_gguf(folder: Path, part: str, file: Path) -> Path:
     return file
 
 
-def build_wan_folder(folder: Path, **transformer: object) -> Path:
+def build_wan_folder(folder: Path, scheduler: object | None = None, **transformer: object) -> Path:
     """A tiny Wan 2.1 text-to-video folder (`WanPipeline`): a 2-block video transformer over
     1×2×2 patches (`transformer`: other sizes), a 3-channel-base causal 3D VAE (8× spatial, 4×
-    temporal), a UMT5 encoder built from T5's tiny config, and flow matching (shift 7)."""
+    temporal), a UMT5 encoder built from T5's tiny config, and the published UniPC scheduler
+    (`wan_scheduler`; `scheduler`: another)."""
     from diffusers import WanPipeline
 
-    WanPipeline(**_wan_parts(**transformer)).save_pretrained(folder, safe_serialization=True)
+    parts = _wan_parts(**transformer)
+    parts["scheduler"] = scheduler or parts["scheduler"]
+    WanPipeline(**parts).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
@@ -380,6 +384,20 @@ def build_wan_i2v_folder(folder: Path) -> Path:
     return folder
 
 
+WAN_SHIFT_480P = 3.0  # Wan2.1-T2V-1.3B-Diffusers' flow_shift (its 720p folders: 5.0)
+
+
+def wan_scheduler(flow_shift: float = WAN_SHIFT_480P) -> UniPCMultistepScheduler:
+    """The scheduler every Wan-AI Diffusers folder ships (Wan 2.1 and 2.2): UniPC over flow
+    sigmas, predicting the flow, as their scheduler_config.json says."""
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        num_train_timesteps=1000,
+        flow_shift=flow_shift,
+    )
+
+
 def _wan_parts(**transformer: object) -> dict:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -403,5 +421,5 @@ def _wan_parts(**transformer: object) -> dict:
         ),
         text_encoder=encoder,
         tokenizer=tokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        scheduler=wan_scheduler(),
     )  # fmt: skip

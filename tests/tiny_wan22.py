@@ -15,9 +15,8 @@ are `tests/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
   image-to-video runs the same folder with `WanImageToVideoPipeline` (no image encoder: the
   image's latents replace the first latent frame, whose tokens take timestep 0).
 
-The published folders schedule with UniPCMultistepScheduler (flow_prediction, flow sigmas,
-flow_shift 3.0 for A14B, 5.0 for TI2V-5B); these hold FlowMatchEulerDiscreteScheduler at the same
-shift, as the project's Wan 2.1 folders hold flow-matching Euler.
+Each holds the scheduler its published folder ships: UniPCMultistepScheduler (flow_prediction,
+flow sigmas, flow_shift 3.0 for A14B, 5.0 for TI2V-5B; `tiny_pipelines.wan_scheduler`).
 
 Run `python -m tests.tiny_wan22` (offline: HF_HUB_OFFLINE=1) to build both in a temporary folder
 and run each pipeline on them."""
@@ -28,14 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (
-    AutoencoderKLWan,
-    FlowMatchEulerDiscreteScheduler,
-    WanPipeline,
-    WanTransformer3DModel,
-)
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-from tests.tiny_pipelines import _wan_parts
+from tests.tiny_pipelines import _wan_parts, wan_scheduler
 
 BOUNDARY_RATIO_T2V = 0.875  # Wan2.2-T2V-A14B (WanPipeline)
 BOUNDARY_RATIO_I2V = 0.9  # Wan2.2-I2V-A14B (WanImageToVideoPipeline)
@@ -78,11 +72,11 @@ def build_wan22_two_expert_folder(folder: Path, **transformer: object) -> Path:
     """A tiny Wan2.2-T2V-A14B folder: `tiny_pipelines`' Wan 2.1 parts (a 2-block transformer over
     1×2×2 patches, the 16-channel Wan 2.1 VAE, UMT5; `transformer`: other sizes) with a second
     transformer of the same config drawn under another seed (`transformer_2`, the low-noise
-    expert), `boundary_ratio` 0.875 and flow matching at shift 3."""
+    expert), `boundary_ratio` 0.875 and the published UniPC scheduler (flow_shift 3)."""
     parts = _wan_parts(**transformer)
     torch.manual_seed(1)
     low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
-    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_A14B)
+    parts["scheduler"] = wan_scheduler(SHIFT_A14B)
     pipe = WanPipeline(**parts, transformer_2=low_noise, boundary_ratio=BOUNDARY_RATIO_T2V)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -97,7 +91,7 @@ def build_wan22_i2v_two_expert_folder(folder: Path) -> Path:
     parts = _wan_parts(in_channels=36)
     torch.manual_seed(2)
     low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
-    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_A14B)
+    parts["scheduler"] = wan_scheduler(SHIFT_A14B)
     pipe = WanImageToVideoPipeline(
         **parts, image_encoder=None, image_processor=None, transformer_2=low_noise,
         boundary_ratio=BOUNDARY_RATIO_I2V,
@@ -108,12 +102,12 @@ def build_wan22_i2v_two_expert_folder(folder: Path) -> Path:
 
 def build_wan22_ti2v_folder(folder: Path) -> Path:
     """A tiny Wan2.2-TI2V-5B folder: one transformer over 48 channels (published: 24 heads × 128,
-    30 layers, ffn 14336), the 48-channel Wan 2.2 VAE (`wan22_vae`), UMT5, flow matching at
-    shift 5, and `expand_timesteps` (a timestep per token) in model_index; saved as `WanPipeline`,
+    30 layers, ffn 14336), the 48-channel Wan 2.2 VAE (`wan22_vae`), UMT5, UniPC at flow_shift
+    5, and `expand_timesteps` (a timestep per token) in model_index; saved as `WanPipeline`,
     as the published folder is (image-to-video loads it as `WanImageToVideoPipeline`)."""
     parts = _wan_parts(in_channels=48, out_channels=48)
     parts["vae"] = wan22_vae()
-    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=SHIFT_TI2V)
+    parts["scheduler"] = wan_scheduler(SHIFT_TI2V)
     WanPipeline(**parts, expand_timesteps=True).save_pretrained(folder, safe_serialization=True)
     return folder
 

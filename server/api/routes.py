@@ -199,6 +199,8 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         # the words a closed vocabulary knows (the built-in model's), null for a real tokenizer
         "vocabulary": runtime.service.vocabulary() if runtime.service else None,
         "video": clips,  # null: the model makes images only
+        # what a request naming none gets (--default-steps, --default-guidance; else the model's)
+        "defaults": runtime.service.defaults() if runtime.service else None,
         "family": runtime.service.family() if runtime.service else None,
     }
     return {"object": "list", "data": [model]}

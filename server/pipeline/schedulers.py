@@ -56,14 +56,18 @@ def step_kwargs(scheduler_class: type, generator: torch.Generator) -> dict[str, 
 
 
 def predicted_clean(
-    scheduler: Any, latents: torch.Tensor, prediction: torch.Tensor, output: Any, early: torch.Tensor | None
+    scheduler: Any, latents: torch.Tensor, prediction: torch.Tensor, output: Any
 ) -> torch.Tensor:
-    """The model's estimate of the finished latents at this step: what a partial image shows.
-    DDIM and the Euler schedulers return it; DPM-Solver converts its prediction to it (`early`,
-    before its step); flow matching (SD3) predicts a velocity: x0 = x_t - sigma * v."""
-    if early is not None:
-        return early
+    """The model's estimate of the finished latents at the step just taken from `latents`: what a
+    partial image shows. DDIM and the Euler schedulers return it; the multistep solvers that
+    predict it (DPM-Solver++, UniPC's predict_x0) keep it as their last model output; flow
+    matching (SD3, Wan's UniPC otherwise) predicts a velocity: x0 = x_t - sigma * v."""
     if getattr(output, "pred_original_sample", None) is not None:
         return output.pred_original_sample
+    config = scheduler.config
+    if getattr(scheduler, "model_outputs", None) and (
+        config.get("predict_x0") or "dpmsolver++" in config.get("algorithm_type", "")
+    ):
+        return scheduler.model_outputs[-1]
     sigma = scheduler.sigmas[scheduler.step_index - 1]  # the step just taken
     return latents - sigma * prediction

@@ -24,7 +24,7 @@ class RequestState:
     request: GenerationRequest  # resolved: every field set
     scheduler: Any  # its own instance: diffusers schedulers keep a step index and history
     generator: torch.Generator
-    latents: torch.Tensor  # [1, C, h, w], LATENT_DTYPE, updated in place every step
+    latents: torch.Tensor  # [1, C, h, w], LATENT_DTYPE, a new buffer every step (`spare`)
     context: torch.Tensor  # [rows, tokens, dim]: negative row first when guided
     extras: dict[str, torch.Tensor]  # the family's other per-row conditioning, [rows, ...] each
     scope: PoolScope
@@ -41,6 +41,7 @@ class RequestState:
     layout: tuple[Any, ...] = ()  # what its conditioning's positions depend on (an edit's image sizes)
     expert: int = 0  # the denoiser its rows ran at the last step (`Family.experts`' index)
     controls: tuple[RowControl, ...] = ()  # its ControlNets and their images (controls.py)
+    spare: torch.Tensor | None = None  # the latents' other buffer: a step writes there, then they swap
 
     @property
     def previews(self) -> dict[int, int]:

@@ -55,18 +55,18 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     latents) when a partial image is due at this step."""
     if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
         prediction = family.guide(*prediction.chunk(2), state.request, state.expert)
-    partial, early, state.preview = state.previews.get(state.index + 1), None, None
+    partial, state.preview = state.previews.get(state.index + 1), None
     scheduler = state.scheduler
-    if partial is not None and hasattr(scheduler, "convert_model_output"):  # DPM-Solver
-        if scheduler.step_index is None:  # its first step: nothing to convert with yet
-            partial = None
-        else:
-            early = scheduler.convert_model_output(prediction, sample=state.latents)
     output = scheduler.step(prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs)
     due = None
     if partial is not None:
-        due = partial, predicted_clean(scheduler, state.latents, prediction, output, early)
-    state.latents.copy_(output.prev_sample)
+        due = partial, predicted_clean(scheduler, state.latents, prediction, output)
+    # Into the other buffer: a multistep scheduler may keep the sample it stepped from for its next
+    # step (UniPC's corrector, PNDM's PLMS), so the latents are never overwritten in place.
+    if state.spare is None:
+        state.spare = state.scope.rent(state.latents.shape, state.latents.dtype, state.latents.device)
+    state.spare.copy_(output.prev_sample)
+    state.latents, state.spare = state.spare, state.latents
     if state.inpainting is not None:  # the unmasked region back to the image
         blend(family, scheduler, state.latents, state.inpainting, state.next_timestep)
     state.index += 1

@@ -111,6 +111,11 @@ class Service:
             self.housekeeper = Housekeeper(idle, tidy, self._closing, idle_s)
             self.housekeeper.start()
 
+    def defaults(self) -> dict[str, Any]:
+        """What a request naming none gets, in the Images API's names."""
+        defaults = self.pipeline.defaults
+        return {"num_inference_steps": defaults.steps, "guidance_scale": defaults.guidance_scale}
+
     def _activity(self) -> None:
         """A lane got work or ran out of it: whether any has work now, said in order."""
         if self.background is not None:
