@@ -30,6 +30,7 @@ import torch
 
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
 from server.pipeline import Pipeline, RequestState, group_states, set_intra_op_threads
+from server.serving.activity import Activity
 from server.serving.calls import WatchedCalls
 from server.serving.health import is_out_of_memory
 from server.serving.jobs import Job, failure_outcome, leaving_outcome
@@ -53,17 +54,15 @@ class StepLoop:
         inject_faults: bool = False,
         threads: int | None = None,
         name: str = "diffshard-loop",
-        on_activity: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.on_activity = on_activity  # told whenever the loop gets work or runs out of it
         self.threads = threads  # torch intra-op threads of this loop's thread (None: torch's)
         self.max_queue = max_queue
         self.max_queue_per_key = max_queue_per_key or max_queue  # jobs one API key may have waiting
         self.max_batch = max_batch
         # Work a step may take, in pixel-rows: `step_budget` rows of the native size (None: no bound).
         self.max_work = step_budget * native_pixels if step_budget is not None else math.inf
-        self.idle_since: float | None = time.monotonic()  # when the loop last ran out of work
+        self.activity = Activity()  # since when it has had no work
         self._lineup = Lineup()
         self._active: list[Job] = []  # admitted: their states are open (some may be parked)
         self._wake = threading.Condition()  # guards line, active list and stats (re-entrant lock)
@@ -103,7 +102,7 @@ class StepLoop:
                 self._stats.rejected["key_queue_full"] += 1
                 raise KeyOverloaded(self.retry_after(), self.max_queue_per_key)
             self._lineup.append(job)
-            self._set_idle(False)
+            self.activity.working(True)
             self._wake.notify()
         return job
 
@@ -196,12 +195,12 @@ class StepLoop:
         """One turn of the loop; False when it should stop."""
         with self._wake:
             while not (self._lineup or self._active or self._stopping):
-                self._set_idle(True)  # housekeeping and a background compile (`Service`) may start
+                self.activity.working(False)  # housekeeping and a background compile may start
                 self._wake.wait()
             if self._stopping:
                 self._stop()
                 return False
-            self._set_idle(False)
+            self.activity.working(True)
             # 1. Leavers first: they take no place and no encoding.
             self._drop_leavers()
             # 2. Who steps this turn, and who is admitted to (the rest of the admitted are parked).
@@ -230,13 +229,6 @@ class StepLoop:
         with self._wake:
             self._wake.notify_all()  # wait_idle() may be waiting
         return True
-
-    def _set_idle(self, idle: bool) -> None:
-        """Out of work since now, or with work (called with the lock held)."""
-        if idle != (self.idle_since is not None):
-            self.idle_since = time.monotonic() if idle else None
-            if self.on_activity is not None:
-                self.on_activity()
 
     def _stop(self) -> None:
         """End every job still queued or running (called with the lock held)."""

@@ -99,15 +99,16 @@ class Service:
                 inject_faults=inject_faults,
                 threads=pipeline.lane_threads,
                 name="diffshard-loop" if len(lanes) == 1 else f"diffshard-lane-{index}",
-                on_activity=self._activity,
             )
             for index, lane in enumerate(lanes)
         ]
+        for loop in self.loops:  # each starts idle, as does what runs beside them
+            loop.activity.changed = self._activity
         # While every lane is idle, give back what bursts left (the lanes share pool and host).
         self._closing = threading.Event()
         self.housekeeper = None
         if tidy is not None:
-            idle = lambda: [loop.idle_since for loop in self.loops]  # noqa: E731
+            idle = lambda: [loop.activity.idle_since for loop in self.loops]  # noqa: E731
             self.housekeeper = Housekeeper(idle, tidy, self._closing, idle_s)
             self.housekeeper.start()
 
@@ -120,7 +121,7 @@ class Service:
         """A lane got work or ran out of it: whether any has work now, said in order."""
         if self.background is not None:
             with self._serving_lock:
-                self.background.serving(any(loop.idle_since is None for loop in self.loops))
+                self.background.serving(any(loop.activity.idle_since is None for loop in self.loops))
 
     def _idle_replicas(self, mine: int) -> Callable[[], list]:
         """Lane `mine`'s view of the others: the shards of the lanes with no job queued or
