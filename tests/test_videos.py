@@ -11,6 +11,7 @@ import io
 import signal
 import zipfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import av
@@ -69,6 +70,14 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
         thumbnail = client.videos.download_content(video.id, variant="thumbnail").read()
         sprites = client.videos.download_content(video.id, variant="spritesheet").read()
         listed = [v.id for v in client.videos.list()]
+        longer = {}  # the published UniPC scheduler's history over more steps
+        for steps in (6, 20):
+            body = {**FAST, "num_inference_steps": steps}
+            made = client.videos.create_and_poll(
+                prompt="a red circle", size="32x32", poll_interval_ms=50, extra_body=body
+            )
+            longer[steps] = frames_of(client.videos.download_content(made.id, variant="frames").read())
+            client.videos.delete(made.id)
         bad_input_gets_a_4xx_naming_the_problem(server.url, video.id)
     request = GenerationRequest(
         "a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32, frames=9
@@ -76,6 +85,9 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     theirs = (wan_pipeline_video(wan_folder, request) * 255).round().astype(int)
     assert frames.shape == theirs.shape == (9, 32, 32, 3)
     assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
+    for steps, made in longer.items():
+        theirs_longer = (wan_pipeline_video(wan_folder, replace(request, steps=steps)) * 255).round()
+        assert int(np.abs(made.astype(int) - theirs_longer.astype(int)).max()) <= 2, steps
     with av.open(io.BytesIO(mp4)) as container:  # H.264 in yuv420p: lossy, chroma halved
         decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(int)
     assert decoded.shape == frames.shape

@@ -49,7 +49,7 @@ BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's
 # ... but not the interpreter: tracing holds the GIL, and the step loop, taking it back after
 # each operator, waited up to the 5 ms default each time (a first request during a cold compile
 # took 24 s against 0.6 s): a shorter interval while it compiles
-SWITCH_WHILE_COMPILING = 0.00005
+SWITCH_WHILE_COMPILING = 0.0005
 
 
 def compile_pipeline(

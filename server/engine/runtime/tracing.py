@@ -12,9 +12,9 @@ Two things torch keeps for the whole process while it compiles:
 
 And one thing the interpreter keeps: the GIL. Dynamo's tracing and inductor's lowering are
 Python through and through, and an eager call takes the GIL back after every operator: beside a
-compile, a step loop's calls waited for it most of the time (the built-in model's lone request
-2-4x slower while the compile ran, whatever its nice value or the switch interval). So a
-background compile gives way (`GiveWay`): it pauses while the step loops have work.
+compile, a step loop's calls waited for it most of the time, whatever the compile's nice value
+or the switch interval (docs/serving.md has the figures). So a background compile gives way
+(`GiveWay`): it pauses while the step loops have work.
 """
 
 from __future__ import annotations
