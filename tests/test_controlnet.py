@@ -191,7 +191,7 @@ def test_images_equal_diffusers_controlnet_pipelines(
     theirs = diffusers_controlled(folders["sd15"], [nets[c.model] for c in asked], asked)
     plain = pipeline.generate([GUIDED])[0]
     assert np.abs(ours - theirs).max() < TOLERANCE
-    assert np.abs(ours - plain).max() > 0.05  # the control steered the image
+    assert np.abs(ours - plain).max() > 0.02  # the control steered the image (5/255; a window too)
     assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
 
 
@@ -227,8 +227,8 @@ def test_a_batch_of_four_rows_each_as_alone_in_shared_calls(
             hook.remove()
     for mine, theirs in zip(together, alone, strict=True):
         assert np.abs(mine - theirs).max() < 1e-3
-    steps = GUIDED.steps
-    assert rows == {"unet": [8] * steps, "a": [4] * steps, "b": [2] * steps}, rows
+    calls = GUIDED.steps + 1  # SD 1.5's PNDM (PLMS) takes its first timestep twice, as the pipeline
+    assert rows == {"unet": [8] * calls, "a": [4] * calls, "b": [2] * calls}, rows
 
 
 def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() -> None:

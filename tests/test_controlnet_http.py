@@ -97,7 +97,7 @@ def test_over_http_images_equal_diffusers_controlnet_pipelines(
     loaded = {n: ControlNetModel.from_pretrained(path, use_safetensors=True) for n, path in nets.items()}
     theirs = diffusers_controlled(folders["sd15"], [loaded[c.model] for c in asked], asked)
     assert np.abs(ours - theirs).max() <= 2 / 255
-    assert np.abs(ours - generate(served)).max() > 0.05  # the control steered the image
+    assert np.abs(ours - generate(served)).max() > 0.02  # the control steered the image (5/255; a window too)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from diffusers import (
     AutoencoderKL,
-    DDIMScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    PNDMScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionInpaintPipeline,
@@ -49,6 +49,18 @@ SD_SCHEDULE = {
     "clip_sample": False,
     "set_alpha_to_one": False,
 }
+# The schedulers the published folders ship, as their scheduler_config.json says:
+# stable-diffusion-v1-5 (and its inpainting folder): PNDM, PLMS steps only
+SD15_PNDM = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+}  # fmt: skip
+# stable-diffusion-xl-base-1.0: Euler, "leading" spacing, linear interpolation
+SDXL_EULER = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "steps_offset": 1, "timestep_spacing": "leading", "interpolation_type": "linear",
+    "prediction_type": "epsilon", "use_karras_sigmas": False,
+}  # fmt: skip
 
 
 def _text_config(tokenizer, **extra) -> CLIPTextConfig:
@@ -118,13 +130,14 @@ def build_sd15_folder(folder: Path, vae: dict | None = None, unet: dict | None =
 
 
 def save_sd_folder(folder: Path, vae, text_encoder, tokenizer, unet) -> Path:
-    """An SD-1.x pipeline of these parts and a DDIM schedule, saved as diffusers saves one."""
+    """An SD-1.x pipeline of these parts and SD 1.5's published PNDM schedule, saved as diffusers
+    saves one."""
     StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=DDIMScheduler(**SD_SCHEDULE),
+        scheduler=PNDMScheduler(**SD15_PNDM),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
@@ -148,7 +161,7 @@ def build_sdxl_folder(folder: Path) -> Path:
             addition_time_embed_dim=8,
             projection_class_embeddings_input_dim=TEXT_DIM + 6 * 8,
         ),
-        scheduler=EulerDiscreteScheduler.from_config(SD_SCHEDULE),  # SDXL's default class
+        scheduler=EulerDiscreteScheduler(**SDXL_EULER),
     ).save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -162,7 +175,7 @@ def build_sd15_inpainting_folder(folder: Path) -> Path:
         text_encoder=CLIPTextModel(_text_config(tokenizer)),
         tokenizer=tokenizer,
         unet=_unet(cross_attention_dim=TEXT_DIM, in_channels=9, out_channels=4),
-        scheduler=DDIMScheduler(**SD_SCHEDULE),
+        scheduler=PNDMScheduler(**SD15_PNDM),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
