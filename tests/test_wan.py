@@ -301,7 +301,8 @@ def random_wan_lora(folder, out, seed: int):
 UNIPC_INT8_LORA_BESIDE_REUSE = (
     "on int8-dynamic weights, a LoRA video stepped beside a first-block-cached one whose rows reuse "
     "is 0.066 from itself alone under UniPC (1e-7 under flow-matching Euler, 0.0 when the cached "
-    "rows always refresh, 1e-7 in float32): an open defect"
+    "rows always refresh, 1.2e-7 in float32): not yet traced; int8's rounding of activations "
+    "flipping on the reuse path's 1e-7 and UniPC's multistep carrying it is the suspicion"
 )
 
 
