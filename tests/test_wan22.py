@@ -19,7 +19,8 @@ from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.families import reference_family
 
 VIDEO = {"width": 32, "height": 32, "frames": 9}
-# 6 steps of flow matching at shift 3: t = 1000, 923 (high noise, ≥ 875), then 819, 668, 432, 9
+# 6 steps of the published UniPC scheduler at flow_shift 3: t = 999, 937 (high noise, ≥ 875), then
+# 857, 750, 600, 376; at 20 steps 7 high-noise ones
 STEPS, HIGH_STEPS = 6, 2
 
 
@@ -73,6 +74,8 @@ def test_two_experts_make_wan_pipelines_video_each_with_its_guidance(a14b, a14b_
         ran = {name: rows - before[name] for name, rows in a14b.expert_steps.rows.items()}
         assert ran == {"transformer": 2 * HIGH_STEPS, "transformer_2": 2 * (STEPS - HIGH_STEPS)}
     assert alike(*videos) > 1e-5  # the second scale changes the low-noise steps (tiny weights: a little)
+    longer = a14b.resolve(replace(request, steps=20, guidance_scale=4.0, guidance_scale_2=2.0))
+    assert alike(a14b.generate([longer])[0], wan_video(a14b_folder, longer)) < 2 / 255  # UniPC's history
 
 
 def test_two_videos_either_side_of_the_boundary_step_together_as_each_alone(a14b) -> None:
