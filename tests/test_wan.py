@@ -298,25 +298,16 @@ def random_wan_lora(folder, out, seed: int):
     return out
 
 
-UNIPC_INT8_LORA_BESIDE_REUSE = (
-    "on int8-dynamic weights, a LoRA video stepped beside a first-block-cached one whose rows reuse "
-    "is 0.066 from itself alone under UniPC (1e-7 under flow-matching Euler, 0.0 when the cached "
-    "rows always refresh, 1.2e-7 in float32): not yet traced; int8's rounding of activations "
-    "flipping on the reuse path's 1e-7 and UniPC's multistep carrying it is the suspicion"
-)
-
-
-OPEN_DEFECT = pytest.mark.xfail(strict=True, reason=UNIPC_INT8_LORA_BESIDE_REUSE)
-
-
-@pytest.mark.parametrize("scheduler", ["flow_match_euler", pytest.param("unipc", marks=OPEN_DEFECT)])
+@pytest.mark.parametrize("scheduler", ["flow_match_euler", "unipc"])
 def test_adapters_step_caching_and_int8_compose_for_videos(
     wan_folder, tmp_path_factory, tmp_path, scheduler: str
 ) -> None:
     """One engine path for video too: a LoRA video equals WanPipeline's after `load_lora_weights`;
     on an int8-dynamic base, a LoRA video, a first-block-cached video and a plain one stepped
     together each equal what they give alone, and the cached one reused rows. Under the published
-    UniPC scheduler and flow-matching Euler (which folders of distilled Wan models ship)."""
+    UniPC scheduler and flow-matching Euler (which folders of distilled Wan models ship). A row
+    refreshing beside a reusing one takes the deep blocks' output as is: `carry + residual` is it
+    only to a rounding, which int8's activations turn into a whole int8 step the next call."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from server.pipeline.lorafiles import read_adapter

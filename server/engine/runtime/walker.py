@@ -235,7 +235,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
     ]
     deep = names[names.index(boundary.deep[0]) : names.index(boundary.deep[1]) + 1]
     carry = flow.rows[boundary.carry]
-    sub, fresh = flow, None
+    sub, fresh, made = flow, None, None
     if refreshing:
         everyone = len(refreshing) == plan.rows
         if not everyone:
@@ -245,7 +245,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
         for name in deep:
             sub = state.block(name, sub, rows)
         sub = state.whole(sub)
-        fresh = sub.rows[boundary.carry]
+        fresh = made = sub.rows[boundary.carry]
         if boundary.keep == "residual":
             fresh = fresh - start.to(fresh.device)
         if everyone:  # every row ran every block: the flow as is (no assembly, bit-exact)
@@ -253,9 +253,9 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
             return _after_deep(sub, boundary)
     device = carry.device if fresh is None else fresh.device
     pieces = _keep(plan, outcomes, spans, fresh, boundary)
-    assembled = torch.cat([p.to(device) for p in pieces])
     if boundary.keep == "residual":
-        assembled = carry.to(device) + assembled
+        pieces = _add_kept(outcomes, spans, pieces, carry.to(device), made)
+    assembled = torch.cat([p.to(device) for p in pieces])
     rows = dict(flow.rows)
     if boundary.stack is not None:  # a stack the deep blocks pop: what they leave of it
         key, left = boundary.stack
@@ -270,6 +270,28 @@ def _after_deep(flow: Flow, boundary: CacheBoundary) -> Flow:
     if boundary.after is None:
         return flow
     return Flow({key: flow.rows[key] for key in boundary.after}, flow.shared)
+
+
+def _add_kept(
+    outcomes: list[Outcome],
+    spans: list[slice],
+    residuals: list[torch.Tensor],
+    carry: torch.Tensor,
+    made: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Each group's carry after the deep blocks: a reusing row's carry plus the residual it kept; a
+    refreshing row's, what the deep blocks made of it as is. `carry + (made - carry)` is `made`
+    only to a rounding, and on int8-dynamic weights a rounding in the next step's input flips an
+    activation's int8 step: the row would differ from itself stepped alone, or beside no reuser."""
+    pieces, at = [], 0
+    for outcome, rows, residual in zip(outcomes, spans, residuals, strict=True):
+        if outcome.refreshed:
+            count = rows.stop - rows.start
+            pieces.append(made[at : at + count])
+            at += count
+        else:
+            pieces.append(carry[rows] + residual.to(carry.device))
+    return pieces
 
 
 def _keep(
