@@ -112,6 +112,41 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: build(root / kind) for kind, build in BUILDERS.items()}
 
 
+def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
+    """Every family's tiny folder as published (its scheduler and config), by name; the modules
+    import lazily: most runs ask for a few."""
+    from tests.tiny_flux2 import build_flux2_folder
+    from tests.tiny_pipelines import build_wan_folder
+    from tests.tiny_qwenimage import build_qwen_image_folder
+    from tests.tiny_wan22 import build_wan22_ti2v_folder, build_wan22_two_expert_folder
+    from tests.tiny_zimage import build_zimage_folder
+
+    return {
+        "flux-schnell": partial(build_flux_folder, guidance=False),
+        "flux2": build_flux2_folder,
+        "flux2-klein": partial(build_flux2_folder, variant="klein-base"),
+        "qwen-image": build_qwen_image_folder,
+        "z-image": build_zimage_folder,
+        "wan2.1": build_wan_folder,
+        "wan2.2-a14b": build_wan22_two_expert_folder,
+        "wan2.2-ti2v": build_wan22_ti2v_folder,
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A family's tiny folder by name (`_tiny_builders`), built the first time any module asks:
+    the modules that hold a family to its pipeline share one folder."""
+    root, built = tmp_path_factory.mktemp("tiny-families"), {}
+
+    def folder(name: str) -> Path:
+        if name not in built:
+            built[name] = _tiny_builders()[name](root / name)
+        return built[name]
+
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD3-shaped pipeline folder (an MMDiT, two CLIP encoders, no T5), built once."""

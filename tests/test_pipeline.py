@@ -1,5 +1,6 @@
 """The generation pipeline against diffusers' own pipelines, on tiny random SD-1.5- and
-SDXL-shaped folders and on the built-in model; batching; the pool seen from requests."""
+SDXL-shaped folders and on the built-in model; batching; the pool seen from requests. Each
+scheduler, alone and in mixed batches, is tests/test_schedulers.py's table."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from server.demo import MODEL_DIR
 from server.errors import InvalidRequest
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.images import encode_async, encode_png, to_uint8
-from server.pipeline.schedulers import SCHEDULER_NAMES, make_scheduler
-from tests.tiny_pipelines import BUILDERS, IMAGE_SIZE, diffusers_image
+from server.pipeline.schedulers import make_scheduler
+from tests.tiny_pipelines import BUILDERS, diffusers_image
 
 REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
@@ -39,19 +40,6 @@ def reference(folder: Path, kind: str, request: GenerationRequest) -> np.ndarray
 
 def differs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
-
-
-@pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
-@pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_image_matches_diffusers(folders: dict[str, Path], kind: str, scheduler: str) -> None:
-    request = GenerationRequest(
-        "a red circle", negative_prompt="blue", seed=3, steps=6, guidance_scale=4.0, scheduler=scheduler
-    )
-    ours = load(folders[kind]).generate([request])[0]
-    theirs = reference(folders[kind], kind, request)
-    assert ours.shape == theirs.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
-    assert differs(ours, theirs) < TOLERANCE
-    assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
@@ -102,38 +90,6 @@ def test_a_bfloat16_models_first_noise_is_diffusers_bit_for_bit(folders: dict[st
         assert torch.allclose(state.latents, theirs.float(), rtol=2**-8, atol=0)  # their scaling, rounded
     finally:
         state.close()
-
-
-@pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_batched_equals_alone(folders: dict[str, Path], kind: str) -> None:
-    """Requests at different steps, schedulers (the multistep and stochastic ones beside the folder's
-    own: SD 1.5's PNDM, SDXL's Euler) and guidance scales share UNet calls."""
-    pipeline = load(folders[kind])
-    requests = [
-        GenerationRequest("a red circle", seed=1, steps=6, guidance_scale=4.0, scheduler="euler_a"),
-        GenerationRequest("a blue square", seed=2, steps=4, guidance_scale=1.0, scheduler="dpmpp_2m"),
-        GenerationRequest("a green star", "red", seed=3, steps=5, guidance_scale=7.5, scheduler="ddim"),
-        GenerationRequest("a white circle", seed=4, steps=3, guidance_scale=3.0),  # the folder's own
-    ]
-    alone = [pipeline.generate([r])[0] for r in requests]
-
-    requests = [pipeline.resolve(r) for r in requests]
-    first = pipeline.start(requests[:1])
-    pipeline.step(first)
-    pipeline.step(first)  # the first request is two steps ahead when the others join
-    states = first + pipeline.start(requests[1:])
-    calls = 0
-    while active := [s for s in states if not s.done]:
-        pipeline.step(active)
-        calls += 1
-    together = [image.numpy().copy() for image in pipeline.decode(states)]
-    for state in states:
-        state.close()
-
-    assert calls == 5  # max(6 - 2, 4, 5, 3 + PNDM's first twice): every call advanced every unfinished one
-    for solo, batched in zip(alone, together, strict=True):
-        assert differs(solo, batched) < TOLERANCE
-    assert differs(together[0], together[1]) > 0.05  # the requests really differ
 
 
 def test_sizes_form_separate_groups(folders: dict[str, Path]) -> None:

@@ -12,6 +12,7 @@ import io
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import numpy as np
@@ -241,19 +242,26 @@ def test_eight_streams_and_eight_plain_requests_all_complete(server: LiveServer)
         assert [f.result() for f in plains] == [1] * 8
 
 
-@pytest.mark.parametrize(("kind", "scheduler"), [("sd15", "dpmpp_2m"), ("sd15", "euler"), ("sd3", "default")])
+@pytest.mark.parametrize(
+    ("kind", "scheduler"), [("sd15", "dpmpp_2m"), ("sd15", "euler"), ("sd15", "default"), ("sd3", "default")]
+)
 def test_every_scheduler_gives_partial_images_without_changing_the_result(
     folders, sd3_folder, kind: str, scheduler: str
 ) -> None:
-    """DPM-Solver converts its prediction, Euler returns it, flow matching derives it: each
-    gives a preview, and asking for previews leaves the final image as it was."""
+    """DPM-Solver converts its prediction, Euler returns it, flow matching derives it, SD 1.5's
+    PNDM keeps only its noise schedule (alpha-bar at t): each gives a preview, and asking for
+    previews leaves the final image as it was."""
     pipeline = Pipeline.load(sd3_folder if kind == "sd3" else folders[kind], devices="cpu")
     request = GenerationRequest("a red circle", seed=1, steps=6, scheduler=scheduler, width=32, height=32)
-    previews: list[int] = []
+    previews: list[tuple[int, Any]] = []  # (index, [H, W, 3] image tensor)
     plain = pipeline.generate([request])[0]
     streamed = pipeline.generate(
         [GenerationRequest(**{**vars(request), "partial_images": 2})],
-        on_step=lambda states: previews.extend(s.preview[0] for s in states if s.preview is not None),
+        on_step=lambda states: previews.extend(s.preview for s in states if s.preview is not None),
     )[0]
-    assert previews == [0, 1]
+    assert [index for index, _ in previews] == [0, 1]
     np.testing.assert_array_equal(plain, streamed)
+    # each an estimate of the image to come: nearer it the later it is taken, the last near it
+    (_, early), (_, late) = previews
+    off = [float(np.abs(image.numpy() - plain).mean()) for image in (early, late)]
+    assert off[1] < off[0] and off[1] < 0.1, off

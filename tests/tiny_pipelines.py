@@ -49,17 +49,20 @@ SD_SCHEDULE = {
     "clip_sample": False,
     "set_alpha_to_one": False,
 }
-# The schedulers the published folders ship, as their scheduler_config.json says:
+# The schedulers the published folders ship, key for key as their scheduler_config.json says (a
+# per-request scheduler is made from_config of it: e.g. its clip_sample false reaches DDIM):
 # stable-diffusion-v1-5 (and its inpainting folder): PNDM, PLMS steps only
 SD15_PNDM = {
     "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+    "clip_sample": False,
 }  # fmt: skip
-# stable-diffusion-xl-base-1.0: Euler, "leading" spacing, linear interpolation
+# stable-diffusion-xl-base-1.0: Euler, "leading" spacing, linear interpolation (and DDIM's keys)
 SDXL_EULER = {
     "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
     "steps_offset": 1, "timestep_spacing": "leading", "interpolation_type": "linear",
-    "prediction_type": "epsilon", "use_karras_sigmas": False,
+    "prediction_type": "epsilon", "use_karras_sigmas": False, "clip_sample": False, "sample_max_value": 1.0,
+    "set_alpha_to_one": False, "skip_prk_steps": True, "trained_betas": None,
 }  # fmt: skip
 
 
@@ -137,7 +140,7 @@ def save_sd_folder(folder: Path, vae, text_encoder, tokenizer, unet) -> Path:
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=PNDMScheduler(**SD15_PNDM),
+        scheduler=PNDMScheduler.from_config(SD15_PNDM),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
@@ -161,7 +164,7 @@ def build_sdxl_folder(folder: Path) -> Path:
             addition_time_embed_dim=8,
             projection_class_embeddings_input_dim=TEXT_DIM + 6 * 8,
         ),
-        scheduler=EulerDiscreteScheduler(**SDXL_EULER),
+        scheduler=EulerDiscreteScheduler.from_config(SDXL_EULER),
     ).save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -175,7 +178,7 @@ def build_sd15_inpainting_folder(folder: Path) -> Path:
         text_encoder=CLIPTextModel(_text_config(tokenizer)),
         tokenizer=tokenizer,
         unet=_unet(cross_attention_dim=TEXT_DIM, in_channels=9, out_channels=4),
-        scheduler=PNDMScheduler(**SD15_PNDM),
+        scheduler=PNDMScheduler.from_config(SD15_PNDM),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,

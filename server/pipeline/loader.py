@@ -28,6 +28,7 @@ from server.engine.quantize import Quantization
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
 from server.pipeline.processors import stand_in_for
+from server.pipeline.schedulers import check_folder_scheduler
 
 log = logging.getLogger("diffshard")
 
@@ -96,6 +97,11 @@ def read_family(folder: str | Path) -> Family:
     root = Path(folder)
     index = _read_json(root / "model_index.json", "point it at a diffusers pipeline folder")
     family = family_class(index)(ModelConfig(index, {}))
+    where = f"{root}/model_index.json"
+    if not _present(index, "scheduler"):
+        raise ModelFolderError(f"{where} lists no scheduler: a {family.name} folder needs one")
+    if isinstance(scheduler := index["scheduler"], list | tuple) and len(scheduler) == 2:  # else class_of says
+        check_folder_scheduler(str(scheduler[1]), family.folder_schedulers, family.pipeline_classes[0], where)
     for name in _loaded_parts(family):
         if _present(index, name):
             class_of(index, name)  # an unknown or disallowed class fails now, naming it
@@ -123,7 +129,9 @@ def read_family(folder: str | Path) -> Family:
     hint = f"the folder's {family.denoiser}/ and vae/ need a config.json"
     config = {**_defaults(family.denoiser_class), **_read_json(denoiser, hint)}
     vae_config = {**_defaults(class_of(index, "vae")), **_read_json(vae, hint)}
-    return type(family)(ModelConfig(index, config, vae_config))
+    family = type(family)(ModelConfig(index, config, vae_config))
+    family.check_configs(str(root))
+    return family
 
 
 def load_components(
@@ -168,7 +176,7 @@ def load_components(
         vae=load("vae").eval(),
         text_encoders=tuple(m.eval() for m in present(family.text_encoders)),
         tokenizers=present(family.tokenizers),
-        scheduler=load("scheduler"),
+        scheduler=family.pipeline_scheduler(load("scheduler")),
         image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
         image_processor=next(iter(present(family.processors)), None),
         more_experts=tuple(load(name).eval() for name in family.experts[1:]),
@@ -256,6 +264,9 @@ def class_of(index: dict[str, Any], name: str) -> type:
             found = None
     if not isinstance(found, type):
         raise ModelFolderError(f"{named}, which is not a class {library} has")
+    if missing := getattr(found, "_backends", None):  # a stand-in for a class whose packages are missing
+        install = " ".join(name for name in missing if name != "torch")
+        raise ModelFolderError(f"{named}, which needs what diffshard does not install: pip install {install}")
     if not issubclass(found, ALLOWED_BASES[library]):
         kinds = ", ".join(base.__name__ for base in ALLOWED_BASES[library])
         raise ModelFolderError(f"{named}, which is not a part diffshard loads (a subclass of {kinds})")

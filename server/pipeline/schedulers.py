@@ -1,6 +1,7 @@
 """Per-request schedulers: diffusers schedulers keep state (step index, solver history), so
 every request gets its own instance, built from the folder's scheduler config. Which names a
-model accepts is its family's `schedulers`."""
+model accepts is its family's `schedulers`; which classes its folder may ship, its
+`folder_schedulers`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 
+from server.errors import ModelFolderError
+
 SCHEDULERS: dict[str, type] = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
@@ -23,6 +26,18 @@ SCHEDULERS: dict[str, type] = {
     "dpmpp_2m": DPMSolverMultistepScheduler,  # DPM-Solver++ (2M), diffusers' default algorithm
 }
 SCHEDULER_NAMES = ("default", *SCHEDULERS)
+
+# The classes a folder's own scheduler may be, by kind of model: each is stepped per request as
+# its diffusers pipeline steps it, as tests/test_schedulers.py's table shows (a row each). A
+# folder that ships another is refused at load (`check_folder_scheduler`), never served otherwise.
+DDPM_FOLDER_SCHEDULERS = (
+    "PNDMScheduler", "DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler",
+    "UniPCMultistepScheduler", "DEISMultistepScheduler", "HeunDiscreteScheduler",
+    "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler", "SASolverScheduler",
+    "EDMEulerScheduler", "LCMScheduler", "TCDScheduler",
+)  # fmt: skip
+FLOW_FOLDER_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 
 def make_scheduler(folder_scheduler: Any, name: str = "default") -> Any:
@@ -55,19 +70,42 @@ def step_kwargs(scheduler_class: type, generator: torch.Generator) -> dict[str, 
     return kwargs
 
 
+def check_folder_scheduler(class_name: str, accepted: tuple[str, ...], family: str, where: str) -> None:
+    """Refuse a folder's scheduler class its family does not step as its pipeline does."""
+    if class_name not in accepted:
+        raise ModelFolderError(
+            f"{where} names {class_name}, a scheduler diffshard does not step per request for {family} "
+            f"folders; it steps {', '.join(accepted)}. Set model_index.json's scheduler and "
+            "scheduler/scheduler_config.json's _class_name to one of them (the folder's pipeline "
+            "takes any of them the same way)"
+        )
+
+
 def predicted_clean(
-    scheduler: Any, latents: torch.Tensor, prediction: torch.Tensor, output: Any
+    scheduler: Any, latents: torch.Tensor, prediction: torch.Tensor, output: Any, timestep: torch.Tensor
 ) -> torch.Tensor:
-    """The model's estimate of the finished latents at the step just taken from `latents`: what a
-    partial image shows. DDIM and the Euler schedulers return it; the multistep solvers that
-    predict it (DPM-Solver++, UniPC's predict_x0) keep it as their last model output; flow
-    matching (SD3, Wan's UniPC otherwise) predicts a velocity: x0 = x_t - sigma * v."""
-    if getattr(output, "pred_original_sample", None) is not None:
-        return output.pred_original_sample
+    """The model's estimate of the finished latents at the step just taken from `latents` at
+    `timestep`: what a partial image shows. Most schedulers return it (DDIM, DDPM, the Euler and
+    Heun ones; LCM as `denoised`); the multistep solvers that predict it (DPM-Solver++, UniPC's
+    predict_x0) keep it as their last model output; flow matching (SD3, FLUX, Wan's UniPC
+    otherwise) predicts a velocity: x0 = x_t - sigma v; the others (PNDM, TCD, DEIS) keep only
+    the noise schedule: x0 from alpha-bar at t and what the model predicts."""
+    for name in ("pred_original_sample", "denoised"):
+        if (clean := getattr(output, name, None)) is not None:
+            return clean
     config = scheduler.config
     if getattr(scheduler, "model_outputs", None) and (
         config.get("predict_x0") or "dpmsolver++" in config.get("algorithm_type", "")
     ):
         return scheduler.model_outputs[-1]
-    sigma = scheduler.sigmas[scheduler.step_index - 1]  # the step just taken
-    return latents - sigma * prediction
+    if config.get("prediction_type") == "flow_prediction" or not hasattr(scheduler, "alphas_cumprod"):
+        sigma = scheduler.sigmas[scheduler.step_index - 1]  # the step just taken
+        return latents - sigma * prediction
+    alpha = scheduler.alphas_cumprod[int(timestep)].to(latents.device, latents.dtype)
+    signal, noise = alpha.sqrt(), (1 - alpha).sqrt()
+    kind = config.get("prediction_type", "epsilon")
+    if kind == "v_prediction":
+        return signal * latents - noise * prediction
+    if kind == "sample":
+        return prediction
+    return (latents - noise * prediction) / signal

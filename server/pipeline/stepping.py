@@ -60,7 +60,7 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     output = scheduler.step(prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs)
     due = None
     if partial is not None:
-        due = partial, predicted_clean(scheduler, state.latents, prediction, output)
+        due = partial, predicted_clean(scheduler, state.latents, prediction, output, state.timestep)
     # Into the other buffer: a multistep scheduler may keep the sample it stepped from for its next
     # step (UniPC's corrector, PNDM's PLMS), so the latents are never overwritten in place.
     if state.spare is None:

@@ -20,8 +20,9 @@ from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 
 from server.engine.denoisers.blocks import TEXT_MASK
+from server.errors import ModelFolderError
 from server.pipeline.clips import Clip
-from server.pipeline.schedulers import SCHEDULER_NAMES
+from server.pipeline.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES
 
 # SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
 DDPM_SCHEDULERS = SCHEDULER_NAMES
@@ -85,6 +86,7 @@ class Family:
     sees_images: ClassVar[bool] = False  # its text encoder reads an edit's images with the prompt
     edit_area: ClassVar[int | None] = None  # an edit's default size: its image's, scaled down to this area
     schedulers: ClassVar[tuple[str, ...]] = DDPM_SCHEDULERS
+    folder_schedulers: ClassVar[tuple[str, ...]] = DDPM_FOLDER_SCHEDULERS  # the classes its folder may ship
     default_steps: ClassVar[int] = 50
     default_guidance: ClassVar[float] = 7.5
     takes_guidance: ClassVar[bool] = True  # guidance_scale means something (Qwen-Image: true CFG only)
@@ -286,6 +288,21 @@ class Family:
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
         """Configs that disagree (raise ModelFolderError); nothing to check for SD."""
+
+    def check_configs(self, where: str) -> None:
+        """What the folder's configs ask that diffshard cannot serve as its pipeline does (raise
+        ModelFolderError), read before any weight loads: a UNet that embeds the guidance scale
+        (an LCM-distilled one) draws other pixels without that embedding."""
+        if self.config.denoiser.get("time_cond_proj_dim") is not None:
+            raise ModelFolderError(
+                f"{where}/{self.denoiser}/config.json sets time_cond_proj_dim: a guidance-embedded "
+                "(LCM-distilled) UNet, which diffshard does not condition on its guidance scale; serve "
+                "its base model with the LCM LoRA (--lora) and LCMScheduler instead"
+            )
+
+    def pipeline_scheduler(self, scheduler: Any) -> Any:
+        """The folder's scheduler as the family's pipeline sets it up: as saved, for most."""
+        return scheduler
 
     def attach(self, vae: nn.Module) -> None:
         """Read what the latents' scaling keeps in the VAE's weights (FLUX.2's batch-norm

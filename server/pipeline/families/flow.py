@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from server.pipeline.families.base import Asked, Family
+from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
 
 
 def shift_mu(config: Any, tokens: int, max_shift: float = 1.15) -> float:
@@ -25,6 +26,7 @@ class PackedFlow(Family):
     """A flow-matching transformer over 2x2 patches of the latents (packed by the engine's spec)."""
 
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
+    folder_schedulers: ClassVar[tuple[str, ...]] = FLOW_FOLDER_SCHEDULERS  # timesteps set by sigmas and mu
     takes_true_cfg: ClassVar[bool] = True
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")  # the spec's cache boundary
     native_latent: ClassVar[int] = 128  # the pipelines' default_sample_size: 1024 px

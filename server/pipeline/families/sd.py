@@ -37,3 +37,13 @@ class SD(Family):
             "use_linear_projection": True,
         },
     }
+
+    def pipeline_scheduler(self, scheduler: Any) -> Any:
+        """As StableDiffusionPipeline (and its img2img and inpainting twins) sets an outdated config
+        right when it is built: `steps_offset` 1 and no `clip_sample` (a DDIM folder saved with
+        clip_sample true is stepped without it)."""
+        config = scheduler.config
+        fixes = {"steps_offset": 1} if config.get("steps_offset", 1) != 1 else {}
+        if config.get("clip_sample", False) is True:
+            fixes["clip_sample"] = False
+        return type(scheduler).from_config({**config, **fixes}) if fixes else scheduler

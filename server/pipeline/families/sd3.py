@@ -18,6 +18,7 @@ from server.engine.denoisers.dit import (
 )
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Asked, Family, TextEmbeddings, other_width, penultimate_states
+from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
 
 
 class SD3(Family):
@@ -32,6 +33,7 @@ class SD3(Family):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2", "tokenizer_3")
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
+    folder_schedulers: ClassVar[tuple[str, ...]] = FLOW_FOLDER_SCHEDULERS
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
     # the text's projection in and the output head (its modulation and projection), as Nunchaku
     # keeps them: under 1% of the weights (the latents' projection in is a convolution)

@@ -24,6 +24,7 @@ from server.engine.denoisers.wan import UMT5_TOKENS
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline.clips import Clip
 from server.pipeline.families.base import Asked, Family, TextEmbeddings
+from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
 # defaults), text_encoder/config.json (UMT5-XXL's encoder) and vae/config.json (the defaults).
@@ -76,6 +77,8 @@ class Wan(Family):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
+    # its published folders' UniPC (flow_prediction, flow sigmas), or flow matching's Euler
+    folder_schedulers: ClassVar[tuple[str, ...]] = ("UniPCMultistepScheduler", *FLOW_FOLDER_SCHEDULERS)
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
     keep_precise: ClassVar[tuple[str, ...]] = ("proj_out",)  # the output head, as for the other DiTs
     default_steps: ClassVar[int] = 50
