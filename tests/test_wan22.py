@@ -1,6 +1,7 @@
-"""Wan 2.2 (issue 51): A14B's two experts inside one batched step, I2V-A14B, and the plans at
-published sizes. The tiny folders are `tests/tiny_wan22.py`'s (seeded, offline): two experts of
-different weights switching at `boundary_ratio`, held to WanPipeline and WanImageToVideoPipeline."""
+"""Wan 2.2 (issue 51): A14B's two experts inside one batched step, I2V-A14B, TI2V-5B, and the
+plans at published sizes, in-process (served over /v1/videos: `tests/test_wan22_http.py`). The
+tiny folders are `tests/tiny_wan22.py`'s (seeded, offline): two experts of different weights
+switching at `boundary_ratio`, held to WanPipeline and WanImageToVideoPipeline."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from PIL import Image
 from server.errors import InvalidRequest, ModelFolderError, PlanError
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.families import reference_family
+from tests.tiny_wan22 import TI2V_SIZE, wan_video
 
 VIDEO = {"width": 32, "height": 32, "frames": 9}
 # 6 steps of the published UniPC scheduler at flow_shift 3: t = 999, 937 (high noise, ≥ 875), then
@@ -34,24 +36,6 @@ def a14b_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def a14b(a14b_folder: Path) -> Pipeline:
     return Pipeline.load(a14b_folder, devices="cpu")
-
-
-def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | None = None) -> np.ndarray:
-    """WanPipeline's (with `image`: WanImageToVideoPipeline's) frames for a resolved request."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
-
-    pipeline_wan_i2v.basic_clean = pipeline_wan.basic_clean  # its cleaning calls ftfy, not installed here
-    cls = WanPipeline if image is None else WanImageToVideoPipeline
-    pipe = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        **({} if image is None else {"image": image}),
-        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
-        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale, guidance_scale_2=request.guidance_scale_2,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
-    ).frames[0]  # fmt: skip
 
 
 def alike(a: np.ndarray, b: np.ndarray) -> float:
@@ -254,25 +238,37 @@ def test_per_frame_timesteps_walk_as_diffusers_per_token_ones_split_or_not(ti2v_
     assert torch.allclose(out, expected, atol=1e-5), float((out - expected).abs().max())
 
 
-def test_ti2v_image_to_video_equals_wan_image_to_video_pipelines_beside_text_to_video(ti2v_folder) -> None:
-    """The same TI2V folder: a video from a first frame (input_reference) equals
-    WanImageToVideoPipeline's; stepped together with a text-to-video one, each equals alone."""
+def test_ti2v_image_to_video_equals_wan_image_to_video_pipelines_joining_text_to_videos(ti2v_folder) -> None:
+    """The same TI2V folder, under its UniPC scheduler (flow_shift 5): a video from a first frame
+    (input_reference) equals WanImageToVideoPipeline's; it joins a 20-step text-to-video three
+    steps in, a 6-step one joins three steps later, and each equals what it gives alone."""
     pipeline = Pipeline.load(ti2v_folder, devices="cpu")
     assert pipeline.family.pastes_first_frame
-    frame = Image.new("RGB", (64, 64), (200, 40, 40))
-    size = {"width": 64, "height": 64, "frames": 9}
+    frame = Image.new("RGB", (TI2V_SIZE, TI2V_SIZE), (200, 40, 40))
+    size = {"width": TI2V_SIZE, "height": TI2V_SIZE, "frames": 9}
+    longer = pipeline.resolve(
+        GenerationRequest("a blue square", seed=4, steps=20, guidance_scale=5.0, **size)
+    )
     from_image = pipeline.resolve(
-        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, guidance_scale=5.0,
+        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=STEPS, guidance_scale=5.0,
                           reference=frame, **size)
     )  # fmt: skip
-    from_text = pipeline.resolve(
-        GenerationRequest("a blue square", seed=4, steps=4, guidance_scale=5.0, **size)
+    shorter = pipeline.resolve(
+        GenerationRequest("a green line", seed=5, steps=STEPS, guidance_scale=3.0, **size)
     )
-    alone = [pipeline.generate([r])[0] for r in (from_image, from_text)]
-    assert alike(alone[0], wan_video(ti2v_folder, from_image, frame)) * 255 <= 2
-    together = pipeline.generate([from_image, from_text])
-    for mine, one in zip(together, alone, strict=True):
-        assert alike(mine, one) < 1e-3
+    alone = [pipeline.generate([r])[0] for r in (longer, from_image, shorter)]
+    assert alike(alone[1], wan_video(ti2v_folder, from_image, frame)) * 255 <= 2
+    states = pipeline.start([longer])
+    for joining in (from_image, shorter):
+        for _ in range(3):
+            pipeline.step(states)
+        states += pipeline.start([joining])
+    while active := [s for s in states if not s.done]:
+        pipeline.step(active)
+    pipeline.decode(states)
+    for state, video in zip(states, alone, strict=True):
+        assert alike(state.image.numpy(), video) < 1e-3
+        state.close()
 
 
 def test_the_wan_2_2_vae_decodes_in_tiles_as_diffusers_tiles_it(ti2v_folder) -> None:
@@ -337,53 +333,6 @@ def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_
     assert alike(mine, theirs) * 255 <= 2
     plain = a14b.generate([a14b.resolve(replace(request, lora=()))])[0]
     assert alike(mine, plain) * 255 > 10
-
-
-@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # openai 3.x, on every videos call
-def test_an_a14b_video_job_over_the_sdk_equals_wan_pipelines_and_shards_count_its_experts(
-    a14b_folder, tmp_path
-) -> None:
-    """Served: a job with guidance_scale_2 (OpenAI's SDK, extra_body) gives WanPipeline's frames
-    within 2/255; /v1/models names the experts, /v1/shards counts each expert's rows; a bad
-    second scale is a 400 naming it."""
-    import httpx
-    import openai
-
-    from tests.live import live_server
-    from tests.test_videos import frames_of
-    from tests.waiting import wait_until
-
-    extra = {"num_frames": 9, "seed": 3, "num_inference_steps": STEPS, "guidance_scale": 4.0,
-             "guidance_scale_2": 2.0, "negative_prompt": "blue"}  # fmt: skip
-    store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-    with live_server("--model", str(a14b_folder), "--job-store", store, "--drain-timeout-s", "0.5") as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        video = client.videos.create(prompt="a red circle", size="32x32", extra_body=extra)
-        done = wait_until(
-            lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
-            120,
-            "the two-expert job",
-        )
-        assert done.status == "completed", done.error
-        frames = frames_of(client.videos.download_content(video.id, variant="frames").read())
-        experts = httpx.get(f"{server.url}/v1/shards").json()["parallel"]["experts"]
-        family = httpx.get(f"{server.url}/v1/models").json()["data"][0]["family"]
-        bad = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a cat", "guidance_scale_2": -1})
-    assert experts["rows"] == {"transformer": 2 * HIGH_STEPS, "transformer_2": 2 * (STEPS - HIGH_STEPS)}
-    assert family["supports"]["experts"] == ["transformer", "transformer_2"]
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guidance_scale_2"
-    request = GenerationRequest(
-        "a red circle",
-        negative_prompt="blue",
-        seed=3,
-        steps=STEPS,
-        guidance_scale=4.0,
-        guidance_scale_2=2.0,
-        **VIDEO,
-    )
-    theirs = (wan_video(a14b_folder, request) * 255).round().astype(int)
-    assert frames.shape == theirs.shape == (9, 32, 32, 3)
-    assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
 
 
 def test_ti2v_defaults_are_the_model_cards_and_it_fits_24_gib_quantized(run_cli) -> None:

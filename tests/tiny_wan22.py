@@ -15,6 +15,8 @@ are `tests/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
   image-to-video runs the same folder with `WanImageToVideoPipeline` (no image encoder: the
   image's latents replace the first latent frame, whose tokens take timestep 0).
 
+`wan_video` is the reference the tests hold a folder's videos to: the diffusers pipeline's frames.
+
 Each holds the scheduler its published folder ships: UniPCMultistepScheduler (flow_prediction,
 flow sigmas, flow_shift 3.0 for A14B, 5.0 for TI2V-5B; `tiny_pipelines.wan_scheduler`).
 
@@ -24,12 +26,18 @@ and run each pipeline on them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
 from tests.tiny_pipelines import _wan_parts, wan_scheduler
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
+
+    from server.pipeline import GenerationRequest
 
 BOUNDARY_RATIO_T2V = 0.875  # Wan2.2-T2V-A14B (WanPipeline)
 BOUNDARY_RATIO_I2V = 0.9  # Wan2.2-I2V-A14B (WanImageToVideoPipeline)
@@ -110,6 +118,25 @@ def build_wan22_ti2v_folder(folder: Path) -> Path:
     parts["scheduler"] = wan_scheduler(SHIFT_TI2V)
     WanPipeline(**parts, expand_timesteps=True).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | None = None) -> np.ndarray:
+    """WanPipeline's (with `image`: WanImageToVideoPipeline's) frames, [frames, height, width, 3] in
+    [0, 1], for a `GenerationRequest` whose prompts, size, frames, steps, scales and seed are set."""
+    from diffusers import WanImageToVideoPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    pipeline_wan_i2v.basic_clean = pipeline_wan.basic_clean  # its cleaning calls ftfy, not installed here
+    cls = WanPipeline if image is None else WanImageToVideoPipeline
+    pipe = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        **({} if image is None else {"image": image}),
+        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale, guidance_scale_2=request.guidance_scale_2,
+        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
+    ).frames[0]  # fmt: skip
 
 
 def _count_calls(model: torch.nn.Module | None, calls: list[str], name: str) -> None:
