@@ -23,18 +23,15 @@ from server.pipeline import Edit, GenerationRequest, Pipeline
 from tests.conftest import Cli
 from tests.live import live_server
 from tests.test_edits import left_half_mask, source_image
-from tests.tiny_pipelines import build_flux_folder, diffusers_image
+from tests.tiny_pipelines import diffusers_image
 
 TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def flux_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("flux")
-    return {
-        "dev": build_flux_folder(root / "dev"),
-        "schnell": build_flux_folder(root / "schnell", guidance=False),
-    }
+def flux_folders(flux_folder, tiny_folder) -> dict[str, Path]:
+    """The shared tiny folders (conftest's)."""
+    return {"dev": flux_folder, "schnell": tiny_folder("flux-schnell")}
 
 
 def theirs(folder: Path, request: GenerationRequest) -> np.ndarray:

@@ -51,7 +51,6 @@ from tests.tiny_qwen import (
     load_qwen_image_edit,
 )
 from tests.tiny_qwenimage import build_qwen_image_folder
-from tests.tiny_zimage import build_zimage_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
 TOLERANCE = 1e-3
@@ -59,9 +58,9 @@ TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class Case:
-    """A family's tiny folder, its diffusers pipeline and the requests it is held to."""
+    """A family's diffusers pipeline and the requests it is held to (its tiny folder: conftest's
+    `tiny_folder` by the same name)."""
 
-    build: Callable[[Path], Path]
     reference: type
     requests: tuple[GenerationRequest, ...]  # the first is unguided, the second guided
     lora_targets: tuple[str, ...]  # the transformer's layers a LoRA adapts
@@ -74,7 +73,6 @@ class Case:
 FLUX2_TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out", "qkv_mlp_proj")
 CASES = {
     "qwen-image": Case(
-        build_qwen_image_folder,
         QwenImagePipeline,
         (
             GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
@@ -94,7 +92,6 @@ CASES = {
         QwenImageInpaintPipeline,
     ),
     "z-image": Case(
-        build_zimage_folder,
         ZImagePipeline,
         (
             GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
@@ -114,7 +111,6 @@ CASES = {
         ZImageInpaintPipeline,
     ),
     "flux2": Case(
-        build_flux2_folder,
         Flux2Pipeline,
         (
             GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32),
@@ -131,7 +127,6 @@ CASES = {
         lambda r: {"guidance_scale": r.guidance_scale},
     ),
     "flux2-klein": Case(
-        lambda folder: build_flux2_folder(folder, "klein-base"),
         Flux2KleinPipeline,
         (
             GenerationRequest("a red circle", guidance_scale=1.0, seed=3, steps=3, width=32, height=32),
@@ -151,16 +146,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Callable[[str], Path]:
-    """Each family's tiny folder, built the first time a test asks for it."""
-    root, folders = tmp_path_factory.mktemp("newer"), {}
-
-    def folder(name: str) -> Path:
-        if name not in folders:
-            folders[name] = CASES[name].build(root / name)
-        return folders[name]
-
-    return folder
+def built(tiny_folder) -> Callable[[str], Path]:
+    """Each family's tiny folder by its `CASES` name: conftest's, shared with the scheduler table."""
+    return tiny_folder
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -68,12 +68,9 @@ def test_a_group_that_does_not_divide_the_heads_is_refused_by_name() -> None:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_wan_folder
-
-    root = tmp_path_factory.mktemp("tensor")
-    built = {"flux": build_flux_folder, "sd3": build_sd3_folder, "wan": build_wan_folder}
-    return {name: build(root / name) for name, build in built.items()}
+def folders(flux_folder, sd3_folder, tiny_folder) -> dict[str, Path]:
+    """The tiny folders the other modules share (conftest's)."""
+    return {"flux": flux_folder, "sd3": sd3_folder, "wan": tiny_folder("wan2.1")}
 
 
 VIDEO = {"width": 32, "height": 32, "frames": 9}

@@ -34,10 +34,8 @@ FAST = {"num_frames": 9, "seed": 3, "num_inference_steps": 3, "guidance_scale": 
 
 
 @pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_pipelines import build_wan_folder
-
-    return build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v")
+def wan_folder(tiny_folder) -> Path:
+    return tiny_folder("wan2.1")
 
 
 def frames_of(archive: bytes) -> np.ndarray:

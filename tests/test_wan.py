@@ -86,10 +86,8 @@ VIDEO = {"width": 32, "height": 32, "frames": 9}
 
 
 @pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory: pytest.TempPathFactory):
-    from tests.tiny_pipelines import build_wan_folder
-
-    return build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v")
+def wan_folder(tiny_folder):
+    return tiny_folder("wan2.1")
 
 
 def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray:

@@ -27,10 +27,8 @@ STEPS, HIGH_STEPS = 6, 2
 
 
 @pytest.fixture(scope="module")
-def a14b_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_wan22 import build_wan22_two_expert_folder
-
-    return build_wan22_two_expert_folder(tmp_path_factory.mktemp("wan22") / "t2v-a14b")
+def a14b_folder(tiny_folder) -> Path:
+    return tiny_folder("wan2.2-a14b")
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +200,8 @@ def test_a14b_plans_at_published_sizes_count_both_experts(run_cli) -> None:
 
 
 @pytest.fixture(scope="module")
-def ti2v_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_wan22 import build_wan22_ti2v_folder
-
-    return build_wan22_ti2v_folder(tmp_path_factory.mktemp("ti2v") / "ti2v-5b")
+def ti2v_folder(tiny_folder) -> Path:
+    return tiny_folder("wan2.2-ti2v")
 
 
 def test_per_frame_timesteps_walk_as_diffusers_per_token_ones_split_or_not(ti2v_folder) -> None:
