@@ -76,8 +76,8 @@ def check_folder_scheduler(class_name: str, accepted: tuple[str, ...], family: s
         raise ModelFolderError(
             f"{where} names {class_name}, a scheduler diffshard does not step per request for {family} "
             f"folders; it steps {', '.join(accepted)}. Set model_index.json's scheduler and "
-            "scheduler/scheduler_config.json's _class_name to one of them (the folder's pipeline "
-            "takes any of them the same way)"
+            "scheduler/scheduler_config.json's _class_name to one of them (the config's other keys "
+            "can stay: each class takes the ones it knows)"
         )
 
 
