@@ -90,6 +90,7 @@ def test_a_truncated_or_corrupt_weights_file_is_named_at_validation(folder_copy:
         ("unet", ["diffusers", "StableDiffusionPipeline"], "which is not a part diffshard loads"),
         ("scheduler", ["diffusers", "utils"], "names utils, a scheduler diffshard does not step"),
         ("text_encoder", ["diffusers", "utils"], "diffusers.utils for text_encoder, which is not a class"),
+        ("vae", ["diffusers", "LMSDiscreteScheduler"], "does not install: pip install scipy"),  # a stand-in
         ("text_encoder", ["transformers", "__class__"], "which is not a class"),
         ("vae", "AutoencoderKL", "must be \\[library, class\\]"),
     ],
