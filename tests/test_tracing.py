@@ -20,6 +20,7 @@ from server.engine.runtime.tracing import (
     compiling_on_this_thread,
     trace_gate,
 )
+from server.pipeline.adapters import CHANGES
 from server.pipeline.lora import Adapter, AdapterSet, LoraPair, Target
 from tests.waiting import wait_until
 
@@ -197,6 +198,39 @@ def test_a_compile_holding_the_trace_gate_never_pauses() -> None:
     assert give_way.pauses == 0
     done.set()
     thread.join(DEADLINE_S)
+
+
+def test_a_compile_holding_a_lock_the_step_loops_take_never_pauses() -> None:
+    """The warm-up encodes its prompts under the encoders' lock and the adapters' readers' lock,
+    which the step loops' requests take too: paused there, it held them up while it waited for
+    them to have no work (one lane, two requests: no step in minutes). It pauses once it lets go."""
+    give_way, steps, done, holding = GiveWay(), [0], threading.Event(), threading.Event()
+    encoding = threading.Lock()
+
+    def run() -> None:
+        with give_way.paused_while_serving():
+            with encoding, CHANGES.reading():
+                holding.set()
+                while not done.is_set():
+                    torch.nn.functional.relu(torch.ones(1))
+                    steps[0] += 1
+            torch.nn.functional.relu(torch.ones(1))  # let go: here it pauses
+            steps[0] = -1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    holding.wait(DEADLINE_S)
+    give_way.serving(True)
+    before = steps[0]
+    wait_until(lambda: steps[0] > before + 100, DEADLINE_S, "the warm-up's encode to go on")
+    done.set()
+    assert encoding.acquire(timeout=DEADLINE_S)  # the step loop's request takes the lock it held
+    encoding.release()
+    wait_until(lambda: give_way.pauses == 1, DEADLINE_S, "the compile to pause once it let go")
+    assert steps[0] != -1
+    give_way.serving(False)
+    thread.join(DEADLINE_S)
+    assert steps[0] == -1
 
 
 def test_a_stopped_compile_ends_at_its_next_call_into_torch_even_while_paused() -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from server.engine.runtime.tracing import holding_shared
 from server.errors import InvalidRequest
 
 
@@ -40,7 +41,8 @@ class ChangeLock:
                 self._cond.wait()
             self._readers += 1
         try:
-            yield
+            with holding_shared():  # a waiting writer holds up the step loops' reads
+                yield
         finally:
             with self._cond:
                 self._readers -= 1

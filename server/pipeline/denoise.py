@@ -227,7 +227,7 @@ class Pipeline:
                 texts.append(text)
                 asking.append(r.lora)
                 shown.append(r.edit and r.edit.images)
-        with self._encoding, CHANGES.reading():
+        with self._encoding, CHANGES.reading():  # reading: held, a compile's warm-up never pauses here
             rows = AdapterRows(tuple(asking)) if any(asking) else None
             for slot in self.encoder_slots:
                 slot.rows = rows

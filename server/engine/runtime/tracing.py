@@ -117,8 +117,9 @@ class GiveWay:
     work (`serving`), and the compile thread, inside `paused_while_serving`, stops at the next
     Python call it makes into torch (dynamo's tracing, inductor's lowering, the timed calls of
     `--compile auto`) until they have none, holding no core and no GIL meanwhile. It never stops
-    while it holds the trace gate (the calls wait for that trace to end). What runs outside
-    Python (a C++ compiler's process) goes on, at the compile's nice value.
+    while it holds the trace gate (the calls wait for that trace to end) nor a lock the step
+    loops take (`holding_shared`: the warm-up's prompts are encoded under the encoders' lock). What
+    runs outside Python (a C++ compiler's process) goes on, at the compile's nice value.
 
     `stop` ends the compile at its next such call (`CompileStopped`): a server shutting down
     must not leave a thread inside torch while the interpreter exits (it crashed the exit)."""
@@ -159,7 +160,7 @@ class GiveWay:
 
         def on_call(frame: FrameType, event: str, arg: Any) -> None:
             # A global trace function, called as each frame begins: returning None traces no lines.
-            if (idle.is_set() and not self._stopping) or gate.tracing_here():
+            if (idle.is_set() and not self._stopping) or gate.tracing_here() or holds_shared():
                 return None
             # only in torch's frames: never in one of ours that may hold a lock the step loops
             # take (the trace gate's, waiting for their calls to end), nor in logging's
@@ -175,6 +176,24 @@ class GiveWay:
         finally:
             sys.settrace(previous)
             self._ended.set()
+
+
+_holding = threading.local()
+
+
+@contextmanager
+def holding_shared() -> Iterator[None]:
+    """What runs inside holds a lock the step loops take too: a compile giving way must not pause
+    there, or the loops would wait for it while it waits for them to have no work (a deadlock)."""
+    _holding.depth = getattr(_holding, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _holding.depth -= 1
+
+
+def holds_shared() -> bool:
+    return getattr(_holding, "depth", 0) > 0
 
 
 _compiling = threading.local()
