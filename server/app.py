@@ -173,7 +173,7 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
     return budget
 
 
-RUNNER_STOP_S = 5.0  # for the video runner to give its job back before the process ends (at least)
+RUNNER_STOP_S = 5.0  # for the video runner to give its jobs back before the process ends (at least)
 
 
 def start_videos(settings: Settings, service: Service, runtime: Runtime) -> VideoRunner:
@@ -183,7 +183,8 @@ def start_videos(settings: Settings, service: Service, runtime: Runtime) -> Vide
     runtime.videos = VideoRunner(
         store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
         max_bytes=settings.video_store_bytes, lease_s=settings.video_lease_s,
-        takes_work=lambda: runtime.takes_work, inject_faults=settings.inject_faults,
+        takes_work=lambda: runtime.takes_work, max_running=settings.max_running_videos,
+        inject_faults=settings.inject_faults,
     )  # fmt: skip
     return runtime.videos
 
@@ -251,7 +252,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.shield(loading)  # a load in flight cannot be interrupted; let it end
         videos = getattr(app.state, "videos", None)
         if videos is not None:
-            videos.stop()  # takes no more jobs; the one the close below cuts short goes back to the queue
+            videos.stop()  # takes no more jobs; those the close below cuts short go back to the queue
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
         if videos is not None:  # a video being encoded and written is waited for, as a request is

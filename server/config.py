@@ -46,6 +46,7 @@ from server.pipeline.loader import gguf_tensor_bytes, read_family
 from server.pipeline.quantizing import QuantizeSetting, check_parts
 from server.pipeline.stepcache import StepCache
 from server.pipeline.tiling import VaeTiling
+from server.serving.videos import RUNNING_VIDEOS
 from server.serving.videostore import default_job_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,6 +127,10 @@ class Settings(BaseSettings):
     video_store_bytes: int = Field(
         10 * 1024**3, ge=1, description="the finished videos' content in all; past it the oldest go"
     )
+    max_running_videos: int = Field(
+        RUNNING_VIDEOS, ge=1, le=64, description="video jobs a replica runs at once, their steps batched "
+        "by the step loop (each one claimed is held from the store's other replicas)",
+    )  # fmt: skip
     compile: CompileMode = Field(
         CompileMode.AUTO,
         description="off | full (the whole denoiser, one stage) | blocks (each block: composes with "

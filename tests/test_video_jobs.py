@@ -11,16 +11,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 
+from server.errors import Draining, StepFailed
 from server.serving.jobs import Job, leaving_outcome
 from server.serving.limits import Limits
-from server.serving.videos import open_job_store
+from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import JobStore, VideoJob, read_whole
 from tests.live import LiveServer, free_port, live_server
 from tests.redis_server import redis_server
@@ -263,9 +266,11 @@ def test_a_video_over_the_byte_cap_fails_and_leaves_the_others(wan_folder: Path,
 
 def test_a_lapsed_job_is_queued_again_while_the_runner_is_busy(wan_folder: Path, tmp_path: Path) -> None:
     """Recovery runs on a timer: a dead replica's job goes back to the queue within seconds while
-    this replica runs a long job (before: only once a runner was idle, so never under load)."""
+    this replica runs a long job (before: only once a runner was idle, so never under load). It
+    runs one job at a time: with room for another it would take the lapsed job at once."""
     with redis_server(tmp_path) as redis:
-        flags = ("--job-store", redis.url, "--video-lease-s", "2", "--inject-faults", "--step-timeout-s", "6")
+        flags = ("--job-store", redis.url, "--video-lease-s", "2", "--inject-faults", "--step-timeout-s", "6",
+                 "--max-running-videos", "1")  # fmt: skip
         with live_server("--model", str(wan_folder), *flags) as server:
             long = httpx.post(f"{server.url}/v1/videos", json={"prompt": "[[slow]] a red circle", **FAST})
             status = f"{server.url}/v1/videos/{long.json()['id']}"
@@ -446,3 +451,68 @@ def test_one_server_runs_a_models_jobs_in_a_sqlite_file(tmp_path: Path) -> None:
     for store in (reader, other, first):
         store.close()
     open_job_store(url, "m", 30, runs=True).close()  # free again once the first is closed
+
+
+class SteppedJobs:
+    """A stand-in for the service: each video submitted is held until the test ends it, and the
+    most held at once is counted."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: dict[str, Future] = {}
+        self.most = 0
+
+    def submit(self, requests: list, request_id: str, **_: object) -> SimpleNamespace:
+        future: Future = Future()
+        with self.lock:
+            self.held[request_id] = future
+            self.most = max(self.most, sum(not f.done() for f in self.held.values()))
+        return SimpleNamespace(future=future, progress=lambda: [(0, 3)], cancel=lambda: None)
+
+    def running(self) -> set[str]:
+        with self.lock:
+            return {job for job, future in self.held.items() if not future.done()}
+
+    def end(self, job: str, frames: np.ndarray | None = None, error: Exception | None = None) -> None:
+        with self.lock:
+            future = self.held[job]
+        if error is None:
+            future.set_result([frames])
+        else:
+            future.set_exception(error)
+
+
+def test_the_runner_runs_its_bound_at_once_each_job_on_its_own(tmp_path: Path) -> None:
+    """Two at once (`max_running`): a third is taken only as one ends; a job that fails leaves the
+    others running; the metrics count every run and made second; a stop gives back what runs."""
+    store = open_job_store(f"sqlite:///{tmp_path / 'jobs.sqlite'}", "m", lease_s=30, runs=True)
+    service = SteppedJobs()
+    runner = VideoRunner(store, service, fps=16, expiry_s=60, max_bytes=2**30, lease_s=30,
+                         takes_work=lambda: True, max_running=2)  # fmt: skip
+    frames = np.full((1, 16, 16, 3), 0.5, dtype=np.float32)
+    try:
+        for index in range(4):
+            runner.add(replace(queued(f"video_{index}", "key", index), request={"prompt": "p"}))
+        wait_until(lambda: len(service.running()) == 2, 30, "two running")
+        assert service.running() == {"video_0", "video_1"} and store.counts()["queued"] == 2
+        service.end("video_0", error=StepFailed("a step failed for it"))  # its slot goes to the next
+        wait_until(lambda: service.running() == {"video_1", "video_2"}, 30, "the third running")
+        for job in ("video_1", "video_2"):
+            service.end(job, frames)
+        wait_until(lambda: service.running() == {"video_3"}, 30, "the last running")
+        service.end("video_3", frames)
+        wait_until(lambda: store.counts()["completed"] == 3, 30, "three made")
+        assert store.get("video_0").status == "failed" and service.most == 2
+        assert runner.figures()["video_runs"] == 4 and runner.figures()["video_seconds"] == 3.0
+        for index in (4, 5):
+            runner.add(replace(queued(f"video_{index}", "key", index), request={"prompt": "p"}))
+        wait_until(lambda: len(service.running()) == 2, 30, "two more running")
+        runner.stop()
+        for job in ("video_4", "video_5"):  # the service closing answers its jobs so
+            service.end(job, error=Draining("the server is shutting down"))
+        runner.join(10)
+        assert [store.get(f"video_{i}").status for i in (4, 5)] == ["queued", "queued"]
+    finally:
+        runner.stop()
+        runner.join(10)
+        store.close()

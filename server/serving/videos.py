@@ -1,6 +1,7 @@
-"""Video jobs run: `VideoRunner` takes queued jobs from the store one at a time, submits each to
-the step loop as any request (it batches with the others, fair between keys), follows its
-progress, and writes its content (MP4, frames, thumbnail, spritesheet) off the step loop.
+"""Video jobs run: `VideoRunner` takes queued jobs from the store, a few at once, submits each to
+the step loop as any request (it batches with the others, joining their steps at any step, fair
+between keys), follows its progress, and writes its content (MP4, frames, thumbnail,
+spritesheet) off the step loop.
 
 A job whose run a stopping server cut short goes back to the queue; one a crash cut short runs
 again once the store sees its runner gone (`JobStore.recover`). Nobody has to resubmit it.
@@ -56,6 +57,13 @@ JOB_FAULTS = (InvalidRequest, OutOfMemory, DeadlineExceeded, StepFailed)
 REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
 T = TypeVar("T")
 REFERENCE = "reference.png"  # an image-to-video job's first frame, stored beside the job
+# Jobs a replica runs at once (--max-running-videos). Two is the least that lets a job join
+# another's steps, and lets the step loop step one job while the other's video is encoded and
+# written; the loop's own admission (its line, --max-batch, the step budget) still decides what
+# each step holds. Small, because a claimed job is held: its deadline runs from the claim, its
+# decoded frames sit in memory while encoded, and a job this replica holds but its step budget
+# cannot fit yet is one another replica sharing the Redis store could be running.
+RUNNING_VIDEOS = 2
 
 
 def open_job_store(url: str, model: str, lease_s: float, *, runs: bool = False) -> JobStore:
@@ -89,10 +97,11 @@ def to_request(job: VideoJob, reference: bytes | None = None) -> GenerationReque
 
 
 class VideoRunner:
-    """One thread taking the store's queued jobs in order, while `takes_work()` says the step
-    loops can take one (ready, not draining, none stuck or slow); stopped with the server, giving
-    back the job it was running. Another thread, on a timer, queues again the jobs whose runner
-    died and drops expired content, however busy the first is."""
+    """One thread taking the store's queued jobs in order while fewer than `max_running` run and
+    `takes_work()` says the step loops can take one (ready, not draining, none stuck or slow);
+    each job made on a thread of its own, with its own lease, its failure its own. Stopped with
+    the server, giving back the jobs it was running. Another thread, on a timer, queues again the
+    jobs whose runner died and drops expired content, however busy the others are."""
 
     def __init__(
         self,
@@ -104,15 +113,21 @@ class VideoRunner:
         max_bytes: int,
         lease_s: float,
         takes_work: Callable[[], bool],
+        max_running: int = RUNNING_VIDEOS,
         inject_faults: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
         self.max_bytes = max_bytes  # the finished videos' content, in all
         self.lease_s, self.takes_work, self.clock = lease_s, takes_work, clock
+        self.max_running = max_running  # jobs made at once
         self.inject_faults = inject_faults  # [[slow-encode]] (serving/faults.py): tests only
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.seconds_made, self.runs = 0.0, 0  # of video, and runs started, by this replica (metrics)
+        # guards the counts above and the jobs being made (their ids), written by the jobs'
+        # threads; notified as a job ends (`join` waits for the last)
+        self._lock = threading.Condition()
+        self._running: set[str] = set()
         self._wake, self._stopped, self._kept = threading.Event(), threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffshard-videos", daemon=True)
         self._keeper = threading.Thread(target=self._keep, name="diffshard-video-store", daemon=True)
@@ -153,9 +168,12 @@ class VideoRunner:
         return {"video_jobs": jobs, "video_seconds": self.seconds_made, "video_runs": self.runs}
 
     def join(self, timeout_s: float) -> None:
-        """Wait for the runner to end (after `stop`, once the service is closed): for a video being
-        encoded and written, up to `timeout_s`."""
+        """Wait for the runner to end (after `stop`, once the service is closed): for the videos
+        being encoded and written, up to `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s)
+        with self._lock:
+            self._lock.wait_for(lambda: not self._running, max(0.0, deadline - time.monotonic()))
 
     def _keep(self) -> None:
         """Every POLL_S: jobs whose runner is gone queued again (a SQLite file's: those a stopped
@@ -179,7 +197,7 @@ class VideoRunner:
         while not self._stopped.is_set():
             try:
                 self._turn()
-            except StoreUnavailable:  # a running job's lease lapses: a replica reaching the store runs it
+            except StoreUnavailable:  # no claim; each running job's lease lapses, for a replica reaching it
                 log.warning("video jobs: the job store does not answer; trying again in %g s", POLL_S)
                 self._stopped.wait(POLL_S)
             except Exception:  # a bug here must not end the runner
@@ -187,21 +205,52 @@ class VideoRunner:
                 self._stopped.wait(POLL_S)
 
     def _turn(self) -> None:
-        """Run the next queued job, or wait for one a while (another process may queue one)."""
-        job = self.store.claim(self.worker) if self.takes_work() else None
+        """Start the next queued job while fewer than `max_running` run, or wait a while: for a job
+        to end, one to be queued (here, or by another process: POLL_S)."""
+        self._wake.clear()  # a job queued or ended from here on ends the wait below
+        with self._lock:
+            room = len(self._running) < self.max_running
+        job = self.store.claim(self.worker) if room and self.takes_work() else None
         if job is None:
             self._wake.wait(POLL_S)
-            self._wake.clear()
             return
-        self.runs += 1
+        if self._stopped.is_set():  # stopped during the claim: nobody here would make it
+            self.store.release(job, self.worker)
+            return
+        with self._lock:
+            self.runs += 1
+            self._running.add(job.id)
         log.info("video job %s: running (%s)", job.id, self.worker)
+        # a thread a job, daemonic as this one: a pool's threads are joined at exit, so an encode
+        # would hold the process past `join`'s bound (a job cut short runs again, as after a crash)
         try:
-            self._make(job, Lease(self.store, job, self.worker, self.lease_s))
-        except StoreUnavailable:
+            threading.Thread(target=self._made, args=(job,), name="diffshard-video", daemon=True).start()
+        except Exception:  # no thread to be had: back to the queue
+            self._ended_job(job.id)
+            self.store.release(job, self.worker)
             raise
-        except Exception:  # a bug making this job: it fails, others run
-            log.exception("video job %s", job.id)
-            self._fail(job, "the video could not be made")
+
+    def _made(self, job: VideoJob) -> None:
+        """`job` made on its own thread: whatever ends it (a bug, the store gone) ends it alone."""
+        try:
+            try:
+                self._make(job, Lease(self.store, job, self.worker, self.lease_s))
+            except StoreUnavailable:
+                raise
+            except Exception:  # a bug making this job: it fails, others run
+                log.exception("video job %s", job.id)
+                self._fail(job, "the video could not be made")
+        except StoreUnavailable:  # its lease lapses: a replica reaching the store runs it
+            log.warning("video job %s: the job store does not answer; it runs again once its lease "
+                        "lapses", job.id)  # fmt: skip
+        finally:
+            self._ended_job(job.id)
+
+    def _ended_job(self, job_id: str) -> None:
+        with self._lock:
+            self._running.discard(job_id)
+            self._lock.notify_all()
+        self._wake.set()  # room for another
 
     def _make(self, job: VideoJob, lease: Lease) -> None:
         request = to_request(job, read_whole(self.store.content(job.id, REFERENCE)))
@@ -263,14 +312,15 @@ class VideoRunner:
             self._fail(job, str(err))
             return
         if kept:
-            self.seconds_made += float(job.seconds)
+            with self._lock:
+                self.seconds_made += float(job.seconds)
             log.info("video job %s: made (%.1f MiB)", job.id, size / 2**20)
         else:
             log.warning("video job %s: another replica took it over and made it too", job.id)
 
     def _give_back(self, job: VideoJob, why: Exception) -> None:
-        """Back in the store's queue as it was, for whichever replica can take work next; this one
-        waits a while before it looks again (it claims only once its loops take work)."""
+        """Back in the store's queue as it was, for whichever replica can take work next; its place
+        here stays taken a while, so this replica does not claim straight back what it cannot run."""
         log.info("video job %s goes back to the queue: %s", job.id, why)
         self.store.release(job, self.worker)
         self._stopped.wait(POLL_S)
