@@ -177,6 +177,12 @@ def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, 
         again = httpx.get(f"{server.url}/v1/videos/{job}/content", params={"variant": "frames"})
         assert again.status_code == 200 and again.content == first
         assert frames_of(first).shape == (17, 64, 64, 3)
+    # run again from its first step, its scheduler's history new: WanPipeline's frames
+    request = GenerationRequest(
+        "a red circle", seed=3, steps=40, guidance_scale=5.0, width=64, height=64, frames=17
+    )
+    theirs = (wan_pipeline_video(wan_folder, request) * 255).round().astype(int)
+    assert int(np.abs(frames_of(first).astype(int) - theirs).max()) <= 2
 
 
 def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> None:
