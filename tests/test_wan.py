@@ -147,20 +147,22 @@ def test_in_bfloat16_as_gpus_serve_it_the_vae_stays_float32_and_videos_follow_di
 
 
 def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone(wan_folder) -> None:
-    """Batched: a video joining another mid-way; split: the same video as a sequence group of 2."""
+    """Batched under the folder's UniPC: two videos of 6 steps joining a 20-step one at its 3rd
+    and 5th steps; split: a 6-step video as a sequence group of 2."""
     from server.engine import ParallelPlan
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loader import read_family
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
-    first = pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0, **VIDEO))
-    second = pipeline.resolve(
-        GenerationRequest("a blue square", seed=4, steps=3, guidance_scale=5.0, **VIDEO)
-    )
-    alone = [pipeline.generate([r])[0] for r in (first, second)]
-    states = pipeline.start([first])
-    pipeline.step(states)  # the first is a step ahead when the second joins
-    states += pipeline.start([second])
+    asked = (("a red circle", 3, 20, 5.0), ("a blue square", 4, 6, 5.0), ("a green line", 5, 6, 1.0))
+    requests = [pipeline.resolve(GenerationRequest(p, seed=s, steps=n, guidance_scale=g, **VIDEO))
+                for p, s, n, g in asked]  # fmt: skip
+    alone = [pipeline.generate([r])[0] for r in requests]
+    states = pipeline.start(requests[:1])
+    for joining in requests[1:]:
+        for _ in range(2):
+            pipeline.step([s for s in states if not s.done])
+        states += pipeline.start([joining])
     while active := [s for s in states if not s.done]:
         pipeline.step(active)
     pipeline.decode(states)
@@ -172,8 +174,8 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
         (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
     )
     lane = Pipeline.load(wan_folder, plan=plan).lanes()[0]
-    assert float(np.abs(lane.generate([first])[0] - alone[0]).max()) < 1e-3
-    assert lane.lane.groups.calls == first.steps
+    assert float(np.abs(lane.generate([requests[1]])[0] - alone[1]).max()) < 1e-3
+    assert lane.lane.groups.calls == requests[1].steps
 
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])

@@ -60,31 +60,32 @@ def test_two_experts_make_wan_pipelines_video_each_with_its_guidance(a14b, a14b_
     assert alike(a14b.generate([longer])[0], wan_video(a14b_folder, longer)) < 2 / 255  # UniPC's history
 
 
-def test_two_videos_either_side_of_the_boundary_step_together_as_each_alone(a14b) -> None:
-    """One video two steps in (below the boundary: the low-noise expert) and one just started
-    (the high-noise expert) share steps: each step runs a call per expert, and each video equals
-    what it gives alone; the mixed steps are counted (/v1/shards' parallel.experts)."""
+def test_three_videos_either_side_of_the_boundary_step_together_as_each_alone(a14b) -> None:
+    """One video two steps in (below the boundary: the low-noise expert), then a 6-step and a
+    20-step one joining (the high-noise expert) share steps: each step runs a call per expert, and
+    each video equals what it gives alone; the mixed steps are counted (/v1/shards' parallel.experts)."""
     older = a14b.resolve(GenerationRequest("a red circle", seed=3, steps=STEPS, guidance_scale=4.0, **VIDEO))
     newer = a14b.resolve(
         GenerationRequest(
             "a blue square", seed=4, steps=STEPS, guidance_scale=5.0, guidance_scale_2=3.0, **VIDEO
         )
     )
-    alone = [a14b.generate([r])[0] for r in (older, newer)]
+    longer = a14b.resolve(GenerationRequest("a green line", seed=5, steps=20, guidance_scale=1.0, **VIDEO))
+    alone = [a14b.generate([r])[0] for r in (older, newer, longer)]
     mixed = a14b.expert_steps.mixed_steps
     states = a14b.start([older])
     for _ in range(HIGH_STEPS):
         a14b.step(states)
-    states += a14b.start([newer])
+    states += a14b.start([newer, longer])
     while active := [s for s in states if not s.done]:
         a14b.step(active)
     a14b.decode(states)
     for state, video in zip(states, alone, strict=True):
         assert alike(state.image.numpy(), video) < 1e-3
         state.close()
-    assert (
-        a14b.expert_steps.mixed_steps - mixed == HIGH_STEPS
-    )  # the newer's high steps, beside the older's low
+    # from the join: the longer's 7 high steps, beside the older's 4 low ones, then the newer's 2
+    # last low ones (the newer's own 2 high ones fall among the first): 6 steps with both experts
+    assert a14b.expert_steps.mixed_steps - mixed == 6
 
 
 def test_first_block_caching_refreshes_at_the_expert_switch(a14b) -> None:
