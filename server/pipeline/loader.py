@@ -100,7 +100,8 @@ def read_family(folder: str | Path) -> Family:
     where = f"{root}/model_index.json"
     if not _present(index, "scheduler"):
         raise ModelFolderError(f"{where} lists no scheduler: a {family.name} folder needs one")
-    if isinstance(scheduler := index["scheduler"], list | tuple) and len(scheduler) == 2:  # else class_of says
+    scheduler = index["scheduler"]
+    if isinstance(scheduler, list | tuple) and len(scheduler) == 2:  # else class_of says what is wrong
         check_folder_scheduler(str(scheduler[1]), family.folder_schedulers, family.pipeline_classes[0], where)
     for name in _loaded_parts(family):
         if _present(index, name):
