@@ -27,7 +27,6 @@ from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import JobStore, VideoJob, read_whole
 from tests.live import LiveServer, free_port, live_server
 from tests.redis_server import redis_server
-from tests.tiny_pipelines import build_wan_folder
 from tests.waiting import wait_until
 
 FAST = {"num_frames": 9, "seed": 3, "num_inference_steps": 3, "guidance_scale": 5.0, "size": "32x32"}
@@ -35,8 +34,8 @@ ENDED = ("completed", "failed")
 
 
 @pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_wan_folder(tmp_path_factory.mktemp("wan") / "tiny-wan")
+def wan_folder(tiny_folder) -> Path:
+    return tiny_folder("wan2.1")
 
 
 @pytest.fixture(params=["sqlite", "redis"])
