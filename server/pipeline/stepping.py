@@ -45,7 +45,8 @@ def expert_calls(
             result = lane.forward(stack(group), call_plan(group))
         for state, outcome, span in zip(group, result.outcomes, spans(group), strict=True):
             keep(state, outcome)
-            outs[id(state)] = result.out[span]
+            # an expert placed apart predicts on its own GPU; the scheduler steps on the latents'
+            outs[id(state)] = result.out[span].to(state.latents.device)
     return by_expert, outs
 
 
