@@ -186,7 +186,7 @@ class Deployment:
     def encoder_spread(self) -> list[str]:
         """The devices a tensor group's text encoders spread over (`parts.py`, as `plan` counts
         them): its first group's ranks' first devices, when they are separate GPUs; else none."""
-        ranks = [shard.device for shard in self.replicas[: self.tensor]] if self.tensor > 1 else []
+        ranks = [str(shard.device) for shard in self.replicas[: self.tensor]] if self.tensor > 1 else []
         return ranks if separate_memories(ranks) else []
 
     def first_lane(self) -> Lane:

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,14 +71,17 @@ class Simulation:
     peer_access: bool = True  # what `torch.cuda.can_device_access_peer` answers
     syncs: list[tuple[int, str, str]] = field(default_factory=list)  # device, thread, caller
     reads: Counter[str] = field(default_factory=Counter)  # device values read on the host, by thread
-    foreign: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # thread, call's device, thread's device
+    # calls on a device other than the thread's own: (thread, the call's device, the thread's)
+    foreign: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     _storages: dict[int, list[int]] = field(default_factory=dict)  # storage → [gpu, bytes, wrappers]
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gpu(self, device: torch.device | str | int | None) -> SimulatedGpu:
         index = _index(device)
         if not 0 <= index < len(self.gpus):
-            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index} of {len(self.gpus)} simulated)")
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal (cuda:{index} of {len(self.gpus)} simulated)"
+            )
         return self.gpus[index]
 
     def reset_counts(self) -> None:
@@ -100,8 +102,8 @@ class Simulation:
             if entry is None:
                 if gpu.allocated + nbytes > gpu.total:
                     raise torch.OutOfMemoryError(
-                        f"CUDA out of memory. Tried to allocate {nbytes / 2**20:.2f} MiB. GPU {gpu.index} has a "
-                        f"total capacity of {gpu.total / 2**30:.2f} GiB of which "
+                        f"CUDA out of memory. Tried to allocate {nbytes / 2**20:.2f} MiB. "
+                        f"GPU {gpu.index} has a total capacity of {gpu.total / 2**30:.2f} GiB of which "
                         f"{(gpu.total - gpu.allocated) / 2**30:.2f} GiB is free (simulated)."
                     )
                 entry = self._storages[key] = [gpu.index, nbytes, 0]
@@ -109,8 +111,8 @@ class Simulation:
                 gpu.peak = max(gpu.peak, gpu.allocated)
             entry[2] += 1
         wrapper = SimulatedTensor(data, torch.device("cuda", gpu.index))
-        weakref.finalize(wrapper, self._release, key)
-        return wrapper
+        wrapper._counted = (self, key)  # released by `__del__`: a finalizer's weak reference would
+        return wrapper  # refuse `swap_tensors`, which moving a module uses to keep its Parameters
 
     def _release(self, key: int) -> None:
         with self._lock:
@@ -155,7 +157,9 @@ def parse_spec(text: str) -> tuple[int, int]:
     """`'2'` → (2, 24 GiB); `'4x80GiB'` → (4, 80 GiB)."""
     match = _SPEC.match(text)
     if not match or int(match[1]) < 1:
-        raise DeviceError(f"{ENV}={text!r}: write a count, optionally with each device's memory, e.g. 2 or 2x24GiB")
+        raise DeviceError(
+            f"{ENV}={text!r}: write a count, optionally with each device's memory, e.g. 2 or 2x24GiB"
+        )
     return int(match[1]), parse_size(match[2]) if match[2] else DEFAULT_MEMORY
 
 
@@ -185,6 +189,22 @@ class SimulatedTensor(torch.Tensor):
         wrapper._data = data
         return wrapper
 
+    def __del__(self) -> None:
+        counted = self.__dict__.get("_counted")
+        if counted is not None:
+            counted[0]._release(counted[1])
+
+    def __tensor_flatten__(self) -> tuple[list[str], torch.device]:
+        # a traceable wrapper: `Module.to` swaps it into each Parameter (as CUDA's `param.data =`
+        # keeps the Parameter object), so whoever holds a Parameter sees it moved
+        return ["_data"], self.device
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], device: torch.device, size: Any, stride: Any
+    ) -> SimulatedTensor:
+        return _active.wrap(inner["_data"], device)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"{self._data!r} (simulated on {self.device})"
 
@@ -205,8 +225,15 @@ class SimulatedTensor(torch.Tensor):
 # Calls whose tensor arguments may sit on different devices, as on CUDA.
 _CROSSING = {torch.Tensor.copy_, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
 # Calls that may take CPU index tensors with CUDA data.
-_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put,
-             torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default}
+_INDEXING = {
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    torch.Tensor.index_put_,
+    torch.index_put,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten.index_put.default,
+}
 # Calls that read a device value on the host (each waits for the device: a sync).
 _READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -235,7 +262,10 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
         return _moved(sim, func, args, kwargs)
     if func is torch.Tensor.numpy or name == "__array__":
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
+        raise TypeError(
+            f"can't convert {args[0].device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+            "tensor to host memory first."
+        )
     if func in (torch.Tensor.pin_memory,):
         return args[0]
     if func is torch.Tensor.is_pinned:
@@ -260,16 +290,18 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
     def unwrap(x: Any, position: int) -> Any:
         if isinstance(x, SimulatedTensor):
-            if not (crossing and position > 0):
+            if not (crossing and position > 0) and not indexing:
                 devices.setdefault(str(x.device), x.device)
             inners[id(x._data)] = x
             return x._data
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
-            if not (crossing and position > 0) and not (indexing and position > 0):
-                devices.setdefault("cpu", x.device)
+        cpu = isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0
+        if cpu and not (crossing and position > 0) and not indexing:
+            devices.setdefault("cpu", x.device)
         return x
 
     leaves, spec = tree_flatten((args, kwargs))
+    if indexing:
+        target = _indexed(sim, leaves)
     plain = [unwrap(x, i) for i, x in enumerate(leaves)]
     if target is None:
         if len(devices) > 1:
@@ -286,6 +318,22 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if target is None:
         return out
     return tree_map(lambda x: _rewrap(sim, x, target, inners), out)
+
+
+def _indexed(sim: Simulation, leaves: list[Any]) -> torch.device | None:
+    """Indexing's rule: index tensors on the CPU or the indexed tensor's device; a 0-dim integer
+    index on a GPU is read on the host (a sync), wherever the indexed tensor is."""
+    here = leaves[0].device
+    for x in leaves[1:]:
+        if not isinstance(x, torch.Tensor) or x.device.type == "cpu" or x.device == here:
+            continue
+        if x.dim() == 0 and not x.is_floating_point():
+            sim.reads[threading.current_thread().name] += 1
+            continue
+        raise RuntimeError(
+            f"indices should be either on cpu or on the same device as the indexed tensor ({here})"
+        )
+    return here if here.type == "cuda" else None
 
 
 def _rewrap(sim: Simulation, x: Any, device: torch.device, inners: dict[int, torch.Tensor]) -> Any:
@@ -361,7 +409,7 @@ def _deepcopy(sim: Simulation, self: SimulatedTensor, memo: dict) -> SimulatedTe
         data = self._data.clone()
     new = sim.wrap(data, self.device)
     for key, value in self.__dict__.items():
-        if key != "_data":
+        if key not in ("_data", "_counted"):
             setattr(new, key, copy.deepcopy(value, memo))
     with torch._C.DisableTorchFunctionSubclass():
         torch.Tensor.requires_grad_(new, self.requires_grad)
@@ -424,7 +472,9 @@ class _Event:
     """A CUDA event: on simulated GPUs every op has finished when it returns, so an event's
     time is the host's clock when it is recorded."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
         self.time: float | None = None
 
     def record(self, stream: Any = None) -> None:
@@ -488,11 +538,16 @@ def _cuda_functions(sim: Simulation) -> dict[str, Any]:
         "set_device": set_device,
         "device": _Device,
         "synchronize": sim.synchronized,
-        "mem_get_info": lambda device=None: (sim.gpu(device).total - sim.gpu(device).allocated, sim.gpu(device).total),
+        "mem_get_info": lambda device=None: (
+            sim.gpu(device).total - sim.gpu(device).allocated,
+            sim.gpu(device).total,
+        ),
         "memory_allocated": lambda device=None: sim.gpu(device).allocated,
         "memory_reserved": lambda device=None: sim.gpu(device).allocated,
         "max_memory_allocated": lambda device=None: sim.gpu(device).peak,
-        "reset_peak_memory_stats": lambda device=None: setattr(sim.gpu(device), "peak", sim.gpu(device).allocated),
+        "reset_peak_memory_stats": lambda device=None: setattr(
+            sim.gpu(device), "peak", sim.gpu(device).allocated
+        ),
         "empty_cache": lambda: None,
         "get_device_name": lambda device=None: sim.gpu(device).name,
         "get_device_capability": lambda device=None: (9, 0),
@@ -530,7 +585,9 @@ def install(count: int, memory: int = DEFAULT_MEMORY, *, peer_access: bool = Tru
     if _active is not None:
         raise RuntimeError("GPUs are already simulated in this process")
     if torch.cuda.is_available():
-        raise DeviceError(f"{ENV} is for hosts without CUDA: this host has {torch.cuda.device_count()} GPU(s)")
+        raise DeviceError(
+            f"{ENV} is for hosts without CUDA: this host has {torch.cuda.device_count()} GPU(s)"
+        )
     sim = Simulation([SimulatedGpu(i, memory) for i in range(count)], peer_access=peer_access)
     for name, replacement in _cuda_functions(sim).items():
         _saved[name] = getattr(torch.cuda, name, None)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.denoisers.blocks import DenoiserInputs
-from server.engine.denoisers.specs import spec_for
+from server.engine.denoisers.blocks import DenoiserInputs, part
+from server.engine.denoisers.specs import layout_of, spec_for
 from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.parallel import ParallelPlan
 from server.engine.planning.plan import ShardPlan
@@ -33,25 +33,54 @@ def build_shards(
     model: nn.Module, plan: ParallelPlan, placed: Callable[[nn.Module, str], object] | None = None
 ) -> list[ModelShard]:
     """A ModelShard per replica, each with a module tree of its own (its adapter hooks read its
-    own stages' slots). Single-stage CPU replicas share the model's weights; the others get
-    their own copy, made before any shard moves the model. A tensor group's ranks (`plan.tensor`)
-    each keep their share of the split blocks' layers (`tensor.split_model`), the rest shared
-    until placed. `placed`: as ModelShard's."""
+    own stages' slots). Single-stage CPU replicas share the model's weights where the model
+    stays on the CPU; the others get their own copy, made on their devices from the model's
+    tensors, and the model itself (replica 0) is placed last: host memory holds one copy of the
+    weights however many replicas there are (it held one per replica: FLUX.1-dev as 2 GPU
+    replicas ~54 GiB). A tensor group's ranks
+    (`plan.tensor`) each keep their share of the split blocks' layers (`tensor.split_model`), the
+    rest shared until placed. `placed`: as ModelShard's."""
     if plan.tensor > 1:
         return tensor_ranks(model, plan, placed)
 
-    def shares(replica: ShardPlan) -> bool:
+    def on_cpu(replica: ShardPlan) -> bool:
         return len(replica.stages) == 1 and replica.stages[0].device == "cpu"
 
-    weights = [
-        model if index == 0 else sharing_weights(model) if shares(replica) else copy.deepcopy(model)
-        for index, replica in enumerate(plan.replicas)
-    ]
-    names = iter(plan.workers)
-    return [
-        ModelShard(copy_, replica, [next(names) for _ in replica.stages], placed)
-        for copy_, replica in zip(weights, plan.replicas, strict=True)
-    ]
+    names, start = [], 0
+    for replica in plan.replicas:
+        names.append(list(plan.workers[start : start + len(replica.stages)]))
+        start += len(replica.stages)
+    shares = on_cpu(plan.replicas[0])  # a shared Parameter moves with the model that holds it
+    shards: dict[int, ModelShard] = {}
+    for index in [*range(1, len(plan.replicas)), 0]:
+        replica = plan.replicas[index]
+        weights = (
+            model
+            if index == 0
+            else sharing_weights(model)
+            if shares and on_cpu(replica)
+            else placed_copy(model, replica)
+        )
+        shards[index] = ModelShard(weights, replica, names[index], placed)
+    return [shards[index] for index in range(len(plan.replicas))]
+
+
+def placed_copy(model: nn.Module, replica: ShardPlan) -> nn.Module:
+    """A copy of `model` whose blocks' tensors are made straight on the devices `replica` puts
+    them, tensor by tensor: host memory never holds a second copy of the weights."""
+    layout = layout_of(model)
+    memo: dict[int, Any] = {}
+    for stage in replica.stages:
+        for block in stage.blocks:
+            for path in layout.blocks[layout.names.index(block)].modules:
+                held = part(model, path)
+                tensors = [*held.parameters(), *held.buffers()] if isinstance(held, nn.Module) else [held]
+                for t in tensors:
+                    moved = t.detach().to(stage.device, copy=True)
+                    memo[id(t)] = (
+                        nn.Parameter(moved, t.requires_grad) if isinstance(t, nn.Parameter) else moved
+                    )
+    return copy.deepcopy(model, memo)
 
 
 def tensor_ranks(
@@ -160,9 +189,9 @@ def run_micro_batches(
     plan = plan or CallPlan.plain(inputs.sample.shape[0])
     plans = plan.split(micro_batches)
     bounds, at = [], 0
-    for part in plans:
-        bounds.append((at, at + part.rows))
-        at += part.rows
+    for piece in plans:
+        bounds.append((at, at + piece.rows))
+        at += piece.rows
     parts = [cut_rows(inputs, start, stop) for start, stop in bounds]
 
     def run(index: int) -> CallResult:
