@@ -28,7 +28,10 @@ RUN apt-get update \
 
 FROM ${CUDA_IMAGE} AS cuda-base
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
-ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
+# Expandable segments: freed blocks of odd sizes (requests' changing shapes, lanes on one GPU)
+# grow a segment instead of fragmenting the cache into blocks no later shape fits.
+ENV TORCH_INDEX_URL=${TORCH_INDEX_URL} \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Ubuntu 24.04's Python 3.12. The archive drops superseded package versions, so pinned versions would
 # break the build at the next security update; the base image tag fixes the release instead.
 # hadolint ignore=DL3008

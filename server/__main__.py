@@ -33,6 +33,7 @@ from server.config_values import is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
 from server.engine.hardware.memory import bound_kernel_cache
+from server.engine.hardware.simulated import install_from_environment
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import quiet_libraries, read_family
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     fix; 1: anything else); the traceback comes before it only with --debug."""
     args = _parser().parse_args(argv)
     try:
+        install_from_environment(os.environ)  # DIFFSHARD_SIMULATED_GPUS: a multi-GPU plan tried on a CPU
         if args.command == "serve":
             return serve_command(args)
         plan_command(args)

@@ -36,7 +36,7 @@ from server.engine import (
 )
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.denoisers.wan import IMAGE
-from server.engine.hardware.devices import normalize_device
+from server.engine.hardware.devices import normalize_device, wait_for_queued
 from server.engine.quantize import compute_dtype
 from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
@@ -191,10 +191,10 @@ class Pipeline:
         self.adapters.add(adapter)
 
     def synchronize(self) -> None:
-        """Wait for the work queued on every CUDA device this pipeline's (lane's) shard uses."""
-        for device in self.shard.devices:  # this lane's: other lanes' devices run on meanwhile
-            if device.startswith("cuda"):
-                torch.cuda.synchronize(device)
+        """Wait for the work this lane queued on each CUDA device its calls use (every expert's,
+        its ranks', the replicas it lends rows to, the encoders'): never a device-wide sync."""
+        shards = [s for lane in self.expert_lanes for s in (lane.shard, *lane.spare())]
+        wait_for_queued({d for s in shards for d in s.devices} | {str(self.encoder_device)})
 
     # One request's life: resolve → start → step … → decode → close.
 
@@ -370,7 +370,7 @@ class Pipeline:
             state.image = state.scope.rent(image.shape, torch.float32, "cpu", pinned=pinned)
             state.image.copy_(image, non_blocking=pinned)
         if pinned:
-            torch.cuda.synchronize(self.encoder_device)
+            wait_for_queued([str(self.encoder_device)])  # the copies to pinned memory
         for state in states:  # on the CPU, once copied: an inpainting's unmasked pixels, its image's
             keep_unmasked(state.image, state.request.edit)
 

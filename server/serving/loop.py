@@ -181,6 +181,8 @@ class StepLoop:
     def _run(self) -> None:
         if self.threads is not None:  # a CPU worker's share of the cores
             set_intra_op_threads(self.threads)
+        if self.pipeline.device.type == "cuda":  # its handles and default stream on its lane's GPU
+            torch.cuda.set_device(self.pipeline.device)
         try:
             while self._turn():
                 pass
@@ -345,6 +347,9 @@ class StepLoop:
                 return
             failed = f"a batched call of {len(jobs)} requests failed ({type(err).__name__})"
             log.warning("%s; retrying them one by one", failed)
+            out_of_memory = is_out_of_memory(err)
+        if out_of_memory:  # out of the handler, its frames' tensors gone: free what they held first
+            self._free_device_memory()
         for job in jobs:
             try:
                 run([job])

@@ -7,13 +7,14 @@ import logging
 import platform
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
+from server.engine.hardware import simulated
 from server.engine.hardware.gpus import gpu_profile
 from server.errors import DeviceError
 
@@ -48,6 +49,12 @@ def absent(device: str) -> bool:
     """A CUDA device named for a plan that this host does not have."""
     dev = torch.device(device)
     return dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count()
+
+
+def predicted(device: str) -> bool:
+    """A CUDA device whose speed a device profile predicts: absent from this host, or simulated in
+    CPU memory (`simulated.py`: its blocks would time the CPU, not a GPU)."""
+    return absent(device) or (simulated.active() is not None and torch.device(device).type == "cuda")
 
 
 def normalize_device(name: str) -> str:
@@ -178,6 +185,28 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return f"cpu: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def device_set(device: torch.device | str) -> contextlib.AbstractContextManager[None]:
+    """This thread's current CUDA device is `device` while inside (nothing for the CPU): a helper
+    thread that runs a rank or a replica on GPU k builds its handles and workspaces there, not on
+    GPU 0, and its work goes to GPU k's default stream."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def wait_for_queued(devices: Iterable[str]) -> None:
+    """Wait until the work this thread queued on each CUDA device is done: an event recorded on
+    each, then waited for (a device-wide `torch.cuda.synchronize` would wait for every other
+    thread's work on that GPU too)."""
+    events = []
+    for device in sorted({d for d in devices if d.startswith("cuda")}):
+        event = torch.cuda.Event()
+        with torch.cuda.device(device):
+            event.record()
+        events.append(event)
+    for event in events:
+        event.synchronize()
 
 
 def worker_names(devices: Sequence[str]) -> list[str]:

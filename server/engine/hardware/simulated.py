@@ -40,7 +40,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from server.engine.hardware.devices import parse_size
 from server.errors import DeviceError
 
 ENV = "DIFFSHARD_SIMULATED_GPUS"
@@ -155,6 +154,8 @@ def active() -> Simulation | None:
 
 def parse_spec(text: str) -> tuple[int, int]:
     """`'2'` → (2, 24 GiB); `'4x80GiB'` → (4, 80 GiB)."""
+    from server.engine.hardware.devices import parse_size  # which imports this module
+
     match = _SPEC.match(text)
     if not match or int(match[1]) < 1:
         raise DeviceError(

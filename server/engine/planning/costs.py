@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.engine.hardware.devices import absent, device_kind
+from server.engine.hardware.devices import absent, device_kind, predicted
 from server.engine.hardware.gpus import (
     ATTENTION_SHARE,
     BANDWIDTH_SHARE,
@@ -90,13 +90,14 @@ def profile_speed(profile: GpuProfile, dtype: torch.dtype) -> DeviceSpeed:
 
 def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype) -> str:
     """What the plan's output says of the devices predicted from a profile ("" when none is)."""
-    missing = list(dict.fromkeys(d for d in devices if absent(d)))
+    missing = list(dict.fromkeys(d for d in devices if predicted(d)))
     if not missing:
         return ""
+    where = "not on this host" if absent(missing[0]) else "simulated in CPU memory"
     chosen = gpu_profile(profile)
     how = " (the default; --device-profile chooses another)" if chosen.name == DEFAULT_PROFILE else ""
     return (
-        f"{', '.join(missing)} not on this host: predicted from the {chosen.name} profile{how}, "
+        f"{', '.join(missing)} {where}: predicted from the {chosen.name} profile{how}, "
         f"{chosen.describe(dtype)}, at {MATMUL_SHARE:.0%} and {BANDWIDTH_SHARE:.0%} of them"
     )
 
@@ -157,7 +158,7 @@ class CostModel:
         workers: int = 1,
         beside_server: bool = False,
     ) -> dict[str, float]:
-        if absent(device):
+        if predicted(device):
             speed = profile_speed(gpu_profile(self.profile), self.dtype)
         else:
             speed = cached_calibration(device, self.dtype, threads, self.cache_dir)
@@ -176,9 +177,9 @@ class CostModel:
     def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""
         rows = rows or self.rows
-        if absent(device):
+        if predicted(device):
             raise PlanError(
-                f"{device} is not on this host, so its blocks cannot be timed: --costs counted "
+                f"{device} is absent or simulated, so its blocks cannot be timed: --costs counted "
                 "predicts them from a device profile"
             )
         threads = threads if torch.device(device).type == "cpu" else 1
@@ -198,7 +199,7 @@ class CostModel:
         return seconds
 
     def _kind(self, device: str) -> str:
-        return f"{gpu_profile(self.profile).name} profile" if absent(device) else device_kind(device)
+        return f"{gpu_profile(self.profile).name} profile" if predicted(device) else device_kind(device)
 
     def _measured_key(self, device: str, threads: int, rows: int) -> dict[str, object]:
         config = json.dumps(dict(self.model.config), sort_keys=True, default=str)

@@ -41,7 +41,11 @@ from server.engine.hardware.memory import host_memory
 Key = tuple[tuple[int, ...], torch.dtype, str, bool]  # shape, dtype, device, pinned
 ANY_DEVICE = "*"  # a budget under this key applies to every device not named
 HOST_POOL_SHARE = 0.05  # default idle budget on "cpu": this share of the host's RAM
-DEVICE_POOL_SHARE = 0.10  # ... on a CUDA device: this share of its total memory
+# ... on a CUDA device: this share of its total memory, at most DEVICE_POOL_MAX; held inside the
+# planner's margin (`devices.CUDA_MARGIN`, 10%), which the plan never fills (at 10% it could
+# hold the whole margin idle)
+DEVICE_POOL_SHARE = 0.02
+DEVICE_POOL_MAX = 2**30
 # Larger host buffers are not pinned: torch's host allocator keeps freed pinned blocks cached (and
 # locked) for good, and a video's frames (hundreds of MB, one copy each) gain little from it.
 MAX_PINNED_BYTES = 64 * 2**20
@@ -63,8 +67,8 @@ class PoolStats:
 
 
 def default_pool_budgets(devices: Iterable[str]) -> dict[str, int]:
-    """Idle budgets for `devices`: 5% of the host's RAM for "cpu", 10% of each CUDA device's
-    total memory.
+    """Idle budgets for `devices`: 5% of the host's RAM for "cpu", 2% of each CUDA device's
+    total memory up to 1 GiB.
 
     Enough to keep a busy service's working shapes warm (the built-in model's whole working
     set is a few MiB), small enough that a burst of odd shapes cannot hold a sizeable share of
@@ -76,7 +80,7 @@ def default_pool_budgets(devices: Iterable[str]) -> dict[str, int]:
         device = torch.device(name)
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            budgets[f"cuda:{device.index or 0}"] = int(DEVICE_POOL_SHARE * total)
+            budgets[f"cuda:{device.index or 0}"] = min(int(DEVICE_POOL_SHARE * total), DEVICE_POOL_MAX)
     return budgets
 
 

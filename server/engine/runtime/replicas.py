@@ -19,6 +19,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs, part
 from server.engine.denoisers.specs import layout_of, spec_for
+from server.engine.hardware.devices import device_set
 from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.parallel import ParallelPlan
 from server.engine.planning.plan import ShardPlan
@@ -195,7 +196,9 @@ def run_micro_batches(
     parts = [cut_rows(inputs, start, stop) for start, stop in bounds]
 
     def run(index: int) -> CallResult:
-        return shards[index % len(shards)].run(parts[index], plans[index])
+        shard = shards[index % len(shards)]
+        with device_set(shard.device):
+            return shard.run(parts[index], plans[index])
 
     if len(parts) == 1:
         return run(0)

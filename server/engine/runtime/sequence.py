@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from server.engine.denoisers.blocks import Flow, SequenceSplit, map_rows
+from server.engine.hardware.devices import device_set
 from server.engine.runtime.call import CallPlan, CallResult
 from server.errors import GroupBroken, WorkerLost
 
@@ -69,6 +70,9 @@ class Group:
             self._barrier.wait()
         except threading.BrokenBarrierError:
             raise GroupBroken("another rank of the sequence group failed during this call") from None
+        # every rank has read the last exchange (it came to this one after): drop this rank's
+        # value of it, not held on through the next (Ulysses' q/k/v, a tensor group's partials)
+        self._slots[(turn + 1) % 2][rank] = None
         return list(slots)
 
     def abort(self) -> None:
@@ -249,7 +253,8 @@ def run_ranks(
 
     def run(index: int) -> CallResult:
         try:
-            return shards[index].run(inputs, plan, rank=rank_of(group, index))
+            with device_set(shards[index].device):
+                return shards[index].run(inputs, plan, rank=rank_of(group, index))
         except BaseException:
             group.abort()
             raise

@@ -209,13 +209,14 @@ class TensorRank(Rank):
         self.slots = slots
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `partial`, in rank order (the same values on every rank)."""
+        """The sum of every rank's `partial`, in rank order (the same values on every rank),
+        added in float32 and rounded once to the partials' dtype (bf16 sums rounded each part)."""
         parts = self.gather(partial)
         here = partial.device
-        total = parts[0].to(here, copy=True)
+        total = parts[0].to(here, torch.float32, copy=True)
         for part in parts[1:]:
             total += part.to(here)
-        return total
+        return total.to(partial.dtype)
 
     def cut(self, flow: Flow) -> Flow:
         return flow
