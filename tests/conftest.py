@@ -289,10 +289,12 @@ class Forked:
             conn.sendall(json.dumps(request).encode() + b"\n")
             return conn.makefile("rb")  # keeps the connection open until it closes
 
-    def run(self, module: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, module: str, *args: str, timeout_s: float = 120, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """As `subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-        text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"}, timeout=timeout_s)`."""
-        env = os.environ | {"HF_HUB_OFFLINE": "1"}
+        text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"} | env, timeout=timeout_s)`."""
+        env = os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {})
         command = [sys.executable, "-m", module, *args]
         if not self.forkable:
             return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)

@@ -113,6 +113,10 @@ class Simulation:
         wrapper._counted = (self, key)  # released by `__del__`: a finalizer's weak reference would
         return wrapper  # refuse `swap_tensors`, which moving a module uses to keep its Parameters
 
+    def holds(self, data: torch.Tensor) -> bool:
+        """Whether `data`'s storage is a simulated GPU's (the CPU memory behind its tensors)."""
+        return data.untyped_storage()._cdata in self._storages
+
     def _release(self, key: int) -> None:
         with self._lock:
             entry = self._storages[key]
@@ -128,7 +132,7 @@ class Simulation:
         if device.index != current:
             self.foreign[(threading.current_thread().name, str(device), f"cuda:{current}")] += 1
 
-    def synchronized(self, device: Any) -> None:
+    def synchronized(self, device: Any = None) -> None:
         index = _thread.device if device is None and hasattr(_thread, "device") else _index(device)
         caller = traceback.extract_stack(limit=3)[0]
         self.syncs.append((index, threading.current_thread().name, f"{caller.filename}:{caller.lineno}"))
@@ -309,8 +313,6 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             first, second = sorted(devices)[:2]
             raise RuntimeError(SAME_DEVICE.format(*sorted((first, second), key=lambda d: d != "cpu")[::-1]))
         target = next((d for d in devices.values() if d.type == "cuda"), None)
-    if target is not None:
-        sim.touched(target)
     if func in _READS:
         sim.reads[threading.current_thread().name] += 1
     args, kwargs = tree_unflatten(plain, spec)
@@ -318,7 +320,18 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
     if target is None:
         return out
+    if not _only_views(out, inners, name):
+        sim.touched(target)  # a kernel ran there (a view of a peer's tensor runs none)
     return tree_map(lambda x: _rewrap(sim, x, target, inners), out)
+
+
+def _only_views(out: Any, inners: dict[int, torch.Tensor], name: str) -> bool:
+    """Whether a call only made views of its inputs (metadata: no kernel on a GPU)."""
+    if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
+        return False  # wrote into an input
+    storages = {t._data.untyped_storage()._cdata for t in inners.values()}
+    results = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    return bool(results) and all(x.untyped_storage()._cdata in storages for x in results)
 
 
 def _indexed(sim: Simulation, leaves: list[Any]) -> torch.device | None:
@@ -396,9 +409,7 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
     with torch._C.DisableTorchFunction():
         moved = data.to(dtype=dtype, memory_format=memory_format, copy=True)
     if device.type == "cuda":
-        sim.touched(device)
-        if current.type == "cuda":
-            sim.touched(current)
+        sim.touched(device)  # a copy from a peer runs on the destination's stream
         return sim.wrap(moved, device)
     return moved
 

@@ -142,7 +142,7 @@ class Rank:
         rows = dict(flow.rows)
         for key, dim in self.split.tokens.items():
             if key in mine:
-                rows[key] = _joined([part[key] for part in everyone], dim)
+                rows[key] = _joined([part[key] for part in everyone], dim, self.group.devices[self.index])
         return Flow(rows, shared)
 
     # Attention.
@@ -197,14 +197,14 @@ class Rank:
         return SequenceAttention(self)
 
 
-def _joined(parts: list[Any], dim: int) -> Any:
+def _joined(parts: list[Any], dim: int, here: torch.device) -> Any:
     """Every rank's slice of an entry (a tensor, or a tuple of them: a ControlNet's residuals)
-    joined along its token `dim`, on this rank's device (the first part's)."""
+    joined along its token `dim` on `here`, this rank's device (the first part is rank 0's: a
+    join there ran rank k's later blocks on rank 0's GPU)."""
     if isinstance(parts[0], tuple):
-        return tuple(_joined(list(each), dim) for each in zip(*parts, strict=True))
+        return tuple(_joined(list(each), dim, here) for each in zip(*parts, strict=True))
     if parts[0] is None:
         return None
-    here = parts[0].device  # this rank's stage's device
     return torch.cat([part.to(here) for part in parts], dim=dim)
 
 
