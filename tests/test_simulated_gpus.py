@@ -265,6 +265,6 @@ def test_a_simulated_gpus_budget_is_its_memory() -> None:
     with simulated.simulate(1, 2**20):
         kept = torch.empty(2**19, dtype=torch.uint8, device="cuda:0")
         assert torch.cuda.mem_get_info(0) == (2**19, 2**20)
-        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 0.75 MiB"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory\. Tried to allocate 0\.75 MiB"):
             torch.empty(3 * 2**18, dtype=torch.uint8, device="cuda:0")
         assert kept.device == torch.device("cuda:0")

@@ -2,7 +2,7 @@
 What the serving layer reads of the engine (memory and pool numbers) it gets from here."""
 
 from server.engine import DeviceMemory
-from server.engine.hardware.threads import set_intra_op_threads
+from server.engine.hardware.threads import take_thread
 from server.engine.runtime.graphs import CompileStats
 from server.engine.runtime.pool import PoolStats
 from server.engine.runtime.tracing import trace_gate
@@ -21,7 +21,7 @@ __all__ = [
     "PoolStats",
     "RequestState",
     "group_states",
-    "set_intra_op_threads",
     "size_warning",
+    "take_thread",
     "trace_gate",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
-from server.pipeline import Pipeline, RequestState, group_states, set_intra_op_threads
+from server.pipeline import Pipeline, RequestState, group_states, take_thread
 from server.serving.activity import Activity
 from server.serving.calls import WatchedCalls
 from server.serving.health import is_out_of_memory
@@ -179,10 +179,7 @@ class StepLoop:
     # The loop.
 
     def _run(self) -> None:
-        if self.threads is not None:  # a CPU worker's share of the cores
-            set_intra_op_threads(self.threads)
-        if self.pipeline.device.type == "cuda":  # its handles and default stream on its lane's GPU
-            torch.cuda.set_device(self.pipeline.device)
+        take_thread(self.threads, self.pipeline.device)  # its share of the cores, its lane's GPU
         try:
             while self._turn():
                 pass
@@ -345,10 +342,9 @@ class StepLoop:
             if len(jobs) == 1:
                 self._fail(jobs, err)
                 return
-            failed = f"a batched call of {len(jobs)} requests failed ({type(err).__name__})"
-            log.warning("%s; retrying them one by one", failed)
-            out_of_memory = is_out_of_memory(err)
-        if out_of_memory:  # out of the handler, its frames' tensors gone: free what they held first
+            log.warning("a batch of %d jobs failed (%s); retrying each alone", len(jobs), type(err).__name__)
+            self._clear_caches |= is_out_of_memory(err)
+        if self._clear_caches:  # out of the handler, its frames' tensors gone: free them before retries
             self._free_device_memory()
         for job in jobs:
             try:
@@ -366,8 +362,7 @@ class StepLoop:
         trace = None if is_out_of_memory(err) else err  # an OOM's traceback says nothing new
         log.error("request %s failed: %s: %s", ids, type(err).__name__, err, exc_info=trace)
         self._end(jobs, failure_outcome(err))
-        if is_out_of_memory(err):
-            self._clear_caches = True  # at the next turn, when this error's frames are gone
+        self._clear_caches |= is_out_of_memory(err)  # cleared next turn, once this error's frames are gone
 
     def _free_device_memory(self) -> None:
         self._clear_caches = False

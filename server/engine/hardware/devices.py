@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from server.engine.hardware import simulated
 from server.engine.hardware.gpus import gpu_profile
 from server.errors import DeviceError
 
@@ -49,12 +48,6 @@ def absent(device: str) -> bool:
     """A CUDA device named for a plan that this host does not have."""
     dev = torch.device(device)
     return dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count()
-
-
-def predicted(device: str) -> bool:
-    """A CUDA device whose speed a device profile predicts: absent from this host, or simulated in
-    CPU memory (`simulated.py`: its blocks would time the CPU, not a GPU)."""
-    return absent(device) or (simulated.active() is not None and torch.device(device).type == "cuda")
 
 
 def normalize_device(name: str) -> str:

@@ -61,6 +61,16 @@ def set_intra_op_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
+def take_thread(threads: int | None, device: torch.device) -> None:
+    """This thread, for good: `threads` intra-op threads (None: unchanged; a CPU worker's share of
+    the cores) and, on a GPU, `device` as its current CUDA device (its handles, workspaces and
+    default stream there, not on GPU 0)."""
+    if threads is not None:
+        set_intra_op_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 @contextmanager
 def intra_op_threads(threads: int | None) -> Iterator[None]:
     """This thread's torch intra-op threads set to `threads` (None: unchanged) while it runs."""

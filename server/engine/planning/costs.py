@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.engine.hardware.devices import absent, device_kind, predicted
+from server.engine.hardware import simulated
+from server.engine.hardware.devices import absent, device_kind
 from server.engine.hardware.gpus import (
     ATTENTION_SHARE,
     BANDWIDTH_SHARE,
@@ -86,6 +87,12 @@ def profile_speed(profile: GpuProfile, dtype: torch.dtype) -> DeviceSpeed:
         bytes_per_s=profile.bandwidth_gb_s * 1e9 * BANDWIDTH_SHARE,
         op_overhead_s=OP_OVERHEAD_S,
     )
+
+
+def predicted(device: str) -> bool:
+    """A CUDA device whose speed a device profile predicts: absent from this host, or simulated in
+    CPU memory (`simulated.py`: its blocks would time the CPU, not a GPU)."""
+    return absent(device) or (simulated.active() is not None and torch.device(device).type == "cuda")
 
 
 def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype) -> str:
