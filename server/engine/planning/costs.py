@@ -186,7 +186,7 @@ class CostModel:
         rows = rows or self.rows
         if predicted(device):
             raise PlanError(
-                f"{device} is absent or simulated, so its blocks cannot be timed: --costs counted "
+                f"{device} is not on this host (or simulated): its blocks cannot be timed; --costs counted "
                 "predicts them from a device profile"
             )
         threads = threads if torch.device(device).type == "cpu" else 1
