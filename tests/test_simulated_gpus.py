@@ -17,6 +17,7 @@ import io
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from server.engine.runtime.sequence import Group
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.loader import read_family
 from server.pipeline.planning import plan_model
+from server.serving import Service
 from tests.live import live_server
 from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
 from tests.tiny_wan22 import wan_video
@@ -133,6 +135,66 @@ def test_every_mode_on_two_gpus_makes_one_devices_image(folder, one_device, gpus
     assert gpus.syncs == [], gpus.syncs
     helpers = {key: n for key, n in gpus.foreign.items() if key[0].startswith("diffshard-micro")}
     assert helpers == {}, helpers
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "sequence", "tensor"])
+def test_served_steps_never_sync_a_whole_gpu_and_each_call_runs_on_its_threads_device(
+    folder, one_device, gpus, mode
+) -> None:
+    """Through the step loops (a lane per replica or group, helper threads for ranks): three
+    requests at once, each the image it makes alone; not one `torch.cuda.synchronize` (a lane
+    waits on events for its own work), and every call a lane's or a helper's thread makes runs
+    on the device it set (a pipelined lane sets each stage's as it enters it)."""
+    pipeline = planned(folder("flux"), ["cuda:0", "cuda:1"], mode)
+    service = Service(pipeline, mode, max_batch=4)
+    try:
+        gpus.reset_counts()
+        seeds = (3, 4, 5)
+        jobs = [service.submit([pipeline.resolve(replace(IMAGE, seed=seed))]) for seed in seeds]
+        images = [job.future.result(timeout=120)[0] for job in jobs]
+    finally:
+        service.close()
+    assert worst(images[:1], one_device("flux", IMAGE)) <= 2 / 255
+    assert gpus.syncs == [], gpus.syncs
+    wandering = {key: n for key, n in gpus.foreign.items() if key[0].startswith("diffshard")}
+    assert wandering == {}, wandering
+
+
+def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_first(gpus) -> None:
+    """A tensor group's largest text encoder spread layer by layer (`parts.spread_encoder`), as
+    FLUX.2-dev's Mistral 3 needs on two 80 GiB GPUs: FLUX.2 reads three layers' hidden states and
+    stacks them, each back on the first GPU with the numbers of the encoder whole on the CPU; each
+    layer on the second runs with its GPU set, and the thread's own device is back after."""
+    import copy
+
+    from server.pipeline.parts import layer_devices, spread_encoder
+    from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
+
+    tokenizer = build_mistral_tokenizer()
+    torch.manual_seed(0)
+    encoder = _mistral3(tokenizer).eval()
+    whole = copy.deepcopy(encoder)
+    path, places = layer_devices(encoder, ["cuda:0", "cuda:1"])
+    assert path == "model.language_model.layers" and list(places.values()) == sorted(places.values())
+    total = sum(p.nbytes for p in encoder.parameters())
+    layer = max(sum(p.nbytes for p in m.parameters()) for m in encoder.model.language_model.layers)
+    spread_encoder(encoder, ["cuda:0", "cuda:1"])
+    second = sum(p.nbytes for p in encoder.parameters() if p.device.index == 1)
+    assert abs(second - total / 2) <= layer  # half the bytes on each, within a layer
+    tokens = tokenizer(["a red circle"], return_tensors="pt")
+    gpus.reset_counts()
+    with torch.inference_mode():
+        states = [
+            model.model(
+                input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device),
+                output_hidden_states=True, use_cache=False,
+            ).hidden_states
+            for model, device in ((encoder, "cuda:0"), (whole, "cpu"))
+        ]  # fmt: skip
+    stacked = torch.stack([states[0][k] for k in (10, 20, 30)], dim=2)
+    assert stacked.device == torch.device("cuda:0")
+    assert torch.allclose(stacked.cpu(), torch.stack([states[1][k] for k in (10, 20, 30)], dim=2), atol=1e-5)
+    assert gpus.foreign == {} and torch.cuda.current_device() == 0
 
 
 def test_unet_refuses_sequence_groups_by_name(folder, gpus) -> None:

@@ -6,12 +6,16 @@ Spread, because FLUX.2-dev's Mistral 3 is 43.6 GiB in bfloat16: more than a rank
 its 30.8 GiB share of the transformer and its activations on an 80 GiB GPU, while a share on each
 rank fits (`plan` counts it so: `TensorAxis._rank_options`).
 
-The encoder's largest run of layers is cut into consecutive parts of about equal bytes, one per
-device, the rest of it (embeddings, norms, a vision tower) left on the first. Each moved layer
-takes its inputs to its device and gives its output back to the first: families read a layer's
-hidden states (FLUX.2 stacks three) and call an encoder's submodules, so every tensor they see
-is on the first device. That is two copies of a [rows, tokens, hidden] state per moved layer, once
-per encoding: FLUX.2's 512 tokens × 5120 at 2 rows is 10 MiB a copy.
+Only the largest text encoder is spread (FLUX.1's T5 beside CLIP-L, FLUX.2's Mistral): a small
+one spread gains no memory and pays its copies. Its largest run of layers is cut into
+consecutive parts of about equal bytes, one per device, the rest of it (embeddings, norms, a
+vision tower) left on the first. Each moved layer takes its inputs to its device, runs with that
+device as the thread's current one, and gives its hidden states back to the first: families read
+a layer's hidden states (FLUX.2 stacks three) and call an encoder's submodules, so every hidden
+state they see is on the first device. That is two copies of a [rows, tokens, hidden] state per
+moved layer, once per encoding: FLUX.2's 512 tokens × 5120 at 2 rows is 10 MiB a copy. What else
+a layer returns (T5's position bias, heads × tokens² a copy) stays where it was made, for the
+next layer there.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ def place_parts(
     """The text encoders (on `device`, or spread over `spread`'s devices) and the VAE (on
     `device`, in float32 where it overflows in float16, tiled as asked); an image encoder goes
     to `device` too."""
-    encoders = tuple(spread_encoder(e, spread) if spread else e.to(device) for e in components.text_encoders)
+    largest = max(components.text_encoders, key=tensor_bytes, default=None)
+    encoders = tuple(
+        spread_encoder(e, spread) if spread and e is largest else e.to(device)
+        for e in components.text_encoders
+    )
     if components.image_encoder is not None:  # image-to-video's, beside the text encoders
         components.image_encoder.to(device)
     vae = components.vae
@@ -83,12 +91,16 @@ def spread_encoder(model: nn.Module, devices: Sequence[str]) -> nn.Module:
 
 
 def _inputs_to(device: torch.device, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return _moved((args, kwargs), device)
+    torch.cuda.set_device(device)  # the layer's work on its GPU's handles and stream (back below)
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
 
 def _output_to(device: torch.device, _: nn.Module, _args: tuple, output: Any) -> Any:
-    return _moved(output, device)
-
-
-def _moved(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+    """The hidden states (a layer's output, or its first) back on the first device; the rest
+    stays for the next layer."""
+    torch.cuda.set_device(device)
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return type(output)([output[0].to(device), *output[1:]])
+    return output

@@ -94,7 +94,8 @@ def plan_model(
     for path in (controlnets or {}).values():  # held in the denoiser's dtype
         sizes[f"controlnet {path}"] = part_bytes(path.parent, (path.name,), dtype)
     resident = sum(sizes.values())
-    spread = sum(n for name, n in sizes.items() if name in family.text_encoders)  # see spread_encoders
+    # the largest text encoder is spread over a tensor group's ranks, the others kept whole (parts.py)
+    spread = max((n for name, n in sizes.items() if name in family.text_encoders), default=0)
     model = meta_denoiser(family)
     block_bytes = None
     if denoiser_file is not None:

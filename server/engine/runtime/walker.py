@@ -80,6 +80,7 @@ class _Walk:
         self.stage: int | None = None
         self.paths: set[str] = set()  # how its blocks ran: compiled, padded, eager
         self.whole_shared: dict[str, Any] | None = None  # set while the flow is this rank's slice
+        self.home: int | None = None  # the thread's current CUDA device before the walk moved it
 
     @staticmethod
     def rows(adapters: Sequence[Any]) -> AdapterRows | None:
@@ -90,15 +91,18 @@ class _Walk:
         """Run block `name` on `flow`: in its stage (gate taken, flow moved), compiled if it can."""
         shard = self.shard
         stage = shard.stage_of[name]
-        if stage != self.stage:
-            self.leave()
-            shard.gates.enter(stage)
-            self.stage = stage
         device = shard.stage_devices[stage]
         split = self.rank is not None and name in self.rank.split.blocks
         if not split:
             flow = self.whole(flow)
+        # a boundary's copy is queued while the stage before is still this call's (its gate held),
+        # never behind the next call's kernels there
         flow = Flow(self.moves.move(flow.rows, device), self.moves.move(flow.shared, device))
+        if stage != self.stage:
+            self.leave()
+            shard.gates.enter(stage)
+            self.stage = stage
+            self.set_device(device)
         if split and self.whole_shared is None:
             self.whole_shared = flow.shared
             flow = self.rank.cut(flow)
@@ -132,6 +136,14 @@ class _Walk:
             decided = self.rank.agree([o.refreshed for o in outcomes])
             for outcome, refreshed in zip(outcomes, decided, strict=True):
                 outcome.refreshed = refreshed
+
+    def set_device(self, device: torch.device) -> None:
+        """A stage's work runs with its GPU as this thread's current device (`walk` puts the
+        thread's own back): its handles, workspaces and default stream are that GPU's."""
+        if device.type == "cuda":
+            if self.home is None:
+                self.home = torch.cuda.current_device()
+            torch.cuda.set_device(device)
 
     def leave(self) -> None:
         if self.stage is not None:
@@ -168,6 +180,8 @@ def walk(
     finally:
         state.leave()
         shard.gates.end()
+        if state.home is not None:
+            torch.cuda.set_device(state.home)
 
 
 def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Outcome]]:

@@ -144,11 +144,13 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{generator.device.type}'")
     devices: dict[str, torch.device] = {}
     inners: dict[int, torch.Tensor] = {}
+    devices_seen: set[torch.device] = set()  # every simulated tensor's, crossing or not
     crossing = func in _CROSSING
     indexing = func in _INDEXING
 
     def unwrap(x: Any, position: int) -> Any:
         if isinstance(x, SimulatedTensor):
+            devices_seen.add(x.device)
             if not (crossing and position > 0) and not indexing:
                 devices.setdefault(str(x.device), x.device)
             inners[id(x._data)] = x
@@ -174,7 +176,7 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
     if target is None:
         return out
-    if not _only_views(out, inners, name):
+    if not _only_views(out, inners, name) and not (crossing and len(devices_seen) > 1):
         sim.touched(target)  # a kernel ran there (a view of a peer's tensor runs none)
     return tree_map(lambda x: _rewrap(sim, x, target, inners), out)
 
@@ -264,7 +266,9 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
     with torch._C.DisableTorchFunction():
         moved = data.to(dtype=dtype, memory_format=memory_format, copy=True)
     if device.type == "cuda":
-        sim.touched(device)  # a copy from a peer runs on the destination's stream
+        if current == device:
+            sim.touched(device)  # a conversion on the device; a copy between devices is guarded by
+            # PyTorch itself (it runs on the source's stream): no device of the thread's to set
         return wrap(sim, moved, device)
     return moved
 
