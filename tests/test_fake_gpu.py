@@ -28,6 +28,7 @@ What it cannot cover, checked by reading instead:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -105,6 +107,20 @@ class FakeCuda(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        # a thread's current CUDA device, which the walk and helper threads set (a CPU build
+        # raises on these): kept here, one for every thread; events and syncs still raise
+        self._device = mock.patch.multiple(
+            torch.cuda, current_device=lambda: 0, set_device=lambda device: None,
+            device=lambda device: contextlib.nullcontext(),
+        )  # fmt: skip
+
+    def __enter__(self) -> FakeCuda:
+        self._device.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._device.stop()
 
     def tensor(self, t: torch.Tensor, device: str) -> FakeTensor:
         """A fake of `t`'s shape and dtype on `device` (from its meta twin: no data)."""

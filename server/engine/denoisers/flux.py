@@ -68,11 +68,12 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[h/2 · w/2, 3] position ids (0, row, column): FluxPipeline._prepare_latent_image_ids."""
-    ids = torch.zeros(h // 2, w // 2, 3)
-    ids[..., 1] += torch.arange(h // 2)[:, None]
-    ids[..., 2] += torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+    """[h/2 · w/2, 3] position ids (0, row, column): FluxPipeline._prepare_latent_image_ids, made
+    on `device` (made on the host, the copy to a GPU waited for the host every call)."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] += torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] += torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3).to(dtype)
 
 
 class FluxTransformerSpec:

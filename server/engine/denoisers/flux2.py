@@ -45,17 +45,20 @@ STREAMS = ("transformer_blocks", "single_transformer_blocks")
 
 
 def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
-    """[h · w, 4] position ids (0, row, column, 0): Flux2Pipeline._prepare_latent_ids."""
-    rows, columns = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    """[h · w, 4] position ids (0, row, column, 0): Flux2Pipeline._prepare_latent_ids, made on
+    `device` (no copy from the host a call)."""
+    rows, columns = torch.meshgrid(
+        torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
     zeros = torch.zeros_like(rows)
-    return torch.stack([zeros, rows, columns, zeros], dim=-1).reshape(-1, 4).to(device)
+    return torch.stack([zeros, rows, columns, zeros], dim=-1).reshape(-1, 4)
 
 
 def text_ids(tokens: int, device: torch.device) -> torch.Tensor:
     """[tokens, 4] position ids (0, 0, 0, l): Flux2Pipeline._prepare_text_ids."""
-    ids = torch.zeros(tokens, 4, dtype=torch.long)
-    ids[:, 3] = torch.arange(tokens)
-    return ids.to(device)
+    ids = torch.zeros(tokens, 4, dtype=torch.long, device=device)
+    ids[:, 3] = torch.arange(tokens, device=device)
+    return ids
 
 
 class Flux2TransformerSpec:

@@ -155,10 +155,13 @@ def _columns(context: torch.Tensor, columns: int) -> torch.Tensor:
 
 def image_ids(h: int, w: int, frame: int, pad: int, device: torch.device) -> torch.Tensor:
     """[h · w + pad, 3] positions of the image tokens (at `frame`) and of their padding (zeros)."""
-    rows, columns = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    rows, columns = torch.meshgrid(
+        torch.arange(h, device=device, dtype=torch.int32),
+        torch.arange(w, device=device, dtype=torch.int32),
+        indexing="ij",
+    )  # on `device`: no copy from the host a call
     ids = torch.stack([torch.full_like(rows, frame), rows, columns], dim=-1).reshape(-1, 3)
-    ids = torch.cat([ids, torch.zeros(pad, 3, dtype=ids.dtype)])
-    return ids.to(device=device, dtype=torch.int32)
+    return torch.cat([ids, torch.zeros(pad, 3, dtype=ids.dtype, device=device)])
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as ZImageTransformer2DModel.forward runs them.
