@@ -142,7 +142,7 @@ def test_a_failing_step_batched_with_three_good_requests_fails_only_itself(edges
     assert_envelope(bad, 500, "generation_failed")
     for response, _ in good:
         assert_images(response, 1, 64)
-    assert any(re.search(r"a batched call of [2-4] requests failed", line) for line in edges.log)
+    assert any(re.search(r"a batch of [2-4] jobs failed", line) for line in edges.log)
     assert_images(post(edges, QUICK), 1, 64)
     assert sum(pool["bytes_in_use"] for pool in edges.stats()["pool"].values()) == 0
 
