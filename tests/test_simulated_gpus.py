@@ -306,6 +306,16 @@ def test_an_exchange_drops_each_ranks_value_once_every_rank_has_read_it() -> Non
     assert alive() is None  # not kept on through the next exchange
 
 
+def test_an_exchange_refuses_a_rank_off_its_gpus_default_stream(gpus) -> None:
+    """Peers read a rank's value once the barrier says it is made: true only on the default
+    stream, so another is refused rather than read early."""
+    group = Group([torch.device("cuda:0")])
+    value = torch.ones(2, device="cuda:0")
+    with torch.cuda.stream(torch.cuda.Stream("cuda:0")), pytest.raises(RuntimeError, match="default stream"):
+        group.all_gather(0, 0, value)
+    assert group.all_gather(0, 1, value)[0] is value
+
+
 def test_served_wan22_experts_on_simulated_gpus(folder, one_device) -> None:
     """`DIFFSHARD_SIMULATED_GPUS=2 serve --devices cuda:0,cuda:1 --parallel experts`: a video
     job over OpenAI's SDK completes with one device's frames (within 2/255)."""

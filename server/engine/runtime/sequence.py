@@ -64,6 +64,11 @@ class Group:
         self.exchanges = 0  # rank 0's exchanges this call
 
     def all_gather(self, rank: int, turn: int, value: Any) -> list[Any]:
+        device = self.devices[rank]
+        if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+            # a peer reads this value once the barrier says it is made: true only when every
+            # rank's work is on its GPU's default stream (the others' wait for it)
+            raise RuntimeError(f"an exchange on {device} needs every rank's work on the default stream")
         slots = self._slots[turn % 2]
         slots[rank] = value
         try:

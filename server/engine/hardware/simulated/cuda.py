@@ -4,13 +4,21 @@ for the simulated devices (`simulated/__init__.py`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from server.engine.hardware.simulated.gpus import Simulation, current_device, device_index, set_current_device
+from server.engine.hardware.simulated.gpus import (
+    Simulation,
+    current_device,
+    current_streams,
+    device_index,
+    set_current_device,
+)  # fmt: skip
 
 
 class _Device:
@@ -55,10 +63,21 @@ class _Event:
         return (end.time - self.time) * 1000.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Stream:
+    """A stream: its work runs in order, as everything does here; only which one is current
+    (each thread's, a device) is kept, for the code that asserts it."""
+
     device: torch.device
-    default: bool = True
+    default: bool = False
+
+    def __eq__(self, other: object) -> bool:  # every device's default stream is one stream
+        if self.default and isinstance(other, _Stream) and other.default:
+            return self.device == other.device
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self.device)
 
     def synchronize(self) -> None:
         pass
@@ -86,8 +105,29 @@ def cuda_functions(sim: Simulation) -> dict[str, Any]:
     def set_device(device: Any) -> None:
         set_current_device(device_index(device))
 
-    def stream_of(device: Any = None) -> _Stream:
+    def default_stream(device: Any = None) -> _Stream:
+        return _Stream(torch.device("cuda", device_index(device)), default=True)
+
+    def current_stream(device: Any = None) -> _Stream:
+        return current_streams().get(device_index(device)) or default_stream(device)
+
+    def new_stream(device: Any = None, priority: int = 0) -> _Stream:
         return _Stream(torch.device("cuda", device_index(device)))
+
+    @contextmanager
+    def stream(chosen: _Stream | None) -> Iterator[None]:
+        if chosen is None:
+            yield
+            return
+        streams = current_streams()
+        index = chosen.device.index
+        before = streams.get(index)
+        streams[index] = chosen
+        try:
+            with _Device(chosen.device):
+                yield
+        finally:
+            streams[index] = before
 
     return {
         "is_available": lambda: True,
@@ -115,9 +155,10 @@ def cuda_functions(sim: Simulation) -> dict[str, Any]:
         "is_bf16_supported": lambda including_emulation=True: True,
         "can_device_access_peer": lambda device, peer: sim.peer_access,
         "Event": _Event,
-        "current_stream": stream_of,
-        "default_stream": stream_of,
-        "stream": lambda stream=None: _Device(stream.device if stream is not None else None),
+        "current_stream": current_stream,
+        "default_stream": default_stream,
+        "Stream": new_stream,
+        "stream": stream,
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
     }

@@ -112,7 +112,7 @@ class Simulation:
         self.syncs.append((index, threading.current_thread().name, f"{caller.filename}:{caller.lineno}"))
 
 
-_thread = threading.local()  # `.device`: this thread's current CUDA device
+_thread = threading.local()  # `.device`: this thread's current CUDA device; `.streams`: its streams
 
 
 def current_device() -> int:
@@ -122,6 +122,13 @@ def current_device() -> int:
 
 def set_current_device(index: int) -> None:
     _thread.device = index
+
+
+def current_streams() -> dict[int, Any]:
+    """This thread's current stream of each device, where it chose one (else the default)."""
+    if not hasattr(_thread, "streams"):
+        _thread.streams = {}
+    return _thread.streams
 
 
 def device_index(device: torch.device | str | int | None) -> int:
