@@ -310,3 +310,24 @@ def test_a_server_on_two_workers_as_a_tensor_group_serves_one_devices_images(flu
     for body, answer in zip(bodies, answers, strict=True):
         alone = (one.generate([one.resolve(as_request(body))])[0] * 255).round().astype(int)
         assert int(np.abs(pixels(answer.json()["data"][0]["b64_json"]) - alone).max()) <= 2
+
+
+def test_the_planner_prices_each_exchange_a_tensor_groups_block_makes() -> None:
+    """Counted from the spec's cuts, as the runtime exchanges them (issue 68): FLUX.1's double
+    block sums 4 row-cut partials and gathers 2 outputs, Wan's block sums 3 and reduces 4 norms;
+    a sum moves (T-1) whole partials a rank (4× a ring's bytes at T = 8), a gather (T-1)/T."""
+    from server.engine.planning.sequence import Link
+    from server.engine.planning.tensor import Exchanges, tensor_exchanges
+    from server.pipeline.families import reference_family
+    from server.pipeline.planning import meta_denoiser
+
+    counted = {}
+    for name in ("flux-dev", "wan-14b"):
+        model = meta_denoiser(reference_family(name))
+        counted[name] = set(tensor_exchanges(model, spec_for(model).tensor(model)).values())
+    assert counted["flux-dev"] == {Exchanges(sums=4, gathers=2), Exchanges(sums=1, gathers=1)}
+    assert counted["wan-14b"] == {Exchanges(sums=3, norms=4)}
+    link = Link(bytes_per_s=1e9, sync_s=0.0)
+    assert Exchanges(sums=1).seconds(1e6, 8, link) == pytest.approx(7e-3)  # a ring: 2 · 7/8 · 1e6 bytes
+    assert Exchanges(gathers=1).seconds(1e6, 8, link) == pytest.approx(7e-3 / 8)
+    assert Exchanges(norms=5).seconds(1e6, 8, Link(1e9, sync_s=1e-4)) == pytest.approx(5e-4)

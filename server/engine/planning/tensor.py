@@ -4,17 +4,21 @@ its all-reduces move (`runtime/tensor.py` runs it).
 A group of T ranks runs each split block with 1/T of its heads and MLP features: its matmuls and
 attention are 1/T each, so a split block costs its seconds times the share of its weights a rank
 holds (`tensor_shares`: ≈ 1/T for a DiT block, whose norms are a sliver of it; most of a UNet
-block, whose convolutions run whole on every rank). On top, per split block, two all-reduces
-(the attention's output, the MLP's) of the block's tokens: a ring all-reduce moves 2 · (T-1)/T
-of them per rank, and each waits for the slowest rank (`Link.sync_s`). The tokens' bytes are half
-of what the block reads and writes (the meta trace's `block_io_bytes`), as for sequence groups.
-Blocks that do not split run whole on every rank at once (no faster than one device). The links
-are the sequence groups' (`Link`).
+block, whose convolutions run whole on every rank). On top, each exchange the block's cuts make
+(`tensor_exchanges`, counted from the spec: FLUX.1's double block 4 row cuts and 2 gathers, Wan's
+3 row cuts and 5 norms): the runtime sums a row cut's partials by gathering every rank's whole
+partial, (T-1) of the tokens' bytes a rank (not a ring's 2 · (T-1)/T), a gathered output moves
+(T-1)/T of them, a norm's sum of squares next to nothing; each waits for the slowest rank
+(`Link.sync_s`), and nothing overlaps the compute. The tokens' bytes are half of what the block
+reads and writes (the meta trace's `block_io_bytes`), as for sequence groups. Blocks that do not
+split run whole on every rank at once (no faster than one device). The links are the sequence
+groups' (`Link`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
 
@@ -29,7 +33,29 @@ from server.engine.planning.plan import ShardPlan, plan_shards
 from server.engine.planning.sequence import GroupSteps, Link
 from server.errors import PlanError
 
-REDUCES_PER_BLOCK = 2  # the attention's output projection and the MLP's second one
+
+@dataclass(frozen=True)
+class Exchanges:
+    """A split block's exchanges in one call: row cuts' partial sums, gathered outputs, norms."""
+
+    sums: int = 0
+    gathers: int = 0
+    norms: int = 0
+
+    def seconds(self, tokens: float, degree: int, link: Link) -> float:
+        moved = tokens * (degree - 1) * (self.sums + self.gathers / degree)
+        return moved / link.bytes_per_s + (self.sums + self.gathers + self.norms) * link.sync_s
+
+
+def tensor_exchanges(model: nn.Module, split: TensorSplit) -> dict[str, Exchanges]:
+    """Each split block's exchanges, from the cuts its modules have."""
+    counted = {}
+    for block in split.blocks:
+        cuts = [split.cut_of(f"{block}.{name}") for name, _ in part(model, block).named_modules()]
+        counted[block] = Exchanges(
+            sum(c in (Cut.ROW, Cut.PACKED_ROW) for c in cuts), cuts.count(Cut.GATHERED), cuts.count(Cut.NORM)
+        )
+    return counted
 
 
 def tensor_step_s(
@@ -37,21 +63,20 @@ def tensor_step_s(
     costs: Mapping[str, float],
     degree: int,
     shares: Mapping[str, float],
+    exchanges: Mapping[str, Exchanges],
     io_bytes: Mapping[str, int],
     share: float,
     link: Link,
 ) -> tuple[float, float]:
     """Seconds of one step through a rank's `plan` as a tensor group of `degree` ranks, and the
-    exchanges' part of them (`shares`: the split blocks' part a rank holds; `costs`, `io_bytes`,
-    `share`: as `sequence.group_step_s` takes them)."""
+    exchanges' part of them (`shares`: the split blocks' part a rank holds; `exchanges`: theirs;
+    `costs`, `io_bytes`, `share`: as `sequence.group_step_s` takes them)."""
     compute = exchange = 0.0
     for stage in plan.stages:
         for block in stage.blocks:
             if block in shares:
-                tokens = io_bytes.get(block, 0) * share / 2
                 compute += costs[block] * shares[block]
-                ring = 2 * tokens * (degree - 1) / degree / link.bytes_per_s
-                exchange += REDUCES_PER_BLOCK * (ring + link.sync_s)
+                exchange += exchanges[block].seconds(io_bytes.get(block, 0) * share / 2, degree, link)
             else:
                 compute += costs[block]
     return compute + exchange, exchange
@@ -184,7 +209,9 @@ class TensorAxis(GroupSteps):
 
     def _tensor_s(self, plan: ShardPlan, threads: int, rows: int, degree: int) -> float:
         """Seconds of one step of `rows` rows through a rank's `plan` as a tensor group of `degree`."""
-        step = partial(tensor_step_s, shares=self.tensor_shares(degree))
+        assert self.tensor_split is not None
+        exchanges = tensor_exchanges(self.model, self.tensor_split)
+        step = partial(tensor_step_s, shares=self.tensor_shares(degree), exchanges=exchanges)
         return self._ranks_s(plan, threads, rows, degree, step)
 
     @cached_property
