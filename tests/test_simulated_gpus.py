@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import io
+import json
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
@@ -350,6 +351,28 @@ def test_plan_on_simulated_gpus_is_the_plan_on_budgets_of_their_size(folder, run
     assert "simulating 2 CUDA device(s) of 20 GiB" in on_simulated.stderr
     said = on_simulated.stdout.replace("simulated in CPU memory", "not on this host")
     assert said == absent.stdout
+
+
+def test_plan_says_when_gpus_cannot_reach_each_other_and_prices_their_copies_through_the_host(
+    folder, run_cli
+) -> None:
+    """Simulated without peer access (`,no-p2p`: GeForce cards, many VMs), a tensor group's
+    exchanges go through the host: predicted slower, and the plan says why."""
+    args = ("plan", "--model", str(folder("flux")), "--devices", "cuda:0,cuda:1", "--json")
+    said = {
+        spec: run_cli(*args, env={simulated.ENV: spec}) for spec in ("2x20GiB", "2x20GiB,no-p2p")
+    }  # fmt: skip
+    assert all(r.returncode == 0 for r in said.values()), said
+    plans = {spec: json.loads(r.stdout) for spec, r in said.items()}
+    costs = {spec: plan["parallel"]["costs"] for spec, plan in plans.items()}
+    assert "no peer access between cuda:0 and cuda:1" in costs["2x20GiB,no-p2p"]
+    assert "use peer access (P2P)" in costs["2x20GiB"]
+
+    def tensor_rows(plan: dict) -> float:
+        candidates = plan["parallel"]["candidates"]
+        return next(c["predicted_rows_per_s"] for c in candidates if c["tensor_degree"] == 2)
+
+    assert tensor_rows(plans["2x20GiB,no-p2p"]) < 0.6 * tensor_rows(plans["2x20GiB"])
 
 
 def test_simulated_gpus_hold_cudas_rules(gpus) -> None:

@@ -28,8 +28,9 @@ from server.engine.hardware.devices import (
     worker_names,
 )
 from server.engine.planning.cache import lookup, store
-from server.engine.planning.costs import profile_note
+from server.engine.planning.costs import peer_access, profile_note
 from server.engine.planning.plan import count_block_bytes
+from server.engine.planning.sequence import HOST_STAGED_GB_S
 from server.engine.quantize import Quantization, QuantMode, refusal
 from server.errors import PlanError
 from server.pipeline.families import Family, meta_denoiser, reference_parts
@@ -104,10 +105,18 @@ def plan_model(
         block_bytes = count_block_bytes(model, layout_of(model), dtype, quantization)
     latent = family.native_size // family.vae_scale_factor  # the typical request
 
-    model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir, device_profile)
+    apart = peer_access(resolve_devices(devices))
+    model_costs = CostModel(model, 2, latent, dtype, Costs(costs), cache_dir, device_profile, not apart)
     where = f"{costs} at 2 rows of {latent}² latents"
     if note := profile_note(resolve_devices(devices), device_profile, dtype):
         where += f"; {note}"
+    if apart:
+        where += (
+            f"; no peer access between {' and '.join(apart[0])}{' (and others)' if len(apart) > 1 else ''}: "
+            f"copies between GPUs go through the host, predicted at {HOST_STAGED_GB_S:g} GB/s at best"
+        )
+    elif len({d for d in resolve_devices(devices) if d.startswith("cuda")}) > 1:
+        where += "; copies between GPUs use peer access (P2P): without it they go through the host"
 
     def plan(devices: str | Sequence[str], parallel: str, **more: Any) -> ParallelPlan:
         return plan_parallel(

@@ -95,6 +95,15 @@ def predicted(device: str) -> bool:
     return absent(device) or (simulated.active() is not None and torch.device(device).type == "cuda")
 
 
+def peer_access(devices: Sequence[str]) -> list[tuple[str, str]]:
+    """The pairs of this host's GPUs among `devices` that cannot reach each other's memory."""
+    gpus = sorted({d for d in devices if d.startswith("cuda") and not absent(d)})
+    return [
+        (a, b) for i, a in enumerate(gpus) for b in gpus[i + 1 :]
+        if not torch.cuda.can_device_access_peer(torch.device(a), torch.device(b))
+    ]  # fmt: skip
+
+
 def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype) -> str:
     """What the plan's output says of the devices predicted from a profile ("" when none is)."""
     missing = list(dict.fromkeys(d for d in devices if predicted(d)))
@@ -122,6 +131,7 @@ class CostModel:
     mode: Costs = Costs.COUNTED
     cache_dir: Path | None = None
     profile: str | None = None  # the GPU profile CUDA devices this host lacks are predicted from
+    peers: bool = True  # the GPUs reach each other's memory (P2P); else copies go through the host
 
     def __post_init__(self) -> None:
         self._work: ModelWork | None = None
@@ -179,7 +189,7 @@ class CostModel:
         """How a sequence group's rank on `device` gets its peers' tensors (`sequence.py`)."""
         if torch.device(device).type == "cpu":
             return cpu_link(cached_calibration(device, self.dtype, threads, self.cache_dir).bytes_per_s)
-        return gpu_link(self.profile)
+        return gpu_link(self.profile, self.peers)
 
     def measured(self, device: str, threads: int = 1, rows: int | None = None) -> dict[str, float]:
         """Timed blocks (five runs after a warm-up), from the cache when this exact case ran before."""

@@ -393,6 +393,9 @@ class _Search(TensorAxis):
         for index, stage in enumerate(plan.stages):
             seconds = sum(costs[block] for block in stage.blocks)
             if index > 0 and plan.stages[index - 1].device != stage.device:
-                seconds += plan.boundaries[index - 1].bytes * share / BOUNDARY_BYTES_PER_S
+                rate = BOUNDARY_BYTES_PER_S
+                if stage.device.startswith("cuda"):  # between GPUs: no faster than their link
+                    rate = min(rate, self.links(stage.device, 1).bytes_per_s)
+                seconds += plan.boundaries[index - 1].bytes * share / rate
             out.append(seconds)
         return out

@@ -39,8 +39,15 @@ class Link:
     sync_s: float = EXCHANGE_SYNC_S
 
 
-def gpu_link(profile: str | None) -> Link:
-    return Link(gpu_profile(profile).link_gb_s * 1e9 * LINK_SHARE)
+# GPUs that cannot reach each other's memory (no P2P: GeForce cards, many VMs) copy through the
+# host: down over PCIe into pinned memory, then up again, each hop at best a Gen4 x16 link's rate.
+HOST_STAGED_GB_S = 32.0 / 2
+
+
+def gpu_link(profile: str | None, peers: bool = True) -> Link:
+    """A GPU's link to its peers: the profile's, or host-staged without peer access."""
+    rate = gpu_profile(profile).link_gb_s if peers else min(gpu_profile(profile).link_gb_s, HOST_STAGED_GB_S)
+    return Link(rate * 1e9 * LINK_SHARE)
 
 
 def cpu_link(streaming_bytes_per_s: float) -> Link:

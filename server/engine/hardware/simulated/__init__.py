@@ -51,17 +51,19 @@ __all__ = [
 
 ENV = "DIFFSHARD_SIMULATED_GPUS"
 DEFAULT_MEMORY = 24 * 2**30
-_SPEC = re.compile(r"^\s*(\d+)\s*(?:[x×*]\s*(\S+))?\s*$")
+_SPEC = re.compile(r"^\s*(\d+)\s*(?:[x×*]\s*([^,\s]+))?\s*(,\s*no-p2p)?\s*$")
 
 
-def parse_spec(text: str) -> tuple[int, int]:
-    """`'2'` → (2, 24 GiB); `'4x80GiB'` → (4, 80 GiB)."""
+def parse_spec(text: str) -> tuple[int, int, bool]:
+    """`'2'` → (2, 24 GiB, peers); `'4x80GiB'` → (4, 80 GiB, peers); `'2x24GiB,no-p2p'`: GPUs
+    that cannot reach each other's memory (GeForce cards, many VMs)."""
     match = _SPEC.match(text)
     if not match or int(match[1]) < 1:
         raise DeviceError(
-            f"{ENV}={text!r}: write a count, optionally with each device's memory, e.g. 2 or 2x24GiB"
+            f"{ENV}={text!r}: write a count, optionally each device's memory and no-p2p: 2, 2x24GiB "
+            "or 2x24GiB,no-p2p"
         )
-    return int(match[1]), parse_size(match[2]) if match[2] else DEFAULT_MEMORY
+    return int(match[1]), parse_size(match[2]) if match[2] else DEFAULT_MEMORY, not match[3]
 
 
 _saved: dict[str, Any] = {}
@@ -124,15 +126,15 @@ def simulate(count: int, memory: int = DEFAULT_MEMORY, *, peer_access: bool = Tr
 
 
 def install_from_environment(environ: dict[str, str]) -> Simulation | None:
-    """`DIFFSHARD_SIMULATED_GPUS=N` or `NxSIZE`: simulate, saying so loudly on stderr."""
+    """`DIFFSHARD_SIMULATED_GPUS=N`, `NxSIZE` or `NxSIZE,no-p2p`: simulate, saying so loudly."""
     text = environ.get(ENV, "").strip()
     if not text:
         return None
-    count, memory = parse_spec(text)
-    sim = install(count, memory)
+    count, memory, peers = parse_spec(text)
+    sim = install(count, memory, peer_access=peers)
     print(
-        f"diffshard: {ENV}={text}: simulating {count} CUDA device(s) of {memory / 2**30:g} GiB in CPU memory "
-        "(for trying multi-GPU plans; nothing runs on a GPU)",
+        f"diffshard: {ENV}={text}: simulating {count} CUDA device(s) of {memory / 2**30:g} GiB in CPU memory"
+        f"{'' if peers else ' without peer access'} (for trying multi-GPU plans; nothing runs on a GPU)",
         file=sys.stderr,
     )
     return sim
