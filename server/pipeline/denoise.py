@@ -56,7 +56,6 @@ from server.pipeline.quantizing import (
     load_quantizations,
     placed_in_groups,
     placing,
-    quantize_placed,
 )
 from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
 from server.pipeline.schedulers import make_scheduler, step_kwargs
@@ -161,7 +160,6 @@ class Pipeline:
             vae_tiling=vae_tiling,
             more_experts=more,
         )
-        quantize_placed(quantizations, family, pipeline.encoders)
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 

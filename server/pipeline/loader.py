@@ -15,7 +15,7 @@ import inspect
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,8 @@ class Components:
     image_encoder: torch.nn.Module | None = None  # image-to-video's (families/wan.py: WanI2V)
     image_processor: Any = None
     more_experts: tuple[torch.nn.Module, ...] = ()  # the family's experts after the denoiser (Wan 2.2 A14B)
+    # the parts whose quantization converts them on their device, as each piece is placed
+    on_device: Mapping[str, Quantization] = field(default_factory=dict)
 
     @property
     def experts(self) -> tuple[torch.nn.Module, ...]:
@@ -181,6 +183,7 @@ def load_components(
         image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
         image_processor=next(iter(present(family.processors)), None),
         more_experts=tuple(load(name).eval() for name in family.experts[1:]),
+        on_device={name: q for name, q in (quantize or {}).items() if q.on_device},
     )
 
 

@@ -20,7 +20,7 @@ next layer there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -40,17 +40,23 @@ def place_parts(
     `device`, in float32 where it overflows in float16, tiled as asked); an image encoder goes
     to `device` too."""
     largest = max(components.text_encoders, key=tensor_bytes, default=None)
-    encoders = tuple(
-        spread_encoder(e, spread) if spread and e is largest else e.to(device)
-        for e in components.text_encoders
-    )
+    encoders = []
+    for name, encoder in zip(components.family.text_encoders, components.text_encoders, strict=False):
+        quantization = components.on_device.get(name)  # converted piece by piece as placed
+        converts = quantization.placing(encoder) if quantization else None
+        if spread and encoder is largest:
+            encoders.append(spread_encoder(encoder, spread, converts))
+        else:
+            encoders.append(
+                spread_encoder(encoder, [str(device)], converts) if converts else encoder.to(device)
+            )
     if components.image_encoder is not None:  # image-to-video's, beside the text encoders
         components.image_encoder.to(device)
     vae = components.vae
     upcast = vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
     if vae.dtype != torch.float32 and (upcast or components.family.vae_float32):
         vae.to(torch.float32)  # such VAEs overflow in float16: diffusers upcasts them too
-    return encoders, set_tiling(vae, vae_tiling).to(device)  # diffusers' tiles (tiling.py)
+    return tuple(encoders), set_tiling(vae, vae_tiling).to(device)  # diffusers' tiles (tiling.py)
 
 
 def layer_devices(model: nn.Module, devices: Sequence[str]) -> tuple[str, dict[int, str]]:
@@ -70,20 +76,27 @@ def layer_devices(model: nn.Module, devices: Sequence[str]) -> tuple[str, dict[i
     return path, placed
 
 
-def spread_encoder(model: nn.Module, devices: Sequence[str]) -> nn.Module:
+def spread_encoder(
+    model: nn.Module, devices: Sequence[str], converts: Callable[[nn.Module, str], object] | None = None
+) -> nn.Module:
     """`model` over `devices` by `layer_devices`, every output on the first. Each part goes
-    straight to its device: the whole encoder may not fit the first."""
+    straight to its device: the whole encoder may not fit the first; `converts(part, path)` right
+    after (float8: the device holds one layer in 16 bits at most, not the whole encoder)."""
     first = torch.device(devices[0])
     path, placed = layer_devices(model, devices)
-    parent = model
+    parent, prefix = model, ""
     for step in path.split("."):  # the rest: the modules beside the way down to the layers
         parent._apply(lambda t: t.to(first), recurse=False)  # their own tensors (nn.Module.to's way)
         for name, child in parent.named_children():
             if name != step:
                 child.to(first)
-        parent = parent.get_submodule(step)
+                if converts is not None:
+                    converts(child, f"{prefix}{name}")
+        parent, prefix = parent.get_submodule(step), f"{prefix}{step}."
     for i, device in placed.items():
         layer = parent[i].to(device)
+        if converts is not None:
+            converts(layer, f"{path}.{i}")
         if device != devices[0]:
             layer.register_forward_pre_hook(partial(_inputs_to, torch.device(device)), with_kwargs=True)
             layer.register_forward_hook(partial(_output_to, first))

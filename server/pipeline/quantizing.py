@@ -5,12 +5,12 @@ FLUX.1's and SD3's T5-XXL) or per part (`denoiser=int8-dynamic,text_encoder_2=in
 denoiser keeps its family's `keep_precise` layers (a DiT's projections in and its output head,
 as Nunchaku keeps them) in the model's dtype: a sliver of its bytes. Most modes convert while
 loading, on the CPU; float8 converts where the weights then live: the denoiser block by block as
-it is placed (`placing`), the text encoders once placed (`quantize_placed`).
+it is placed (`placing`), the text encoders piece by piece as placed (`parts.place_parts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,17 +129,6 @@ def placing(
     quantization = quantizations.get(components.family.experts[expert])
     model = components.experts[expert]
     return quantization.placing(model) if quantization and quantization.on_device else None
-
-
-def quantize_placed(
-    quantizations: Mapping[str, Quantization], family: Family, encoders: Sequence[nn.Module]
-) -> None:
-    """Quantize, where their weights now live, the text encoders whose mode quantizes on the
-    device (the family's present ones, in order); the denoiser's blocks were converted as they
-    were placed (`placing`), the other modes' while loading."""
-    for name, model in zip(family.text_encoders, encoders, strict=False):
-        if (quantization := quantizations.get(name)) and quantization.on_device:
-            quantization.apply(model)
 
 
 def held_bytes(
