@@ -386,8 +386,7 @@ class _Search(TensorAxis):
         return {"workers": workers, "beside_server": workers * threads >= self.quota}
 
     def _stage_seconds(self, plan: ShardPlan, costs: Mapping[str, float], rows: int) -> list[float]:
-        # A plan's boundaries are sized for its reserve (`batch` rows at the largest latent): a
-        # copy moves `rows` rows at the latent the costs were counted at.
+        # boundaries are sized for `batch` rows at the largest latent; a copy moves `rows` at this one
         share = rows / plan.batch * (self.latent / plan.latent_size) ** 2
         out = []
         for index, stage in enumerate(plan.stages):

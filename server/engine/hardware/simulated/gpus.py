@@ -89,7 +89,7 @@ class Simulation:
 
     def holds(self, data: torch.Tensor) -> bool:
         """Whether `data`'s storage is a simulated GPU's (the CPU memory behind its tensors)."""
-        return data.untyped_storage()._cdata in self._storages
+        return data.layout == torch.strided and data.untyped_storage()._cdata in self._storages
 
     def release(self, key: int) -> None:
         with self._lock:
