@@ -22,6 +22,7 @@ from PIL import Image
 from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.hardware.devices import host_values
 from server.errors import InvalidRequest
 from server.pipeline.adapters import Uses, runtime_path, unknown
 
@@ -176,14 +177,14 @@ class ControlNets:
         tupled: dict[str, bool] = {}  # a keyword taking a tuple of residuals (else one tensor)
         device = inputs.sample.device
         for name, rows in asked.items():
-            index = torch.tensor([r for _, run, _ in rows for r in run], device=device)
+            index = host_values([r for _, run, _ in rows for r in run], device)
             into = torch.cat([torch.arange(s.start, s.stop, device=device) for s, _, _ in rows])
-            source = torch.tensor(_sources(rows), device=device)  # each landing row's row in the call
+            source = host_values(_sources(rows), device)  # each landing row's row in the call
             here = self.device  # the ControlNets' (the first replica's); a lane's call may be elsewhere
             image = torch.cat([row.image[: len(run)] for _, run, row in rows])
             made = self.family.control_residuals(self.loaded[name], _rows(inputs, index, here), image)
-            scale = torch.cat([torch.full((len(run),), row.control.scale) for _, run, row in rows])
-            scale = scale.to(device)  # float32: scaled as the nets scale,
+            scales = [row.control.scale for _, run, row in rows for _ in run]
+            scale = host_values(scales, device, torch.float32)  # float32: scaled as the nets scale,
             for key, value in made.items():  # in float32 arithmetic, then rounded once
                 if value is None:
                     continue

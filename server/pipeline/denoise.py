@@ -272,7 +272,9 @@ class Pipeline:
             family = self.family
             shape = family.latent_shape(request.width, request.height, request.frames)
             scheduler = make_scheduler(self.components.scheduler, request.scheduler)
-            family.set_timesteps(scheduler, request.steps, self.device, shape)
+            # the schedule on the host, as a GPU pipeline's sigmas are: schedulers index their
+            # tables by the timestep and compare it, each a read that waits for the GPU
+            family.set_timesteps(scheduler, request.steps, torch.device("cpu"), shape)
             edit, begin = None if family.edits_by_reference else request.edit, 0
             if edit is not None:
                 begin = family.edit_begin(request.steps, edit.strength) * scheduler.order

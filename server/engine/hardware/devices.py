@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -186,6 +187,16 @@ def device_set(device: torch.device | str) -> contextlib.AbstractContextManager[
     GPU 0, and its work goes to GPU k's default stream."""
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def host_values(values: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch.tensor(values)` on `device`, copied there without the host waiting: from pinned
+    memory, queued on the stream (made on a GPU straight from a list, or copied from pageable
+    memory, a tensor first waits for all the work queued there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def wait_for_queued(devices: Iterable[str]) -> None:

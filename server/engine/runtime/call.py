@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from server.engine.hardware.devices import host_values
+
 Choice = tuple[tuple[str, float], ...]  # a request's adapters: (name, scale), in order
 
 
@@ -164,7 +166,7 @@ class AdapterRows:
                 [s.get(n, 0.0) for n, r in zip(names, ranks, strict=True) for _ in range(r)] for s in scales
             ]
             asked = any(n in s for s in scales for n in names)
-            self._masks[key] = torch.tensor(per_column, device=device, dtype=dtype) if asked else None
+            self._masks[key] = host_values(per_column, device, dtype) if asked else None
         return self._masks[key]
 
 

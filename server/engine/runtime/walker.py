@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import BlockCall, CacheBoundary, DenoiserInputs, Flow, Layout
+from server.engine.hardware.devices import host_values
 from server.engine.runtime.call import AdapterRows, CallPlan, CallResult, Outcome, RowsSlot
 from server.engine.runtime.compile import CompiledDenoiser
 from server.engine.runtime.gates import StageGates
@@ -253,7 +254,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
     if refreshing:
         everyone = len(refreshing) == plan.rows
         if not everyone:
-            sub = flow.select(torch.tensor(refreshing, device=carry.device))
+            sub = flow.select(host_values(refreshing, carry.device))
         rows = state.rows([plan.adapters[r] for r in refreshing])
         start = sub.rows[boundary.carry]
         for name in deep:

@@ -44,6 +44,9 @@ class Simulation:
     peer_access: bool = True  # what `torch.cuda.can_device_access_peer` answers
     syncs: list[tuple[int, str, str]] = field(default_factory=list)  # device, thread, caller
     reads: Counter[str] = field(default_factory=Counter)  # device values read on the host, by thread
+    # copies from the host the host waited on (pageable memory, or not non_blocking), by thread:
+    # CUDA makes such a copy wait for everything queued on the stream first
+    uploads: Counter[str] = field(default_factory=Counter)
     # calls on a device other than the thread's own: (thread, the call's device, the thread's)
     foreign: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     _storages: dict[int, list[int]] = field(default_factory=dict)  # storage → [gpu, bytes, wrappers]
@@ -60,6 +63,7 @@ class Simulation:
     def reset_counts(self) -> None:
         self.syncs.clear()
         self.reads.clear()
+        self.uploads.clear()
         self.foreign.clear()
         for gpu in self.gpus:
             gpu.peak = gpu.allocated

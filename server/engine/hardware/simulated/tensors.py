@@ -14,6 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from server.engine.hardware.simulated.gpus import Simulation, active, device_index
 
+PINNED = "_simulated_pinned"  # set on a host tensor `pin_memory` made (plain host memory here)
+_UPLOADS = (torch.tensor, torch.as_tensor, torch.asarray)  # host data made a GPU tensor: a blocking copy
 SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 
 
@@ -139,6 +141,8 @@ def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     target = _cuda(kwargs.get("device"))
     if "device" in kwargs and target is not None:
         kwargs = {**kwargs, "device": "cpu"}
+        if func in _UPLOADS and not (args and isinstance(args[0], SimulatedTensor)):
+            sim.uploads[threading.current_thread().name] += 1
     generator = kwargs.get("generator")
     if target is not None and isinstance(generator, torch.Generator) and generator.device.type != "cuda":
         raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{generator.device.type}'")
@@ -234,7 +238,7 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
     device: torch.device | None = None
     dtype = kwargs.pop("dtype", None)
     copy_ = kwargs.pop("copy", False)
-    kwargs.pop("non_blocking", None)
+    non_blocking = kwargs.pop("non_blocking", False)
     memory_format = kwargs.pop("memory_format", torch.preserve_format)
     if func is torch.Tensor.cpu:
         device = torch.device("cpu")
@@ -243,6 +247,8 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
         device = torch.device("cuda", device_index(given))
     else:
         given = kwargs.pop("device", None)
+        flags = [arg for arg in rest if isinstance(arg, bool)]  # non_blocking, then copy (made anyway)
+        non_blocking = non_blocking or bool(flags and flags[0])
         for arg in rest:
             if isinstance(arg, torch.dtype):
                 dtype = arg
@@ -250,8 +256,6 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
                 device, dtype = arg.device, arg.dtype
             elif isinstance(arg, (str, torch.device, int)) and not isinstance(arg, bool):
                 given = arg
-            elif isinstance(arg, bool) and rest.index(arg) >= 1:
-                pass  # non_blocking, copy: a copy is always made across devices
         if given is not None:
             device = torch.device(given) if not isinstance(given, int) else torch.device("cuda", given)
     current = self.device
@@ -266,6 +270,8 @@ def _moved(sim: Simulation, func: Callable[..., Any], args: tuple, kwargs: dict)
     with torch._C.DisableTorchFunction():
         moved = data.to(dtype=dtype, memory_format=memory_format, copy=True)
     if device.type == "cuda":
+        if current.type == "cpu" and not (non_blocking and getattr(data, PINNED, False)):
+            sim.uploads[threading.current_thread().name] += 1
         if current == device:
             sim.touched(device)  # a conversion on the device; a copy between devices is guarded by
             # PyTorch itself (it runs on the source's stream): no device of the thread's to set
@@ -303,13 +309,25 @@ class NamesCuda(TorchFunctionMode):
             if func in (torch.Tensor.to, torch.Tensor.cuda):
                 return _moved(sim, func, args, dict(kwargs))
             if func is torch.Tensor.pin_memory:
-                return args[0]
+                return _pinned(args[0])
             return _call(func, args, dict(kwargs))
-        if func is torch.Tensor.pin_memory and sim is not None:
-            return args[0]  # pinned host memory needs a real CUDA driver: plain host memory here
-        if sim is not None and kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
+        if sim is None:
+            return func(*args, **kwargs)
+        # pinned host memory needs a real CUDA driver: plain host memory here, marked as pinned
+        if func is torch.Tensor.pin_memory:
+            return _pinned(args[0])
+        if func is torch.Tensor.is_pinned:
+            return getattr(args[0], PINNED, False)
+        if kwargs.get("pin_memory"):
+            return _pinned(func(*args, **{**kwargs, "pin_memory": False}))
         return func(*args, **kwargs)
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():
+        pinned = tensor.detach()
+    setattr(pinned, PINNED, True)
+    return pinned
 
 
 def _names_cuda(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
