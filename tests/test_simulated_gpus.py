@@ -275,9 +275,13 @@ def test_unet_refuses_sequence_groups_by_name(folder, gpus) -> None:
 
 
 @pytest.mark.parametrize("gpus", [4], indirect=True)
-@pytest.mark.parametrize(("name", "layout"), [("flux", "1x2x2"), ("sd3", "2x1x2")])
+@pytest.mark.parametrize(("name", "layout"), [("flux", "1x2x2"), ("sd3", "2x1x2"), ("sd3", "1x1x4")])
 def test_layouts_on_four_gpus_make_one_devices_image(folder, one_device, gpus, name, layout) -> None:
+    """Replicas × sequence × tensor ranks; `1x1x4` a tensor group of 4 (the tiny MMDiT's 4 heads)."""
     pipeline = planned(folder(name), [f"cuda:{i}" for i in range(4)], layout=layout)
+    assert sorted(d for r in pipeline.replicas for d in r.devices) == [f"cuda:{i}" for i in range(4)]
+    if layout == "1x1x4":  # four ranks, each a quarter of every block's heads and features
+        assert len(pipeline.replicas) == 4 and all(r.tensor is not None for r in pipeline.replicas)
     images = each_lane(pipeline, IMAGE)
     assert worst(images, one_device(name, IMAGE)) <= 2 / 255
     assert all(gpu.peak > 0 for gpu in gpus.gpus)
