@@ -166,6 +166,21 @@ def test_served_steps_never_sync_a_whole_gpu_and_each_call_runs_on_its_threads_d
     assert wandering == {}, wandering
 
 
+def test_a_pipelined_lane_waits_on_the_stage_it_left_only_for_its_own_work(folder, gpus) -> None:
+    """After a call through stages on cuda:0 then cuda:1, the lane waits on cuda:1 for the event
+    its walk recorded as it left that stage (before its gate let the next lane in), and on cuda:0,
+    where the scheduler steps its latents, for one recorded then. An event recorded on cuda:1 at
+    the end waited for the next lane's work there too: pipelined lanes serialized."""
+    pipeline = planned(folder("flux"), ["cuda:0", "cuda:1"], "pipeline")
+    assert [s.device for s in pipeline.shard.plan.stages] == ["cuda:0", "cuda:1"]
+    states = pipeline.start([pipeline.resolve(IMAGE)])
+    pipeline.step(states)
+    gpus.reset_counts()
+    pipeline.synchronize()
+    where = {device: recorded.split(":")[0] for device, recorded, _ in gpus.waited}
+    assert where == {0: "devices.py", 1: "walker.py"}, gpus.waited
+
+
 def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_first(gpus) -> None:
     """A tensor group's largest text encoder spread layer by layer (`parts.spread_encoder`), as
     FLUX.2-dev's Mistral 3 needs on two 80 GiB GPUs: FLUX.2 reads three layers' hidden states and

@@ -153,13 +153,9 @@ class Pipeline:
             for k, (model, place) in enumerate(zip(components.experts, places, strict=True))
         )
         pipeline = cls(
-            components,
-            deployment,
-            pool,
-            encoder_device=encoder_device,
-            vae_tiling=vae_tiling,
+            components, deployment, pool, encoder_device=encoder_device, vae_tiling=vae_tiling,
             more_experts=more,
-        )
+        )  # fmt: skip
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 
@@ -189,10 +185,12 @@ class Pipeline:
         self.adapters.add(adapter)
 
     def synchronize(self) -> None:
-        """Wait for the work this lane queued on each CUDA device its calls use (every expert's,
-        its ranks', the replicas it lends rows to, the encoders'): never a device-wide sync."""
-        shards = [s for lane in self.expert_lanes for s in (lane.shard, *lane.spare())]
-        wait_for_queued({d for s in shards for d in s.devices} | {str(self.encoder_device)})
+        """Wait for this lane's work on each GPU its calls use (every expert's, its ranks', the
+        replicas it lends rows to): up to where its calls left each stage; on the latents' and
+        encoders' GPU, up to now (steps and encodes follow there). Never a device-wide sync."""
+        here = {str(self.device), str(self.encoder_device)}
+        fences = {d: e for lane in self.expert_lanes for d, e in lane.fences.items() if d not in here}
+        wait_for_queued(here.union(*(lane.devices() for lane in self.expert_lanes)), fences)
 
     # One request's life: resolve → start → step … → decode → close.
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from server.engine import (
@@ -98,6 +99,8 @@ class Lane:
     sequence: int = 1
     groups: GroupCalls = field(default_factory=GroupCalls)
     every_call: bool = False  # --parallel sequence: a group even when the rows fill the replicas
+    # where this lane's calls last left each GPU stage (`CallResult.fences`), for `Pipeline.synchronize`
+    fences: dict[str, torch.cuda.Event] = field(default_factory=dict)
 
     @property
     def lost(self) -> str | None:
@@ -125,7 +128,18 @@ class Lane:
         with intra_op_threads(threads * (1 + spare) if threads and spare else None):
             yield bool(threads and spare)
 
+    def devices(self) -> set[str]:
+        """The devices this lane's calls use: its shard's and its idle replicas' (ranks too)."""
+        return {d for shard in (self.shard, *self.spare()) for d in shard.devices}
+
     def forward(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
+        """One call over this lane's shard and idle replicas (`_run`); where it left each GPU
+        stage kept."""
+        result = self._run(inputs, plan)
+        self.fences.update(result.fences)
+        return result
+
+    def _run(self, inputs: DenoiserInputs, plan: CallPlan) -> CallResult:
         """One call over this lane's shard and idle replicas, unless the plan keeps its rows
         together (a deterministic request: its rows' shapes must not depend on what else runs).
         Helper threads lost in an earlier call are replaced first (a batch that failed with one

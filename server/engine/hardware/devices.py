@@ -7,7 +7,7 @@ import logging
 import platform
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -199,15 +199,19 @@ def host_values(values: Any, device: torch.device | str, dtype: torch.dtype | No
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def wait_for_queued(devices: Iterable[str]) -> None:
-    """Wait until the work this thread queued on each CUDA device is done: an event recorded on
-    each, then waited for (a device-wide `torch.cuda.synchronize` would wait for every other
-    thread's work on that GPU too)."""
+def wait_for_queued(devices: Iterable[str], fences: Mapping[str, torch.cuda.Event] | None = None) -> None:
+    """Wait until the work this thread queued on each CUDA device is done: up to `fences[d]`
+    where given (a pipelined lane's call left that stage there, and the next lane's work may
+    follow it), else up to an event recorded now. A device-wide `torch.cuda.synchronize` would
+    wait for every other thread's work on those GPUs too."""
+    fences = fences or {}
     events = []
     for device in sorted({d for d in devices if d.startswith("cuda")}):
-        event = torch.cuda.Event()
-        with torch.cuda.device(device):
-            event.record()
+        event = fences.get(device)
+        if event is None:
+            event = torch.cuda.Event()
+            with torch.cuda.device(device):
+                event.record()
         events.append(event)
     for event in events:
         event.synchronize()

@@ -119,6 +119,9 @@ class CallResult:
     out: torch.Tensor
     outcomes: list[Outcome]  # one per group of the plan
     exchange_s: float = 0.0  # a sequence group's seconds in exchanges (rank 0's: waits and copies)
+    # a CUDA event per GPU stage the call left, recorded as it left (before its gate was free):
+    # the end of this call's work there; what is queued after is the next call's
+    fences: dict[str, torch.cuda.Event] = field(default_factory=dict)
 
     @staticmethod
     def joined(
@@ -142,7 +145,7 @@ class CallResult:
                 else taken[0].fresh
             )
             outcomes.append(Outcome(taken[0].refreshed, fresh))
-        return CallResult(out, outcomes)
+        return CallResult(out, outcomes, fences={d: e for _, r in parts for d, e in r.fences.items()})
 
 
 class AdapterRows:

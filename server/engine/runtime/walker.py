@@ -82,6 +82,7 @@ class _Walk:
         self.paths: set[str] = set()  # how its blocks ran: compiled, padded, eager
         self.whole_shared: dict[str, Any] | None = None  # set while the flow is this rank's slice
         self.home: int | None = None  # the thread's current CUDA device before the walk moved it
+        self.fences: dict[str, torch.cuda.Event] = {}  # `CallResult.fences`
 
     @staticmethod
     def rows(adapters: Sequence[Any]) -> AdapterRows | None:
@@ -149,6 +150,10 @@ class _Walk:
     def leave(self) -> None:
         if self.stage is not None:
             self.shard.slots[self.stage].rows = None
+            device = self.shard.stage_devices[self.stage]
+            if device.type == "cuda":  # this call's work there ends here, the next call's may follow
+                self.fences[str(device)] = fence = torch.cuda.Event()
+                fence.record()
             self.shard.gates.leave(self.stage)
             self.stage = None
 
@@ -177,7 +182,8 @@ def walk(
         out, outcomes = _blocks(state, inputs)
         if shard.compiled is not None and on_block is None and plan.counted:
             shard.compiled.count(state.paths)
-        return CallResult(out.to(shard.device), outcomes)
+        # the last stage's fence is recorded as `finally` leaves it, after this copy is queued
+        return CallResult(out.to(shard.device), outcomes, fences=state.fences)
     finally:
         state.leave()
         shard.gates.end()

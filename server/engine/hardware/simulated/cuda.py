@@ -3,10 +3,13 @@ for the simulated devices (`simulated/__init__.py`)."""
 
 from __future__ import annotations
 
+import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 
 from server.engine.hardware.simulated.gpus import (
     Simulation,
+    active,
     current_device,
     current_streams,
     device_index,
@@ -38,21 +42,27 @@ class _Device:
 
 class _Event:
     """A CUDA event: on simulated GPUs every op has finished when it returns, so an event's
-    time is the host's clock when it is recorded."""
+    time is the host's clock when it is recorded. Its device and where it was recorded are
+    kept, and the simulation counts the host's waits for it (`Simulation.waited`)."""
 
     def __init__(
         self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
     ) -> None:
         self.time: float | None = None
+        self.device, self.recorded_at = current_device(), ""
 
     def record(self, stream: Any = None) -> None:
         self.time = time.perf_counter()
+        self.device = stream.device.index if stream is not None else current_device()
+        caller = traceback.extract_stack(limit=2)[0]
+        self.recorded_at = f"{Path(caller.filename).name}:{caller.lineno}"
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
-        pass
+        if (sim := active()) is not None:
+            sim.waited.append((self.device, self.recorded_at, threading.current_thread().name))
 
     def wait(self, stream: Any = None) -> None:
         pass

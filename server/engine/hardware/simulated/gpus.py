@@ -47,6 +47,7 @@ class Simulation:
     # copies from the host the host waited on (pageable memory, or not non_blocking), by thread:
     # CUDA makes such a copy wait for everything queued on the stream first
     uploads: Counter[str] = field(default_factory=Counter)
+    waited: list[tuple[int, str, str]] = field(default_factory=list)  # events: device, recorded at, thread
     # calls on a device other than the thread's own: (thread, the call's device, the thread's)
     foreign: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     _storages: dict[int, list[int]] = field(default_factory=dict)  # storage → [gpu, bytes, wrappers]
@@ -64,6 +65,7 @@ class Simulation:
         self.syncs.clear()
         self.reads.clear()
         self.uploads.clear()
+        self.waited.clear()
         self.foreign.clear()
         for gpu in self.gpus:
             gpu.peak = gpu.allocated
