@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from server.demo import MODEL_DIR
 from server.engine import (
     ModelShard,
     build_shards,
@@ -31,6 +32,7 @@ from server.engine.hardware.devices import worker_names
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.serving.housekeeping import empty_device_caches
+from tests.built_in import rows_of_every_kind, with_make_run_parts
 from tests.reference import diffusers_forward
 from tests.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
 
@@ -200,6 +202,27 @@ def test_edits_on_cuda_match_the_cpu_pipeline(
     for a, b in zip(on_cpu, on_gpu.generate(requests), strict=True):
         assert np.abs(a - b).max() < 1e-2  # cuDNN may run float32 convolutions in TF32
     assert all(s.bytes_in_use == 0 for s in on_gpu.pool.stats().values())
+
+
+def test_steps_of_every_kind_of_row_never_make_the_host_wait() -> None:
+    """The one-GPU stand-in of the simulated GPUs' count (issue 68): the built-in model's rows of
+    every kind (LoRA, ControlNet, step-cached, edit) stepped over the pair with PyTorch's sync
+    debug mode at "error" after the first step (whose one-time work, caches and pinned blocks,
+    it leaves out) and until the last: a read of a GPU value, a blocking copy to the GPU or a
+    stream sync on the step path raises. The images still equal the CPU's."""
+    requests = rows_of_every_kind()
+    on_cpu = with_make_run_parts(Pipeline.load(MODEL_DIR, devices="cpu")).generate(requests)
+    pipeline = with_make_run_parts(Pipeline.load(MODEL_DIR, devices=GPU_PAIR, strategy="even"))
+
+    def watch(states) -> None:  # after each step: on while steps remain, off for the decode
+        torch.cuda.set_sync_debug_mode(0 if all(s.done for s in states) else "error")
+
+    try:
+        images = pipeline.generate(requests, on_step=watch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(on_cpu, images, strict=True):
+        assert np.abs(a - b).max() < 1e-2  # cuDNN may run float32 convolutions in TF32
 
 
 def test_idle_housekeeping_empties_the_cuda_caching_allocator() -> None:

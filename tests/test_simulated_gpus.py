@@ -31,13 +31,11 @@ from server.demo import MODEL_DIR
 from server.engine.hardware import simulated
 from server.engine.runtime.replicas import build_shards
 from server.engine.runtime.sequence import Group
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.controls import Control
+from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.loader import read_family
-from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import plan_model
-from server.pipeline.stepcache import StepCache
 from server.serving import Service
+from tests.built_in import rows_of_every_kind, with_make_run_parts
 from tests.live import live_server
 from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
 from tests.tiny_wan22 import wan_video
@@ -50,7 +48,6 @@ VIDEO = GenerationRequest(
     "a red circle", negative_prompt="blue", seed=3, steps=6, guidance_scale=4.0, guidance_scale_2=2.0,
     width=32, height=32, frames=9,
 )  # fmt: skip
-DEMO = Path(__file__).resolve().parents[1] / "server" / "demo"
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "sd15": build_sd15_folder,
     "flux": build_flux_folder,
@@ -220,30 +217,11 @@ def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_fir
 
 def built_in(devices: list[str], parallel: str) -> Pipeline:
     """The built-in model with `make run`'s adapter and ControlNet."""
-    family = read_family(MODEL_DIR)
     if devices == ["cpu"]:
-        pipeline = Pipeline.load(MODEL_DIR, devices="cpu")
-    else:
-        plan = plan_model(family, devices, "memory", dtype=torch.float32, batch=8, side=64, folder=MODEL_DIR,
-                          parallel=parallel)  # fmt: skip
-        pipeline = Pipeline.load(MODEL_DIR, plan=plan)
-    pipeline.add_adapter(read_adapter("diamond", DEMO / "adapters" / "diamond.safetensors", pipeline.family))
-    pipeline.controlnets.load("silhouette", DEMO / "controlnets" / "silhouette")
-    return pipeline
-
-
-def rows_of_every_kind() -> list[GenerationRequest]:
-    """A plain row, a LoRA row, a ControlNet row, a step-cached row and an edit, stepped together."""
-    circle = Image.new("RGB", (64, 64), (0, 0, 0))
-    circle.paste((255, 255, 255), (16, 16, 48, 48))
-    plain = GenerationRequest("a red circle", seed=3, steps=4)
-    return [
-        plain,
-        replace(plain, seed=4, lora=(("diamond", 1.0),)),
-        replace(plain, seed=5, control=(Control("silhouette", circle, 1.0),)),
-        replace(plain, seed=6, step_cache=StepCache("deep", interval=2)),
-        replace(plain, seed=7, edit=Edit(circle, strength=0.6)),
-    ]
+        return with_make_run_parts(Pipeline.load(MODEL_DIR, devices="cpu"))
+    plan = plan_model(read_family(MODEL_DIR), devices, "memory", dtype=torch.float32, batch=8, side=64,
+                      folder=MODEL_DIR, parallel=parallel)  # fmt: skip
+    return with_make_run_parts(Pipeline.load(MODEL_DIR, plan=plan))
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,15 @@ tensor (`torch.zeros(..., device="cuda:1")`, a CPU tensor's `.to("cuda:0")`) go 
 replaced while the simulation runs: each device has its own memory budget and allocation
 counters (an allocation past the budget raises CUDA's out-of-memory error), each thread its own
 current device, and the simulation counts device-wide synchronizations, host reads of device
-values, and calls a thread makes on a device other than the one it set.
+values, copies from host memory that wait for the GPU (pageable memory, or not `non_blocking`),
+the events the host waited for (where each was recorded), and calls a thread makes on a device
+other than the one it set.
 
 What it cannot show: speed (every op runs on the host's CPU, one after another: events time
 wall clock), kernels' own numerics (CPU kernels, not cuBLAS or cuDNN), streams beyond the
-default one, and generators (a `cuda` generator draws from the CPU's algorithm).
+default one, generators (a `cuda` generator draws from the CPU's algorithm), and torchao's
+quantized weights (tensor subclasses of their own, which do not run inside this wrapper: float8
+and int8 layouts are checked on a lent GPU).
 """
 
 from __future__ import annotations
