@@ -12,11 +12,9 @@ preprocessing, the CPU generator's draws) runs for real, and routes four Python 
 aten ops: `Tensor.__getitem__`, `__setitem__`, `copy_` and `contiguous` take a CUDA device guard
 before dispatch, which a CPU build lacks ("not linked with support for cuda devices").
 
-What it cannot cover, checked by reading instead:
-- data-dependent control flow: a scheduler's step (DDIM's `if prev_timestep >= 0`, Euler's
-  `index_for_timestep` lookup with `nonzero`) asks a value of a fake tensor; `scheduler.step` is
-  diffusers' own code, run on CUDA by its pipelines with the timesteps on the latents' device, as
-  `Family.set_timesteps` puts them;
+What it cannot cover, checked by reading instead (or on simulated GPUs, which carry data):
+- data-dependent control flow (a value read from a fake tensor); the scheduler's step reads its
+  timestep, which is on the host (`Pipeline._new_state`), so a step runs here;
 - what a cross-device `copy_` does (here it is routed to `aten.copy_`, which fake mode accepts
   across devices, as CUDA does), pinned memory and streams (the pool pins only where CUDA is
   available), numbers (no data: images are compared with diffusers in test_edits.py);
@@ -43,7 +41,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 from PIL import Image, ImageDraw
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from transformers import CLIPTextModel
@@ -101,17 +99,32 @@ def _on_cuda(x: Any) -> bool:
     return isinstance(x, str) and x.startswith("cuda")
 
 
+class NoEvent:
+    """`torch.cuda.Event` where nothing runs: recorded, never waited for (as a CPU build, waiting
+    raises: where a GPU's asynchronous error would surface)."""
+
+    def __init__(self, **options: bool) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        raise RuntimeError("waiting for a CUDA event: no CUDA here (fake GPUs run nothing)")
+
+
 class FakeCuda(TorchFunctionMode):
     """Fake CUDA devices on a CPU build: calls touching them run under a `FakeTensorMode`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        # a thread's current CUDA device, which the walk and helper threads set (a CPU build
-        # raises on these): kept here, one for every thread; events and syncs still raise
+        # a thread's current CUDA device, which the walk and helper threads set, and the events
+        # a walk records as it leaves a stage (a CPU build raises on these): one device for every
+        # thread, events that mark nothing; waits and syncs still raise
         self._device = mock.patch.multiple(
             torch.cuda, current_device=lambda: 0, set_device=lambda device: None,
-            device=lambda device: contextlib.nullcontext(),
+            device=lambda device: contextlib.nullcontext(), Event=NoEvent,
         )  # fmt: skip
 
     def __enter__(self) -> FakeCuda:
@@ -136,6 +149,8 @@ class FakeCuda(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):  # pinned host memory needs a CUDA build: plain host memory
+            kwargs = {**kwargs, "pin_memory": False}
         if not any(_on_cuda(x) for x in tree_leaves((args, kwargs))):
             return func(*args, **kwargs)  # CPU work runs for real
         args, kwargs = tree_map(self._faked, (args, kwargs))
@@ -326,9 +341,9 @@ def test_a_step_over_two_fake_gpus(fake: FakeCuda, channels: int, devices: tuple
             reused = pipeline.forward(pipeline.stacked(states, batch), pipeline.call_plan(states))
             assert not reused.outcomes[-1].refreshed and reused.out.device == torch.device("cuda:0")
             states[-1].index -= 1
-        # the scheduler's step asks the fake timestep's value: out of reach here (see the docstring)
-        with pytest.raises(DataDependentOutputException):
-            pipeline.step(states[:1])
+        # the scheduler's step reads its timestep on the host: it runs on the fake latents too
+        pipeline.step(states[:1])
+        assert states[0].index == 1 and states[0].latents.device == torch.device("cuda:0")
     finally:
         for state in states:
             state.close()
@@ -437,7 +452,7 @@ def test_each_block_is_handed_over_as_it_reaches_its_gpu_before_the_next_moves(f
 
 def test_a_cuda_error_after_start_returned_closes_the_states_it_opened(fake: FakeCuda) -> None:
     """`synchronize` is where an asynchronous CUDA error surfaces, after `start` returned: here
-    `torch.cuda.synchronize` itself raises (a CPU build). The old code left the scopes open."""
+    waiting for an event itself raises (`NoEvent`). The old code left the scopes open."""
     pipeline = _fake_pipeline(fake, 4)
     closed = threading.Event()
     calls = WatchedCalls(

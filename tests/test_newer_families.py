@@ -244,25 +244,38 @@ def test_a_group_whose_heads_do_not_split_gathers_keys_with_their_mask(tmp_path)
         assert float(np.abs(split - alone).max()) * 255 <= 2
 
 
-def test_prompts_of_other_lengths_make_calls_of_one_shape_which_compiled_graphs_serve() -> None:
-    """A call's text columns are the longest prompt's rounded up to 64, with the mask kept: the
-    calls of prompts a few tokens apart have one shape, so `--compile blocks`' graphs (per shape)
-    serve them (the columns trimmed exactly, 0 of 6 calls of a tiny Qwen-Image ran compiled).
-    `--compile full` cannot trace a spec whose begin reads the prompts' lengths: refused by name."""
-    from server.engine.denoisers.qwenimage import used_text
+def test_prompts_of_other_lengths_make_calls_of_one_shape_which_compiled_graphs_serve(tiny_folder) -> None:
+    """A call's text columns are its longest prompt's rounded up to 64, with the mask kept: calls
+    of prompts a few tokens apart have one shape, so compiled graphs (per shape) serve them. The
+    lengths are read once as a request starts and the columns cut on the host (read in the
+    denoiser's `begin`, they waited for the GPU every call and kept `--compile full` from
+    tracing a call whole, which it now may)."""
+    from server.engine.denoisers.blocks import TEXT_MASK
     from server.engine.runtime.compile import CompileMode
     from server.engine.runtime.graphs import CompileStats, GraphStore
+    from server.engine.runtime.pool import PoolScope
 
-    context = torch.randn(2, 512, 8)
-    for used, columns in (((5, 40), 64), ((64, 3), 64), ((70, 9), 128), ((512, 1), 512)):
-        mask = torch.stack([torch.arange(512) < n for n in used]).float()
-        cut, kept = used_text(context, mask)
-        assert cut.shape[1] == kept.shape[1] == columns and kept.sum(1).tolist() == list(used)
+    pipeline = Pipeline.load(tiny_folder("qwen-image"), devices="cpu")
+    requests = [pipeline.resolve(GenerationRequest("cat " * n, seed=1, steps=2, width=32, height=32))
+                for n in (1, 20, 40, 80)]  # fmt: skip
+    with torch.inference_mode():
+        states = pipeline.start(requests)
+        try:
+            assert [s.text_columns for s in states] == [9, 66, 126, 246]  # of 512, their template's cut
+            for group, columns in (([0], 64), ([1], 128), ([2], 128), ([0, 2], 128), ([0, 1, 3], 256)):
+                inputs = pipeline.stacked([states[i] for i in group], PoolScope(pipeline.pool))
+                assert inputs.context.shape[1] == inputs.conditioning[TEXT_MASK].shape[1] == columns
+                assert inputs.conditioning[TEXT_MASK].sum(1).tolist() == [
+                    states[i].text_columns for i in group
+                ]
+        finally:
+            for state in states:
+                state.close()
     model = QwenImageTransformer2DModel(num_layers=1, attention_head_dim=8, num_attention_heads=2,
                                         joint_attention_dim=8, axes_dims_rope=(2, 2, 4))  # fmt: skip
     shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
-    with pytest.raises(ValueError, match="--compile blocks"):
-        shard.compile(CompileMode.FULL, GraphStore(None, ["cpu"], CompileStats("full")))
+    shard.compile(CompileMode.FULL, GraphStore(None, ["cpu"], CompileStats("full")))
+    assert shard.compiled is not None
 
 
 def random_lora(name: str, folder: Path, out: Path) -> Path:

@@ -242,9 +242,11 @@ def test_lora_controlnet_cached_and_edit_rows_on_two_gpus_make_one_devices_image
 
 
 def steps_waited(pipeline: Pipeline, requests: list[GenerationRequest], gpus: simulated.Simulation) -> dict:
-    """Started, then stepped to the end: what the steps made the host wait for (reads of device
-    values, copies from host memory that wait for the stream, device-wide syncs), by kind."""
+    """Started and stepped once (diffusers' rotary tables go to a GPU at a model's first call),
+    then stepped to the end: what those steps made the host wait for (reads of device values,
+    copies from host memory that wait for the stream, device-wide syncs), by kind."""
     states = pipeline.start([pipeline.resolve(r) for r in requests])
+    pipeline.step(states)
     gpus.reset_counts()
     while running := [s for s in states if not s.done]:
         pipeline.step(running)
@@ -258,6 +260,15 @@ def test_steps_of_every_kind_of_row_never_make_the_host_wait(gpus, mode) -> None
     GPU, ~5 reads a row a step). They were 30 blocking copies and 92 reads in these 4 steps."""
     pipeline = built_in(["cuda:0", "cuda:1"], mode)
     assert steps_waited(pipeline, rows_of_every_kind(), gpus) == {"reads": {}, "uploads": {}, "syncs": []}
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_steps_of_prompts_of_other_lengths_never_make_the_host_wait(folder, gpus, name) -> None:
+    """Qwen-Image and Z-Image read their prompts' lengths once as a request starts (their calls'
+    text columns cut on the host): read from the mask in the denoiser, a read every call."""
+    pipeline = planned(folder(name), ["cuda:0", "cuda:1"], "pipeline")
+    requests = [replace(IMAGE, prompt="a red circle " * n, seed=n) for n in (1, 9)]
+    assert steps_waited(pipeline, requests, gpus) == {"reads": {}, "uploads": {}, "syncs": []}
 
 
 def test_unet_refuses_sequence_groups_by_name(folder, gpus) -> None:

@@ -145,11 +145,8 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
     deployment = pipeline.deployment
     if deployment.tensor > 1 or deployment.sequence > 1 or deployment.grouped:
         return CompileMode.OFF, "tensor and sequence groups run eagerly"
-    shard = pipeline.shard
     if any(len(s.plan.stages) > 1 for s in pipeline.replicas):
         return CompileMode.BLOCKS, "the plan splits the model into stages: each block a graph"
-    if why := getattr(shard.spec, "untraceable_begin", None):
-        return CompileMode.BLOCKS, f"a whole call cannot be traced ({why}): each block a graph"
     return CompileMode.FULL, "one stage per replica: one graph a call"
 
 

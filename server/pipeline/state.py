@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from server.engine.denoisers.blocks import DenoiserInputs
+from server.engine.denoisers.blocks import TEXT_BUCKET, TEXT_MASK, DenoiserInputs
 from server.engine.runtime.pool import PoolScope
 from server.pipeline.controls import RowControl
 from server.pipeline.edits import Inpainting
@@ -42,6 +43,13 @@ class RequestState:
     expert: int = 0  # the denoiser its rows ran at the last step (`Family.experts`' index)
     controls: tuple[RowControl, ...] = ()  # its ControlNets and their images (controls.py)
     spare: torch.Tensor | None = None  # the latents' other buffer: a step writes there, then they swap
+    # of a masked context (TEXT_MASK): the columns its rows use, read once as it starts
+    text_columns: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        mask = self.extras.get(TEXT_MASK)
+        if mask is not None and not (mask.is_meta or is_fake(mask)):  # else every column (not run)
+            self.text_columns = int(mask.to(torch.bool).sum(dim=1).max())
 
     @property
     def previews(self) -> dict[int, int]:
@@ -127,13 +135,16 @@ def stack_inputs(
     first frame still (Wan 2.2 TI2V's image-to-video), a timestep per row and latent frame, the
     still frame's 0, and its latents pasted there (WanImageToVideoPipeline's expand_timesteps)."""
     first, rows = states[0], sum(s.rows for s in states)
+    columns = text_columns(states)
     channels = first.latents.shape[1]
     extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
     sample = batch.rent((rows, channels + extra, *first.latents.shape[2:]), dtype, device)
     still = any(s.first_frame is not None for s in states)
     timesteps = batch.rent((rows, first.latents.shape[2]) if still else (rows,), torch.float32, device)
-    context = batch.rent((rows, *first.context.shape[1:]), dtype, device)
-    extras = {name: batch.rent((rows, *v.shape[1:]), v.dtype, device) for name, v in first.extras.items()}
+    context = batch.rent((rows, columns, *first.context.shape[2:]), dtype, device)
+    shapes = {name: (rows, columns, *v.shape[2:]) if name == TEXT_MASK else (rows, *v.shape[1:])
+              for name, v in first.extras.items()}  # fmt: skip
+    extras = {name: batch.rent(shapes[name], v.dtype, device) for name, v in first.extras.items()}
     for state, span in zip(states, spans(states), strict=True):
         sample[span, :channels] = family.model_input(state.scheduler, state.latents, state.timestep)
         if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
@@ -142,7 +153,16 @@ def stack_inputs(
         if state.first_frame is not None:
             sample[span, :channels, :1] = state.first_frame
             timesteps[span, 0] = 0.0
-        context[span] = state.context
+        context[span] = state.context[:, :columns]
         for name, value in extras.items():
-            value[span] = state.extras[name]
+            value[span] = state.extras[name][:, :columns] if name == TEXT_MASK else state.extras[name]
     return DenoiserInputs(sample, timesteps, context, family.model_kwargs(extras))
+
+
+def text_columns(states: Sequence[RequestState]) -> int:
+    """A call's text columns: where every state's context is masked, those its longest prompt
+    uses rounded up to TEXT_BUCKET (the rest is padding each row masks), else all."""
+    width, used = states[0].context.shape[1], [s.text_columns for s in states]
+    if any(n is None for n in used):
+        return width
+    return min(width, -(-max(used) // TEXT_BUCKET) * TEXT_BUCKET)

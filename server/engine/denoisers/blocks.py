@@ -54,6 +54,9 @@ class Layout:
 # A conditioning entry: [rows, text tokens], 1 where a row's prompt has a token, for denoisers whose
 # rows' prompts are zero-padded to one length (Qwen-Image, Z-Image, FLUX.2): the padding is masked
 TEXT_MASK = "encoder_hidden_states_mask"
+# A call of such rows takes the text columns its longest prompt uses, rounded up to this (one shape
+# for similar prompts: a compiled graph's): cut on the host, where each prompt's length is known
+TEXT_BUCKET = 64
 # An edit's images as tokens joined after the noise's (FLUX.2, Qwen-Image-Edit): [rows, tokens,
 # features], packed as the noise is, the same on every row of a request; and where they sit:
 # FLUX.2's 4-axis position ids [rows, tokens, 4], Qwen-Image-Edit's (height, width) in tokens of

@@ -11,10 +11,11 @@ A ControlNet's `controlnet_block_samples` are added to the image tokens after ea
 forward adds them (laid out one a block by `begin`, as FLUX.1's).
 
 Prompts differ in length: each row's text tokens come zero-padded to `TEXT_TOKENS` with a mask
-(`encoder_hidden_states_mask`, which the attention processor joins to the image's). `begin`
-keeps the columns the longest row uses, rounded up to `TEXT_BUCKET` (one shape for similar
-prompts: a compiled graph's), and the mask: rows of different prompts share a call, their
-padding masked out of attention (equal to diffusers' unpadded lone prompt within 1e-6).
+(`encoder_hidden_states_mask`, which the attention processor joins to the image's), a call's cut
+to the columns its longest row uses, rounded up to `TEXT_BUCKET` (`pipeline/state.py`: the host
+knows the lengths; reading them here waited for the GPU every call). Rows of different prompts
+share a call, their padding masked out of attention (equal to diffusers' unpadded lone prompt
+within 1e-6).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from server.engine.denoisers.blocks import (
     REFERENCE_SHAPES,
@@ -46,7 +46,6 @@ from server.engine.denoisers.dit import carried, controlled, dit_boundary, out, 
 from server.engine.denoisers.flux import pack, unpack
 
 TEXT_TOKENS = 512  # QwenImagePipeline's max_sequence_length default: a prompt's tokens past it are cut
-TEXT_BUCKET = 64  # a call's text columns: the longest prompt's, rounded up to this
 CONTROL = {"controlnet_block_samples": "transformer_blocks"}  # a ControlNet's residuals
 
 
@@ -54,8 +53,6 @@ class QwenImageTransformerSpec:
     """`diffusers.QwenImageTransformer2DModel`: Qwen-Image (and the edit models' transformer)."""
 
     EMBEDDING = ("img_in", "txt_norm", "txt_in", "time_text_embed", "pos_embed")
-    # `--compile full` would trace `begin`, which keeps as many text columns as the prompts use
-    untraceable_begin = "its calls keep the text columns the prompts use (read from their mask)"
     OUTPUT = ("norm_out", "proj_out")
 
     def native_latent(self, model: nn.Module) -> int:
@@ -95,7 +92,8 @@ class QwenImageTransformerSpec:
             )
         sample = rows.pop("sample")
         _, _, h, w = sample.shape
-        rows["context"], rows["text_mask"] = used_text(rows["context"], rows.pop(TEXT_MASK, None))
+        mask = rows.pop(TEXT_MASK, None)  # as bool, kept where every column is used (equal to none)
+        rows["text_mask"] = None if mask is None else mask.to(torch.bool)
         # QwenImagePipeline passes t.to(latents.dtype) / 1000; time_proj multiplies by 1000 again
         rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
         rows["hidden"], shapes = pack(sample), [(1, h // 2, w // 2)]
@@ -136,20 +134,6 @@ class QwenImageTransformerSpec:
 
 
 MODS = ("img_mod", "txt_mod")
-
-
-def used_text(context: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The text columns some row uses (prompts fill theirs from the first), rounded up to
-    `TEXT_BUCKET` so calls of similar prompts have one shape (a compiled graph serves them), and
-    their mask as bool: kept even where every column is used (equal to none, and one shape)."""
-    if mask is None:
-        return context, None
-    mask = mask.to(torch.bool)
-    if mask.is_meta or is_fake(mask):  # counted or traced, not run: every column kept
-        return context, mask
-    used = int(mask.sum(dim=1).max())
-    columns = min(context.shape[1], -(-used // TEXT_BUCKET) * TEXT_BUCKET)
-    return context[:, :columns], mask[:, :columns]
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

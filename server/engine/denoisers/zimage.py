@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from server.engine.denoisers.blocks import (
     TEXT_MASK,
@@ -41,7 +40,7 @@ from server.engine.denoisers.blocks import (
     TensorSplit,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
-from server.engine.denoisers.qwenimage import TEXT_BUCKET, TEXT_TOKENS
+from server.engine.denoisers.qwenimage import TEXT_TOKENS
 
 MULTIPLE = 32  # diffusers' SEQ_MULTI_OF: image and caption tokens are padded to a multiple of it
 PATCH = "2-1"  # the embedder and final layer of 2x2 patches, one frame (the pipeline's)
@@ -51,8 +50,6 @@ class ZImageTransformerSpec:
     """`diffusers.ZImageTransformer2DModel` in its basic (text-to-image) mode."""
 
     EMBEDDING = ("t_embedder", "all_x_embedder", "cap_embedder", "x_pad_token", "cap_pad_token")
-    # `--compile full` would trace `begin`, whose pad tokens and positions follow each caption's length
-    untraceable_begin = "its pad tokens and positions follow each caption's length (read from the mask)"
     OUTPUT = ("all_final_layer",)
 
     def native_latent(self, model: nn.Module) -> int:
@@ -83,19 +80,20 @@ class ZImageTransformerSpec:
         rows["image"] = image.reshape(b, (h // 2) * (w // 2), 4 * c)
         tokens = image_tokens = (h // 2) * (w // 2)
         image_pad = -image_tokens % MULTIPLE
-        # per row: its caption's tokens, and those padded to a multiple of MULTIPLE
-        lengths = caption_lengths(rows["context"], mask)
-        padded = [n + -n % MULTIPLE for n in lengths]
-        # the batch's columns: the longest caption's, rounded up (one shape for similar prompts:
-        # a compiled graph's), the rest masked as diffusers masks its batch padding
-        columns = -(-max(padded) // TEXT_BUCKET) * TEXT_BUCKET
+        # the call's columns come cut on the host to those its longest caption uses, bucketed
+        # (`pipeline/state.py`), the rest masked as diffusers masks its batch padding; per row, its
+        # caption's tokens and those padded to a multiple of MULTIPLE, counted on the device
+        # (read here, they waited for the GPU every call)
+        lengths = caption_lengths(mask, rows["context"])[:, None]
+        padded = lengths + -lengths % MULTIPLE
+        columns = -(-rows["context"].shape[1] // MULTIPLE) * MULTIPLE
         rows["context"] = _columns(rows["context"], columns)
         k = torch.arange(columns, device=sample.device)
-        rows["cap_pad"] = torch.stack([(k >= n) & (k < p) for n, p in zip(lengths, padded, strict=True)])
-        rows["cap_mask"] = torch.stack([k < p for p in padded])
+        rows["cap_pad"], rows["cap_mask"] = (k >= lengths) & (k < padded), k < padded
         rows["timestep"] = (1000 - rows["timestep"].float()) / 1000  # ZImagePipeline's, in float32
-        ids = [image_ids(h // 2, w // 2, p + 1, image_pad, sample.device) for p in padded]
-        rows["image_rotary"] = torch.stack([model.rope_embedder(i) for i in ids])
+        ids = image_ids(h // 2, w // 2, 0, image_pad, sample.device).repeat(b, 1, 1)
+        ids[:, :image_tokens, 0] = (padded + 1).to(ids.dtype)  # each row's frame: after its caption
+        rows["image_rotary"] = model.rope_embedder(ids.flatten(0, 1)).unflatten(0, (b, -1))
         text = torch.stack([k + 1, torch.zeros_like(k), torch.zeros_like(k)], dim=-1).to(torch.int32)
         rows["text_rotary"] = model.rope_embedder(text).expand(b, -1, -1)
         return Flow(rows, {"size": (h, w), "tokens": tokens, "image_pad": image_pad})
@@ -139,11 +137,11 @@ class ZImageTransformerSpec:
         return TensorSplit(self.sequence(model).blocks, cuts)
 
 
-def caption_lengths(context: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
-    """Each row's caption tokens (they come first); every column where not counted (meta, traced)."""
-    if mask is None or mask.is_meta or is_fake(mask):
-        return [context.shape[1]] * context.shape[0]
-    return [int(n) for n in mask.to(torch.bool).sum(dim=1).tolist()]
+def caption_lengths(mask: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
+    """[rows] each row's caption tokens (they come first): every column where there is no mask."""
+    if mask is None:
+        return torch.full((context.shape[0],), context.shape[1], device=context.device)
+    return mask.to(torch.bool).sum(dim=1)
 
 
 def _columns(context: torch.Tensor, columns: int) -> torch.Tensor:

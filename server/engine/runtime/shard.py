@@ -129,10 +129,6 @@ class ModelShard:
             self.compiled = None
         elif problem := compile_refusal():
             raise ValueError(f"{problem}: serve without --compile, or upgrade PyTorch")
-        elif mode == CompileMode.FULL and (why := getattr(self.spec, "untraceable_begin", None)):
-            raise ValueError(
-                f"--compile full cannot trace {type(self.model).__name__}: {why}; use --compile blocks"
-            )
         else:
             self.compiled = CompiledDenoiser(
                 self.model, self.spec, self.calls, mode, [s.device for s in self.plan.stages], store
