@@ -215,6 +215,28 @@ def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_fir
     assert gpus.foreign == {} and torch.cuda.current_device() == 0
 
 
+def test_a_text_encoder_converted_where_it_lives_holds_one_layer_at_a_time_in_its_first_dtype(gpus) -> None:
+    """`--quantize float8`'s encoders convert on their GPU (`Quantization.placing`), now piece by
+    piece as each is placed: the GPU's peak is the converted encoder and one piece unconverted,
+    not the whole encoder in its first dtype (which the plan never counted). A bfloat16 cast of a
+    float32 encoder stands in for the conversion (torchao's tensors do not run simulated)."""
+    from server.pipeline.parts import spread_encoder
+    from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
+
+    torch.manual_seed(0)
+    encoder = _mistral3(build_mistral_tokenizer()).eval()
+    whole = sum(t.nbytes for t in (*encoder.parameters(), *encoder.buffers()))
+    pieces: list[str] = []
+
+    def converts(part: torch.nn.Module, path: str) -> None:
+        part.to(torch.bfloat16)
+        pieces.append(path)
+
+    spread_encoder(encoder, ["cuda:0"], converts)
+    assert {p.dtype for p in encoder.parameters()} == {torch.bfloat16}
+    assert len(pieces) > 3 and gpus.gpus[0].peak < 0.75 * whole, (gpus.gpus[0].peak, whole)
+
+
 def built_in(devices: list[str], parallel: str) -> Pipeline:
     """The built-in model with `make run`'s adapter and ControlNet."""
     if devices == ["cpu"]:
