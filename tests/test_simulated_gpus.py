@@ -178,6 +178,25 @@ def test_a_pipelined_lane_waits_on_the_stage_it_left_only_for_its_own_work(folde
     assert where == {0: "devices.py", 1: "walker.py"}, gpus.waited
 
 
+def test_a_lane_leaves_a_stage_with_its_boundary_copy_already_queued(folder, gpus) -> None:
+    """The copy of the flow to the next stage's GPU is made while the stage is still this call's:
+    queued after the lane's own kernels there, never behind the next lane's, which may enter as
+    soon as the gate is free (it was made after, on the next stage's side)."""
+    pipeline = planned(folder("flux"), ["cuda:0", "cuda:1"], "pipeline")
+    states = pipeline.start([pipeline.resolve(IMAGE)])
+    gates, seen = pipeline.shard.gates, []
+    leave = gates.leave
+
+    def watched(stage: int) -> None:  # what cuda:1 holds as the lane lets the next one in
+        seen.append((stage, gpus.gpus[1].allocated))
+        leave(stage)
+
+    gates.leave = watched
+    before = gpus.gpus[1].allocated
+    pipeline.step(states)
+    assert seen[0][0] == 0 and seen[0][1] > before  # the flow's tensors already on cuda:1
+
+
 def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_first(gpus) -> None:
     """A tensor group's largest text encoder spread layer by layer (`parts.spread_encoder`), as
     FLUX.2-dev's Mistral 3 needs on two 80 GiB GPUs: FLUX.2 reads three layers' hidden states and
