@@ -476,6 +476,18 @@ def test_simulated_gpus_hold_cudas_rules(gpus) -> None:
     assert gpus.foreign == {("helper", "cuda:1", "cuda:0"): 1}
 
 
+def test_the_pools_idle_gpu_budget_stays_inside_the_planners_margin() -> None:
+    """2% of a GPU, at most 1 GiB, idle in the activation pool: inside the 10% the plan leaves
+    free (at 10% the pool could hold all of it idle, uncounted)."""
+    from server.engine.runtime.pool import default_pool_budgets
+
+    with simulated.simulate(2, 24 * 2**30):
+        budgets = default_pool_budgets(["cuda:0", "cuda:1"])
+    assert budgets["cuda:0"] == budgets["cuda:1"] == int(0.02 * 24 * 2**30)
+    with simulated.simulate(1, 141 * 2**30):
+        assert default_pool_budgets(["cuda:0"])["cuda:0"] == 2**30
+
+
 def test_a_simulated_gpus_budget_is_its_memory() -> None:
     with simulated.simulate(1, 2**20):
         kept = torch.empty(2**19, dtype=torch.uint8, device="cuda:0")
