@@ -50,6 +50,7 @@ from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import step_knees
 from server.pipeline.quantizing import describe
 from server.planned import (
+    check_compile_route,
     check_quantization_runs,
     decoder_for,
     fitted_plan,
@@ -73,6 +74,7 @@ def load_service(
     """Load the model placed by `plan` (or by `plan_for` the settings), start compiling it in the
     background (`compiling` shows the progress), and put it behind a step loop."""
     check_quantization_runs(settings)
+    check_compile_route(settings)
     retain_freed_host_memory()
     quiet_libraries()
     if settings.compile != CompileMode.OFF:
@@ -130,6 +132,7 @@ def load_service(
         background=True,
         budget_s=settings.compile_budget_s,
         give_way=give_way,
+        route=settings.compile_route,
     )
     bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(

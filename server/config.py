@@ -39,6 +39,7 @@ from server.engine.hardware.threads import cpu_quota
 from server.engine.planning.cache import default_cache_dir
 from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.graphs import CompileRoute
 from server.errors import ConfigError
 from server.pipeline.controls import controlnet_folder
 from server.pipeline.families import pipeline_classes
@@ -144,6 +145,11 @@ class Settings(BaseSettings):
     compile_budget_s: float = Field(
         1800, gt=0, description="seconds the background compile may take: once a bucket ends past it, "
         "no other is begun and the calls they would hold run eagerly (a lone image's come first)",
+    )  # fmt: skip
+    compile_route: CompileRoute = Field(
+        CompileRoute.AUTO, description="aot (graphs compiled ahead of time, kept whole in cache_dir: "
+        "PyTorch 2.13) | jit (traced at every start, inductor's caches and artifacts kept in cache_dir: "
+        "any PyTorch) | auto (aot where this PyTorch has it)",
     )  # fmt: skip
     max_memory: Budgets = Field(
         None,

@@ -14,6 +14,8 @@ from server.config import Settings
 from server.engine import ParallelPlan
 from server.engine.hardware.threads import cpu_quota
 from server.engine.quantize import refusal
+from server.engine.runtime.compile import CompileMode
+from server.engine.runtime.graphs import compile_route
 from server.engine.runtime.pool import ANY_DEVICE, default_pool_budgets
 from server.errors import ConfigError, PlanError
 from server.pipeline.clips import work_limit
@@ -106,6 +108,15 @@ def check_quantization_runs(settings: Settings) -> None:
         for device in settings.devices:
             if problem := refusal(mode, device):
                 raise ConfigError(f"--quantize (DIFFSHARD_QUANTIZE): {problem}")
+
+
+def check_compile_route(settings: Settings) -> None:
+    """`--compile-route aot` on a PyTorch without it stops the start, in one line."""
+    if settings.compile != CompileMode.OFF:
+        try:
+            compile_route(settings.compile_route)
+        except ValueError as err:
+            raise ConfigError(f"{err} (DIFFSHARD_COMPILE_ROUTE)") from None
 
 
 def pool_budgets(settings: Settings) -> dict[str, int]:

@@ -37,7 +37,7 @@ from server.engine.runtime.compile import (
     row_buckets,
     run_decoder,
 )
-from server.engine.runtime.graphs import CompileStats, GraphStore, compile_refusal
+from server.engine.runtime.graphs import CompileRoute, CompileStats, GraphStore
 from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import CompileStopped, GiveWay, compiling_on_this_thread, trace_gate
 from server.pipeline.denoise import Pipeline
@@ -64,6 +64,7 @@ def compile_pipeline(
     background: bool = False,
     budget_s: float | None = None,
     give_way: GiveWay | None = None,
+    route: CompileRoute | str = CompileRoute.AUTO,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
     row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
@@ -78,7 +79,7 @@ def compile_pipeline(
 
     `budget_s`: once a bucket ends past it, no other is begun (`stats.state` "stopped"): the
     buckets not built run eagerly. Buckets are taken most useful first (a lone image's at each
-    size), and the first is always built.
+    size), and the first is always built. `route`: `--compile-route` (`graphs.py`).
 
     Adapters may be attached before or during it: their hooks add nothing while a graph is
     traced (`lora.py`), and rows with adapters run eagerly."""
@@ -93,7 +94,7 @@ def compile_pipeline(
         return stats
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
-    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads)
+    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads, route)
     # each its own, every expert's too; replicas (and experts: the module is an argument) share the graphs
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
@@ -108,6 +109,7 @@ def compile_pipeline(
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
     if not background:
         stats.finish(warm())
+        store.keep_artifacts()
         return stats
 
     def run() -> None:
@@ -118,6 +120,7 @@ def compile_pipeline(
         try:
             with give_way.paused_while_serving():
                 state = warm()
+            store.keep_artifacts()
         except CompileStopped:
             state = "stopped"
             log.info("compile stopped: the server is shutting down")
@@ -137,8 +140,6 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
     """What `--compile auto` compiles here, and why: one graph a call where every replica is one
     stage that traces whole, else each block; nothing where this PyTorch cannot, or for tensor and
     sequence groups (their ranks exchange between blocks, inside a call)."""
-    if problem := compile_refusal():
-        return CompileMode.OFF, problem
     on_cpu = any(d == "cpu" for s in pipeline.replicas for d in s.devices)
     if on_cpu and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++")):
         return CompileMode.OFF, "no C++ compiler for inductor's CPU kernels: install g++ to compile"

@@ -21,7 +21,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.runtime.attention import choose_kernels, routed
-from server.engine.runtime.graphs import GraphStore
+from server.engine.runtime.graphs import GraphStore, own_code
 
 log = logging.getLogger("diffshard")
 
@@ -35,14 +35,6 @@ def freeze_budget(model: nn.Module, devices: Sequence[str], whole: bool) -> int:
     if not whole or any(d != "cpu" for d in devices):
         return 0
     return max(FREEZE_FLOOR, FROZEN_COPIES * tensor_bytes(model))
-
-
-def own_code(fn: Callable, name: str) -> Callable:
-    """`fn` under a code object of its own named `name`: dynamo keeps graphs per code object, so
-    one bucket's or model's frozen graph is never another's, and `GraphStore.release` frees it
-    alone."""
-    fn.__code__ = fn.__code__.replace(co_name=name, co_qualname=name)
-    return fn
 
 
 class Freezer:

@@ -1,9 +1,15 @@
-"""Compiled graphs on disk: precompiled functions (`torch.compile(...).aot_compile`) kept in the
-cache directory with inductor's kernels beside them, keyed by what they were compiled from, so a
-second start loads them without tracing. See `compile.py` for how they are used."""
+"""Compiled graphs, by a key of what they were compiled from, on one of two routes (`--compile-route`):
+- `aot`: precompiled functions (`torch.compile(...).aot_compile`) kept in the cache directory with
+  inductor's kernels beside them, so a second start loads them without tracing;
+- `jit`: compiled just in time (`torch.compile`, each graph under a code object of its own), for a
+  PyTorch without `aot_compile` (2.11, the lent GPUs'); a restart traces again but compiles
+  little: inductor's caches live in the cache directory, and what this start compiled is kept
+  there as one file of cache artifacts (`torch.compiler.save_cache_artifacts`), loaded first.
+`auto` takes `aot` where this PyTorch has it. See `compile.py` for how graphs are used."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -55,6 +61,7 @@ class CompileStats:
     """Progress while warming, then which path calls took."""
 
     mode: str
+    route: str = ""  # aot or jit (`GraphStore`)
     graphs_total: int = 0
     graphs_ready: int = 0
     loaded: int = 0  # from the cache
@@ -74,6 +81,7 @@ class CompileStats:
     def view(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "route": self.route,
             "state": self.state,
             "graphs": {"ready": self.graphs_ready, "total": self.graphs_total},
             "loaded": self.loaded,
@@ -86,13 +94,35 @@ class CompileStats:
         }
 
 
-def compile_refusal() -> str | None:
-    """Why this PyTorch cannot compile as `--compile` does, or None. Graphs are compiled ahead of
-    time (`torch.compile(...).aot_compile`, kept on disk): PyTorch 2.11 (the lent GPUs') lacks it,
-    and tracing there instead failed inside dynamo on FLUX's blocks (KeyError 'norm1')."""
-    if hasattr(torch.compile(lambda x: x), "aot_compile"):
-        return None
-    return f"--compile needs PyTorch 2.13's ahead-of-time compile, which torch {torch.__version__} lacks"
+class CompileRoute(enum.StrEnum):
+    AUTO = "auto"  # aot where this PyTorch has it, else jit
+    AOT = "aot"
+    JIT = "jit"
+
+
+def aot_available() -> bool:
+    """Whether this PyTorch compiles ahead of time (`aot_compile`: 2.13 has it, 2.11 does not)."""
+    return hasattr(torch.compile(lambda x: x), "aot_compile")
+
+
+def compile_route(route: CompileRoute | str = CompileRoute.AUTO) -> CompileRoute:
+    """The route `route` takes on this PyTorch; `aot` where it lacks `aot_compile` is refused."""
+    route = CompileRoute(route)
+    if route == CompileRoute.AUTO:
+        return CompileRoute.AOT if aot_available() else CompileRoute.JIT
+    if route == CompileRoute.AOT and not aot_available():
+        raise ValueError(
+            f"--compile-route aot needs PyTorch's ahead-of-time compile (aot_compile), which torch "
+            f"{torch.__version__} lacks: use --compile-route jit (or auto)"
+        )
+    return route
+
+
+def own_code(fn: Callable, name: str) -> Callable:
+    """`fn` under a code object of its own named `name`: dynamo keeps graphs per code object, so
+    one graph (a bucket's, a model's) is never another's, and `GraphStore.release` frees it alone."""
+    fn.__code__ = fn.__code__.replace(co_name=name, co_qualname=name)
+    return fn
 
 
 class GraphStore:
@@ -104,7 +134,10 @@ class GraphStore:
         devices: torch.device | Sequence[torch.device | str],
         stats: CompileStats,
         threads: int | None = None,
+        route: CompileRoute | str = CompileRoute.AUTO,
     ) -> None:
+        self.route = compile_route(route)
+        stats.route = str(self.route)
         self.folder = folder if folder is None else _writable(folder / "compiled")
         # every device the compiled code runs on: a cuda:0 + cpu split holds kernels for both
         listed = [devices] if isinstance(devices, torch.device) else devices
@@ -122,6 +155,8 @@ class GraphStore:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder / "inductor")
         elif self.folder is None and folder is not None and kernels and Path(kernels).is_relative_to(folder):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "torchinductor")
+        if self.route == CompileRoute.JIT:
+            self._load_artifacts()
 
     def key(self, what: dict[str, Any]) -> str:
         described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None,
@@ -129,20 +164,41 @@ class GraphStore:
         return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def get(self, key: str, fn: Callable, example: tuple, external: dict[str, Any]) -> Any:
-        """The function compiled for `example` (its args): in memory, from disk, or compiled now."""
+        """The function compiled for `example` (its args): in memory, from disk, or compiled now.
+        `signature` is checked before every call instead of dynamo's guards."""
         with self._lock:
             if key in self._loaded:
                 return self._loaded[key]
-            compiled = self._read(key, external)
-            if compiled is None:
+            if self.route == CompileRoute.JIT:
+                compiled = self._jit(key, fn, example)
+                self.stats.compiled += 1
+            elif (compiled := self._read(key, external)) is None:
                 compiled = self._compile(fn, example)
                 self._write(key, compiled, external)
                 self.stats.compiled += 1
             else:
                 self.stats.loaded += 1
-            compiled.disable_guard_check()  # `signature` is checked before every call instead
+            if self.route == CompileRoute.AOT:
+                compiled.disable_guard_check()
             self._loaded[key] = compiled
             return compiled
+
+    def keep_artifacts(self) -> None:
+        """On the jit route, what inductor and AOTAutograd compiled in this process, kept in the
+        cache directory for the next start (`load_cache_artifacts` before its first trace)."""
+        path = self._artifacts_path()
+        if path is None:
+            return
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is not None:
+                written = path.with_suffix(".tmp")
+                written.write_bytes(saved[0])
+                written.replace(path)
+        except Exception as err:
+            log.warning(
+                "cannot keep the compile cache artifacts %s (%s): the next start compiles more", path, err
+            )
 
     def frozen(self, key: str, fn: Callable, example: tuple) -> Callable:
         """`fn` (a function holding its model: `frozen.Freezer`) compiled with inductor's
@@ -178,6 +234,25 @@ class GraphStore:
     def _path(self, key: str) -> Path | None:
         return None if self.folder is None else self.folder / "compiled" / f"{key}.bin"
 
+    def _artifacts_path(self) -> Path | None:
+        if self.route != CompileRoute.JIT or self.folder is None:
+            return None
+        return self.folder / "compiled" / f"artifacts-{self.key({'graph': 'jit artifacts'})}.bin"
+
+    def _load_artifacts(self) -> None:
+        path = self._artifacts_path()
+        if path is None or not path.is_file():
+            return
+        try:
+            torch.compiler.load_cache_artifacts(path.read_bytes())
+        except Exception as err:  # another torch, or corrupt: compiled from scratch, kept again
+            log.warning(
+                "compile cache artifacts %s are unusable (%s: %s); compiling anew",
+                path,
+                type(err).__name__,
+                err,
+            )
+
     def _read(self, key: str, external: dict[str, Any]) -> Any | None:
         path = self._path(key)
         if path is None or not path.is_file():
@@ -189,6 +264,24 @@ class GraphStore:
             kind = type(err).__name__
             log.warning("compile cache %s is unusable (%s: %s); compiling again", path, kind, err)
             return None
+
+    @staticmethod
+    def _jit(key: str, fn: Callable, example: tuple) -> Callable:
+        """`fn` compiled just in time for `example`, under a code object of its own and without
+        guards (as the ahead-of-time route's), traced and compiled now."""
+
+        def run(*args: Any) -> Any:
+            return fn(*args)
+
+        compiled = torch.compile(
+            own_code(run, f"graph_{key}"),
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        )
+        with torch.inference_mode():
+            compiled(*example)
+        return compiled
 
     @staticmethod
     def _compile(fn: Callable, example: tuple) -> Any:

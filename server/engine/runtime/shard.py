@@ -33,7 +33,7 @@ from server.engine.planning.plan import ShardPlan
 from server.engine.runtime.call import CallPlan, CallResult, RowsSlot
 from server.engine.runtime.compile import CompiledDenoiser, CompileMode
 from server.engine.runtime.gates import StageGates
-from server.engine.runtime.graphs import GraphStore, compile_refusal
+from server.engine.runtime.graphs import GraphStore
 from server.engine.runtime.sequence import Rank
 from server.engine.runtime.walker import TransferCache, walk
 from server.errors import PlanError
@@ -127,8 +127,6 @@ class ModelShard:
         """Run calls through graphs compiled per bucket (`warm` makes each ready)."""
         if mode == CompileMode.OFF:
             self.compiled = None
-        elif problem := compile_refusal():
-            raise ValueError(f"{problem}: serve without --compile, or upgrade PyTorch")
         else:
             self.compiled = CompiledDenoiser(
                 self.model, self.spec, self.calls, mode, [s.device for s in self.plan.stages], store
