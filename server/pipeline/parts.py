@@ -44,12 +44,11 @@ def place_parts(
     for name, encoder in zip(components.family.text_encoders, components.text_encoders, strict=False):
         quantization = components.on_device.get(name)  # converted piece by piece as placed
         converts = quantization.placing(encoder) if quantization else None
-        if spread and encoder is largest:
-            encoders.append(spread_encoder(encoder, spread, converts))
+        spreading = bool(spread) and encoder is largest
+        if spreading or converts:
+            encoders.append(spread_encoder(encoder, spread if spreading else [str(device)], converts))
         else:
-            encoders.append(
-                spread_encoder(encoder, [str(device)], converts) if converts else encoder.to(device)
-            )
+            encoders.append(encoder.to(device))
     if components.image_encoder is not None:  # image-to-video's, beside the text encoders
         components.image_encoder.to(device)
     vae = components.vae

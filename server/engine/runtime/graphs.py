@@ -118,6 +118,14 @@ def compile_route(route: CompileRoute | str = CompileRoute.AUTO) -> CompileRoute
     return route
 
 
+def unguarded(fn: Callable) -> Callable:
+    """`fn` under `torch.compile` as every graph here is made: whole, static shapes, and without
+    dynamo's guards (`signature` is checked before every call instead): an adapter's hooks
+    attached later would fail the model's, and dynamo would compile again on the serving path."""
+    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+
 def own_code(fn: Callable, name: str) -> Callable:
     """`fn` under a code object of its own named `name`: dynamo keeps graphs per code object, so
     one graph (a bucket's, a model's) is never another's, and `GraphStore.release` frees it alone."""
@@ -209,11 +217,7 @@ class GraphStore:
         with self._lock:
             if key in self._loaded:
                 return self._loaded[key]
-            # no guards (each frozen graph's code is its own, and `signature` is checked before
-            # every call): an adapter's hooks attached later would fail the model's, and dynamo
-            # would compile again on the serving path
-            options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+            compiled = unguarded(fn)  # each frozen graph's code is its own
             # freezing is read from inductor's config while the graph is traced: in `options` it
             # is not (the SD-1.5 UNet ran 1.0 s a call that way against 0.54 s frozen)
             with torch.inference_mode(), inductor_config.patch(freezing=True):
@@ -273,26 +277,15 @@ class GraphStore:
         def run(*args: Any) -> Any:
             return fn(*args)
 
-        compiled = torch.compile(
-            own_code(run, f"graph_{key}"),
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
-        )
+        compiled = unguarded(own_code(run, f"graph_{key}"))
         with torch.inference_mode():
             compiled(*example)
         return compiled
 
     @staticmethod
     def _compile(fn: Callable, example: tuple) -> Any:
-        compiled = torch.compile(
-            fn,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},  # `signature` instead
-        )
         with torch.inference_mode():
-            return compiled.aot_compile((example, {}))
+            return unguarded(fn).aot_compile((example, {}))
 
     def _write(self, key: str, compiled: Any, external: dict[str, Any]) -> None:
         path = self._path(key)
