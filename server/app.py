@@ -43,9 +43,10 @@ from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import GiveWay
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
+from server.pipeline.attention import serve_attention
 from server.pipeline.compiling import compile_pipeline
 from server.pipeline.controls import MAX_CONTROLS
-from server.pipeline.loader import quiet_libraries, read_family
+from server.pipeline.loader import Components, quiet_libraries, read_family
 from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import step_knees
 from server.pipeline.quantizing import describe
@@ -69,10 +70,15 @@ IDLE_TRIM_S = 60.0  # pooled buffers idle this long go back while the service ha
 
 
 def load_service(
-    settings: Settings, plan: ParallelPlan | None = None, compiling: CompileStats | None = None
+    settings: Settings,
+    plan: ParallelPlan | None = None,
+    compiling: CompileStats | None = None,
+    components: Components | None = None,
 ) -> Service:
     """Load the model placed by `plan` (or by `plan_for` the settings), start compiling it in the
-    background (`compiling` shows the progress), and put it behind a step loop."""
+    background (`compiling` shows the progress), and put it behind a step loop. `components`: its
+    parts built already (the GPU check's random weights, made on the device), not read from the
+    folder, which then gives only the configs, tokenizers and scheduler."""
     check_quantization_runs(settings)
     check_compile_route(settings)
     retain_freed_host_memory()
@@ -85,6 +91,8 @@ def load_service(
     if plan is None:
         settings, plan = fitted_plan(settings, family, folder=settings.model)
     pool = ActivationPool(pool_budgets(settings))
+    if components is not None:
+        log.warning("serving parts built by the caller, not the weights of %s", settings.model)
     pipeline = Pipeline.load(
         settings.model,
         plan=plan,
@@ -93,6 +101,7 @@ def load_service(
         quantize=settings.quantize,
         denoiser_file=settings.denoiser_file,
         vae_tiling=decoder_for(settings, family, plan).tiling,
+        components=components,
     )
     pipeline.defaults = request_defaults(settings, pipeline.family, pipeline.defaults)
     for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
@@ -101,6 +110,7 @@ def load_service(
     for name, folder in settings.controlnets.items():  # one of another family stops the start, naming it
         pipeline.controlnets.load(name, folder)
         log.info("ControlNet %s: %s", name, folder)
+    attention = serve_attention(settings.attention, pipeline)  # timed alone: before any other call
 
     def housekeeping() -> bool:  # idle a while: give back what bursts left; True once all is back
         freed = pool.trim(idle_for_s=IDLE_TRIM_S)
@@ -149,6 +159,7 @@ def load_service(
         tidy=housekeeping,
         threads=threads,
         background=give_way,
+        attention=attention.view(),
     )
 
 
@@ -197,7 +208,9 @@ async def _load(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     started = time.perf_counter()
     try:
-        service = await asyncio.to_thread(load_service, settings, app.state.plan, runtime.compiling)
+        service = await asyncio.to_thread(
+            load_service, settings, app.state.plan, runtime.compiling, app.state.components
+        )
         if service.clip is not None:  # a video model: /v1/videos' jobs, from the job store
             app.state.videos = await asyncio.to_thread(start_videos, settings, service, runtime)
     except Exception as err:
@@ -269,16 +282,18 @@ def create_app(
     registry: CollectorRegistry | None = None,
     on_fatal: Callable[[], None] | None = None,
     serve_metrics: bool = True,
+    components: Components | None = None,
 ) -> FastAPI:
     """The app; it loads the model with `plan` (made from the settings if None). Its metrics go
     on `registry` (a fresh one by default), served on the metrics port by the lifespan unless
     `serve_metrics` is False (`serve` binds that port itself, before anything loads). `on_fatal`
-    is called if the model cannot load (`serve` stops the server)."""
+    is called if the model cannot load (`serve` stops the server). `components`: the model's parts
+    built already (`load_service`); None (always, in `serve`): read from the folder."""
     app = FastAPI(  # /docs is api/docs.py's (offline, under a CSP); no /redoc
         title="diffshard", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
-    app.state.serve_metrics = serve_metrics
+    app.state.serve_metrics, app.state.components = serve_metrics, components
     app.state.makes_videos = read_family(settings.model).clip is not None  # configs only
     # an edit form's text fields: a JSON body's bytes, and its controls' images in base64
     app.state.form_text_bytes = settings.max_body_bytes + _control_bytes(settings)

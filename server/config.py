@@ -38,6 +38,7 @@ from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES
 from server.engine.hardware.threads import cpu_quota
 from server.engine.planning.cache import default_cache_dir
 from server.engine.planning.calibrate import cpu_serves_bf16
+from server.engine.runtime.attention_backend import AttentionSetting
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileRoute
 from server.errors import ConfigError
@@ -139,6 +140,12 @@ class Settings(BaseSettings):
         "faster than eager); compiled per shape bucket in the background, kept in cache_dir for the "
         "next start",
     )
+    attention: AttentionSetting = Field(
+        AttentionSetting.AUTO, description="PyTorch's attention backend on the denoiser's CUDA devices: "
+        "auto (each timed on the served shapes at startup; the fastest first where over 3% faster than "
+        "default) | default (PyTorch's order) | cudnn | flash | efficient | math (first; a call it cannot "
+        "run falls to the next); CPU devices: unchanged",
+    )  # fmt: skip
     compile_sizes: CompileSizes = Field(
         None, description="image sides to compile, e.g. 64,128 (default: the model's default size)"
     )

@@ -179,6 +179,17 @@ def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why
     assert auto_mode(group) == (CompileMode.OFF, "tensor and sequence groups run eagerly")
 
 
+def test_auto_compiles_each_block_on_a_gpu(folders: dict[str, Path]) -> None:
+    """On a GPU a DiT's repeated blocks share one graph (the whole-graph gain is the CPU's frozen
+    weights): auto takes blocks on a lone GPU stage, where on the CPU it takes the whole."""
+    from server.engine.hardware import simulated
+    from server.pipeline.compiling import auto_mode
+
+    with simulated.simulate(1):
+        pipeline = Pipeline.load(folders["sd15"], devices="cuda:0")
+        assert auto_mode(pipeline)[0] == CompileMode.BLOCKS
+
+
 def plan_parallel_for(folder: Path, parallel: str):
     from server.pipeline.loader import read_family
     from server.pipeline.planning import plan_model

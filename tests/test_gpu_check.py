@@ -18,10 +18,8 @@ from packaging.requirements import Requirement
 
 from benchmarks.gpu.bundle import IMAGE, PINS, ROOT, normalize, read_list
 from benchmarks.gpu.tests import gpu_test_files
-from benchmarks.gpu_check import Phase, phases, run_phase
+from benchmarks.gpu_check import KEPT_CACHE, PHASE_NAMES, Phase, run_phase
 
-PHASES = [phase.name for phase in phases(quick=True)]
-BENCH_MEASURES = {"lone_step", "batching", "step_cache", "memory", "quantized"}
 # the device: CPython 3.12 on Linux x86_64 (a requirement under an extra never applies)
 DEVICE = {
     **default_environment(),
@@ -35,7 +33,7 @@ DEVICE = {
     "platform_python_implementation": "CPython",
     "extra": "",
 }
-DryRun = tuple[dict, list[str]]  # the report, the gpu-marked tests collected
+DryRun = tuple[dict, list[str], Path]  # the report, the gpu-marked tests collected, --out
 
 
 @pytest.fixture(scope="module")
@@ -49,23 +47,23 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out),
+         "--budget-s", "900"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     collected = collect.communicate(timeout=120)[0]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert collect.returncode == 0, collected[-3000:]
-    return json.loads((out / "gpu-check.json").read_text()), [
-        line for line in collected.splitlines() if "::" in line
-    ]
+    report = json.loads((out / "gpu-check.json").read_text())
+    return report, [line for line in collected.splitlines() if "::" in line], out
 
 
 def test_the_dry_run_passes_every_phase_with_the_results_each_promises(dry_run: DryRun) -> None:
-    from benchmarks.gpu.models import TINY
+    from benchmarks.gpu.shapes import TINY
 
-    report, gpu_tests = dry_run
+    report, gpu_tests, out = dry_run
     sections = report["phases"]
-    assert list(sections) == PHASES
+    assert list(sections) == PHASE_NAMES
     for name, section in sections.items():
         assert section["status"] == "ok" and section["results"], (name, section)
 
@@ -84,21 +82,36 @@ def test_the_dry_run_passes_every_phase_with_the_results_each_promises(dry_run: 
         found and all("cpu" in series for series in found) for found in served["metrics_series"].values()
     ), served["metrics_series"]
 
-    for model in ("sdxl", "flux", "wan"):
+    benched = [name.removeprefix("bench:") for name in PHASE_NAMES if name.startswith("bench:")]
+    assert sorted(benched) == sorted(TINY)
+    for model in benched:
         measured = [line for line in sections[f"bench:{model}"]["results"] if "measure" in line]
-        assert {line["measure"] for line in measured} == BENCH_MEASURES, measured
+        assert {line["measure"] for line in measured} == TINY[model].measures, measured
         (lone,) = [line for line in measured if line["measure"] == "lone_step"]
-        assert lone["relative_difference"] < 1e-2, lone
+        assert lone["relative_difference"] < 1e-2, lone  # our walk is diffusers' forward
         batched = sorted(line["rows"] for line in measured if line["measure"] == "batching")
         assert batched == sorted(TINY[model].rows), measured
-        (quantized,) = [line for line in measured if line["measure"] == "quantized"]
-        assert "refused" not in quantized, quantized
+        for quantized in (line for line in measured if line["measure"] == "quantized"):
+            assert "refused" not in quantized, quantized
 
-    compiled = [line for line in sections["compile"]["results"] if line.get("measure") == "compile_blocks"]
-    assert compiled and all(line["relative_difference"] < 1e-1 for line in compiled), compiled
+    for model in ("flux", "wan", "sdxl"):
+        results = sections[f"compile:{model}"]["results"]
+        (compiled,) = [line for line in results if line.get("measure") == "compile_blocks"]
+        assert compiled["route"] == "jit" and compiled["calls"]["compiled"] > 0, compiled
+        assert compiled["relative_difference"] < 1e-1, compiled
+    (quantized,) = [line for line in sections["compile:flux"]["results"] if "mode" in line]
+    assert quantized["mode"] == "int8-dynamic" and quantized["calls"]["compiled"] > 0, quantized
+    assert quantized["relative_difference"] < 1e-1, quantized  # against bfloat16's output
+    # the compile phases' cache artifacts come back for the next run, and it starts from them
+    kept = report["compile_cache"]["kept"]
+    assert kept and sorted(kept) == sorted(path.name for path in (out / KEPT_CACHE).iterdir()), kept
+    assert report["compile_cache"]["seeded"] == []
+    caches = [line["cache"] for name in ("flux", "wan") for line in sections[f"compile:{name}"]["results"]
+              if "cache" in line]  # fmt: skip
+    assert caches == ["cold", "from cache artifacts"], caches
 
     rows = report["table"][1:]
-    assert [row.split()[0] for row in rows] == PHASES
+    assert [row.split()[0] for row in rows] == PHASE_NAMES
     assert all(row.split()[1] == "ok" for row in rows), rows
 
 
@@ -133,7 +146,7 @@ def the_device_has() -> set[str]:
 def test_the_bundle_names_every_package_the_check_imports_that_the_image_lacks(
     dry_run: DryRun,
 ) -> None:
-    report, _ = dry_run
+    report, _, _ = dry_run
     (imported,) = [line["imported"] for line in report["phases"]["facts"]["results"] if "imported" in line]
     required_by: dict[str, set[str]] = {}
     optional: set[str] = set()

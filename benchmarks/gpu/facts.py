@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.gpu import Lines, phase_parser
 
 # What the phases import: the server (serve phase), the gpu-marked test modules and their
-# conftest (tests phase), the real-shape benchmarks (bench and compile phases)
+# conftest (tests phase), the real-shape benchmarks (bench, compile and serve:flux phases)
 NEEDED = (
     "torch",
     "diffusers",
@@ -29,7 +29,9 @@ NEEDED = (
     "tests.test_gpu",
     "tests.test_metrics",
     "benchmarks.gpu.models",
+    "benchmarks.gpu.compiled",
     "benchmarks.gpu.served",
+    "benchmarks.gpu.served_flux",
 )
 # torch features we use that a release may lack: (what, how to look it up)
 TORCH_FEATURES = {

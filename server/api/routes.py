@@ -215,12 +215,18 @@ async def shards(service: ServiceDep) -> dict[str, Any]:
 @router.get("/stats")
 async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     """The step loop's counters and the progress of the caller's running requests (an admin key,
-    or any caller without keys: everyone's), the pool's per device, and the compiled graphs
-    (while loading: only their progress)."""
+    or any caller without keys: everyone's), the pool's per device, the compiled graphs
+    (while loading: only their progress), and the attention backend chosen at startup."""
     compiled = runtime.compiling.view() if runtime.compiling is not None else None
     if runtime.service is None and runtime.status == "loading":
         return {"status": "loading", "compile": compiled}
     service = runtime.loaded()
     viewer = None if request.state.admin else request.state.owner
     engine = service.stats().seen_by(viewer).to_dict() | {"rejected": runtime.rejected()}
-    return {"engine": engine, "pool": service.pool(), "threads": service.threads, "compile": compiled}
+    return {
+        "engine": engine,
+        "pool": service.pool(),
+        "threads": service.threads,
+        "compile": compiled,
+        "attention": service.attention,
+    }

@@ -79,6 +79,14 @@ CATALOG = (
         "one batched denoising step (denoiser + schedulers)",
     ),
     MetricSpec("batch_rows", "histogram", "rows", (), "denoiser rows per batched step (2 per guided image)"),
+    MetricSpec(
+        "pipeline_call_seconds_total",
+        "counter",
+        "seconds",
+        ("call",),
+        "seconds in the step loop's calls into the model, by call: start (prompts encoded, noise drawn), "
+        "step (denoising), decode (the VAE)",
+    ),
     MetricSpec("queue_depth", "gauge", "requests", (), "requests waiting for a place"),
     MetricSpec("queue_capacity", "gauge", "requests", (), "the queue's bound (DIFFSHARD_MAX_QUEUE)"),
     MetricSpec("running_requests", "gauge", "requests", (), "requests being denoised"),

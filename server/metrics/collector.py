@@ -22,7 +22,7 @@ from server.engine.hardware.memory import resident_bytes
 from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.serving import KINDS
-from server.serving.stats import CACHE_OUTCOMES, DeviceView, Distribution, LoopStats, Snapshot
+from server.serving.stats import CACHE_OUTCOMES, CALLS, DeviceView, Distribution, LoopStats, Snapshot
 from server.serving.videostore import STATUSES
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -135,6 +135,12 @@ class _Collector:
             cached.add_metric([outcome], stats.cache_rows[outcome])
         yield cached
         yield GaugeMetricFamily(f"{PREFIX}_step_cache_bytes", help_of("step_cache_bytes"), stats.cached_bytes)
+        called = CounterMetricFamily(
+            f"{PREFIX}_pipeline_call_seconds", help_of("pipeline_call_seconds_total"), labels=["call"]
+        )
+        for call in CALLS:
+            called.add_metric([call], stats.call_seconds[call])
+        yield called
         calls = help_of("denoiser_calls_total")
         paths = CounterMetricFamily(f"{PREFIX}_denoiser_calls", calls, labels=["path"])
         for path in ("compiled", "padded", "eager"):

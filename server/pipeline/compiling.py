@@ -138,8 +138,11 @@ def compile_pipeline(
 
 def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
     """What `--compile auto` compiles here, and why: one graph a call where every replica is one
-    stage that traces whole, else each block; nothing where this PyTorch cannot, or for tensor and
-    sequence groups (their ranks exchange between blocks, inside a call)."""
+    CPU stage that traces whole, else each block; nothing where this PyTorch cannot, or for tensor
+    and sequence groups (their ranks exchange between blocks, inside a call). On GPUs each block:
+    a DiT's repeated blocks share one graph, compiled once (FLUX.1-dev's 57 blocks: 15 s to its
+    first call, 0.77x eager, on an H200), where one graph a call traces and compiles every block's
+    code again; the CPU's gain of a whole graph, weights folded in (`frozen.py`), is the CPU's."""
     on_cpu = any(d == "cpu" for s in pipeline.replicas for d in s.devices)
     if on_cpu and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++")):
         return CompileMode.OFF, "no C++ compiler for inductor's CPU kernels: install g++ to compile"
@@ -148,6 +151,8 @@ def auto_mode(pipeline: Pipeline) -> tuple[CompileMode, str]:
         return CompileMode.OFF, "tensor and sequence groups run eagerly"
     if any(len(s.plan.stages) > 1 for s in pipeline.replicas):
         return CompileMode.BLOCKS, "the plan splits the model into stages: each block a graph"
+    if not on_cpu:
+        return CompileMode.BLOCKS, "on GPUs each block kind's graph is compiled once, for all its blocks"
     return CompileMode.FULL, "one stage per replica: one graph a call"
 
 

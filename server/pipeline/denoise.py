@@ -128,17 +128,19 @@ class Pipeline:
         quantize: str | QuantizeSetting = "off",
         denoiser_file: Path | None = None,
         vae_tiling: bool = False,
+        components: Components | None = None,
     ) -> Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
         `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
         A ParallelPlan places every replica; `lanes()` then gives a view per lane. `quantize`:
         `--quantize`'s setting (`server.pipeline.quantizing`); `denoiser_file`: a GGUF file
-        holding the denoiser's weights; `vae_tiling`: decode and encode in diffusers' tiles."""
+        holding the denoiser's weights; `vae_tiling`: decode and encode in diffusers' tiles;
+        `components`: the parts built already (the GPU check's, on the device), not read from `folder`."""
         family = read_family(folder)
         quantizations = load_quantizations(quantize, family, Path(folder), dtype, denoiser_file)
         if isinstance(plan, ParallelPlan) and plan.tensor > 1:
             quantizations = placed_in_groups(quantizations, family)
-        components = load_components(folder, dtype, quantizations, denoiser_file)
+        components = components or load_components(folder, dtype, quantizations, denoiser_file)
         if plan is None:
             held = held_bytes(components.denoiser, dtype, quantizations.get(family.denoiser), denoiser_file)
             plan = plan_shards(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,7 @@ from server.pipeline import Pipeline, trace_gate
 from server.pipeline.state import RequestState
 from server.serving.faults import inject_fault
 from server.serving.health import Heartbeat, Watchdog
+from server.serving.stats import CALLS, LoopStats
 
 log = logging.getLogger("diffshard")
 
@@ -39,6 +42,8 @@ class WatchedCalls:
         self.slow: str | None = None  # a call is past its deadline: not ready for more work
         self.stuck: str | None = None  # a call is far past it (wedged): not live
         self.slow_calls = self.stuck_calls = 0
+        # seconds per method: every key there from the start, so a reader's copy never sees one added
+        self.seconds: Counter = Counter(dict.fromkeys(CALLS, 0.0))
         poll_s = min(1.0, step_timeout_s / 4)
         Watchdog(self.heartbeat, poll_s, self._on_slow, self._on_stuck, closed).start()
 
@@ -50,12 +55,15 @@ class WatchedCalls:
                 workers = getattr(getattr(self.pipeline, "lane", None), "workers", None)
                 inject_fault(method.__name__, items, self._closed, deadline_s, workers)
             with trace_gate().call():  # never beside a background compile's trace
+                started = time.perf_counter()
                 result = method(items)
             try:
                 self.pipeline.synchronize()  # so step times are device times, not enqueue times
             except BaseException:
                 _close_opened(result, items)  # a CUDA error surfaces here: no one else holds them
                 raise
+            if method.__name__ in self.seconds:
+                self.seconds[method.__name__] += time.perf_counter() - started
         finally:
             running_s = self.heartbeat.running_for()
             self.heartbeat.end()
@@ -64,6 +72,11 @@ class WatchedCalls:
                 self.slow = self.stuck = None
         self.heartbeat.succeeded()
         return result
+
+    def count_into(self, stats: LoopStats) -> None:
+        """The calls' counters into the loop's `stats` (read under the loop's lock)."""
+        stats.slow_calls, stats.stuck_calls = self.slow_calls, self.stuck_calls
+        stats.call_seconds = self.seconds.copy()
 
     def deadline_s(self, items: list) -> float:
         """The step timeout, scaled by the call's work where it exceeds `max_batch` native-size

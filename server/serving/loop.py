@@ -129,7 +129,7 @@ class StepLoop:
             stats.active_rows = sum(j.rows for j in self._active)
             stats.progress = {j.id: j.progress() for j in self._active}
             stats.owners = {j.id: j.owner for j in [*self._active, *self._lineup]}
-            stats.slow_calls, stats.stuck_calls = self._call.slow_calls, self._call.stuck_calls
+            self._call.count_into(stats)
             stats.cached_bytes = sum(s.cache.nbytes for j in self._active for s in j.states if not s.closed)
             return stats.copy()
 

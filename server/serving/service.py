@@ -67,8 +67,10 @@ class Service:
         idle_s: float = IDLE_S,
         threads: int | None = None,
         background: Background | None = None,
+        attention: dict[str, Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.attention = attention or {}  # the attention backend chosen at startup (/v1/stats)
         self.background, self._serving_lock = background, threading.Lock()
         self.attached = Attached(pipeline)  # adapters and ControlNets, changed at runtime
         self.threads = threads if threads is not None else torch.get_num_threads()

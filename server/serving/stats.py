@@ -15,6 +15,9 @@ from server.pipeline import DeviceMemory, PoolStats
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CACHE_OUTCOMES = ("refreshed", "reused")
+# The step loop's calls into the pipeline: `start` (prompts encoded, first noise drawn), `step`
+# (one batched denoising step), `decode` (the VAE)
+CALLS = ("start", "step", "decode")
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Why requests were refused or ended early, as /v1/stats and the metrics both name them: always
 # shown (0 until one happens), so dashboards and alerts see them.
@@ -92,6 +95,7 @@ class LoopStats:
     cached_bytes: int = 0  # what running requests keep for step caching
     slow_calls: int = 0  # calls that ran past their deadline
     stuck_calls: int = 0  # calls that ran far past it
+    call_seconds: Counter = field(default_factory=Counter)  # CALLS → seconds, each to its device work's end
 
     @property
     def steps(self) -> int:
@@ -136,6 +140,7 @@ class LoopStats:
             "step_cache_bytes": self.cached_bytes,
             "slow_calls": self.slow_calls,
             "stuck_calls": self.stuck_calls,
+            "call_seconds_total": {call: round(self.call_seconds[call], 6) for call in CALLS},
             "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
         }
 

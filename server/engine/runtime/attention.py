@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -34,16 +35,32 @@ class Shape(NamedTuple):
     dtype: torch.dtype
 
 
-def plain(args: tuple, kwargs: dict[str, Any]) -> Shape | None:
-    """The shape of an SDPA call the chunked kernel computes alike, or None."""
-    q, k, v, *rest = args
+def plain(args: tuple, kwargs: dict[str, Any], device: str | None = "cpu") -> Shape | None:
+    """The shape of an SDPA call the chunked kernel computes alike, or None; only of tensors on
+    a `device` of that type (None: any): the chunked kernel is for CPUs, the backends' timing
+    (`attention_backend.py`) reads shapes on the meta device."""
+    q, k, v, *rest = args  # positional q, k, v: a call by keywords raises (see `by_position`)
     if rest or kwargs.get("attn_mask") is not None or kwargs.get("scale") is not None:
         return None
     if kwargs.get("dropout_p") or kwargs.get("is_causal") or kwargs.get("enable_gqa"):
         return None
-    if q.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.device.type != "cpu":
+    if q.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return None
+    if device is not None and q.device.type != device:
         return None
     return Shape(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype)
+
+
+def by_position(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """An SDPA call's query, key and value as positional arguments, wherever they were given
+    (diffusers' `dispatch_attention_fn` names them). Only the backends' timing reads calls so:
+    frozen CPU graphs route positional calls alone, and a keyword call fails their freeze (an
+    unfrozen graph then), as it always has."""
+    names = ("query", "key", "value")
+    if len(args) >= 3 or not all(n in kwargs for n in names[len(args) :]):
+        return args, kwargs
+    rest = {key: value for key, value in kwargs.items() if key not in names}
+    return (*args, *(kwargs[n] for n in names[len(args) :])), rest
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,16 +78,24 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 class Recording(TorchFunctionMode):
-    """Notes the shape of every plain attention call under it; each runs as usual."""
+    """Counts the plain attention calls under it by shape, those on a `device` of that type (None:
+    any), and with `keywords` those naming their query, key and value too; each runs as usual."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = "cpu", keywords: bool = False) -> None:
         super().__init__()
-        self.shapes: set[Shape] = set()
+        self.device, self.keywords = device, keywords
+        self.calls: Counter[Shape] = Counter()
+
+    @property
+    def shapes(self) -> set[Shape]:
+        return set(self.calls)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (shape := plain(args, kwargs)) is not None:
-            self.shapes.add(shape)
+        if func is F.scaled_dot_product_attention:
+            read = by_position(args, kwargs) if self.keywords else (args, kwargs)
+            if (shape := plain(*read, self.device)) is not None:
+                self.calls[shape] += 1
         return func(*args, **kwargs)
 
 
