@@ -49,7 +49,7 @@ from server.pipeline.controls import MAX_CONTROLS
 from server.pipeline.loader import Components, quiet_libraries, read_family
 from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import step_knees
-from server.pipeline.quantizing import describe
+from server.pipeline.quantizing import describe, float8_speed
 from server.planned import (
     check_compile_route,
     check_quantization_runs,
@@ -132,7 +132,7 @@ def load_service(
     # built-in model's cold start to ready 34.6 s against 9.9 s eager), before the lanes copy the
     # pipeline; in the background, giving way while the step loops have work
     give_way = GiveWay()
-    compile_pipeline(
+    compiling = compile_pipeline(
         pipeline,
         settings.compile,
         settings.compile_sizes or (pipeline.defaults.size,),
@@ -144,6 +144,8 @@ def load_service(
         give_way=give_way,
         route=settings.compile_route,
     )
+    if said := float8_speed(settings.quantize, compiling.mode):
+        log.info("%s", said)
     bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
         pipeline,

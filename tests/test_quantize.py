@@ -34,7 +34,7 @@ from server.pipeline import Edit, GenerationRequest, Pipeline
 from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import fits_by_mode, largest_side, plan_model
-from server.pipeline.quantizing import parse_quantize, part_quantizations
+from server.pipeline.quantizing import float8_speed, parse_quantize, part_quantizations
 from tests.live import live_server
 from tests.test_edits import left_half_mask, source_image
 from tests.test_lora import random_lora
@@ -371,3 +371,13 @@ def test_float8_counts_only_the_layers_torchao_converts() -> None:
     assert Quantization(QuantMode.FLOAT8).bytes(model, torch.bfloat16) == (
         32 * 64 + 64 * 4 + 64 * 2 + (64 * 24 + 24 + 24 * 32 + 32) * 2
     )
+
+
+def test_float8_says_at_startup_whether_it_is_a_memory_choice_or_compiled_to_pay() -> None:
+    """Eager float8 steps are slower than bfloat16's on the GPUs measured: with nothing compiled
+    the start says float8 is a memory choice; compiled, that its buckets are kept where faster."""
+    assert "a memory choice" in float8_speed(parse_quantize("float8"), "off")
+    assert "a memory choice" in float8_speed(parse_quantize("denoiser=float8"), "auto: off")
+    assert "compiled" in float8_speed(parse_quantize("float8"), "auto: blocks")
+    assert float8_speed(parse_quantize("text_encoder_2=float8"), "off") is None  # the denoiser's steps
+    assert float8_speed(parse_quantize("int8"), "off") is None
