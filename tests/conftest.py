@@ -3,23 +3,18 @@
 
 from __future__ import annotations
 
-import itertools
-import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
+import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
+from tests import live
+from tests.forking import Forked
 from tests.live import MAKE_RUN, LiveServer, free_port, live_server
 from tests.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
 
@@ -186,144 +181,30 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServe
         yield running
 
 
-# `python -m MODULE ARGS` forked from a process that imported server.__main__ once (see `forked`)
-FORK_SERVER = r"""
-import gc, json, os, runpy, socket, sys
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[Callable[[], Forked]]:
+    """The session's fork server (`tests/forking.py`), started the first time a run or a live
+    server (`live.py`) asks: each then skips importing torch, diffusers and the app."""
+    started: list[Forked] = []
+    lock = threading.Lock()
 
-listener = socket.socket(fileno=int(sys.argv[1]))
-import server.__main__  # for what it imports (torch, diffusers, the app), not for itself: -m
-import torch  # runs __main__.py afresh in each child, so it is forgotten here
+    def start() -> Forked:
+        with lock:
+            if not started:
+                started.append(Forked(tmp_path_factory.mktemp("forked")))
+            return started[0]
 
-del sys.modules["server.__main__"], sys.modules["server"].__main__
-
-sys.stdout.flush()
-sys.stderr.flush()
-forkable = not torch.cuda.is_initialized()  # CUDA cannot be used again in a forked child
-gc.freeze()  # the children's collections, and their exits, skip what is shared: no copy of each page
-
-
-def reap():
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-
-
-def serve():
-    while True:
-        conn, _ = listener.accept()
-        request = json.loads(conn.makefile("rb").readline())
-        if "argv" not in request:
-            conn.sendall(json.dumps({"forkable": forkable}).encode() + b"\n")
-        elif os.fork() == 0:  # a watcher: forks the run, says its pid, then its exit code
-            listener.close()
-            pid = os.fork()
-            if pid == 0:
-                conn.close()
-                return request
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            status = os.waitpid(pid, 0)[1]
-            conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-            os._exit(0)
-        conn.close()
-        reap()
-
-
-request = serve()  # only a forked run gets here: it runs as `python -m MODULE ARGS` would
-os.chdir(request["cwd"])
-os.environ.clear()
-os.environ.update(request["env"])
-for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(out, fd)
-    os.close(out)
-sys.argv = request["argv"]  # [MODULE, ARGS...]: run_module makes the first its file, as -m does
-del request, listener
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)  # uncaught: a traceback, exit 1
-"""
-
-
-class Forked:
-    """`python -m MODULE ARGS` as a process of its own (its exit code, stdout and stderr, the
-    interpreter's own exit and traceback), forked from one that already imported what `python -m
-    server` imports: torch, diffusers and the app cost seconds a start, paid here once. What that
-    import printed starts every run's output, as it would a fresh interpreter's; `import_s` is its
-    time, to add where a test times a start. Without fork (CUDA already initialised), a plain
-    subprocess."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.names = itertools.count()
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(folder / "fork.sock"))
-        self.listener.listen(64)
-        started = time.monotonic()
-        with (folder / "import.out").open("w") as out, (folder / "import.err").open("w") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", FORK_SERVER, str(self.listener.fileno())],
-                pass_fds=[self.listener.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                env=os.environ | {"HF_HUB_OFFLINE": "1"},
-            )
-        self.listener.close()  # the fork server's now: if it dies, connecting to it fails at once
-        try:
-            with self._ask({}, timeout_s=120) as answers:  # answered once the imports are done
-                answer = answers.readline()
-        except ConnectionError:
-            answer = b""
-        if not answer:
-            self.process.wait(timeout=30)
-            raise RuntimeError(f"the fork server died importing: {(folder / 'import.err').read_text()}")
-        self.forkable: bool = json.loads(answer)["forkable"]
-        self.import_s = time.monotonic() - started
-        self.preamble = [(folder / f"import.{stream}").read_text() for stream in ("out", "err")]
-
-    def _ask(self, request: dict, timeout_s: float) -> BinaryIO:
-        """The fork server's answers to `request`, a line each."""
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.settimeout(timeout_s)
-            conn.connect(str(self.folder / "fork.sock"))
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            return conn.makefile("rb")  # keeps the connection open until it closes
-
-    def run(
-        self, module: str, *args: str, timeout_s: float = 120, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """As `subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-        text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"} | env, timeout=timeout_s)`."""
-        env = os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {})
-        command = [sys.executable, "-m", module, *args]
-        if not self.forkable:
-            return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
-        name = next(self.names)
-        paths = [self.folder / f"{name}.{stream}" for stream in ("out", "err")]
-        request = {"argv": [module, *args], "env": env, "cwd": os.getcwd()}
-        with self._ask(request | {"stdout": str(paths[0]), "stderr": str(paths[1])}, timeout_s) as answers:
-            pid = json.loads(answers.readline())["pid"]
-            try:
-                code = json.loads(answers.readline())["code"]
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(command, timeout_s) from None
-        out, err = (before + path.read_text() for before, path in zip(self.preamble, paths, strict=True))
-        for path in paths:
-            path.unlink()
-        return subprocess.CompletedProcess(command, code, out, err)
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+    live.forking = start
+    yield start
+    live.forking = None
+    for running in started:
+        running.close()
 
 
 @pytest.fixture(scope="session")
-def forked(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[Forked]:
+def forked(fork_server: Callable[[], Forked]) -> Forked:
     """`python -m server ...` runs (and other `python -m` modules) without importing torch each time."""
-    running = Forked(tmp_path_factory.mktemp("forked"))
-    yield running
-    running.close()
+    return fork_server()
 
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]

@@ -1,7 +1,8 @@
-"""Start `python -m server serve` as a child process on a free loopback port and wait until it
-is ready: for the tests and benchmarks that need the real thing (uvicorn, its lifespan, the
-body limit, signals). Readiness is the "ready:" line the service logs once the model is
-loaded, an event awaited with a deadline, not a sleep."""
+"""Start `python -m server serve` as a process of its own on a free loopback port and wait until
+it is ready: for the tests and benchmarks that need the real thing (uvicorn, its lifespan, the
+body limit, signals); in the test session forked from its fork server (`tests/forking.py`).
+Readiness is the "ready:" line the service logs once the model is loaded, an event awaited with
+a deadline, not a sleep."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests.waiting import wait_until
 
+if TYPE_CHECKING:
+    from tests.forking import Forked
+
 STARTUP_DEADLINE_S = 120
+# the test session's fork server, started on first use (conftest's `fork_server`); None elsewhere
+forking: Callable[[], Forked] | None = None
 ROOT = Path(__file__).resolve().parents[1]
 # `make run`'s arguments (the Makefile's): the built-in model with the diamond adapter and the
 # silhouette ControlNet
@@ -44,7 +51,7 @@ def free_port() -> int:
 @dataclass
 class LiveServer:
     url: str
-    process: subprocess.Popen
+    process: Any  # a subprocess.Popen, or a tests.forking.ForkedProcess: the same calls
     log: list[str] = field(default_factory=list)
     metrics_url: str | None = None  # with --metrics-port
 
@@ -83,33 +90,35 @@ def live_server(
     startup_deadline_s: float = STARTUP_DEADLINE_S,
 ) -> Iterator[LiveServer]:
     """`python -m server serve *args` on a free loopback port; `prefix` runs it under another
-    command (e.g. `taskset -c 0`)."""
+    command (e.g. `taskset -c 0`). In the test session it is forked from the session's fork
+    server (`forking`: torch and the app imported once), unless under a prefix."""
     port = free_port()
     metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]  # off unless asked for
-    process = subprocess.Popen(
-        [
-            *prefix,
-            sys.executable,
-            "-m",
-            "server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *metrics,
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-    )
+    argv = ["server", "serve", "--host", "127.0.0.1", "--port", str(port), *metrics, *args]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    forks = forking() if forking is not None and not prefix else None
+    if forks is not None and forks.forkable:
+        read, write = os.pipe()
+        try:
+            with open(os.devnull, "wb") as devnull:
+                process: Any = forks.spawn(*argv, env=environment, stdout=devnull.fileno(), stderr=write)
+        finally:
+            os.close(write)  # the server's alone now: its exit ends the stream
+        stderr = os.fdopen(read, encoding="utf-8", errors="replace")
+    else:
+        process = subprocess.Popen(
+            [*prefix, sys.executable, "-m", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )
+        stderr = process.stderr
     server = LiveServer(f"http://127.0.0.1:{port}", process)
     if "--metrics-port" in args:
         server.metrics_url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
     lines: queue.Queue = queue.Queue()
-    pump = threading.Thread(target=_pump, args=(process.stderr, lines, server.log), daemon=True)
+    pump = threading.Thread(target=_pump, args=(stderr, lines, server.log), daemon=True)
     pump.start()
     try:
         deadline = time.monotonic() + startup_deadline_s
@@ -124,7 +133,7 @@ def live_server(
         process.terminate()
         process.wait(timeout=30)
         pump.join(timeout=30)  # reads to the end of the closed pipe
-        process.stderr.close()
+        stderr.close()
 
 
 def sse(response: httpx.Response) -> Iterator[tuple[str, dict]]:

@@ -38,6 +38,7 @@ TORCH_FEATURES = {
     "torch.compiler.save_cache_artifacts": ("torch.compiler", "save_cache_artifacts"),
     "torch.compiler.load_compiled_function": ("torch.compiler", "load_compiled_function"),
     "torch.compiler.skip_all_guards_unsafe": ("torch.compiler", "skip_all_guards_unsafe"),
+    "torch._C._set_sdp_priority_order": ("torch._C", "_set_sdp_priority_order"),  # --attention
     "torch.nn.functional.scaled_dot_product_attention": (
         "torch.nn.functional",
         "scaled_dot_product_attention",

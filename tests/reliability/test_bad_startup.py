@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import Forked
+from tests.forking import Forked
 from tests.live import free_port
 
 MODEL_DIR = Path(__file__).parents[2] / "server" / "demo" / "model"  # the built-in model
