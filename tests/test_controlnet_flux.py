@@ -31,7 +31,7 @@ from server.pipeline.controls import Control, ControlNets
 from tests.live import LiveServer, live_server
 from tests.test_controlnet import drawn
 from tests.test_controlnet_http import wire
-from tests.tiny_pipelines import build_flux_folder, diffusers_image
+from tests.tiny_pipelines import diffusers_image
 
 TOLERANCE = 2 / 255
 REQUEST = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
@@ -51,9 +51,9 @@ def flux_controlnet(folder: Path, seed: int) -> FluxControlNetModel:
 
 
 @pytest.fixture(scope="module")
-def flux_controlled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pipeline, dict]:
-    """The tiny FLUX.1-dev folder; our pipeline over two stages serving nets "a" and "b"."""
-    folder = build_flux_folder(tmp_path_factory.mktemp("flux") / "dev")
+def flux_controlled(flux_folder: Path) -> tuple[Path, Pipeline, dict]:
+    """The tiny FLUX.1-dev folder (the session's); our pipeline over two stages serving nets "a" and "b"."""
+    folder = flux_folder
     nets = {"a": flux_controlnet(folder, 1), "b": flux_controlnet(folder, 2)}
     pipeline = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
     for name, net in nets.items():

@@ -9,6 +9,7 @@ batch of controlled and plain rows gives each row's image alone."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from diffusers import (
 from server.pipeline import GenerationRequest, Pipeline
 from server.pipeline.controls import Control, ControlNets
 from tests.test_controlnet import drawn
-from tests.tiny_qwenimage import build_qwen_image_folder
 
 TOLERANCE = 2 / 255
 REQUEST = GenerationRequest(
@@ -47,9 +47,9 @@ def qwen_controlnet(folder: Path, seed: int) -> QwenImageControlNetModel:
 
 
 @pytest.fixture(scope="module")
-def qwen_controlled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pipeline, dict]:
-    """The tiny Qwen-Image folder; our pipeline over two stages serving nets "a" and "b"."""
-    folder = build_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "image")
+def qwen_controlled(tiny_folder: Callable[[str], Path]) -> tuple[Path, Pipeline, dict]:
+    """The tiny Qwen-Image folder (the session's); our pipeline over two stages serving nets "a" and "b"."""
+    folder = tiny_folder("qwen-image")
     nets = {"a": qwen_controlnet(folder, 1), "b": qwen_controlnet(folder, 2)}
     pipeline = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
     for name, net in nets.items():

@@ -15,7 +15,7 @@ from server.engine.denoisers.dit import CLIP_TOKENS, T5_TOKENS
 from server.engine.planning.flow import trace_flow
 from server.pipeline.families import meta_denoiser, reference_family
 from tests.reference import diffusers_forward
-from tests.tiny_pipelines import IMAGE_SIZE, _sd3_transformer, build_sd3_folder
+from tests.tiny_pipelines import IMAGE_SIZE, _sd3_transformer
 
 
 def tiny_sd3_transformer() -> SD3Transformer2DModel:
@@ -91,11 +91,6 @@ def test_sd3_medium_plans_on_the_meta_device_over_two_cpus() -> None:
     tokens, text, width = 64 * 64, CLIP_TOKENS + T5_TOKENS, 1536
     assert plan.boundaries[0].bytes == 4 * 2 * (tokens + text + 1) * width
     assert plan.boundaries[0].skips == ()
-
-
-@pytest.fixture(scope="module")
-def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_sd3_folder(tmp_path_factory.mktemp("tiny") / "sd3")
 
 
 def test_tiny_sd3_folder_generates_an_unsaturated_image_offline(sd3_folder: Path) -> None:

@@ -35,7 +35,7 @@ from server.pipeline.lora import RowsMismatch
 from server.pipeline.lorafiles import read_adapter
 from server.pipeline.schedulers import make_scheduler
 from tests.live import LiveServer, free_port, live_server
-from tests.tiny_pipelines import build_flux_folder, diffusers_image
+from tests.tiny_pipelines import diffusers_image
 
 # diffusers' reference pipeline, given a second adapter, says peft holds several: as it should
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
@@ -332,10 +332,10 @@ def test_rslora_adapters_scale_by_the_square_root_of_the_rank_as_peft(folders, l
 FLUX_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "proj_out")
 
 
-def test_flux_files_with_alpha_keys_load_at_the_strength_flux_pipeline_gives(tmp_path) -> None:
+def test_flux_files_with_alpha_keys_load_at_the_strength_flux_pipeline_gives(tmp_path, flux_folder) -> None:
     """A FLUX LoRA as trainers write it (`<module>.alpha` beside each pair): diffusers reads the
     alphas only with `return_alphas=True`; here alpha ≠ rank, and differs between modules."""
-    folder = build_flux_folder(tmp_path / "flux")
+    folder = flux_folder
     pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     generator = torch.Generator().manual_seed(11)
     tensors: dict[str, torch.Tensor] = {}

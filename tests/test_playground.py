@@ -44,7 +44,6 @@ from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
 from tests.live import LiveServer, live_server
 from tests.test_lora import RANK, random_lora
-from tests.tiny_pipelines import build_flux_folder
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 DEADLINE_S = 60
@@ -367,9 +366,9 @@ def test_the_api_reference_renders_offline(browser: WebDriver, server: LiveServe
     assert loaded and all(url.startswith(f"{server.url}/") for url in loaded), loaded
 
 
-def test_a_flux_model_streams_in_the_page_as_the_others_do(browser: WebDriver, tmp_path: Path) -> None:
+def test_a_flux_model_streams_in_the_page_as_the_others_do(browser: WebDriver, flux_folder: Path) -> None:
     """FLUX.1 (issue 25): the page needs nothing family-specific; a tiny dev-shaped folder."""
-    folder = build_flux_folder(tmp_path / "flux")
+    folder = flux_folder
     with live_server("--model", str(folder)) as flux:
         open_page(browser, flux.url)
         fill(browser, prompt="a red circle", seed="7", size="32x32", num_inference_steps="4")

@@ -204,13 +204,11 @@ def test_a_long_clips_decode_peak_is_extrapolated_from_two_counts_within_2_perce
     assert abs(extrapolated - counted) <= 0.02 * counted, (extrapolated, counted)
 
 
-def test_a_video_models_decoder_is_counted_at_the_longest_clip_it_admits(tmp_path: Path) -> None:
+def test_a_video_models_decoder_is_counted_at_the_longest_clip_it_admits(tiny_folder) -> None:
     """`max_clip` admits --max-batch default clips' latent frames at the largest size: the VAE's
     peak is counted there (before: at the 81-frame default, and the longest clips ran out of
     memory after all their steps)."""
-    from tests.tiny_pipelines import build_wan_folder
-
-    folder = build_wan_folder(tmp_path / "wan")
+    folder = tiny_folder("wan2.1")
     family = read_family(folder)
     settings = Settings(model=folder, max_batch=4)
     # 4 rows of the 81-frame clip's 21 latent frames, within what the tiny transformer takes

@@ -179,13 +179,11 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
 
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])
-def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tmp_path_factory, guidance: float) -> None:
+def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tiny_folder, guidance: float) -> None:
     """Wan 2.2 TI2V-5B's shape (tests/tiny_wan22.py: a 48-channel VAE, 16x spatial with its 2x2
     patches inside, `expand_timesteps`): text-to-video equals WanPipeline's, its per-token
     timesteps all the step's."""
-    from tests.tiny_wan22 import build_wan22_ti2v_folder
-
-    folder = build_wan22_ti2v_folder(tmp_path_factory.mktemp("ti2v") / "ti2v")
+    folder = tiny_folder("wan2.2-ti2v")
     pipeline = Pipeline.load(folder, devices="cpu")
     assert pipeline.family.vae_scale_factor == 16 and pipeline.family.size_multiple == 32
     request = pipeline.resolve(

@@ -150,10 +150,8 @@ def test_a14b_folders_are_checked_at_load_and_requests_by_field(a14b, a14b_folde
     assert bad.value.field == "guidance_scale_2"
 
 
-def test_a_one_transformer_wan_refuses_guidance_scale_2_by_name(tmp_path_factory) -> None:
-    from tests.tiny_pipelines import build_wan_folder
-
-    wan = Pipeline.load(build_wan_folder(tmp_path_factory.mktemp("wan21") / "t2v"), devices="cpu")
+def test_a_one_transformer_wan_refuses_guidance_scale_2_by_name(tiny_folder) -> None:
+    wan = Pipeline.load(tiny_folder("wan2.1"), devices="cpu")
     with pytest.raises(InvalidRequest, match="this model has one transformer") as bad:
         wan.resolve(GenerationRequest("a cat", guidance_scale_2=3.0, **VIDEO))
     assert bad.value.field == "guidance_scale_2"
