@@ -154,7 +154,27 @@ def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_flux_folder(tmp_path_factory.mktemp("tiny") / "flux")
 
 
+# The tiers a developer deselects while working (`pytest -m "not (live or browser or fuzz or compile)"`);
+# `make test` runs them all. By module: what its tests start or build.
+BROWSER_MODULES = ("test_playground.py", "test_playground_edit.py", "test_playground_control.py",
+                   "test_playground_video.py")  # fmt: skip
+FUZZ_MODULES = ("test_openapi_fuzz.py",)
+COMPILE_MODULES = ("test_compile.py", "test_gpu_check.py", "test_tracing.py", "test_attention.py")
+TIERS = {"browser": BROWSER_MODULES, "fuzz": FUZZ_MODULES, "compile": COMPILE_MODULES}
+LIVE_FIXTURES = {"served", "keyed_server", "fuzzed"}  # session and module servers
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    starts_servers: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.fspath)
+        if path not in starts_servers:
+            starts_servers[path] = "live_server(" in path.read_text()
+        if starts_servers[path] or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)
+        for marker, names in TIERS.items():
+            if path.name in names:
+                item.add_marker(getattr(pytest.mark, marker))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
