@@ -8,6 +8,7 @@ passed over the fork server's socket (SCM_RIGHTS): a pipe reads as it would from
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -110,8 +111,9 @@ class ForkedProcess:
         self.returncode: int | None = None
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
+        if self.poll() is None:  # as Popen: a run that has exited is not signalled
+            with contextlib.suppress(ProcessLookupError):  # exited since: its code is on its way
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

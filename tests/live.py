@@ -88,15 +88,18 @@ def live_server(
     env: dict[str, str] | None = None,
     prefix: Sequence[str] = (),
     startup_deadline_s: float = STARTUP_DEADLINE_S,
+    fresh: bool = False,
 ) -> Iterator[LiveServer]:
     """`python -m server serve *args` on a free loopback port; `prefix` runs it under another
     command (e.g. `taskset -c 0`). In the test session it is forked from the session's fork
-    server (`forking`: torch and the app imported once), unless under a prefix."""
+    server (`forking`: torch and the app imported once), unless under a prefix or `fresh`: an
+    interpreter started from nothing, as a restart is (a forked server's inductor cache keys
+    differ from a fresh one's: a restart's cache hits are measured fresh)."""
     port = free_port()
     metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]  # off unless asked for
     argv = ["server", "serve", "--host", "127.0.0.1", "--port", str(port), *metrics, *args]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    forks = forking() if forking is not None and not prefix else None
+    forks = forking() if forking is not None and not prefix and not fresh else None
     if forks is not None and forks.forkable:
         read, write = os.pipe()
         try:

@@ -313,7 +313,7 @@ def test_the_jit_route_compiles_what_eager_makes_and_a_restart_serves_it_ready_s
     assert len(list((cache / "compiled").glob("artifacts-*.bin"))) == 1
     args = ("--compile", "blocks", "--compile-route", "jit", "--cache-dir", str(cache), "--dtype", "float32",
             "--max-batch", "2", "--compile-sizes", "64", "--parallel", "off", "--threads", "1")  # fmt: skip
-    with live_server(*args) as server:
+    with live_server(*args, fresh=True) as server:  # a restart: a fresh interpreter
         ready = server.wait_for(lambda s: s["compile"]["state"] in ("ready", "failed"), timeout_s=300)
         compiled = ready["compile"]
         assert (compiled["state"], compiled["route"]) == ("ready", "jit"), compiled
