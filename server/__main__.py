@@ -39,7 +39,14 @@ from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
 from server.pipeline.quantizing import describe
-from server.planned import check_compile_route, check_quantization_runs, decoder_for, fitted_plan, pixel_limit
+from server.planned import (
+    check_attention,
+    check_compile_route,
+    check_quantization_runs,
+    decoder_for,
+    fitted_plan,
+    pixel_limit,
+)
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -265,6 +272,7 @@ def serve_command(args: argparse.Namespace) -> int:
     _refuse_remote_fault_injection(settings)
     check_quantization_runs(settings)  # float8 or nf4 on a device without them: one line, now
     check_compile_route(settings)  # --compile-route aot on a PyTorch without it: the same
+    check_attention(settings)  # --attention cudnn without a CUDA device: the same
     bound_kernel_cache()  # before planning times a convolution
     # Both ports are taken before anything loads: a busy port fails in a second, with one line,
     # rather than after the model loaded (or, for the metrics port, with a traceback).

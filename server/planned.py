@@ -10,10 +10,13 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from server.config import Settings
 from server.engine import ParallelPlan
 from server.engine.hardware.threads import cpu_quota
 from server.engine.quantize import refusal
+from server.engine.runtime.attention_backend import AttentionSetting
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import compile_route
 from server.engine.runtime.pool import ANY_DEVICE, default_pool_budgets
@@ -117,6 +120,19 @@ def check_compile_route(settings: Settings) -> None:
             compile_route(settings.compile_route)
         except ValueError as err:
             raise ConfigError(f"{err} (DIFFSHARD_COMPILE_ROUTE)") from None
+
+
+def check_attention(settings: Settings) -> None:
+    """A backend named by `--attention` orders CUDA's attention: with no CUDA device among the
+    devices, the start stops now, in one line, not after the model loaded."""
+    if settings.attention not in (AttentionSetting.AUTO, AttentionSetting.DEFAULT) and not any(
+        torch.device(device).type == "cuda" for device in settings.devices
+    ):
+        raise ConfigError(
+            f"--attention {settings.attention} orders PyTorch's CUDA attention backends, and "
+            f"{','.join(settings.devices)} has no CUDA device: use --attention auto or default "
+            "(DIFFSHARD_ATTENTION)"
+        )
 
 
 def pool_budgets(settings: Settings) -> dict[str, int]:

@@ -149,6 +149,11 @@ CASES = [
         lambda t, b: ["--lora", f"misfit={misfit_lora(t)}"],
         lambda t, b: ["misfit.safetensors", "does not fit", "attn1.to_q"],
     ),
+    Case(
+        "attention backend named without a CUDA device",
+        lambda t, b: ["--devices", "cpu", "--attention", "cudnn"],
+        lambda t, b: ["--attention cudnn", "no CUDA device", "auto or default"],
+    ),
     Case("busy API port", lambda t, b: ["--port", port_of(b)], lambda t, b: ["--port", port_of(b), "in use"]),
     Case(
         "busy metrics port",
