@@ -39,14 +39,7 @@ from server.pipeline.families import reference_family, reference_names
 from server.pipeline.loader import quiet_libraries, read_family
 from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
 from server.pipeline.quantizing import describe
-from server.planned import (
-    check_attention,
-    check_compile_route,
-    check_quantization_runs,
-    decoder_for,
-    fitted_plan,
-    pixel_limit,
-)
+from server.planned import check_runs_here, decoder_for, fitted_plan, pixel_limit
 from server.serving import Runtime
 
 log = logging.getLogger("diffshard")
@@ -270,9 +263,7 @@ def serve_command(args: argparse.Namespace) -> int:
     settings = _settings(args)
     logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # a key sent in a query stays out
     _refuse_remote_fault_injection(settings)
-    check_quantization_runs(settings)  # float8 or nf4 on a device without them: one line, now
-    check_compile_route(settings)  # --compile-route aot on a PyTorch without it: the same
-    check_attention(settings)  # --attention cudnn without a CUDA device: the same
+    check_runs_here(settings)  # float8 on a CPU, --compile-route aot without it...: one line, now
     bound_kernel_cache()  # before planning times a convolution
     # Both ports are taken before anything loads: a busy port fails in a second, with one line,
     # rather than after the model loaded (or, for the metrics port, with a traceback).

@@ -51,8 +51,7 @@ from server.pipeline.lorafiles import read_adapter
 from server.pipeline.planning import step_knees
 from server.pipeline.quantizing import describe, float8_speed
 from server.planned import (
-    check_compile_route,
-    check_quantization_runs,
+    check_runs_here,
     decoder_for,
     fitted_plan,
     pixel_limit,
@@ -79,8 +78,7 @@ def load_service(
     background (`compiling` shows the progress), and put it behind a step loop. `components`: its
     parts built already (the GPU check's random weights, made on the device), not read from the
     folder, which then gives only the configs, tokenizers and scheduler."""
-    check_quantization_runs(settings)
-    check_compile_route(settings)
+    check_runs_here(settings)
     retain_freed_host_memory()
     quiet_libraries()
     if settings.compile != CompileMode.OFF:

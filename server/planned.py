@@ -105,6 +105,15 @@ def decoder_for(
     )
 
 
+def check_runs_here(settings: Settings) -> None:
+    """What the settings ask that this host cannot run stops the start now, in one line:
+    quantization a device lacks, a compile route this PyTorch lacks, an attention backend
+    named without a CUDA device."""
+    check_quantization_runs(settings)
+    check_compile_route(settings)
+    check_attention(settings)
+
+
 def check_quantization_runs(settings: Settings) -> None:
     """A mode a device cannot run stops the start, in one line naming the device."""
     for mode in set(settings.quantize.values()):
