@@ -25,6 +25,7 @@ from torch import nn
 from benchmarks.gpu import Lines, phase_parser
 from benchmarks.gpu.models import Clock, paired, relative
 from benchmarks.gpu.shapes import SHAPES, TINY, Shape, build_on_device, inputs_for
+from benchmarks.gpu_check import ARTIFACTS
 from server.engine import CallPlan, ModelShard, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.quantize import Quantization, QuantMode, refusal
@@ -125,7 +126,7 @@ def main() -> None:
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     shapes = TINY if args.quick else SHAPES
     # whether this phase began with an earlier one's (or an earlier run's) artifacts to load
-    seeded = args.cache_dir is not None and any(args.cache_dir.glob("compiled/artifacts-*.bin"))
+    seeded = args.cache_dir is not None and any(args.cache_dir.glob(ARTIFACTS))
     cache = "from cache artifacts" if seeded else "cold"
     for name in args.models:
         rounds = 2 if args.quick else 5
