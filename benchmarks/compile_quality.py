@@ -37,8 +37,9 @@ from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
 from server.engine.hardware.devices import cpu_dtype
 from server.engine.runtime.compile import CompileMode
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.compiling import compile_pipeline
+from server.pipeline import Pipeline
+from server.pipeline.loading.warmup import compile_pipeline
+from server.requests import GenerationRequest
 
 MAX_PIXELS_FLOAT32 = 2.0  # float32_compiled against float32_eager, in 0-255
 

@@ -34,8 +34,9 @@ from server.demo.dataset import COLORS, SHAPES, caption
 from server.demo.evaluate import classify
 from server.demo.sampling import recommended
 from server.demo.train_lora import DEFAULT_OUT, SHAPE
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lorafiles import read_adapter
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import GenerationRequest
 
 Choice = tuple[tuple[str, float], ...]
 CHUNK = 24  # requests per generate call: 48 UNet rows with guidance

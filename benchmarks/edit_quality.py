@@ -28,7 +28,8 @@ from PIL import Image, ImageDraw
 from server.demo import MODEL_DIR
 from server.demo.dataset import COLORS, caption, sample_batch, to_uint8
 from server.demo.evaluate import classify
-from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import Edit, GenerationRequest
 
 STRENGTH = 0.8
 TARGET = 0.8

@@ -67,7 +67,8 @@ def worker(variant: str, rounds: int) -> dict:
         retain_freed_host_memory,
     )
     from server.engine.runtime.pool import ActivationPool, default_pool_budgets
-    from server.pipeline import GenerationRequest, Pipeline
+    from server.pipeline import Pipeline
+    from server.requests import GenerationRequest
 
     settings = VARIANTS[variant]
     libc = ctypes.CDLL("libc.so.6")

@@ -28,7 +28,7 @@ from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.sampling import generate, load_pipeline
 from server.engine.hardware.memory import retain_freed_host_memory
-from server.pipeline.denoise import GenerationRequest, Pipeline
+from server.pipeline.pipeline import GenerationRequest, Pipeline
 
 TARGET_RATIO = 1.0
 BATCH = 8

@@ -57,7 +57,7 @@ from server.engine.planning.calibrate import busy_server
 from server.engine.planning.profile import profile_block_costs, random_twin
 from server.pipeline.families import meta_denoiser
 from server.pipeline.families.sd import SD
-from server.pipeline.loader import read_family
+from server.pipeline.loading.folder import read_family
 
 DTYPE = torch.float32
 ROWS = 2

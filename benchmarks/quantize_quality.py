@@ -43,7 +43,8 @@ from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
 from server.engine.hardware.devices import cpu_dtype
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
 from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder, build_sdxl_folder
 
 BATCH = 8

@@ -35,8 +35,9 @@ from PIL import Image, ImageDraw
 from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.stepcache import OFF, StepCache
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from server.requests.step_cache import OFF, StepCache
 from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
 
 INTERVALS = (2, 3, 5)

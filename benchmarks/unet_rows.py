@@ -17,7 +17,7 @@ import time
 import torch
 
 from server.engine.hardware.memory import retain_freed_host_memory
-from server.pipeline.denoise import Pipeline
+from server.pipeline.pipeline import Pipeline
 
 ROWS = (2, 4, 8, 16)
 

@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 from server.engine.hardware.memory import retain_freed_host_memory
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.stepcache import StepCache
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
 from server.serving import Service
 from tests.tiny_pipelines import build_wan_folder
 from tests.tiny_wan22 import build_wan22_two_expert_folder

@@ -36,11 +36,11 @@ from server.engine.hardware.memory import bound_kernel_cache
 from server.engine.hardware.simulated import install_from_environment
 from server.errors import ConfigError, Draining, PlanError
 from server.pipeline.families import reference_family, reference_names
-from server.pipeline.loader import quiet_libraries, read_family
-from server.pipeline.planning import compare_costs, fits_by_mode, largest_side
-from server.pipeline.quantizing import describe
-from server.planned import check_runs_here, decoder_for, fitted_plan, pixel_limit
+from server.pipeline.loading.folder import quiet_libraries, read_family
+from server.pipeline.loading.model_plan import compare_costs, fits_by_mode, largest_side
+from server.pipeline.loading.quantized_parts import describe
 from server.serving import Runtime
+from server.startup import check_runs_here, decoder_for, fitted_plan, pixel_limit
 
 log = logging.getLogger("diffshard")
 

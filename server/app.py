@@ -43,14 +43,17 @@ from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import GiveWay
 from server.metrics import HttpMetrics, Metrics
 from server.pipeline import Pipeline
-from server.pipeline.attention import serve_attention
-from server.pipeline.compiling import compile_pipeline
-from server.pipeline.controls import MAX_CONTROLS
-from server.pipeline.loader import Components, quiet_libraries, read_family
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.planning import step_knees
-from server.pipeline.quantizing import describe, float8_speed
-from server.planned import (
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.pipeline.loading.attention_calls import serve_attention
+from server.pipeline.loading.folder import Components, quiet_libraries, read_family
+from server.pipeline.loading.model_plan import step_knees
+from server.pipeline.loading.quantized_parts import describe, float8_speed
+from server.pipeline.loading.warmup import compile_pipeline
+from server.requests.control import MAX_CONTROLS
+from server.serving import Runtime, Service
+from server.serving.videos import VideoRunner, open_job_store
+from server.serving.videostore import shown
+from server.startup import (
     check_runs_here,
     decoder_for,
     fitted_plan,
@@ -59,9 +62,6 @@ from server.planned import (
     request_defaults,
     request_limits,
 )
-from server.serving import Runtime, Service
-from server.serving.videos import VideoRunner, open_job_store
-from server.serving.videostore import shown
 
 log = logging.getLogger("diffshard")
 

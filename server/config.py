@@ -38,16 +38,16 @@ from server.engine.hardware.gpus import DEFAULT_PROFILE, PROFILES
 from server.engine.hardware.threads import cpu_quota
 from server.engine.planning.cache import default_cache_dir
 from server.engine.planning.calibrate import cpu_serves_bf16
-from server.engine.runtime.attention_backend import AttentionSetting
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileRoute
+from server.engine.runtime.sdpa_backend import AttentionSetting
 from server.errors import ConfigError
-from server.pipeline.controls import controlnet_folder
+from server.pipeline.conditioning.controlnets import controlnet_folder
 from server.pipeline.families import pipeline_classes
-from server.pipeline.loader import gguf_tensor_bytes, read_family
-from server.pipeline.quantizing import QuantizeSetting, check_parts
-from server.pipeline.stepcache import StepCache
-from server.pipeline.tiling import VaeTiling
+from server.pipeline.loading.folder import gguf_tensor_bytes, read_family
+from server.pipeline.loading.quantized_parts import QuantizeSetting, check_parts
+from server.pipeline.loading.vae_tiling import VaeTiling
+from server.requests.step_cache import StepCache
 from server.serving.videos import RUNNING_VIDEOS
 from server.serving.videostore import default_job_store
 

@@ -18,10 +18,10 @@ from server.engine.hardware.devices import parse_memory_map, parse_size, resolve
 from server.engine.hardware.gpus import gpu_profile
 from server.engine.runtime.pool import ANY_DEVICE
 from server.errors import ConfigError
-from server.pipeline.controls import controlnet_folder
-from server.pipeline.quantizing import QuantizeSetting, parse_quantize
-from server.pipeline.stepcache import StepCache, parse_step_cache
-from server.pipeline.tiling import VaeTiling, parse_vae_tiling
+from server.pipeline.conditioning.controlnets import controlnet_folder
+from server.pipeline.loading.quantized_parts import QuantizeSetting, parse_quantize
+from server.pipeline.loading.vae_tiling import VaeTiling, parse_vae_tiling
+from server.requests.step_cache import StepCache, parse_step_cache
 from server.serving.videostore import parse_job_store
 
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]

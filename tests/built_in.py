@@ -9,10 +9,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.controls import Control
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.stepcache import StepCache
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import Edit, GenerationRequest
+from server.requests.control import Control
+from server.requests.step_cache import StepCache
 
 DEMO = Path(__file__).resolve().parents[1] / "server" / "demo"
 

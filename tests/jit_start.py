@@ -12,8 +12,9 @@ import numpy as np
 
 from server.demo import MODEL_DIR
 from server.engine.runtime.compile import CompileMode
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.compiling import compile_pipeline
+from server.pipeline import Pipeline
+from server.pipeline.loading.warmup import compile_pipeline
+from server.requests import GenerationRequest
 
 REQUEST = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=4.0)
 

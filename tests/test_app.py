@@ -15,7 +15,7 @@ from server.api.errors import domain_response
 from server.app import create_app
 from server.config import Settings
 from server.errors import NotReady, OutOfMemory, StepFailed
-from server.pipeline.requests import SEED_LIMIT
+from server.requests.generation import SEED_LIMIT
 
 
 def request(app, method: str, path: str, **kwargs) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""A frozen graph's attention kernels (`server/engine/runtime/attention.py`): the chunked kernel is
+"""A frozen graph's attention kernels (`server/engine/runtime/cpu_attention.py`): the chunked kernel is
 SDPA's arithmetic, only plain calls are routed to it, each shape's kernel is the one measured
 faster, and a routed function traced with freezing draws its eager outputs."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
-from server.engine.runtime.attention import CHUNK, Routed, Shape, choose_kernels, chunked, plain, routed
+from server.engine.runtime.cpu_attention import CHUNK, Routed, Shape, choose_kernels, chunked, plain, routed
 
 
 def qkv(queries: int, keys: int, dim: int = 40, value_dim: int | None = None) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,4 @@
-"""The attention backend chosen by measurement (`--attention`, engine/runtime/attention_backend.py):
+"""The attention backend chosen by measurement (`--attention`, engine/runtime/sdpa_backend.py):
 the chooser times real SDPA calls on whatever device it is given (here the CPU, where flash and
 math run and efficient and cuDNN raise "No available kernel"), refuses a named backend that cannot
 run, puts its choice first in PyTorch's process-wide order with every backend still enabled, and
@@ -18,8 +18,8 @@ from torch.nn.attention import SDPBackend
 from server.app import create_app, load_service
 from server.config import Settings
 from server.engine.hardware import simulated
-from server.engine.runtime.attention import Recording, Shape
-from server.engine.runtime.attention_backend import (
+from server.engine.runtime.cpu_attention import Recording, Shape
+from server.engine.runtime.sdpa_backend import (
     MEASURED,
     TOP_SHAPES,
     AttentionSetting,
@@ -32,7 +32,7 @@ from server.engine.runtime.attention_backend import (
 )
 from server.errors import ConfigError
 from server.pipeline import Pipeline
-from server.pipeline.attention import attention_calls, serve_attention
+from server.pipeline.loading.attention_calls import attention_calls, serve_attention
 
 FLAGS = ("flash", "mem_efficient", "math", "cudnn")
 

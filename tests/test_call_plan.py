@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.stepcache import StepCache
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
 from server.serving import Service
 from tests.test_lora import random_lora
 from tests.test_parallel import split_lone

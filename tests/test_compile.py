@@ -27,10 +27,11 @@ from PIL import Image, ImageDraw
 from server.engine import CallPlan
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.compiling import compile_pipeline
-from server.pipeline.lora import Adapter, LoraPair
-from server.pipeline.stepcache import StepCache
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.adapters import Adapter, LoraPair
+from server.pipeline.loading.warmup import compile_pipeline
+from server.requests import Edit, GenerationRequest
+from server.requests.step_cache import StepCache
 from tests.tiny_pipelines import IMAGE_SIZE
 
 TOLERANCE = 1e-3
@@ -164,7 +165,7 @@ def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why
     """inductor builds its CPU kernels with a C++ compiler: where none is on the PATH (a slim
     image), auto serves eagerly and says so instead of failing in the background. A tensor
     group's ranks exchange inside a call: auto leaves them eager too."""
-    from server.pipeline.compiling import auto_mode
+    from server.pipeline.loading.warmup import auto_mode
 
     pipeline = Pipeline.load(folders["sd15"], devices="cpu")
     assert auto_mode(pipeline)[0] == CompileMode.FULL
@@ -183,7 +184,7 @@ def test_auto_compiles_each_block_on_a_gpu(folders: dict[str, Path]) -> None:
     """On a GPU a DiT's repeated blocks share one graph (the whole-graph gain is the CPU's frozen
     weights): auto takes blocks on a lone GPU stage, where on the CPU it takes the whole."""
     from server.engine.hardware import simulated
-    from server.pipeline.compiling import auto_mode
+    from server.pipeline.loading.warmup import auto_mode
 
     with simulated.simulate(1):
         pipeline = Pipeline.load(folders["sd15"], devices="cuda:0")
@@ -191,8 +192,8 @@ def test_auto_compiles_each_block_on_a_gpu(folders: dict[str, Path]) -> None:
 
 
 def plan_parallel_for(folder: Path, parallel: str):
-    from server.pipeline.loader import read_family
-    from server.pipeline.planning import plan_model
+    from server.pipeline.loading.folder import read_family
+    from server.pipeline.loading.model_plan import plan_model
 
     family = read_family(folder)
     return plan_model(family, "cpu,cpu", "memory", dtype=torch.float32, batch=2, side=IMAGE_SIZE,
@@ -279,7 +280,7 @@ def test_auto_takes_the_jit_route_where_this_pytorch_lacks_aot_compile(
     from server.config import Settings
     from server.engine.runtime.graphs import CompileRoute, compile_route
     from server.errors import ConfigError
-    from server.planned import check_compile_route
+    from server.startup import check_compile_route
 
     assert compile_route("auto") == CompileRoute.AOT
     real = torch.compile

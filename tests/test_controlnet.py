@@ -29,10 +29,11 @@ from server.engine.denoisers.blocks import DenoiserInputs, walk_plain
 from server.engine.denoisers.specs import spec_for
 from server.engine.denoisers.unet import CONTROL
 from server.engine.runtime.call import CacheAsk
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.controls import Control
-from server.pipeline.edits import Edit
-from server.pipeline.lora import Adapter, LoraPair
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.adapters import Adapter, LoraPair
+from server.requests import GenerationRequest
+from server.requests.control import Control
+from server.requests.edit import Edit
 from tests.conftest import TINY_UNETS
 from tests.test_edits import left_half_mask, source_image
 from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
@@ -233,9 +234,10 @@ def test_a_batch_of_four_rows_each_as_alone_in_shared_calls(
 
 def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() -> None:
     from server.errors import InvalidRequest
-    from server.pipeline.controls import MAX_CONTROLS, ControlNets
+    from server.pipeline.conditioning.controlnets import ControlNets
     from server.pipeline.families.sd import SD
     from server.pipeline.families.sd3 import SD3
+    from server.requests.control import MAX_CONTROLS
 
     nets = ControlNets(SD, torch.device("cpu"), torch.float32)
     nets.loaded["edges"] = torch.nn.Identity()  # checked by name only

@@ -26,8 +26,10 @@ from diffusers import (
 )
 from PIL import Image
 
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.controls import Control, ControlNets
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.controlnets import ControlNets
+from server.requests import GenerationRequest
+from server.requests.control import Control
 from tests.live import LiveServer, live_server
 from tests.test_controlnet import drawn
 from tests.test_controlnet_http import wire
@@ -124,7 +126,7 @@ def test_a_sequence_group_cuts_the_residuals_with_the_image_tokens(flux_controll
     image tokens they add to: the controlled image of one worker, every step a group call."""
     from server.engine import ParallelPlan, plan_shards
     from server.pipeline.families import meta_denoiser
-    from server.pipeline.loader import read_family
+    from server.pipeline.loading.folder import read_family
 
     folder, pipeline, nets = flux_controlled
     request = pipeline.resolve(replace(REQUEST, control=tuple(ASKED["two at once"])))

@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from server.config import Settings
 from server.errors import ConfigError
-from server.pipeline.controls import Control
-from server.pipeline.loader import read_family
-from server.planned import plan_for
+from server.pipeline.loading.folder import read_family
+from server.requests.control import Control
+from server.startup import plan_for
 from tests.live import LiveServer, live_server
 from tests.test_controlnet import (
     ASKED,

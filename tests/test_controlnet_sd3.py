@@ -26,8 +26,10 @@ from diffusers import (
     StableDiffusion3ControlNetPipeline,
 )
 
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.controls import Control, ControlNets
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.controlnets import ControlNets
+from server.requests import GenerationRequest
+from server.requests.control import Control
 from tests.test_controlnet import drawn
 from tests.tiny_pipelines import diffusers_image
 

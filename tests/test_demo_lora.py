@@ -17,8 +17,9 @@ from server.demo.dataset import COLORS, SHAPES, caption, sample_batch
 from server.demo.evaluate import Verdict, classify
 from server.demo.tokenizer import WORDS
 from server.demo.train_lora import ADAPTERS_DIR
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lorafiles import read_adapter
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import GenerationRequest
 
 ADAPTER = ADAPTERS_DIR / "diamond.safetensors"
 DIAMOND = (("diamond", 1.0),)

@@ -25,9 +25,10 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image, ImageDraw
 
 from server.errors import InvalidRequest
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.images import to_uint8
-from server.pipeline.schedulers import make_scheduler
+from server.media.images import to_uint8
+from server.pipeline import Pipeline
+from server.pipeline.steps.schedulers import make_scheduler
+from server.requests import Edit, GenerationRequest
 from tests.tiny_pipelines import IMAGE_SIZE, build_sd15_inpainting_folder
 
 TOLERANCE = 1e-3

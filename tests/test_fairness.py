@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.pipeline import GenerationRequest
+from server.requests import GenerationRequest
 from server.serving.jobs import Job
 from server.serving.lineup import Lineup
 from tests.live import LiveServer, live_server

@@ -52,15 +52,17 @@ from server.engine.hardware.devices import worker_names
 from server.engine.planning.calibrate import RUN_S
 from server.engine.planning.calibrate import _rate as calibrate_rate
 from server.engine.runtime.pool import ActivationPool
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.cachedstep import keep
-from server.pipeline.clips import Clip
-from server.pipeline.edits import blend, first_latents
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.adapters import Adapter, LoraPair
+from server.pipeline.conditioning.edits import blend, first_latents
 from server.pipeline.families.base import Family, ModelConfig
-from server.pipeline.loader import Components
-from server.pipeline.lora import Adapter, LoraPair
-from server.pipeline.requests import Defaults
-from server.pipeline.stepcache import RowCache, StepCache
+from server.pipeline.loading.folder import Components
+from server.pipeline.steps.caching import keep
+from server.pipeline.steps.state import RowCache
+from server.requests import Edit, GenerationRequest
+from server.requests.clip import Clip
+from server.requests.generation import Defaults
+from server.requests.step_cache import StepCache
 from server.serving.calls import WatchedCalls
 from tests.tiny_pipelines import IMAGE_SIZE, SD_SCHEDULE, TEXT_DIM, _text_config, _unet, _vae
 

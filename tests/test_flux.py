@@ -19,7 +19,8 @@ from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
 from PIL import Image
 
 from server.errors import InvalidRequest
-from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import Edit, GenerationRequest
 from tests.conftest import Cli
 from tests.live import live_server
 from tests.test_edits import left_half_mask, source_image

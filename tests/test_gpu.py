@@ -30,7 +30,8 @@ from server.engine import (
 )
 from server.engine.hardware.devices import worker_names
 from server.engine.runtime.graphs import CompileStats, GraphStore
-from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import Edit, GenerationRequest
 from server.serving.housekeeping import empty_device_caches
 from tests.built_in import rows_of_every_kind, with_make_run_parts
 from tests.reference import diffusers_forward
@@ -377,8 +378,8 @@ def test_a_flux_shaped_tensor_group_of_two_gpus_equals_one_and_takes_at_most_06_
 def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Path, family: str) -> None:
     """Parity on CUDA: every rank's slice and exchange on its own device (issue 40), or both
     ranks on one GPU (each its own replica's weights)."""
-    from server.pipeline.loader import read_family
-    from server.pipeline.planning import plan_model
+    from server.pipeline.loading.folder import read_family
+    from server.pipeline.loading.model_plan import plan_model
     from tests.tiny_pipelines import build_sd3_folder
 
     folder = (build_flux_folder if family == "flux" else build_sd3_folder)(tmp_path / family)

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from server.pipeline import GenerationRequest
+from server.requests import GenerationRequest
 from server.serving.calls import WatchedCalls
 from server.serving.health import STUCK_AFTER, Heartbeat, Watchdog, is_out_of_memory, is_sticky
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from server.demo import MODEL_DIR
 from server.errors import ModelFolderError
-from server.pipeline.loader import load_components, read_family
+from server.pipeline.loading.folder import load_components, read_family
 
 
 def test_built_in_model_loads_every_component_in_the_asked_dtype() -> None:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from server.errors import DeadlineExceeded, Draining, NotReady, Overloaded
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
 from server.serving import Limits, Service
 from tests.waiting import wait_until
 

@@ -30,10 +30,11 @@ from server.config import Settings
 from server.demo import MODEL_DIR
 from server.engine.runtime.call import AdapterRows
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lora import RowsMismatch
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.schedulers import make_scheduler
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.adapters import RowsMismatch
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.pipeline.steps.schedulers import make_scheduler
+from server.requests import GenerationRequest
 from tests.live import LiveServer, free_port, live_server
 from tests.tiny_pipelines import diffusers_image
 

@@ -10,7 +10,8 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from server.metrics import CATALOG, Metrics, metric_name
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
 from server.serving import Runtime, Service
 
 ROOT = Path(__file__).resolve().parents[1]

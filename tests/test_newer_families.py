@@ -35,12 +35,13 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from server.engine import ModelShard, ParallelPlan, plan_shards
-from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
 from server.pipeline.families import meta_denoiser
-from server.pipeline.loader import read_family
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.state import group_states
-from server.pipeline.stepcache import StepCache
+from server.pipeline.loading.folder import read_family
+from server.pipeline.steps.state import group_states
+from server.requests import Edit, GenerationRequest
+from server.requests.step_cache import StepCache
 from tests.live import live_server
 from tests.test_edits import left_half_mask, source_image
 from tests.test_lora import random_pairs
@@ -581,7 +582,7 @@ def test_a_guided_and_a_cached_row_step_over_two_fake_gpus(built, name: str) -> 
     """The fake-GPU harness (tests/test_fake_gpu.py): the transformer split over fake cuda:0 and
     cuda:1, the encoders and VAE on the CPU; one call of a guided row beside a cached one lands on
     cuda:0 in the latents' shape: no tensor of the spec or the family is made on the wrong device."""
-    from server.pipeline.loader import load_components
+    from server.pipeline.loading.folder import load_components
     from tests.test_fake_gpu import FakeCuda
 
     components = load_components(built(name))
@@ -612,8 +613,8 @@ def test_operator_defaults_a_model_cannot_serve_stop_the_start(built) -> None:
     """Named with the setting: guidance for a model without a guidance input, steps over the limit."""
     from server.config import Settings
     from server.errors import ConfigError
-    from server.pipeline.requests import read_defaults
-    from server.planned import request_defaults
+    from server.pipeline.resolve import read_defaults
+    from server.startup import request_defaults
 
     folder = built("qwen-image")
     family = read_family(folder)

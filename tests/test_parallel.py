@@ -368,7 +368,7 @@ def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, s
     image, each worker's busy seconds and the loop's stats."""
     from server.pipeline import Pipeline
     from server.pipeline.families import meta_denoiser
-    from server.pipeline.loader import read_family
+    from server.pipeline.loading.folder import read_family
     from server.serving import Service
 
     one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
@@ -386,7 +386,8 @@ def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(fo
     """A compiled decoder runs the threads it was built with (a lane's 1): with the other replica
     idle, a lone image's decode runs eagerly on both cores instead, and draws the same image,
     whether or not the plan splits a lone request's rows (not: its denoiser calls stay on one)."""
-    from server.pipeline import GenerationRequest, Pipeline
+    from server.pipeline import Pipeline
+    from server.requests import GenerationRequest
 
     through_graph: list[int] = []
 
@@ -411,7 +412,8 @@ def test_a_lone_decode_takes_the_idle_cores_eagerly_not_a_graph_built_for_one(fo
 def test_a_lone_request_split_over_idle_replicas_gives_the_unsplit_image(folders) -> None:
     """With a plan that splits lone requests, one request's guidance halves run on both replicas
     at once (both workers busy), and its image is the one-worker image within 1e-3."""
-    from server.pipeline import GenerationRequest, Pipeline
+    from server.pipeline import Pipeline
+    from server.requests import GenerationRequest
 
     request = [GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=5.0)]
     alone = Pipeline.load(folders["sd15"], devices="cpu").generate(request)[0]

@@ -17,9 +17,10 @@ from PIL import Image
 
 from server.demo import MODEL_DIR
 from server.errors import InvalidRequest
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.images import encode_async, encode_png, to_uint8
-from server.pipeline.schedulers import make_scheduler
+from server.media.images import encode_async, encode_png, to_uint8
+from server.pipeline import Pipeline
+from server.pipeline.steps.schedulers import make_scheduler
+from server.requests import GenerationRequest
 from tests.tiny_pipelines import BUILDERS, diffusers_image
 
 REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}

@@ -30,11 +30,12 @@ from server.demo.evaluate import classify
 from server.engine.hardware.devices import cpu_dtype, planning_absent_devices
 from server.engine.planning import calibrate
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
-from server.pipeline import Edit, GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
 from server.pipeline.families import Family, Flux, reference_family
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.planning import fits_by_mode, largest_side, plan_model
-from server.pipeline.quantizing import float8_speed, parse_quantize, part_quantizations
+from server.pipeline.loading.model_plan import fits_by_mode, largest_side, plan_model
+from server.pipeline.loading.quantized_parts import float8_speed, parse_quantize, part_quantizations
+from server.requests import Edit, GenerationRequest
 from tests.live import live_server
 from tests.test_edits import left_half_mask, source_image
 from tests.test_lora import random_lora

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from server.demo import MODEL_DIR
-from server.pipeline.adapters import ChangeLock
+from server.pipeline.conditioning.live_changes import ChangeLock
 from tests.live import LiveServer, live_server
 from tests.test_controlnet import folder_controlnet
 from tests.test_lora import random_lora

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from server.errors import ModelFolderError
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.loader import read_family
-from server.pipeline.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES, make_scheduler
+from server.pipeline import Pipeline
+from server.pipeline.loading.folder import read_family
+from server.pipeline.steps.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES, make_scheduler
+from server.requests import GenerationRequest
 
 # DEIS's step calls numpy on tensors, which numpy 2 warns will change
 pytestmark = pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning")

@@ -19,7 +19,8 @@ import pytest
 from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
 from server.serving import Service
 from tests.live import live_server
 from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image

@@ -31,9 +31,10 @@ from server.engine import CallPlan, ModelShard, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, SequenceSplit
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.sequence import Group, Rank, chunks, groups_for, run_sequence
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.deployment import Lane
-from server.pipeline.stepcache import StepCache
+from server.pipeline import Pipeline
+from server.pipeline.loading.deployment import Lane
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
 from tests.conftest import Cli
 from tests.live import LiveServer, live_server
 from tests.tiny_pipelines import diffusers_image
@@ -269,9 +270,9 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
     """One engine path: a request with a LoRA adapter and first-block caching on an int8-dynamic
     base, as a group of two (every call: `--parallel sequence`), gives its one-worker image."""
     from server.engine import ParallelPlan
+    from server.pipeline.conditioning.lora_keys import read_adapter
     from server.pipeline.families import meta_denoiser
-    from server.pipeline.loader import read_family
-    from server.pipeline.lorafiles import read_adapter
+    from server.pipeline.loading.folder import read_family
     from tests.test_lora import random_lora
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")

@@ -31,9 +31,10 @@ from server.demo import MODEL_DIR
 from server.engine.hardware import simulated
 from server.engine.runtime.replicas import build_shards
 from server.engine.runtime.sequence import Group
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.loader import read_family
-from server.pipeline.planning import plan_model
+from server.pipeline import Pipeline
+from server.pipeline.loading.folder import read_family
+from server.pipeline.loading.model_plan import plan_model
+from server.requests import GenerationRequest
 from server.serving import Service
 from tests.built_in import rows_of_every_kind, with_make_run_parts
 from tests.live import live_server
@@ -204,7 +205,7 @@ def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_fir
     layer on the second runs with its GPU set, and the thread's own device is back after."""
     import copy
 
-    from server.pipeline.parts import layer_devices, spread_encoder
+    from server.pipeline.loading.parts import layer_devices, spread_encoder
     from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
 
     tokenizer = build_mistral_tokenizer()
@@ -239,7 +240,7 @@ def test_a_text_encoder_converted_where_it_lives_holds_one_layer_at_a_time_in_it
     piece as each is placed: the GPU's peak is the converted encoder and one piece unconverted,
     not the whole encoder in its first dtype (which the plan never counted). A bfloat16 cast of a
     float32 encoder stands in for the conversion (torchao's tensors do not run simulated)."""
-    from server.pipeline.parts import spread_encoder
+    from server.pipeline.loading.parts import spread_encoder
     from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
 
     torch.manual_seed(0)

@@ -16,9 +16,10 @@ from server.engine.denoisers.specs import spec_for
 from server.engine.planning.plan import Stage
 from server.engine.runtime.call import CacheAsk
 from server.errors import InvalidRequest
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.lorafiles import read_adapter
-from server.pipeline.stepcache import StepCache, parse_step_cache
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache, parse_step_cache
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
 from tests.reference import diffusers_forward
 from tests.test_dit import tiny_sd3_transformer

@@ -22,7 +22,8 @@ from PIL import Image
 
 from server.api.streaming import KEEPALIVE, Feed, image_events
 from server.errors import Cancelled
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
 from server.serving import Job
 from tests.live import LiveServer, live_server, sse
 from tests.waiting import wait_until

@@ -17,9 +17,10 @@ from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.tensor import run_tensor, split_model
 from server.errors import PlanError
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.loader import read_family
-from server.pipeline.planning import plan_model
+from server.pipeline import Pipeline
+from server.pipeline.loading.folder import read_family
+from server.pipeline.loading.model_plan import plan_model
+from server.requests import GenerationRequest
 from tests.test_sequence import tiny_transformers
 
 RANK_SHARE = 0.55  # the issue's bound: a rank holds at most this part of the split blocks' bytes
@@ -82,7 +83,7 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
     """`--devices cpu,cpu --parallel tensor`: the planner's group of two, each rank's plan
     counting its share; guided and plain images (two rows and one, batched; Wan's videos) within
     2/255 of one device's, and first-block caching agreed over the ranks."""
-    from server.pipeline.stepcache import StepCache
+    from server.requests.step_cache import StepCache
 
     folder = folders[name]
     one = Pipeline.load(folder, devices="cpu")
@@ -134,8 +135,8 @@ def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_a
     where the layer's outputs are cut, A's columns where its inputs are, the partial deltas
     summed), so a LoRA image equals one int8 device's within 2/255; a LoRA row, a
     first-block-cached one and a plain one in one call each equal what they give alone within 1e-3."""
-    from server.pipeline.lorafiles import read_adapter
-    from server.pipeline.stepcache import StepCache
+    from server.pipeline.conditioning.lora_keys import read_adapter
+    from server.requests.step_cache import StepCache
     from tests.test_lora import random_lora
 
     sd3 = folders["sd3"]
@@ -172,7 +173,7 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     split, its convolutions whole on every rank; equal to the unsplit call. What that gains: a
     rank holds 84% of those blocks' bytes on the tiny SD 1.5 (its Linear layers are 27% of it;
     SD 1.5's are about a third)."""
-    from server.pipeline.loader import load_components
+    from server.pipeline.loading.folder import load_components
     from tests.tiny_pipelines import build_sd15_folder
 
     model = load_components(build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")).denoiser
@@ -189,7 +190,7 @@ def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> No
     single-block projections as packed parts; Qwen-Image's modulation gathered beside it), Z-Image
     by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve): a group of
     two equals the unsplit call, each rank ≤ 0.55 of the split blocks."""
-    from server.pipeline.loader import load_components
+    from server.pipeline.loading.folder import load_components
     from tests.tiny_flux2 import build_flux2_folder
     from tests.tiny_qwenimage import build_qwen_image_folder
     from tests.tiny_zimage import build_zimage_pipeline
@@ -319,7 +320,7 @@ def test_the_planner_prices_each_exchange_a_tensor_groups_block_makes() -> None:
     from server.engine.planning.sequence import Link
     from server.engine.planning.tensor import Exchanges, tensor_exchanges
     from server.pipeline.families import reference_family
-    from server.pipeline.planning import meta_denoiser
+    from server.pipeline.loading.model_plan import meta_denoiser
 
     counted = {}
     for name in ("flux-dev", "wan-14b"):

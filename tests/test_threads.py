@@ -119,7 +119,7 @@ def test_a_process_pinned_to_one_cpu_sees_one() -> None:
 def test_a_lone_call_takes_the_idle_replicas_threads_and_gives_them_back() -> None:
     """`Lane.idle_cores`: a lane of 1 thread with one idle replica runs a decode on 2, then 1 again;
     with none idle (or a lane leaving torch's threads alone) nothing changes."""
-    from server.pipeline.deployment import Lane
+    from server.pipeline.loading.deployment import Lane
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

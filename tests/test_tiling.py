@@ -21,11 +21,12 @@ from server.__main__ import main
 from server.config import Settings
 from server.engine.runtime.compile import CompiledDecoder, run_decoder
 from server.engine.runtime.graphs import CompileStats, GraphStore
-from server.pipeline import Edit, GenerationRequest, Pipeline
-from server.pipeline.loader import read_family
-from server.pipeline.tiling import VaeShape, VaeTiling, decoder_memory, decoder_peak, set_tiling
-from server.planned import decoder_for, plan_for, request_limits
+from server.pipeline import Pipeline
+from server.pipeline.loading.folder import read_family
+from server.pipeline.loading.vae_tiling import VaeShape, VaeTiling, decoder_memory, decoder_peak, set_tiling
+from server.requests import Edit, GenerationRequest
 from server.serving.limits import check_limits
+from server.startup import decoder_for, plan_for, request_limits
 from tests.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
 
 PIXEL = 2 / 255
@@ -123,7 +124,7 @@ def test_a_video_vaes_peak_counted_on_meta_is_within_15_percent_of_the_cpu_alloc
     from diffusers import AutoencoderKLWan
 
     from server.pipeline.families.wan import WAN_VAE
-    from server.pipeline.tiling import video_decoder_peak
+    from server.pipeline.loading.vae_tiling import video_decoder_peak
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan.from_config(WAN_VAE).eval()
@@ -195,11 +196,11 @@ def test_a_long_clips_decode_peak_is_extrapolated_from_two_counts_within_2_perce
     """Past COUNTED_LATENT_FRAMES the peak is extrapolated (a meta run of a plan's longest clip,
     hundreds of latent frames, would take minutes): against a count of 40 latent frames."""
     from server.pipeline.families.wan import WAN_VAE
-    from server.pipeline.tiling import _VIDEO_PEAKS, COUNTED_LATENT_FRAMES, video_decoder_peak
+    from server.pipeline.loading.vae_tiling import _VIDEO_PEAKS, COUNTED_LATENT_FRAMES, video_decoder_peak
 
     extrapolated = video_decoder_peak(WAN_VAE, 64, 40, torch.float32)
     assert COUNTED_LATENT_FRAMES < 40 and not any(key[2] == 40 for key in _VIDEO_PEAKS)  # not run
-    with patch("server.pipeline.tiling.COUNTED_LATENT_FRAMES", 40):
+    with patch("server.pipeline.loading.vae_tiling.COUNTED_LATENT_FRAMES", 40):
         counted = video_decoder_peak(WAN_VAE, 64, 40, torch.float32)
     assert abs(extrapolated - counted) <= 0.02 * counted, (extrapolated, counted)
 

@@ -20,8 +20,8 @@ from server.engine.runtime.tracing import (
     compiling_on_this_thread,
     trace_gate,
 )
-from server.pipeline.adapters import CHANGES
-from server.pipeline.lora import Adapter, AdapterSet, LoraPair, Target
+from server.pipeline.conditioning.adapters import Adapter, AdapterSet, LoraPair, Target
+from server.pipeline.conditioning.live_changes import CHANGES
 from tests.waiting import wait_until
 
 DEADLINE_S = 30

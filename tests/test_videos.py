@@ -22,7 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
-from server.pipeline import GenerationRequest
+from server.requests import GenerationRequest
 from tests.live import free_port, live_server, sse
 from tests.redis_server import redis_server
 from tests.test_wan import random_wan_lora, wan_pipeline_video

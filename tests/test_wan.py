@@ -16,8 +16,9 @@ from server.engine import CallPlan, ModelShard, layout_of, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, TensorPart, part, tensor_bytes
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.sequence import run_sequence
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.clips import Clip
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from server.requests.clip import Clip
 
 
 def tiny_wan() -> WanTransformer3DModel:
@@ -151,7 +152,7 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
     and 5th steps; split: a 6-step video as a sequence group of 2."""
     from server.engine import ParallelPlan
     from server.pipeline.families import meta_denoiser
-    from server.pipeline.loader import read_family
+    from server.pipeline.loading.folder import read_family
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
     asked = (("a red circle", 3, 20, 5.0), ("a blue square", 4, 6, 5.0), ("a green line", 5, 6, 1.0))
@@ -220,7 +221,7 @@ def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -
 def test_frames_are_checked_against_the_model(wan_folder) -> None:
     from server.errors import InvalidRequest
     from server.pipeline.families import reference_family
-    from server.pipeline.requests import read_defaults, resolve
+    from server.pipeline.resolve import read_defaults, resolve
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
     wan = reference_family("wan-1.3b")  # WanPipeline's default size, where the model runs it
@@ -308,8 +309,8 @@ def test_adapters_step_caching_and_int8_compose_for_videos(
     only to a rounding, which int8's activations turn into a whole int8 step the next call."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from server.pipeline.lorafiles import read_adapter
-    from server.pipeline.stepcache import StepCache
+    from server.pipeline.conditioning.lora_keys import read_adapter
+    from server.requests.step_cache import StepCache
     from server.serving import Service
     from tests.tiny_pipelines import build_wan_folder
 
@@ -375,9 +376,10 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
 def test_a_clip_is_sized_against_its_own_default_and_within_max_pixels(tmp_path) -> None:
     from server.config import Settings
     from server.pipeline.families import reference_family
-    from server.pipeline.requests import read_defaults, size_warning
-    from server.planned import request_limits
+    from server.pipeline.resolve import read_defaults
+    from server.requests.generation import size_warning
     from server.serving.limits import fit_defaults
+    from server.startup import request_limits
 
     family = reference_family("wan-1.3b")
     defaults = read_defaults(tmp_path, family)
@@ -397,9 +399,9 @@ def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp
     from server.config import Settings
     from server.errors import InvalidRequest
     from server.pipeline.families import reference_family
-    from server.pipeline.requests import read_defaults, with_defaults
-    from server.planned import request_limits
+    from server.pipeline.resolve import read_defaults, with_defaults
     from server.serving.limits import check_limits
+    from server.startup import request_limits
 
     family = reference_family("wan-14b")
     limits, defaults = request_limits(Settings(max_batch=8), family), read_defaults(tmp_path, family)
@@ -497,8 +499,9 @@ def test_a_first_frame_is_asked_where_the_model_takes_one_and_refused_elsewhere(
     wan_folder, wan_i2v_folder
 ) -> None:
     from server.errors import InvalidRequest
-    from server.pipeline.loader import read_family
-    from server.pipeline.requests import Defaults, resolve
+    from server.pipeline.loading.folder import read_family
+    from server.pipeline.resolve import resolve
+    from server.requests.generation import Defaults
 
     t2v, i2v = read_family(wan_folder), read_family(wan_i2v_folder)
     defaults = Defaults(2, 5.0, "default", 32, 16, clip=Clip(9, (32, 32), 4))

@@ -16,8 +16,9 @@ import torch
 from PIL import Image
 
 from server.errors import InvalidRequest, ModelFolderError, PlanError
-from server.pipeline import GenerationRequest, Pipeline
+from server.pipeline import Pipeline
 from server.pipeline.families import reference_family
+from server.requests import GenerationRequest
 from tests.tiny_wan22 import TI2V_SIZE, wan_video
 
 VIDEO = {"width": 32, "height": 32, "frames": 9}
@@ -91,7 +92,7 @@ def test_three_videos_either_side_of_the_boundary_step_together_as_each_alone(a1
 def test_first_block_caching_refreshes_at_the_expert_switch(a14b) -> None:
     """A cached video never reuses the high-noise expert's features in the low-noise expert:
     the first low step refreshes, whatever the threshold."""
-    from server.pipeline.stepcache import StepCache
+    from server.requests.step_cache import StepCache
 
     cached = a14b.resolve(
         GenerationRequest(
@@ -297,7 +298,7 @@ def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_
     from diffusers import WanPipeline
     from safetensors.torch import load_file, save_file
 
-    from server.pipeline.lorafiles import read_adapter
+    from server.pipeline.conditioning.lora_keys import read_adapter
     from tests.test_wan import random_wan_lora
 
     high = random_wan_lora(a14b_folder, tmp_path / "high.safetensors", 1)
@@ -348,8 +349,8 @@ def test_experts_apart_each_on_its_own_worker_give_what_one_device_gives(a14b, a
     distinct GPUs); videos either side of the boundary stepped together equal one device's, and
     each worker holds one expert's bytes."""
     from server.engine.denoisers.blocks import tensor_bytes
-    from server.pipeline.loader import read_family
-    from server.pipeline.planning import plan_model
+    from server.pipeline.loading.folder import read_family
+    from server.pipeline.loading.model_plan import plan_model
 
     family = read_family(a14b_folder)
     plan = plan_model(family, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=32,

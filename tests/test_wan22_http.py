@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from server.pipeline import GenerationRequest
+from server.requests import GenerationRequest
 from tests.live import live_server
 from tests.tiny_wan22 import TI2V_SIZE, wan_video
 from tests.waiting import wait_until

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
-    from server.pipeline import GenerationRequest
+    from server.requests import GenerationRequest
 
 BOUNDARY_RATIO_T2V = 0.875  # Wan2.2-T2V-A14B (WanPipeline)
 BOUNDARY_RATIO_I2V = 0.9  # Wan2.2-I2V-A14B (WanImageToVideoPipeline)

@@ -47,7 +47,7 @@ from benchmarks.gpu.shapes import SHAPES, build_on_device
 from server.app import create_app
 from server.config import Settings
 from server.pipeline.families.flux import CLIP_L, FLUX1, FLUX_VAE, T5_XXL_ENCODER
-from server.pipeline.loader import Components, class_of, read_family
+from server.pipeline.loading.folder import Components, class_of, read_family
 from tests.live import free_port
 from tests.tiny_pipelines import (
     FLUX_DEV_SCHEDULE,

@@ -18,7 +18,8 @@ from server.api.multipart import FormLimits, read_form
 from server.api.schemas import ImageEditRequest
 from server.api.uploads import MASK_FORMATS, mask_to_repaint, read_image
 from server.errors import InvalidRequest
-from server.serving import Edit, Limits
+from server.requests import Edit
+from server.serving import Limits
 
 JSON_FIELDS = ("lora", "step_cache", "control")  # step_cache: a policy's name, or JSON
 MAX_FORM_FIELDS = 64  # text fields: the body's fields, each once

@@ -28,14 +28,8 @@ from server.api.schemas import (
     ImageEditRequest,
 )
 from server.api.videos import VideoCreateRequest
-from server.serving import (
-    DEFAULT_INTERVAL,
-    DEFAULT_THRESHOLD,
-    FORMATS,
-    MAX_INTERVAL,
-    MAX_MODEL_STEPS,
-    SEED_LIMIT,
-)
+from server.media.images import FORMATS
+from server.requests import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_INTERVAL, MAX_MODEL_STEPS, SEED_LIMIT
 
 ERROR_SCHEMA = {
     "type": "object",

@@ -26,7 +26,8 @@ from server.api.schemas import (
     read_controls,
 )
 from server.api.streaming import EVENTS, Feed, image_events
-from server.serving import Job, Service, encode_async
+from server.media.images import encode_async
+from server.serving import Job, Service
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 WARNING_HEADER = "x-diffshard-warning"  # e.g. a size the model was not trained at: said, not refused

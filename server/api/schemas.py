@@ -27,16 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.api.uploads import read_base64_image
 from server.errors import InvalidRequest
-from server.serving import (
-    FORMATS,
-    MAX_CONTROLS,
-    SEED_LIMIT,
-    Control,
-    Edit,
-    GenerationRequest,
-    Limits,
-    parse_step_cache,
-)
+from server.media.images import FORMATS
+from server.requests import MAX_CONTROLS, SEED_LIMIT, Control, Edit, GenerationRequest, parse_step_cache
+from server.serving import Limits
 
 MAX_GUIDANCE = 100.0
 RANDOM_SEED = -1  # as A1111's: the server draws one (and answers it with each image)

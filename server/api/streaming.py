@@ -48,7 +48,8 @@ import numpy as np
 from server.api.errors import domain_response
 from server.api.schemas import Usage
 from server.errors import Rejected
-from server.serving import Job, encode_async, to_uint8
+from server.media.images import encode_async, to_uint8
+from server.serving import Job
 
 KINDS = ("image_generation", "image_edit")
 EVENTS = (

@@ -32,7 +32,8 @@ from server.api.schemas import MAX_GUIDANCE, RANDOM_SEED, SEED_LIMIT, checked_lo
 from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
-from server.serving import GenerationRequest, Service, frames_for, parse_step_cache, seconds_of
+from server.requests import GenerationRequest, frames_for, parse_step_cache, seconds_of
+from server.serving import Service
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import Content, VideoJob
 

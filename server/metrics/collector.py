@@ -21,7 +21,7 @@ from server import __version__
 from server.engine.hardware.memory import resident_bytes
 from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
-from server.serving import KINDS
+from server.requests import KINDS
 from server.serving.stats import CACHE_OUTCOMES, CALLS, DeviceView, Distribution, LoopStats, Snapshot
 from server.serving.videostore import STATUSES
 

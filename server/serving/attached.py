@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from server.errors import InvalidRequest, ModelFolderError
-from server.pipeline import GenerationRequest, Pipeline
-from server.pipeline.adapters import adapter_file
-from server.pipeline.controls import runtime_controlnet
-from server.pipeline.lorafiles import read_adapter
+from server.pipeline import Pipeline
+from server.pipeline.conditioning.controlnets import runtime_controlnet
+from server.pipeline.conditioning.live_changes import adapter_file
+from server.pipeline.conditioning.lora_keys import read_adapter
+from server.requests import GenerationRequest
 
 log = logging.getLogger("diffshard")
 

@@ -10,8 +10,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from server.pipeline import Pipeline, trace_gate
-from server.pipeline.state import RequestState
+from server.engine.runtime.tracing import trace_gate
+from server.pipeline import Pipeline
+from server.pipeline.steps.state import RequestState
 from server.serving.faults import inject_fault
 from server.serving.health import Heartbeat, Watchdog
 from server.serving.stats import CALLS, LoopStats

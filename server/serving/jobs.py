@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from server.errors import Cancelled, DeadlineExceeded, OutOfMemory, Rejected, StepFailed
-from server.pipeline.requests import GenerationRequest
-from server.pipeline.state import RequestState
+from server.pipeline.steps.state import RequestState
+from server.requests.generation import GenerationRequest
 from server.serving.health import is_out_of_memory
 
 

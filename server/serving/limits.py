@@ -1,6 +1,6 @@
 """The service's policy limits, applied to requests once the model's defaults are filled in (so a
 limit binds the defaults as much as what a client sent) and before the model's own invariants
-(`server/pipeline/requests.py`) are checked. Each error names the field and the setting that
+(`server/pipeline/resolve.py`) are checked. Each error names the field and the setting that
 bounds it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from server.errors import InvalidRequest
-from server.pipeline import Defaults, GenerationRequest
-from server.pipeline.clips import Clip
 from server.pipeline.families import Family
-from server.pipeline.planning import largest_side
+from server.pipeline.loading.model_plan import largest_side
+from server.requests import Defaults, GenerationRequest
+from server.requests.clip import Clip
 
 log = logging.getLogger("diffshard")
 
@@ -35,7 +35,7 @@ class Limits:
     # one video's rows x latent frames x pixels: what the plan's activation reserve holds a step
     # (--max-batch rows of the model's default clip at the largest size); a row is not split
     max_clip: float = math.inf
-    clip: Clip | None = None  # the video family's (clips.py): the default clip the reserve is sized by
+    clip: Clip | None = None  # the video family's (requests/clip.py): the clip the reserve is sized by
 
     def deadline(self, video: bool) -> tuple[float, str]:
         """A job's seconds from arrival, and the setting that sets them (said when it runs out)."""

@@ -28,8 +28,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from server.engine.hardware.threads import take_thread
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
-from server.pipeline import Pipeline, RequestState, group_states, take_thread
+from server.pipeline import Pipeline
+from server.pipeline.steps.state import RequestState, group_states
 from server.serving.activity import Activity
 from server.serving.calls import WatchedCalls
 from server.serving.health import is_out_of_memory

@@ -8,8 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.engine.runtime.graphs import CompileStats
 from server.errors import NotReady
-from server.pipeline import CompileStats
 from server.serving.service import Service
 from server.serving.stats import Snapshot, rejections
 

@@ -16,9 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from server.pipeline import GenerationRequest, Pipeline, size_warning
-from server.pipeline.clips import Clip
-from server.pipeline.loader import closed_vocabulary
+from server.pipeline import Pipeline
+from server.pipeline.loading.folder import closed_vocabulary
+from server.requests import GenerationRequest
+from server.requests.clip import Clip
+from server.requests.generation import size_warning
 from server.serving.attached import Attached
 from server.serving.housekeeping import IDLE_S, Housekeeper
 from server.serving.jobs import Job

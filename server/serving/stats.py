@@ -10,7 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.pipeline import DeviceMemory, PoolStats
+from server.engine import DeviceMemory
+from server.engine.runtime.pool import PoolStats
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

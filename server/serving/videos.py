@@ -36,9 +36,9 @@ from server.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from server.pipeline import GenerationRequest
-from server.pipeline.stepcache import StepCache
-from server.pipeline.videofiles import VARIANTS, video_files
+from server.media.videos import VARIANTS, video_files
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
 from server.serving.faults import slow_encode
 from server.serving.sqlitestore import SqliteJobStore
 from server.serving.videolease import Lease

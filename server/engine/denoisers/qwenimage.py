@@ -12,7 +12,7 @@ forward adds them (laid out one a block by `begin`, as FLUX.1's).
 
 Prompts differ in length: each row's text tokens come zero-padded to `TEXT_TOKENS` with a mask
 (`encoder_hidden_states_mask`, which the attention processor joins to the image's), a call's cut
-to the columns its longest row uses, rounded up to `TEXT_BUCKET` (`pipeline/state.py`: the host
+to the columns its longest row uses, rounded up to `TEXT_BUCKET` (`pipeline/steps/state.py`: the host
 knows the lengths; reading them here waited for the GPU every call). Rows of different prompts
 share a call, their padding masked out of attention (equal to diffusers' unpadded lone prompt
 within 1e-6).

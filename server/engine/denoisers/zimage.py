@@ -81,7 +81,7 @@ class ZImageTransformerSpec:
         tokens = image_tokens = (h // 2) * (w // 2)
         image_pad = -image_tokens % MULTIPLE
         # the call's columns come cut on the host to those its longest caption uses, bucketed
-        # (`pipeline/state.py`), the rest masked as diffusers masks its batch padding; per row, its
+        # (`pipeline/steps/state.py`), the rest masked as diffusers masks its batch padding; per row, its
         # caption's tokens and those padded to a multiple of MULTIPLE, counted on the device
         # (read here, they waited for the GPU every call)
         lengths = caption_lengths(mask, rows["context"])[:, None]

@@ -8,7 +8,7 @@ bounded (`freeze_budget`); the buckets warmed first freeze first, the rest compi
 frozen graph is a function holding its model (`own_code`), compiled just in time at every start
 (`GraphStore.frozen`: torch 2.13's `aot_compile` cannot freeze, and inductor's graph cache cannot
 keep oneDNN's tensors). Its attention runs by the kernel measured faster for each of its shapes
-(`attention.py`). Adapters' hooks never reach it: rows with adapters run eagerly on the
+(`cpu_attention.py`). Adapters' hooks never reach it: rows with adapters run eagerly on the
 model's own weights, which nothing here changes in place."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from server.engine.denoisers.blocks import tensor_bytes
-from server.engine.runtime.attention import choose_kernels, routed
+from server.engine.runtime.cpu_attention import choose_kernels, routed
 from server.engine.runtime.graphs import GraphStore, own_code
 
 log = logging.getLogger("diffshard")

@@ -21,10 +21,10 @@ from torch import nn
 
 from server.engine.denoisers.blocks import TEXT_MASK
 from server.errors import ModelFolderError
-from server.pipeline.clips import Clip
-from server.pipeline.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES
+from server.pipeline.steps.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES
+from server.requests.clip import Clip
 
-# SD-style families run every scheduler in schedulers.py, beside "default" (the folder's own).
+# SD-style families run every scheduler in steps/schedulers.py, beside "default" (the folder's own).
 DDPM_SCHEDULERS = SCHEDULER_NAMES
 
 
@@ -56,7 +56,7 @@ class TextEmbeddings:
 
 
 class Asked(Protocol):
-    """What a family reads of a (resolved) request: requests.py's GenerationRequest, which
+    """What a family reads of a (resolved) request: server/requests/generation.py's GenerationRequest, which
     imports this module."""
 
     negative_prompt: str | None
@@ -92,8 +92,8 @@ class Family:
     takes_guidance: ClassVar[bool] = True  # guidance_scale means something (Qwen-Image: true CFG only)
     takes_true_cfg: ClassVar[bool] = False  # guidance-distilled models: true CFG is a second scale
     default_true_cfg: ClassVar[float] = 1.0  # its scale when a request sets none (1: off)
-    step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (stepcache.py)
-    controlnets: ClassVar[tuple[str, ...]] = ()  # the ControlNet classes it takes (controls.py)
+    step_caches: ClassVar[tuple[str, ...]] = ("off", "deep")  # step-caching policies (requests/step_cache.py)
+    controlnets: ClassVar[tuple[str, ...]] = ()  # the ControlNet classes it takes (controlnets.py)
     # its ControlNet pipeline runs the net on the positive row only, and adds that to the negative's
     control_on_positive: ClassVar[bool] = False
     # Linear layers --quantize leaves in the model's dtype, named from the denoiser's root: none
@@ -237,7 +237,7 @@ class Family:
 
     @property
     def clip(self) -> Clip | None:
-        """A video family's clip (`clips.py`: its default frames and size, its frames' rule and
+        """A video family's clip (`server/requests/clip.py`: its default frames and size, its frames' rule and
         limit); None: the family makes images."""
         return None
 
@@ -308,7 +308,7 @@ class Family:
         """Read what the latents' scaling keeps in the VAE's weights (FLUX.2's batch-norm
         statistics), once loaded; the others' is in its config."""
 
-    # ControlNets (`controls.py`): the UNet families' `ControlNetModel` here; others override.
+    # ControlNets (`conditioning/controlnets.py`): the UNet families' `ControlNetModel` here; others override.
 
     def control_refusal(self, config: dict[str, Any]) -> str | None:
         """Why a ControlNet of a class `controlnets` names cannot run here (None: it can)."""

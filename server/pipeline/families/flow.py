@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from server.pipeline.families.base import Asked, Family
-from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
 
 
 def shift_mu(config: Any, tokens: int, max_shift: float = 1.15) -> float:

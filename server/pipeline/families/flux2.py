@@ -10,7 +10,7 @@ latents are drawn as the pipelines draw them, already 2x2-patchified (128 featur
 pipelines' `compute_empirical_mu` of the token count and the steps.
 
 dev's tokenizer is a PixtralProcessor in the published folder; its text side is a tokenizer with
-the processor's chat template (`server/pipeline/processors.py`), since the
+the processor's chat template (`server/pipeline/loading/processors.py`), since the
 processor's image half needs torchvision and text prompts never use it.
 """
 

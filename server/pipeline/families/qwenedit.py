@@ -9,7 +9,7 @@ transformer and VAE, conditioned on the images to edit twice, as the pipelines d
   frame 1, 2, ...) and cut off at the end (`server/engine/denoisers/qwenimage.py`).
 
 The output's size is the first image's (Plus: the last's) at about 1 megapixel, as the pipelines'.
-Its processor loads without its torchvision half (`server/pipeline/processors.py`).
+Its processor loads without its torchvision half (`server/pipeline/loading/processors.py`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from server.engine.denoisers.dit import (
 )
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Asked, Family, TextEmbeddings, other_width, penultimate_states
-from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
 
 
 class SD3(Family):

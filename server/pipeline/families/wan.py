@@ -22,9 +22,9 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from server.engine.denoisers.wan import UMT5_TOKENS
 from server.errors import InvalidRequest, ModelFolderError
-from server.pipeline.clips import Clip
 from server.pipeline.families.base import Asked, Family, TextEmbeddings
-from server.pipeline.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.requests.clip import Clip
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
 # defaults), text_encoder/config.json (UMT5-XXL's encoder) and vae/config.json (the defaults).

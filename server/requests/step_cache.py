@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from server.errors import InvalidRequest
 
@@ -100,21 +98,3 @@ def parse_step_cache(value: Any, name: str = "step_cache") -> StepCache:
     ):
         raise InvalidRequest(f"{name}.threshold", f"must be a number from 0 to 1, got {threshold!r}")
     return StepCache(policy, int(interval), float(threshold))
-
-
-@dataclass
-class RowCache:
-    """What one request's rows keep between steps (buffers its scope rents, so they go back to the
-    pool when it ends) and its counts."""
-
-    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the walk's features, [rows, ...] each
-    refreshed_at: int | None = None  # the step of its last refresh
-    expert: int = 0  # the expert whose features it keeps (`Family.experts`' index)
-    refreshed: int = 0  # steps it ran whole
-    reused: int = 0  # steps it took the kept features
-    last: str | None = None  # this step's outcome, "refreshed" or "reused" (None: not cached)
-
-    @property
-    def nbytes(self) -> int:
-        # a snapshot first (one C call): another thread (stats) reads while the loop inserts
-        return sum(t.numel() * t.element_size() for t in tuple(self.kept.values()))

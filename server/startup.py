@@ -16,16 +16,16 @@ from server.config import Settings
 from server.engine import ParallelPlan
 from server.engine.hardware.threads import cpu_quota
 from server.engine.quantize import refusal
-from server.engine.runtime.attention_backend import AttentionSetting
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import compile_route
 from server.engine.runtime.pool import ANY_DEVICE, default_pool_budgets
+from server.engine.runtime.sdpa_backend import AttentionSetting
 from server.errors import ConfigError, PlanError
-from server.pipeline.clips import work_limit
 from server.pipeline.families import Family
-from server.pipeline.planning import largest_side, plan_model
-from server.pipeline.requests import Defaults
-from server.pipeline.tiling import DecoderMemory, decoder_memory
+from server.pipeline.loading.model_plan import largest_side, plan_model
+from server.pipeline.loading.vae_tiling import DecoderMemory, decoder_memory
+from server.requests.clip import work_limit
+from server.requests.generation import Defaults
 from server.serving import Limits
 
 log = logging.getLogger("diffshard")

@@ -42,14 +42,14 @@ from server.engine.runtime.call import AdapterRows, RowsSlot
 from server.engine.runtime.compile import run_decoder
 from server.engine.runtime.pool import PoolScope
 from server.errors import InvalidRequest
-from server.pipeline.adapters import CHANGES, unknown_adapter
-from server.pipeline.controls import ControlNets
-from server.pipeline.deployment import Deployment, ExpertSteps, Lane, Spare, matching
-from server.pipeline.edits import first_latents, keep_unmasked
-from server.pipeline.loader import Components, load_components, read_family
-from server.pipeline.lora import Adapter, Adapters, Target
-from server.pipeline.parts import place_parts
-from server.pipeline.quantizing import (
+from server.pipeline.conditioning.adapters import Adapter, Adapters, Target
+from server.pipeline.conditioning.controlnets import ControlNets
+from server.pipeline.conditioning.edits import first_latents, keep_unmasked
+from server.pipeline.conditioning.live_changes import CHANGES, unknown_adapter
+from server.pipeline.loading.deployment import Deployment, ExpertSteps, Lane, Spare, matching
+from server.pipeline.loading.folder import Components, load_components, read_family
+from server.pipeline.loading.parts import place_parts
+from server.pipeline.loading.quantized_parts import (
     QuantizeSetting,
     describe,
     held_bytes,
@@ -57,10 +57,11 @@ from server.pipeline.quantizing import (
     placed_in_groups,
     placing,
 )
-from server.pipeline.requests import Defaults, GenerationRequest, read_defaults, resolve, with_defaults
-from server.pipeline.schedulers import make_scheduler, step_kwargs
-from server.pipeline.state import RequestState, check_group, group_states, per_call, stack_inputs
-from server.pipeline.stepping import advance, call_plan, expert_calls
+from server.pipeline.resolve import read_defaults, resolve, with_defaults
+from server.pipeline.steps.advance import advance, call_plan, expert_calls
+from server.pipeline.steps.schedulers import make_scheduler, step_kwargs
+from server.pipeline.steps.state import RequestState, check_group, group_states, per_call, stack_inputs
+from server.requests.generation import Defaults, GenerationRequest
 
 LATENT_DTYPE = torch.float32  # scheduler arithmetic stays in float32 whatever the model's dtype
 
@@ -96,7 +97,7 @@ class Pipeline:
             torch.device(normalize_device(encoder_device)) if encoder_device else self.device
         )
         self.denoiser_dtype = compute_dtype(components.denoiser)
-        spread = [] if encoder_device else deployment.encoder_spread()  # see parts.py
+        spread = [] if encoder_device else deployment.encoder_spread()  # see loading/parts.py
         self.encoders, self.vae = place_parts(components, self.encoder_device, spread, vae_tiling)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
@@ -133,7 +134,7 @@ class Pipeline:
         """Load a folder and place its denoiser by `plan`, or by a plan made here from
         `devices`, `strategy`, `max_memory` and `device_map` (see `server.engine.plan_shards`).
         A ParallelPlan places every replica; `lanes()` then gives a view per lane. `quantize`:
-        `--quantize`'s setting (`server.pipeline.quantizing`); `denoiser_file`: a GGUF file
+        `--quantize`'s setting (`server.pipeline.loading.quantized_parts`); `denoiser_file`: a GGUF file
         holding the denoiser's weights; `vae_tiling`: decode and encode in diffusers' tiles;
         `components`: the parts built already (the GPU check's, on the device), not read from `folder`."""
         family = read_family(folder)

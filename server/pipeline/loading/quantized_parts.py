@@ -22,7 +22,7 @@ from server.engine.planning.plan import count_block_bytes
 from server.engine.quantize import Quantization, QuantMode
 from server.engine.runtime.compile import CompileMode
 from server.pipeline.families import Family
-from server.pipeline.loader import Components, part_bytes
+from server.pipeline.loading.folder import Components, part_bytes
 
 EVERY_LARGE_PART = "*"  # a mode given alone
 LARGE_ENCODER = 2**30  # bytes: a text encoder a mode given alone quantizes

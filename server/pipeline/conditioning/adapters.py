@@ -1,7 +1,7 @@
 """LoRA adapters applied per row: one denoiser (or text-encoder) call carries rows with different
 adapters, or none, and each targeted layer adds `scale · B(A x)` to its own rows only.
 
-Files are read with diffusers' own loaders (`lorafiles.py`), safetensors only. The base weights
+Files are read with diffusers' own loaders (`lora_keys.py`), safetensors only. The base weights
 are never touched: a forward hook on each targeted `nn.Linear` or `nn.Conv2d` adds the adapters'
 deltas to its output; a call with no row asking for them runs exactly as the base model, and in
 a mixed call a row without adapters gets a delta of exactly 0.
@@ -40,7 +40,7 @@ from server.engine.runtime.call import RowsSlot
 from server.engine.runtime.tensor import RowLinear
 from server.engine.runtime.tracing import compiling_here
 from server.errors import ModelFolderError
-from server.pipeline.adapters import CHANGES, RowsMismatch, Uses
+from server.pipeline.conditioning.live_changes import CHANGES, RowsMismatch, Uses
 
 SlotOf = Callable[[str], RowsSlot]  # a layer's dotted path → the slot its hook reads
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from server.engine.denoisers.blocks import tensor_bytes
-from server.pipeline.loader import Components
-from server.pipeline.tiling import set_tiling
+from server.pipeline.loading.folder import Components
+from server.pipeline.loading.vae_tiling import set_tiling
 
 
 def place_parts(

@@ -1,6 +1,6 @@
 """The served denoiser's attention backend: its calls in one step of a default request, counted
 by device, and PyTorch's SDPA backend for its CUDA devices chosen from them (`--attention`,
-`engine/runtime/attention_backend.py`).
+`engine/runtime/sdpa_backend.py`).
 
 The calls are counted on the meta device, from a real default request's inputs (its size, its
 frames, its prompt's tokens, its guided rows): one forward of a weightless twin, block by block,
@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_map
 
 from server.engine.denoisers.blocks import DenoiserInputs, Flow
 from server.engine.denoisers.specs import spec_for
-from server.engine.runtime.attention import Recording, Shape
-from server.engine.runtime.attention_backend import AttentionChoice, AttentionSetting, choose, put_first
+from server.engine.runtime.cpu_attention import Recording, Shape
 from server.engine.runtime.pool import ActivationPool
-from server.pipeline.denoise import Pipeline
+from server.engine.runtime.sdpa_backend import AttentionChoice, AttentionSetting, choose, put_first
 from server.pipeline.families import meta_denoiser
-from server.pipeline.requests import GenerationRequest
+from server.pipeline.pipeline import Pipeline
+from server.requests.generation import GenerationRequest
 
 log = logging.getLogger("diffshard")
 

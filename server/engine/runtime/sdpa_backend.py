@@ -9,7 +9,7 @@ PyTorch's process-wide priority order. Every backend stays enabled: a call the c
 run (a mask, a head size) falls to the next in that order and never fails.
 
 CPU calls are untouched: CPU dispatch keeps its own order (flash, then math) whatever the
-priority says, and frozen CPU graphs choose their kernels per shape (`attention.py`).
+priority says, and frozen CPU graphs choose their kernels per shape (`cpu_attention.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.engine.hardware.devices import wait_for_queued
-from server.engine.runtime.attention import Shape
+from server.engine.runtime.cpu_attention import Shape
 from server.errors import ConfigError
 
 log = logging.getLogger("diffshard")

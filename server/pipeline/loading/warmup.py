@@ -40,8 +40,8 @@ from server.engine.runtime.compile import (
 from server.engine.runtime.graphs import CompileRoute, CompileStats, GraphStore
 from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import CompileStopped, GiveWay, compiling_on_this_thread, trace_gate
-from server.pipeline.denoise import Pipeline
-from server.pipeline.requests import GenerationRequest
+from server.pipeline.pipeline import Pipeline
+from server.requests.generation import GenerationRequest
 
 log = logging.getLogger("diffshard")
 
@@ -82,7 +82,7 @@ def compile_pipeline(
     size), and the first is always built. `route`: `--compile-route` (`graphs.py`).
 
     Adapters may be attached before or during it: their hooks add nothing while a graph is
-    traced (`lora.py`), and rows with adapters run eagerly."""
+    traced (`conditioning/adapters.py`), and rows with adapters run eagerly."""
     stats = stats or CompileStats(str(mode))
     measured = mode == CompileMode.AUTO
     if measured:

@@ -27,8 +27,8 @@ from safetensors import safe_open
 from server.engine.quantize import Quantization
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
-from server.pipeline.processors import stand_in_for
-from server.pipeline.schedulers import check_folder_scheduler
+from server.pipeline.loading.processors import stand_in_for
+from server.pipeline.steps.schedulers import check_folder_scheduler
 
 log = logging.getLogger("diffshard")
 
@@ -144,7 +144,7 @@ def load_components(
     denoiser_file: Path | None = None,
 ) -> Components:
     """Every part of the folder, on the CPU in `dtype` (weights), offline; the parts `quantize`
-    names quantized (`server.pipeline.quantizing`); the denoiser's weights from `denoiser_file`
+    names quantized (`server.pipeline.loading.quantized_parts`); the denoiser's weights from `denoiser_file`
     (a GGUF file, dequantized layer by layer as it runs) instead of the folder's."""
     root = Path(folder)
     family = read_family(root)

@@ -1,5 +1,5 @@
 """Adapters changed while serving: loaded and unloaded at runtime without disturbing the calls
-in flight (`lora.py` holds the adapters themselves; which rows ask for which adapter travels
+in flight (`adapters.py` holds the adapters themselves; which rows ask for which adapter travels
 in each call's plan, `server.engine.runtime.call`).
 
 Two guards. `CHANGES`: every call that may run the adapters' hooks reads under it (a step, an

@@ -38,7 +38,7 @@ class Shape(NamedTuple):
 def plain(args: tuple, kwargs: dict[str, Any], device: str | None = "cpu") -> Shape | None:
     """The shape of an SDPA call the chunked kernel computes alike, or None; only of tensors on
     a `device` of that type (None: any): the chunked kernel is for CPUs, the backends' timing
-    (`attention_backend.py`) reads shapes on the meta device."""
+    (`sdpa_backend.py`) reads shapes on the meta device."""
     q, k, v, *rest = args  # positional q, k, v: a call by keywords raises (see `by_position`)
     if rest or kwargs.get("attn_mask") is not None or kwargs.get("scale") is not None:
         return None

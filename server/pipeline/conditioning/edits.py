@@ -27,24 +27,9 @@ from PIL import Image
 
 from server.engine.runtime.pool import PoolScope
 from server.pipeline.families import Family
+from server.requests.edit import Edit
 
-LATENT_DTYPE = torch.float32  # as denoise.py: scheduler arithmetic in float32
-
-
-@dataclass(frozen=True, eq=False)
-class Edit:
-    """What an edit starts from. `mask` is diffusers' `mask_image`: white (255) marks the region
-    to repaint (the API turns OpenAI's transparent pixels into it)."""
-
-    image: Image.Image  # RGB
-    mask: Image.Image | None = None  # L, the image's size
-    strength: float = 0.8
-    keep_unmasked: bool = True  # with a mask: the decoded image composited over the image (below)
-    more: tuple[Image.Image, ...] = ()  # further images (image[]) a model editing by reference takes
-
-    @property
-    def images(self) -> tuple[Image.Image, ...]:
-        return (self.image, *self.more)
+LATENT_DTYPE = torch.float32  # as pipeline.py: scheduler arithmetic in float32
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Reading LoRA files for a model's parts (`lora.py` applies them per row): diffusers' own
+"""Reading LoRA files for a model's parts (`adapters.py` applies them per row): diffusers' own
 loaders (`lora_state_dict`: diffusers/PEFT keys, and kohya's A1111 format converted),
 safetensors only; each part's pairs with their alphas (network alphas, or PEFT's metadata)."""
 
@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from server.errors import ModelFolderError
+from server.pipeline.conditioning.adapters import Adapter, LoraPair
 from server.pipeline.families import Family
-from server.pipeline.lora import Adapter, LoraPair
 
 
 def read_adapter(name: str, path: Path, family: Family) -> Adapter:

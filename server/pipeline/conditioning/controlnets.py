@@ -12,43 +12,25 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import torch
-from PIL import Image
 from torch import nn
 
 from server.engine.denoisers.blocks import DenoiserInputs
 from server.engine.hardware.devices import host_values
 from server.errors import InvalidRequest
-from server.pipeline.adapters import Uses, runtime_path, unknown
+from server.pipeline.conditioning.live_changes import Uses, runtime_path, unknown
+from server.requests.control import MAX_CONTROLS, MAX_SCALE, Control
 
-MAX_CONTROLS = 4  # controls one request may ask for (each a ControlNet call on its rows a step)
-MAX_SCALE = 2.0  # a control's scale, from 0 (as A1111's slider)
 # what a ControlNet shares with the denoiser it was made for (its residuals' shapes, its inputs)
 SHARED_CONFIG = (
     "in_channels", "block_out_channels", "cross_attention_dim", "addition_embed_type",  # a UNet's
     "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",  # FLUX.1's (its width: the family's)
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Control:
-    """One control a request asks for: diffusers' `controlnet_conditioning_scale` and
-    `control_guidance_start`/`_end` for one ControlNet and its image."""
-
-    model: str
-    image: Image.Image = field(compare=False, repr=False)
-    scale: float = 1.0
-    start: float = 0.0  # the share of the steps before it takes effect
-    end: float = 1.0  # the share after which it stops
-
-    def on_at(self, index: int, steps: int) -> bool:
-        """Whether it acts at step `index` of `steps` (diffusers' `controlnet_keep`)."""
-        return not (index / steps < self.start or (index + 1) / steps > self.end)
 
 
 @dataclass(frozen=True)

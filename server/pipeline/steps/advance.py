@@ -9,13 +9,13 @@ import torch
 
 from server.engine import CallPlan, RowGroup
 from server.engine.denoisers.blocks import DenoiserInputs
-from server.pipeline.adapters import CHANGES
-from server.pipeline.cachedstep import cache_ask, keep
-from server.pipeline.deployment import Lane
-from server.pipeline.edits import blend
+from server.pipeline.conditioning.edits import blend
+from server.pipeline.conditioning.live_changes import CHANGES
 from server.pipeline.families import Family
-from server.pipeline.schedulers import predicted_clean
-from server.pipeline.state import RequestState, spans
+from server.pipeline.loading.deployment import Lane
+from server.pipeline.steps.caching import cache_ask, keep
+from server.pipeline.steps.schedulers import predicted_clean
+from server.pipeline.steps.state import RequestState, spans
 
 
 def call_plan(states: Sequence[RequestState]) -> CallPlan:

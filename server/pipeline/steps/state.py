@@ -11,11 +11,28 @@ from torch._subclasses.fake_tensor import is_fake
 
 from server.engine.denoisers.blocks import TEXT_BUCKET, TEXT_MASK, DenoiserInputs
 from server.engine.runtime.pool import PoolScope
-from server.pipeline.controls import RowControl
-from server.pipeline.edits import Inpainting
-from server.pipeline.requests import GenerationRequest
-from server.pipeline.stepcache import RowCache
-from server.pipeline.tiling import images_per_call
+from server.pipeline.conditioning.controlnets import RowControl
+from server.pipeline.conditioning.edits import Inpainting
+from server.pipeline.loading.vae_tiling import images_per_call
+from server.requests.generation import GenerationRequest
+
+
+@dataclass
+class RowCache:
+    """What one request's rows keep between steps (buffers its scope rents, so they go back to the
+    pool when it ends) and its counts."""
+
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # the walk's features, [rows, ...] each
+    refreshed_at: int | None = None  # the step of its last refresh
+    expert: int = 0  # the expert whose features it keeps (`Family.experts`' index)
+    refreshed: int = 0  # steps it ran whole
+    reused: int = 0  # steps it took the kept features
+    last: str | None = None  # this step's outcome, "refreshed" or "reused" (None: not cached)
+
+    @property
+    def nbytes(self) -> int:
+        # a snapshot first (one C call): another thread (stats) reads while the loop inserts
+        return sum(t.numel() * t.element_size() for t in tuple(self.kept.values()))
 
 
 @dataclass
@@ -38,10 +55,10 @@ class RequestState:
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
     preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
-    cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (stepcache.py)
+    cache: RowCache = field(default_factory=RowCache)  # what step caching keeps (steps/caching.py)
     layout: tuple[Any, ...] = ()  # what its conditioning's positions depend on (an edit's image sizes)
     expert: int = 0  # the denoiser its rows ran at the last step (`Family.experts`' index)
-    controls: tuple[RowControl, ...] = ()  # its ControlNets and their images (controls.py)
+    controls: tuple[RowControl, ...] = ()  # its ControlNets and their images (conditioning/controlnets.py)
     spare: torch.Tensor | None = None  # the latents' other buffer: a step writes there, then they swap
     # of a masked context (TEXT_MASK): the columns its rows use, read once as it starts
     text_columns: int | None = field(init=False, default=None)

@@ -34,8 +34,8 @@ from server.engine.planning.sequence import HOST_STAGED_GB_S
 from server.engine.quantize import Quantization, QuantMode, refusal
 from server.errors import PlanError
 from server.pipeline.families import Family, meta_denoiser, reference_parts
-from server.pipeline.loader import class_of, gguf_tensor_bytes, part_bytes
-from server.pipeline.quantizing import (
+from server.pipeline.loading.folder import class_of, gguf_tensor_bytes, part_bytes
+from server.pipeline.loading.quantized_parts import (
     QuantizeSetting,
     folder_quantizations,
     meta_part,

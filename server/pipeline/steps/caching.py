@@ -1,11 +1,12 @@
 """Step caching between a request's state and a call plan: what each request asks of the call
-this step (`cache_ask`), and what it keeps after (`keep`). `stepcache.py` has the policies; the
-block walker (`server/engine/runtime/walker.py`) splits the rows at the spec's cache boundary."""
+this step (`cache_ask`), and what its rows keep after (`keep`, into the state's `RowCache`). The
+policies a request asks for are in `server/requests/step_cache.py`; the block walker
+(`server/engine/runtime/walker.py`) splits the rows at the spec's cache boundary."""
 
 from __future__ import annotations
 
 from server.engine.runtime.call import CacheAsk, Outcome
-from server.pipeline.state import RequestState
+from server.pipeline.steps.state import RequestState
 
 
 def cache_ask(state: RequestState) -> CacheAsk | None:
