@@ -1,4 +1,4 @@
-"""The HTTP clients every serving benchmark runs against a real server (`tests.live`): a client
+"""The HTTP clients every serving benchmark runs against a real server (`tests.support.live`): a client
 sending requests back to back and timing each, clients started together and the wall time until
 the last is done, and the figures (images/s, latency percentiles) made from their latencies.
 
@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.live import LiveServer
+from tests.support.live import LiveServer
 
 STEPS = 25  # the built-in model's recommended steps (server/demo/model/recommended.json)
 STREAM = {"stream": True, "partial_images": 2, "stream_progress": True}  # as the playground asks

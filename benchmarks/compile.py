@@ -45,7 +45,7 @@ from server.engine.planning.plan import plan_shards
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.engine.runtime.shard import ModelShard
-from tests.live import live_server
+from tests.support.live import live_server
 
 TARGET_LONE = 0.7
 TARGET_THROUGHPUT_AT_8 = 1.3

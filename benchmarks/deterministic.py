@@ -17,7 +17,7 @@ import argparse
 import json
 
 from benchmarks.clients import at_once, client_loop, medians, rate
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = 8
 

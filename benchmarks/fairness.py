@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 
 from benchmarks.clients import STEPS, at_once, percentile
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 FLOODS = ("a", "b", "c")
 KEYS = {name: f"sk-bench-{name}-0123456789" for name in (*FLOODS, "lone", "admin")}

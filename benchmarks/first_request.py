@@ -30,7 +30,7 @@ import httpx
 
 from benchmarks.peers_forward import cpu_flags
 from benchmarks.sequence_peers import cpu_model
-from tests.live import live_server
+from tests.support.live import live_server
 
 TARGET = 2.0
 STEPS = 60

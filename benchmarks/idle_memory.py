@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.clients import compiled_after
 from benchmarks.soak import CHURN_SIZES, MIB, load, pool_view, process_view, settled
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 TARGET_RSS_RATIO = 1.10
 CLIENTS = 4

@@ -61,9 +61,9 @@ from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
 from server.pipeline.families.sd import SD
-from tests.live import LiveServer, live_server
-from tests.test_lora import RANK, UNET_TARGETS, random_pairs
-from tests.tiny_pipelines import _text_config, _vae, save_sd_folder
+from tests.support.live import LiveServer, live_server
+from tests.support.lora import RANK, UNET_TARGETS, random_pairs
+from tests.support.tiny_pipelines import _text_config, _vae, save_sd_folder
 
 LATENT = 32
 TARGET_LONE = 1.1

@@ -31,8 +31,8 @@ import httpx
 
 from benchmarks.clients import at_once, client_loop, medians, rate
 from server.demo import MODEL_DIR
-from tests.live import LiveServer, live_server
-from tests.test_lora import random_lora
+from tests.support.live import LiveServer, live_server
+from tests.support.lora import random_lora
 
 CLIENTS = 8
 ADAPTERS = ("a", "b", "c")

@@ -84,7 +84,7 @@ from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.plan import plan_shards
 from server.engine.runtime.shard import ModelShard
 from server.pipeline.families.sd import SD
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = (1, 2, 4, 8)
 TARGET_CLIENTS = (2, 4)

@@ -57,8 +57,8 @@ from benchmarks.clients import compiled_after
 from benchmarks.peers_forward import MISSING, THREADS, TOKENS, Traced, cpu_flags
 from server.demo.tokenizer import build_tokenizer
 from server.pipeline.families.sd import SD
-from tests.live import live_server
-from tests.tiny_pipelines import _text_config, save_sd_folder
+from tests.support.live import live_server
+from tests.support.tiny_pipelines import _text_config, save_sd_folder
 
 STEPS = 10
 GUIDANCE = 7.5

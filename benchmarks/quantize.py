@@ -53,7 +53,7 @@ from server.engine.hardware.devices import cpu_dtype
 from server.engine.hardware.threads import fit_threads
 from server.engine.quantize import Quantization, QuantMode
 from server.pipeline.families.sd import SD
-from tests.live import live_server
+from tests.support.live import live_server
 
 MAX_LINEAR_BYTES_RATIO = 0.5  # int8's converted Linear layers over float32's
 CLIENTS = 8

@@ -12,7 +12,7 @@ unquantized model under fixed seeds.
    is the speed measure.
    Target (`meets_target`, the issue's gate): int8 and int8-dynamic each keep ≥ 90% color and
    ≥ 80% shape accuracy.
-2. Tiny random SD-1.5-, SDXL-, SD3- and FLUX.1-shaped folders (tests/tiny_pipelines.py), 4 seeds
+2. Tiny random SD-1.5-, SDXL-, SD3- and FLUX.1-shaped folders (tests/support/tiny_pipelines.py), 4 seeds
    of 20 steps (--quick: 2): PSNR and mean / max pixel difference per mode to the unquantized image.
    No target: random weights say how far a mode moves each architecture, not what a trained
    model's images lose.
@@ -45,7 +45,12 @@ from server.demo.evaluate import classify
 from server.engine.hardware.devices import cpu_dtype
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
-from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder, build_sdxl_folder
+from tests.support.tiny_pipelines import (
+    build_flux_folder,
+    build_sd3_folder,
+    build_sd15_folder,
+    build_sdxl_folder,
+)
 
 BATCH = 8
 MIN_COLOR, MIN_SHAPE = 0.9, 0.8  # the gate for int8 and int8-dynamic

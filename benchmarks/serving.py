@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.clients import EDIT_STEPS, STEPS, at_once, client_loop, summary
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = (1, 4, 8, 16)
 SERVERS = {"batched": (), "one_at_a_time": ("--max-batch", "2")}

@@ -43,8 +43,8 @@ import httpx
 
 from benchmarks.clients import percentile
 from server.engine.hardware.devices import parse_size
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 MIB = 2**20
 # The pool keeps ~11 MiB idle once the whole mix has run (its buffers are the requests' inputs,

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.clients import at_once, client_loop, percentile
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = 8
 SMALL, LARGE = 64, 256

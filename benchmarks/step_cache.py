@@ -39,7 +39,7 @@ from benchmarks.clients import at_once, lone
 from benchmarks.lone_split import build_folder
 from server.demo import MODEL_DIR
 from server.engine.planning.work import count_work
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = 8
 POLICY = {"policy": "deep", "interval": 3}

@@ -9,7 +9,7 @@
    figure a README may quote is the worst case, not the mean (`--worst DIR` writes the default
    policy's worst pair there as PNGs, to look at).
    Target (`meets_target`): the default's accuracies within 3 points of uncached.
-2. Tiny random SD-1.5-, SD3- and FLUX.1-dev-shaped folders (tests/tiny_pipelines.py), 8 seeds of
+2. Tiny random SD-1.5-, SD3- and FLUX.1-dev-shaped folders (tests/support/tiny_pipelines.py), 8 seeds of
    20 steps (--quick: 2): the difference to uncached per `deep` interval (SD-1.5) and per
    `first_block` threshold (SD3: THRESHOLDS, FLUX.1: FLUX_THRESHOLDS, each spanning no reuse to
    most rows reused on its model), and the share of rows that reused: the table a user chooses a
@@ -38,7 +38,7 @@ from server.demo.evaluate import classify
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.step_cache import OFF, StepCache
-from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
+from tests.support.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
 
 INTERVALS = (2, 3, 5)
 THRESHOLDS = (0.05, 0.08, 0.15, 0.25, 0.35, 0.5)  # a tiny random MMDiT moves 18-50% a step

@@ -37,7 +37,7 @@ import httpx
 
 from benchmarks.clients import at_once, client_loop, summary
 from server.engine.hardware.threads import cpu_quota
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CLIENTS = (1, 8)
 TARGET_SHARE = 0.95

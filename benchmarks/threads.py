@@ -16,7 +16,7 @@ import shutil
 import statistics
 
 from benchmarks.clients import lone
-from tests.live import live_server
+from tests.support.live import live_server
 
 BODY = {"prompt": "a red circle", "size": "64x64", "seed": 1}
 

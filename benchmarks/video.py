@@ -40,8 +40,8 @@ from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
 from server.serving import Service
-from tests.tiny_pipelines import build_wan_folder
-from tests.tiny_wan22 import build_wan22_two_expert_folder
+from tests.support.tiny_pipelines import build_wan_folder
+from tests.support.tiny_wan22 import build_wan22_two_expert_folder
 
 SIZE, FRAMES, STEPS, VIDEOS = 128, 17, 12, 4
 LEAD = 3  # staggered: steps a video takes before the next joins

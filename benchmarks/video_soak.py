@@ -45,9 +45,9 @@ import httpx
 import redis
 
 from benchmarks.soak import process_view
-from tests.live import LiveServer, free_port, live_server
-from tests.tiny_pipelines import build_wan_folder
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, free_port, live_server
+from tests.support.tiny_pipelines import build_wan_folder
+from tests.support.waiting import wait_until
 
 MIB = 2**20
 IMAGE = {"size": "32x32", "num_inference_steps": 2}

@@ -13,10 +13,10 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from tests import live
-from tests.forking import Forked
-from tests.live import MAKE_RUN, LiveServer, free_port, live_server
-from tests.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
+from tests.support import live
+from tests.support.forking import Forked
+from tests.support.live import MAKE_RUN, LiveServer, free_port, live_server
+from tests.support.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
 
 
 def tiny_sd15_unet() -> UNet2DConditionModel:
@@ -102,7 +102,7 @@ def eager_by_default() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/tiny_pipelines.py), built once."""
+    """Tiny SD-1.5- and SDXL-shaped pipeline folders (tests/support/tiny_pipelines.py), built once."""
     root = tmp_path_factory.mktemp("tiny")
     return {kind: build(root / kind) for kind, build in BUILDERS.items()}
 
@@ -110,11 +110,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     """Every family's tiny folder as published (its scheduler and config), by name; the modules
     import lazily: most runs ask for a few."""
-    from tests.tiny_flux2 import build_flux2_folder
-    from tests.tiny_pipelines import build_wan_folder
-    from tests.tiny_qwenimage import build_qwen_image_folder
-    from tests.tiny_wan22 import build_wan22_ti2v_folder, build_wan22_two_expert_folder
-    from tests.tiny_zimage import build_zimage_folder
+    from tests.support.tiny_flux2 import build_flux2_folder
+    from tests.support.tiny_pipelines import build_wan_folder
+    from tests.support.tiny_qwenimage import build_qwen_image_folder
+    from tests.support.tiny_wan22 import build_wan22_ti2v_folder, build_wan22_two_expert_folder
+    from tests.support.tiny_zimage import build_zimage_folder
 
     return {
         "flux-schnell": partial(build_flux_folder, guidance=False),
@@ -150,7 +150,7 @@ def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny FLUX.1-dev-shaped pipeline folder (tests/tiny_pipelines.py), built once."""
+    """A tiny FLUX.1-dev-shaped pipeline folder (tests/support/tiny_pipelines.py), built once."""
     return build_flux_folder(tmp_path_factory.mktemp("tiny") / "flux")
 
 
@@ -203,7 +203,7 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServe
 
 @pytest.fixture(scope="session", autouse=True)
 def fork_server(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[Callable[[], Forked]]:
-    """The session's fork server (`tests/forking.py`), started the first time a run or a live
+    """The session's fork server (`tests/support/forking.py`), started the first time a run or a live
     server (`live.py`) asks: each then skips importing torch, diffusers and the app."""
     started: list[Forked] = []
     lock = threading.Lock()

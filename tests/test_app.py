@@ -4,11 +4,9 @@ look, the OpenAPI document built from the settings, and the HTTP metrics' labels
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
-import httpx
 import pytest
 
 from server.api.errors import domain_response
@@ -16,16 +14,7 @@ from server.app import create_app
 from server.config import Settings
 from server.errors import NotReady, OutOfMemory, StepFailed
 from server.requests.generation import SEED_LIMIT
-
-
-def request(app, method: str, path: str, **kwargs) -> httpx.Response:
-    async def call() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        # 127.0.0.1: a name the Host check admits on a loopback-bound server (the default)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(call())
+from tests.support.asgi import request
 
 
 def test_while_loading_livez_answers_and_readyz_and_generation_say_503() -> None:

@@ -17,8 +17,8 @@ from server.pipeline.conditioning.lora_keys import read_adapter
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
 from server.serving import Service
-from tests.test_lora import random_lora
-from tests.test_parallel import split_lone
+from tests.support.denoisers import split_lone
+from tests.support.lora import random_lora
 
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
 DEEP = StepCache("deep", interval=2)

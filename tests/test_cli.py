@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from server.__main__ import main
 from server.demo import MODEL_DIR
 from tests.conftest import Cli
-from tests.live import free_port
+from tests.support.live import free_port
 
 
 def test_plan_sd15_memory_json(run_cli: Cli) -> None:

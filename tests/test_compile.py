@@ -32,7 +32,7 @@ from server.pipeline.conditioning.adapters import Adapter, LoraPair
 from server.pipeline.loading.warmup import compile_pipeline
 from server.requests import Edit, GenerationRequest
 from server.requests.step_cache import StepCache
-from tests.tiny_pipelines import IMAGE_SIZE
+from tests.support.tiny_pipelines import IMAGE_SIZE
 
 TOLERANCE = 1e-3
 CACHES = {
@@ -303,8 +303,8 @@ def test_the_jit_route_compiles_what_eager_makes_and_a_restart_serves_it_ready_s
     --compile-route jit` with the same --cache-dir then traces again but compiles little
     (inductor's caches and the artifacts the first start kept): /v1/stats says ready sooner than
     the first start took, and a request's calls run compiled."""
-    from tests.jit_start import first_start
-    from tests.live import live_server
+    from tests.support.jit_start import first_start
+    from tests.support.live import live_server
 
     cache = tmp_path / "cache"
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:

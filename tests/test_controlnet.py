@@ -9,20 +9,14 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import (
     ControlNetModel,
-    MultiControlNetModel,
-    StableDiffusionControlNetImg2ImgPipeline,
-    StableDiffusionControlNetInpaintPipeline,
-    StableDiffusionControlNetPipeline,
     UNet2DConditionModel,
 )
-from PIL import Image, ImageDraw
 
 from server.engine import CallPlan, ModelShard, RowGroup, plan_shards
 from server.engine.denoisers.blocks import DenoiserInputs, walk_plain
@@ -31,12 +25,17 @@ from server.engine.denoisers.unet import CONTROL
 from server.engine.runtime.call import CacheAsk
 from server.pipeline import Pipeline
 from server.pipeline.conditioning.adapters import Adapter, LoraPair
-from server.requests import GenerationRequest
 from server.requests.control import Control
-from server.requests.edit import Edit
 from tests.conftest import TINY_UNETS
-from tests.test_edits import left_half_mask, source_image
-from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
+from tests.support.controlnets import (
+    ASKED,
+    EDIT_PIPELINES,
+    EDITED,
+    GUIDED,
+    diffusers_controlled,
+    folder_controlnet,
+)
+from tests.support.images import drawn
 
 ROWS = 2
 
@@ -117,28 +116,7 @@ def test_over_two_stages_and_in_a_step_cached_call_the_residuals_land_where_forw
     assert torch.allclose(reused.out, theirs, atol=1e-5), (reused.out - theirs).abs().max()
 
 
-# The pipeline: images against diffusers' ControlNet pipelines on the tiny SD-1.5 folder (its VAE
-# halves the size: the ControlNet's conditioning embedding downsamples by 2).
-GUIDED = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, guidance_scale=4.0)
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
-
-
-def folder_controlnet(folder: Path, seed: int) -> ControlNetModel:
-    unet = UNet2DConditionModel.from_pretrained(folder / "unet")
-    torch.manual_seed(seed)
-    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16)).eval()
-    for zero in [*net.controlnet_down_blocks, net.controlnet_mid_block]:
-        torch.nn.init.normal_(zero.weight, std=0.3)
-    return net
-
-
-def drawn(shape: str) -> Image.Image:
-    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE))
-    box = (4, 6, IMAGE_SIZE - 6, IMAGE_SIZE - 4)
-    (ImageDraw.Draw(image).ellipse if shape == "circle" else ImageDraw.Draw(image).rectangle)(
-        box, outline="white"
-    )
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -149,38 +127,6 @@ def controlled(folders: dict[str, Path]) -> tuple[Pipeline, dict[str, ControlNet
     for name, net in nets.items():
         pipeline.controlnets.add(name, copy.deepcopy(net))
     return pipeline, nets
-
-
-def diffusers_controlled(
-    folder: Path,
-    nets: list[ControlNetModel],
-    controls: list[Control],
-    kind=StableDiffusionControlNetPipeline,
-    **edit: Any,
-) -> np.ndarray:
-    """What diffusers' ControlNet pipeline `kind` draws for GUIDED with `controls` (and `edit`:
-    an edit pipeline's image, mask and strength, its control image as `control_image`)."""
-    net = nets[0] if len(nets) == 1 else MultiControlNetModel(nets)
-    pipe = kind.from_pretrained(
-        folder, controlnet=net, local_files_only=True, use_safetensors=True, safety_checker=None
-    )
-    pipe.set_progress_bar_config(disable=True)
-    one = len(controls) == 1
-    control = controls[0].image if one else [c.image for c in controls]
-    images = {"image": edit.pop("image"), "control_image": control} if edit else {"image": control}
-    return diffusers_image(
-        pipe, replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE), **images, **edit,
-        controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
-        control_guidance_start=controls[0].start if one else [c.start for c in controls],
-        control_guidance_end=controls[0].end if one else [c.end for c in controls],
-    )  # fmt: skip
-
-
-ASKED = {  # what the pipeline tests and the HTTP ones each compare with diffusers
-    "one": [Control("a", drawn("circle"), 0.8)],
-    "two at once": [Control("a", drawn("circle"), 0.5), Control("b", drawn("square"), 1.0)],
-    "a window": [Control("b", drawn("square"), 1.0, start=0.25, end=0.75)],
-}
 
 
 @pytest.mark.parametrize("asked", list(ASKED.values()), ids=list(ASKED))
@@ -255,16 +201,6 @@ def test_bad_controls_are_named_with_the_limit_and_a_foreign_net_is_refused() ->
     nets.check([Control("edges", image, 0.5, 0.2, 0.8)])  # fine
     with pytest.raises(ValueError, match="is a ControlNetModel: a sd3 model takes SD3ControlNetModel"):
         ControlNets(SD3, torch.device("cpu"), torch.float32).add("edges", control_for(TINY_UNETS["sd15"]()))
-
-
-EDITED = {  # control with an edit: img2img (a window over the steps its strength leaves), inpainting
-    "img2img": (Edit(source_image(), None, 0.75, keep_unmasked=False), ASKED["a window"]),
-    "inpainting": (Edit(source_image(), left_half_mask(), 0.75, keep_unmasked=False), ASKED["one"]),
-}
-EDIT_PIPELINES = {
-    "img2img": StableDiffusionControlNetImg2ImgPipeline,
-    "inpainting": StableDiffusionControlNetInpaintPipeline,
-}
 
 
 @pytest.mark.parametrize("kind", list(EDITED))

@@ -30,10 +30,10 @@ from server.pipeline import Pipeline
 from server.pipeline.conditioning.controlnets import ControlNets
 from server.requests import GenerationRequest
 from server.requests.control import Control
-from tests.live import LiveServer, live_server
-from tests.test_controlnet import drawn
-from tests.test_controlnet_http import wire
-from tests.tiny_pipelines import diffusers_image
+from tests.support.controlnets import wire
+from tests.support.images import drawn
+from tests.support.live import LiveServer, live_server
+from tests.support.tiny_pipelines import diffusers_image
 
 TOLERANCE = 2 / 255
 REQUEST = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)

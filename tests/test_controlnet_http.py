@@ -25,17 +25,20 @@ from server.errors import ConfigError
 from server.pipeline.loading.folder import read_family
 from server.requests.control import Control
 from server.startup import plan_for
-from tests.live import LiveServer, live_server
-from tests.test_controlnet import (
+from tests.support.controlnets import (
     ASKED,
     EDIT_PIPELINES,
     EDITED,
     GUIDED,
     diffusers_controlled,
-    drawn,
     folder_controlnet,
+    png_base64,
+    png_bytes,
+    wire,
 )
-from tests.tiny_pipelines import IMAGE_SIZE
+from tests.support.images import drawn
+from tests.support.live import LiveServer, live_server
+from tests.support.tiny_pipelines import IMAGE_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +56,6 @@ def served(folders: dict[str, Path], nets: dict[str, Path]) -> Iterator[LiveServ
     with live_server("--model", str(folders["sd15"]), "--devices", "cpu", "--threads", "1", *flags) as server:
         server.nets = list(nets.values())  # type: ignore[attr-defined]
         yield server
-
-
-def png_bytes(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def png_base64(image: Image.Image) -> str:
-    return base64.b64encode(png_bytes(image)).decode()
-
-
-def wire(control: Control, data_url: bool = False) -> dict:
-    image = png_base64(control.image)
-    return {
-        "model": control.model,
-        "image": f"data:image/png;base64,{image}" if data_url else image,
-        "scale": control.scale,
-        "start": control.start,
-        "end": control.end,
-    }
 
 
 def generate(server: LiveServer, **extra: object) -> np.ndarray:

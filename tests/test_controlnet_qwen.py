@@ -27,7 +27,7 @@ from server.pipeline import Pipeline
 from server.pipeline.conditioning.controlnets import ControlNets
 from server.requests import GenerationRequest
 from server.requests.control import Control
-from tests.test_controlnet import drawn
+from tests.support.images import drawn
 
 TOLERANCE = 2 / 255
 REQUEST = GenerationRequest(

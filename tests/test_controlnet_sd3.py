@@ -30,8 +30,8 @@ from server.pipeline import Pipeline
 from server.pipeline.conditioning.controlnets import ControlNets
 from server.requests import GenerationRequest
 from server.requests.control import Control
-from tests.test_controlnet import drawn
-from tests.tiny_pipelines import diffusers_image
+from tests.support.images import drawn
+from tests.support.tiny_pipelines import diffusers_image
 
 TOLERANCE = 2 / 255
 REQUEST = GenerationRequest("a red circle", seed=3, steps=3, guidance_scale=4.0, width=32, height=32)

@@ -15,7 +15,7 @@ from server.demo.dataset import COLORS, SHAPES, sample_batch
 from server.demo.sampling import generate, load_pipeline, recommended, score
 from server.demo.tokenizer import WORDS, build_tokenizer
 from server.demo.train import QUICK
-from tests.forking import Forked
+from tests.support.forking import Forked
 
 
 def test_dataset_is_reproducible_and_covers_every_combination() -> None:

@@ -7,20 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Pipeline
 
 from server.engine import ModelShard, layout_of, plan_shards, spec_for
 from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.denoisers.dit import CLIP_TOKENS, T5_TOKENS
 from server.engine.planning.flow import trace_flow
 from server.pipeline.families import meta_denoiser, reference_family
-from tests.reference import diffusers_forward
-from tests.tiny_pipelines import IMAGE_SIZE, _sd3_transformer
-
-
-def tiny_sd3_transformer() -> SD3Transformer2DModel:
-    torch.manual_seed(0)
-    return _sd3_transformer().eval()
+from tests.support.denoisers import tiny_sd3_transformer
+from tests.support.reference import diffusers_forward
+from tests.support.tiny_pipelines import IMAGE_SIZE
 
 
 def test_layout_is_the_embeddings_then_each_transformer_block_then_the_output_head() -> None:

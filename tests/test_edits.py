@@ -22,14 +22,15 @@ from diffusers import (
     StableDiffusionXLInpaintPipeline,
 )
 from diffusers.image_processor import VaeImageProcessor
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from server.errors import InvalidRequest
 from server.media.images import to_uint8
 from server.pipeline import Pipeline
 from server.pipeline.steps.schedulers import make_scheduler
 from server.requests import Edit, GenerationRequest
-from tests.tiny_pipelines import IMAGE_SIZE, build_sd15_inpainting_folder
+from tests.support.images import left_half_mask, source_image
+from tests.support.tiny_pipelines import IMAGE_SIZE, build_sd15_inpainting_folder
 
 TOLERANCE = 1e-3
 PIXEL_TOLERANCE = 2  # of 255, in the PNG's pixels
@@ -42,22 +43,6 @@ REFERENCE = {
     ("sd3", "inpaint"): StableDiffusion3InpaintPipeline,
 }
 NO_T5 = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}
-
-
-def source_image(size: int = IMAGE_SIZE) -> Image.Image:
-    """Two shapes on a dark ground: a red disc left, a blue square right."""
-    image = Image.new("RGB", (size, size), (20, 20, 30))
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((2, 8, size // 2 - 2, size - 8), fill=(220, 30, 30))
-    draw.rectangle((size // 2 + 3, 9, size - 3, size - 9), fill=(30, 40, 220))
-    return image
-
-
-def left_half_mask(size: int = IMAGE_SIZE) -> Image.Image:
-    """diffusers' convention: white repaints (the left half)."""
-    mask = Image.new("L", (size, size), 0)
-    ImageDraw.Draw(mask).rectangle((0, 0, size // 2 - 1, size - 1), fill=255)
-    return mask
 
 
 def edit_request(

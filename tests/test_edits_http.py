@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from server.demo.dataset import sample_batch, to_uint8
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 EXTRA = {"seed": 3, "num_inference_steps": 12, "strength": 0.8}
 MAX_IMAGE_BYTES = 20_000

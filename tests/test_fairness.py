@@ -18,8 +18,8 @@ import pytest
 from server.requests import GenerationRequest
 from server.serving.jobs import Job
 from server.serving.lineup import Lineup
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 
 def job(owner: str | None, rows: int = 2) -> Job:

@@ -26,7 +26,6 @@ What it cannot cover, checked by reading instead (or on simulated GPUs, which ca
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
@@ -35,15 +34,11 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 from diffusers import DDIMScheduler
 from PIL import Image, ImageDraw
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
 from transformers import CLIPTextModel
 
 from server.demo.tokenizer import build_tokenizer
@@ -64,125 +59,10 @@ from server.requests.clip import Clip
 from server.requests.generation import Defaults
 from server.requests.step_cache import StepCache
 from server.serving.calls import WatchedCalls
-from tests.tiny_pipelines import IMAGE_SIZE, SD_SCHEDULE, TEXT_DIM, _text_config, _unet, _vae
+from tests.support.fake_cuda import FakeCuda
+from tests.support.tiny_pipelines import IMAGE_SIZE, SD_SCHEDULE, TEXT_DIM, _text_config, _unet, _vae
 
-aten = torch.ops.aten
 SAME_DEVICE = "Expected all tensors to be on the same device"
-
-
-def _view(t: torch.Tensor, index: Any) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
-    """`t[index]`'s basic part (ints, slices, None, ...) as aten views, and its tensor indices."""
-    index = index if isinstance(index, tuple) else (index,)
-    if any(i is Ellipsis for i in index):
-        at = index.index(Ellipsis)
-        used = sum(i is not None and i is not Ellipsis for i in index)
-        index = index[:at] + (slice(None),) * (t.dim() - used) + index[at + 1 :]
-    dim, advanced = 0, []
-    for i in index:
-        if i is None:
-            t, dim = aten.unsqueeze.default(t, dim), dim + 1
-        elif isinstance(i, slice):
-            t, dim = aten.slice.Tensor(t, dim, i.start, i.stop, i.step or 1), dim + 1
-        elif isinstance(i, int):
-            t = aten.select.int(t, dim, i)
-        elif isinstance(i, torch.Tensor):
-            advanced.append((dim, i))
-            dim += 1
-        else:
-            raise NotImplementedError(f"fake-GPU indexing by {i!r}")
-    return t, advanced
-
-
-def _on_cuda(x: Any) -> bool:
-    if isinstance(x, FakeTensor):
-        return True
-    if isinstance(x, torch.device):
-        return x.type == "cuda"
-    return isinstance(x, str) and x.startswith("cuda")
-
-
-class NoEvent:
-    """`torch.cuda.Event` where nothing runs: recorded, never waited for (as a CPU build, waiting
-    raises: where a GPU's asynchronous error would surface)."""
-
-    def __init__(self, **options: bool) -> None:
-        pass
-
-    def record(self, stream: object = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        raise RuntimeError("waiting for a CUDA event: no CUDA here (fake GPUs run nothing)")
-
-
-class FakeCuda(TorchFunctionMode):
-    """Fake CUDA devices on a CPU build: calls touching them run under a `FakeTensorMode`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        # a thread's current CUDA device, which the walk and helper threads set, and the events
-        # a walk records as it leaves a stage (a CPU build raises on these): one device for every
-        # thread, events that mark nothing; waits and syncs still raise
-        self._device = mock.patch.multiple(
-            torch.cuda, current_device=lambda: 0, set_device=lambda device: None,
-            device=lambda device: contextlib.nullcontext(), Event=NoEvent,
-        )  # fmt: skip
-
-    def __enter__(self) -> FakeCuda:
-        self._device.start()
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self._device.stop()
-
-    def tensor(self, t: torch.Tensor, device: str) -> FakeTensor:
-        """A fake of `t`'s shape and dtype on `device` (from its meta twin: no data)."""
-        return FakeTensor(self.fake, t.detach().to("meta"), torch.device(device))
-
-    def _faked(self, x: Any) -> Any:
-        # real CPU tensors meeting a fake become fake CPU tensors (same device, so a mix still raises)
-        return (
-            self.fake.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-        )
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if kwargs.get("pin_memory"):  # pinned host memory needs a CUDA build: plain host memory
-            kwargs = {**kwargs, "pin_memory": False}
-        if not any(_on_cuda(x) for x in tree_leaves((args, kwargs))):
-            return func(*args, **kwargs)  # CPU work runs for real
-        args, kwargs = tree_map(self._faked, (args, kwargs))
-        with self.fake:
-            if func is torch.Tensor.__getitem__:
-                view, advanced = _view(*args)
-                if not advanced:
-                    return view
-                indices: list[torch.Tensor | None] = [None] * (advanced[-1][0] + 1)
-                for dim, i in advanced:
-                    indices[dim] = i
-                return aten.index.Tensor(view, indices)
-            if func is torch.Tensor.__setitem__:
-                t, index, value = args
-                view, advanced = _view(t, index)
-                if advanced:
-                    raise NotImplementedError("fake-GPU assignment by a tensor index")
-                if isinstance(value, torch.Tensor):
-                    aten.copy_.default(view, value)
-                else:
-                    aten.fill_.Scalar(view, value)
-                return None
-            if func is torch.Tensor.copy_:
-                return aten.copy_.default(*args, **kwargs)
-            if func is torch.Tensor.contiguous:
-                t = args[0]
-                return (
-                    t if t.is_contiguous() else aten.clone.default(t, memory_format=torch.contiguous_format)
-                )
-            return func(*args, **kwargs)
 
 
 def fake_weights(module: torch.nn.Module, device: str, fake: FakeCuda) -> torch.nn.Module:
@@ -365,7 +245,7 @@ def _wan_family(parts: dict) -> Family:
 def _wan(fake: FakeCuda) -> Pipeline:
     """Tiny Wan parts (tests/tiny_pipelines, CPU weights the moves turn into fakes): the
     transformer split over fake cuda:0 and cuda:1, UMT5 and the VAE on cuda:0."""
-    from tests.tiny_pipelines import _wan_parts
+    from tests.support.tiny_pipelines import _wan_parts
 
     parts = _wan_parts()
     model = parts["transformer"]
@@ -407,7 +287,7 @@ def test_a_video_step_over_two_fake_gpus(fake: FakeCuda) -> None:
 def test_a_first_frame_is_encoded_on_the_vaes_fake_gpu_and_lands_with_the_latents(fake: FakeCuda) -> None:
     """Image-to-video: the reference frame encoded by a VAE on cuda:1, its mask made on the CPU,
     both beside noise drawn on the CPU: every tensor of the start on the latents' cuda:0."""
-    from tests.tiny_pipelines import TEXT_DIM, _wan_parts
+    from tests.support.tiny_pipelines import TEXT_DIM, _wan_parts
 
     parts = _wan_parts(in_channels=36, image_dim=TEXT_DIM, added_kv_proj_dim=24)
     vae, device = parts["vae"].to("cuda:1"), torch.device("cuda:0")
@@ -539,7 +419,7 @@ def test_a_tensor_group_over_two_fake_gpus_keeps_each_ranks_weights_on_its_own(f
     A group's call runs its ranks on threads at once, and one FakeTensorMode cannot serve two
     threads: the exchanges' `.to(here)` are read instead, and `tests/test_gpu.py` runs the call."""
     from server.engine import build_shards, plan_parallel
-    from tests.test_sequence import tiny_transformers
+    from tests.support.denoisers import tiny_transformers
 
     model, _ = tiny_transformers()["flux"]
     whole = model.transformer_blocks[0].attn.to_q.weight.shape

@@ -22,9 +22,9 @@ from server.errors import InvalidRequest
 from server.pipeline import Pipeline
 from server.requests import Edit, GenerationRequest
 from tests.conftest import Cli
-from tests.live import live_server
-from tests.test_edits import left_half_mask, source_image
-from tests.tiny_pipelines import diffusers_image
+from tests.support.images import left_half_mask, source_image
+from tests.support.live import live_server
+from tests.support.tiny_pipelines import diffusers_image
 
 TOLERANCE = 1e-3
 

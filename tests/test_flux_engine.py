@@ -12,13 +12,8 @@ from server.engine.denoisers.blocks import tensor_bytes
 from server.engine.denoisers.flux import NATIVE_LATENT, T5_TOKENS, pack, unpack
 from server.engine.denoisers.specs import native_latent
 from server.engine.planning.flow import trace_flow
-from tests.reference import diffusers_forward
-from tests.tiny_pipelines import _flux_transformer
-
-
-def tiny_flux_transformer(guidance: bool = True) -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    return _flux_transformer(guidance).eval()
+from tests.support.denoisers import tiny_flux_transformer
+from tests.support.reference import diffusers_forward
 
 
 def test_layout_is_the_embeddings_then_double_then_single_stream_blocks_then_the_output_head() -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.live import LiveServer
+from tests.support.live import LiveServer
 
 BODY = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 6, "size": "64x48"}
 

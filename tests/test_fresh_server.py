@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.live import LiveServer, free_port, live_server
+from tests.support.live import LiveServer, free_port, live_server
 
 BUDGET = 256 * 1024
 SIZES = [(w, h) for w in range(64, 129, 8) for h in (64, 72, 80)][:24]  # 24 shapes, 2 steps each

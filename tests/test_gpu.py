@@ -33,9 +33,9 @@ from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Pipeline
 from server.requests import Edit, GenerationRequest
 from server.serving.housekeeping import empty_device_caches
-from tests.built_in import rows_of_every_kind, with_make_run_parts
-from tests.reference import diffusers_forward
-from tests.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
+from tests.support.built_in import rows_of_every_kind, with_make_run_parts
+from tests.support.reference import diffusers_forward
+from tests.support.tiny_pipelines import build_flux_folder, build_sd15_inpainting_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -257,7 +257,7 @@ def test_float8_and_nf4_load_serve_and_match_diffusers(folders: dict[str, Path],
     )
 
     from server.engine.quantize import Quantization, QuantMode, refusal, torchao_config
-    from tests.tiny_pipelines import diffusers_image
+    from tests.support.tiny_pipelines import diffusers_image
 
     if problem := refusal(QuantMode(mode), "cuda:0"):
         pytest.skip(problem)
@@ -380,7 +380,7 @@ def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Pat
     ranks on one GPU (each its own replica's weights)."""
     from server.pipeline.loading.folder import read_family
     from server.pipeline.loading.model_plan import plan_model
-    from tests.tiny_pipelines import build_sd3_folder
+    from tests.support.tiny_pipelines import build_sd3_folder
 
     folder = (build_flux_folder if family == "flux" else build_sd3_folder)(tmp_path / family)
     request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
@@ -401,7 +401,7 @@ def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Pat
 def test_a_wan_video_in_bfloat16_on_cuda_follows_the_cpu_one(tmp_path: Path, guidance: float) -> None:
     """Wan as a GPU serves it (bfloat16, its VAE float32): the tiny folder's video on cuda:0
     against the same on the CPU, in bfloat16 both (kernels round differently: mean ≤ 2/255)."""
-    from tests.tiny_pipelines import build_wan_folder
+    from tests.support.tiny_pipelines import build_wan_folder
 
     folder = build_wan_folder(tmp_path / "wan")
     request = GenerationRequest(
@@ -419,7 +419,7 @@ def test_a_wan_video_in_bfloat16_on_cuda_follows_the_cpu_one(tmp_path: Path, gui
 def test_wan_with_float8_weights_makes_the_bfloat16_video(tmp_path: Path) -> None:
     """`--quantize float8` on Wan (issue 48's first GPU run: torchao refused the time embedder,
     which diffusers keeps in float32): it loads, holds fewer bytes, and follows bfloat16's video."""
-    from tests.tiny_pipelines import build_wan_folder
+    from tests.support.tiny_pipelines import build_wan_folder
 
     # 16-wide heads: torchao's float8 leaves Linear layers alone unless both sides are multiples
     # of 16 (the tests' 12-wide tiny Wan converted nothing on the lent H100)

@@ -23,8 +23,8 @@ from server.api import metricsport
 from server.api.health import probe
 from server.api.metricsport import ProbeTarget
 from server.config import Settings
-from tests.live import LiveServer, free_port, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, free_port, live_server
+from tests.support.waiting import wait_until
 
 KEY = "sk-hardening-0123456789abcdef"
 MAX_CONNECTIONS = 20

@@ -28,8 +28,8 @@ import torch
 from PIL import Image
 
 from server.demo.evaluate import Verdict, classify
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 # what `serve` shards over with its default `--devices auto`: every visible CUDA device, else cpu
 VISIBLE = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]

@@ -14,7 +14,7 @@ from server.errors import DeadlineExceeded, Draining, NotReady, Overloaded
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.serving import Limits, Service
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 TOLERANCE = 1e-3
 LIMITS = Limits(max_steps=1000, request_timeout_s=60)

@@ -18,7 +18,7 @@ import pytest
 from openai import types as openai_types
 from PIL import Image
 
-from tests.live import MAKE_RUN, ROOT, LiveServer, sse
+from tests.support.live import MAKE_RUN, ROOT, LiveServer, sse
 
 QUICK = {"prompt": "a red circle", "num_inference_steps": 4, "seed": 1}
 # what pydantic, FastAPI or a library would say: none of it may reach a client

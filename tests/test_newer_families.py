@@ -42,16 +42,16 @@ from server.pipeline.loading.folder import read_family
 from server.pipeline.steps.state import group_states
 from server.requests import Edit, GenerationRequest
 from server.requests.step_cache import StepCache
-from tests.live import live_server
-from tests.test_edits import left_half_mask, source_image
-from tests.test_lora import random_pairs
-from tests.tiny_flux2 import build_flux2_folder, reference_image
-from tests.tiny_qwen import (
+from tests.support.images import left_half_mask, source_image
+from tests.support.live import live_server
+from tests.support.lora import random_pairs
+from tests.support.tiny_flux2 import build_flux2_folder, reference_image
+from tests.support.tiny_qwen import (
     build_qwen_image_edit_folder,
     condition_image,
     load_qwen_image_edit,
 )
-from tests.tiny_qwenimage import build_qwen_image_folder
+from tests.support.tiny_qwenimage import build_qwen_image_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
 TOLERANCE = 1e-3
@@ -583,7 +583,7 @@ def test_a_guided_and_a_cached_row_step_over_two_fake_gpus(built, name: str) -> 
     cuda:1, the encoders and VAE on the CPU; one call of a guided row beside a cached one lands on
     cuda:0 in the latents' shape: no tensor of the spec or the family is made on the wrong device."""
     from server.pipeline.loading.folder import load_components
-    from tests.test_fake_gpu import FakeCuda
+    from tests.support.fake_cuda import FakeCuda
 
     components = load_components(built(name))
     model = components.denoiser

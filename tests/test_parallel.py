@@ -5,7 +5,6 @@ proposes, predicts and explains."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +32,8 @@ from server.engine.runtime.gates import StageGates
 from server.engine.runtime.replicas import cut_rows
 from server.errors import PlanError
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
-from tests.reference import diffusers_forward
-from tests.test_dit import tiny_sd3_transformer
+from tests.support.denoisers import split_lone, tiny_sd3_transformer
+from tests.support.reference import diffusers_forward
 
 MODELS = {"sd15": tiny_sd15_unet, "sdxl": tiny_sdxl_unet, "sd3": tiny_sd3_transformer}
 
@@ -360,25 +359,6 @@ def test_a_model_too_big_for_one_device_is_not_measured_and_not_replicated() -> 
     model = tiny_sd15_unet()
     with pytest.raises(PlanError, match="replicas need the whole model on each device"):
         plan_parallel(model, "cpu,cpu", "replicas", max_memory="cpu=1MiB")
-
-
-def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, splits: bool = True, **load):
-    """`request` alone on two CPU replicas whose plan splits lone requests (or not: `splits`;
-    `prepare` adds what the pipeline serves; `load`: more of `Pipeline.load`'s options): its
-    image, each worker's busy seconds and the loop's stats."""
-    from server.pipeline import Pipeline
-    from server.pipeline.families import meta_denoiser
-    from server.pipeline.loading.folder import read_family
-    from server.serving import Service
-
-    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=splits)
-    service = Service(prepare(Pipeline.load(folder, plan=plan, **load)), "tiny")
-    try:
-        image = service.submit(request).future.result(timeout=60)[0]
-        return image, service.busy()["busy_seconds"], service.stats()
-    finally:
-        service.close()
 
 
 @pytest.mark.parametrize("splits", [True, False], ids=["rows split", "rows not split"])

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from server.metrics import PREFIX
-from tests.live import LiveServer, free_port, live_server
+from tests.support.live import LiveServer, free_port, live_server
 
 REQUESTS = [
     {"prompt": p, "seed": s, "num_inference_steps": 8}

@@ -21,7 +21,7 @@ from server.media.images import encode_async, encode_png, to_uint8
 from server.pipeline import Pipeline
 from server.pipeline.steps.schedulers import make_scheduler
 from server.requests import GenerationRequest
-from tests.tiny_pipelines import BUILDERS, diffusers_image
+from tests.support.tiny_pipelines import BUILDERS, diffusers_image
 
 REFERENCE = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]

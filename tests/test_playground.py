@@ -42,8 +42,8 @@ from server.api import docs
 from server.api.playground import FILES, HEADERS
 from server.demo import MODEL_DIR
 from server.demo.evaluate import Verdict, classify
-from tests.live import LiveServer, live_server
-from tests.test_lora import RANK, random_lora
+from tests.support.live import LiveServer, live_server
+from tests.support.lora import RANK, random_lora
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 DEADLINE_S = 60

@@ -26,7 +26,7 @@ from selenium.webdriver.support.ui import Select
 from server.demo.train_controlnet import silhouettes
 from tests import test_playground as page
 from tests import test_playground_edit as edits
-from tests.live import LiveServer
+from tests.support.live import LiveServer
 
 browser = page.browser  # the same fixtures: one Chromium, the shared make-run server
 server = page.server

@@ -32,7 +32,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.expected_conditions import staleness_of
 
 from tests import test_playground as page
-from tests.live import LiveServer
+from tests.support.live import LiveServer
 
 browser = page.browser  # the same fixtures: one Chromium, one server on the built-in model
 server = page.server

@@ -27,7 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests import test_playground as page
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 browser = page.browser  # the same Chromium fixture
 until, fill = page.until, page.fill
@@ -69,8 +69,8 @@ return {src: v.src, ready: v.readyState, error: v.error && v.error.code, duratio
 
 @pytest.fixture(scope="module")
 def wan_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from tests.test_wan import random_wan_lora
-    from tests.tiny_pipelines import build_wan_folder
+    from tests.support.lora import random_wan_lora
+    from tests.support.tiny_pipelines import build_wan_folder
 
     # RoPE for 64 positions an axis: 832x480, WanPipeline's default clip size, is the model's too
     folder = build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v", rope_max_seq_len=64)

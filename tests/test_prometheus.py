@@ -20,8 +20,8 @@ import torch
 import yaml
 
 from server.metrics import CATALOG, PREFIX
-from tests.live import free_port, live_server
-from tests.waiting import wait_until
+from tests.support.live import free_port, live_server
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "diffshard.json"

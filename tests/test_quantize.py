@@ -36,11 +36,11 @@ from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.loading.model_plan import fits_by_mode, largest_side, plan_model
 from server.pipeline.loading.quantized_parts import float8_speed, parse_quantize, part_quantizations
 from server.requests import Edit, GenerationRequest
-from tests.live import live_server
-from tests.test_edits import left_half_mask, source_image
-from tests.test_lora import random_lora
-from tests.test_parallel import split_lone
-from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image, write_gguf
+from tests.support.denoisers import split_lone
+from tests.support.images import left_half_mask, source_image
+from tests.support.live import live_server
+from tests.support.lora import random_lora
+from tests.support.tiny_pipelines import IMAGE_SIZE, diffusers_image, write_gguf
 
 PIXEL = 2 / 255  # the issue's bound for a quantized image against diffusers' quantized one
 

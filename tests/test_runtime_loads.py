@@ -21,10 +21,10 @@ from PIL import Image, ImageDraw
 
 from server.demo import MODEL_DIR
 from server.pipeline.conditioning.live_changes import ChangeLock
-from tests.live import LiveServer, live_server
-from tests.test_controlnet import folder_controlnet
-from tests.test_lora import random_lora
-from tests.waiting import wait_until
+from tests.support.controlnets import folder_controlnet
+from tests.support.live import LiveServer, live_server
+from tests.support.lora import random_lora
+from tests.support.waiting import wait_until
 
 ADMIN, USER = "admin-key-runtime", "user-key-runtime"
 QUICK = {"prompt": "a red circle", "seed": 5, "num_inference_steps": 4, "size": "64x64"}

@@ -22,9 +22,9 @@ from PIL import Image
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.serving import Service
-from tests.live import live_server
-from tests.tiny_pipelines import IMAGE_SIZE, diffusers_image
-from tests.waiting import wait_until
+from tests.support.live import live_server
+from tests.support.tiny_pipelines import IMAGE_SIZE, diffusers_image
+from tests.support.waiting import wait_until
 
 TOLERANCE = 1e-3
 

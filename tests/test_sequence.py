@@ -11,8 +11,6 @@ step-cached; a helper thread killed mid-request fails that request with 503 and 
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import threading
 from collections.abc import Iterator
@@ -25,10 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
-from PIL import Image
 
 from server.engine import CallPlan, ModelShard, plan_shards
-from server.engine.denoisers.blocks import DenoiserInputs, SequenceSplit
+from server.engine.denoisers.blocks import SequenceSplit
 from server.engine.runtime.replicas import Workers, sharing_weights
 from server.engine.runtime.sequence import Group, Rank, chunks, groups_for, run_sequence
 from server.pipeline import Pipeline
@@ -36,9 +33,11 @@ from server.pipeline.loading.deployment import Lane
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
 from tests.conftest import Cli
-from tests.live import LiveServer, live_server
-from tests.tiny_pipelines import diffusers_image
-from tests.waiting import wait_until
+from tests.support.denoisers import as_request, tiny_transformers
+from tests.support.images import pixels
+from tests.support.live import LiveServer, live_server
+from tests.support.tiny_pipelines import diffusers_image
+from tests.support.waiting import wait_until
 
 
 def test_chunks_cut_like_tensor_split() -> None:
@@ -68,30 +67,6 @@ def test_a_ranks_attention_equals_attention_over_every_token(heads: int, degree:
     for t in threads:
         t.join(timeout=30)
     assert torch.allclose(torch.cat(outs, dim=2), whole, atol=1e-6)
-
-
-def tiny_transformers() -> dict[str, tuple[torch.nn.Module, DenoiserInputs]]:
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    flux = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=[4, 4, 8],
-    ).eval()  # fmt: skip
-    sd3 = SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-        pooled_projection_dim=32, out_channels=4,
-    ).eval()  # fmt: skip
-    steps = torch.tensor([900.0, 500.0])
-    return {
-        "flux": (flux, DenoiserInputs(torch.randn(2, 4, 14, 12), steps, torch.randn(2, 13, 32),
-                                      {"pooled_projections": torch.randn(2, 32),
-                                       "guidance": torch.full((2,), 3.5)})),
-        "sd3": (sd3, DenoiserInputs(torch.randn(2, 4, 16, 12), steps, torch.randn(2, 77, 32),
-                                    {"pooled_projections": torch.randn(2, 32)})),
-    }  # fmt: skip
 
 
 @pytest.mark.parametrize("degree", [2, 3])
@@ -193,15 +168,6 @@ REQUESTS = {
 }  # fmt: skip
 
 
-def as_request(body: dict) -> GenerationRequest:
-    cache = body.get("step_cache")
-    return GenerationRequest(
-        body["prompt"], negative_prompt=body.get("negative_prompt"), seed=body["seed"],
-        steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"], width=32, height=32,
-        step_cache=StepCache(cache["policy"], threshold=cache["threshold"]) if cache else None,
-    )  # fmt: skip
-
-
 def diffusers_reference(name: str, folder: Path, request: GenerationRequest) -> np.ndarray:
     if name == "sd3":
         pipe = StableDiffusion3Pipeline.from_pretrained(
@@ -211,10 +177,6 @@ def diffusers_reference(name: str, folder: Path, request: GenerationRequest) -> 
         pipe = FluxPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     return diffusers_image(pipe, request)
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
 
 
 @pytest.fixture(scope="module", params=["sd3", "flux"])
@@ -273,7 +235,7 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
     from server.pipeline.conditioning.lora_keys import read_adapter
     from server.pipeline.families import meta_denoiser
     from server.pipeline.loading.folder import read_family
-    from tests.test_lora import random_lora
+    from tests.support.lora import random_lora
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
     request = GenerationRequest(

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 LONG = {"prompt": "a red circle", "num_inference_steps": 100, "seed": 1}  # ~2 s on 2 cores
 QUICK = {"prompt": "a blue square", "num_inference_steps": 2, "seed": 2}

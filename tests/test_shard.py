@@ -8,7 +8,7 @@ from torch import nn
 
 from server.engine import ModelShard, PlanError, plan_shards, spec_for
 from tests.conftest import tiny_sd15_unet
-from tests.reference import diffusers_forward
+from tests.support.reference import diffusers_forward
 
 
 def reference(model: nn.Module, batch: int = 3):

@@ -36,11 +36,11 @@ from server.pipeline.loading.folder import read_family
 from server.pipeline.loading.model_plan import plan_model
 from server.requests import GenerationRequest
 from server.serving import Service
-from tests.built_in import rows_of_every_kind, with_make_run_parts
-from tests.live import live_server
-from tests.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
-from tests.tiny_wan22 import wan_video
-from tests.waiting import wait_until
+from tests.support.built_in import rows_of_every_kind, with_make_run_parts
+from tests.support.live import live_server
+from tests.support.tiny_pipelines import build_flux_folder, build_sd3_folder, build_sd15_folder
+from tests.support.tiny_wan22 import wan_video
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -206,7 +206,7 @@ def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_fir
     import copy
 
     from server.pipeline.loading.parts import layer_devices, spread_encoder
-    from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
+    from tests.support.tiny_flux2 import _mistral3, build_mistral_tokenizer
 
     tokenizer = build_mistral_tokenizer()
     torch.manual_seed(0)
@@ -241,7 +241,7 @@ def test_a_text_encoder_converted_where_it_lives_holds_one_layer_at_a_time_in_it
     not the whole encoder in its first dtype (which the plan never counted). A bfloat16 cast of a
     float32 encoder stands in for the conversion (torchao's tensors do not run simulated)."""
     from server.pipeline.loading.parts import spread_encoder
-    from tests.tiny_flux2 import _mistral3, build_mistral_tokenizer
+    from tests.support.tiny_flux2 import _mistral3, build_mistral_tokenizer
 
     torch.manual_seed(0)
     encoder = _mistral3(build_mistral_tokenizer()).eval()

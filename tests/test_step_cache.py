@@ -21,10 +21,9 @@ from server.pipeline.conditioning.lora_keys import read_adapter
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache, parse_step_cache
 from tests.conftest import tiny_sd15_unet, tiny_sdxl_unet
-from tests.reference import diffusers_forward
-from tests.test_dit import tiny_sd3_transformer
-from tests.test_flux_engine import tiny_flux_transformer
-from tests.test_lora import random_lora
+from tests.support.denoisers import tiny_flux_transformer, tiny_sd3_transformer
+from tests.support.lora import random_lora
+from tests.support.reference import diffusers_forward
 
 TOLERANCE = 1e-3  # max abs difference of float images in [0, 1]
 MODELS = {

@@ -25,8 +25,8 @@ from server.errors import Cancelled
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.serving import Job
-from tests.live import LiveServer, live_server, sse
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server, sse
+from tests.support.waiting import wait_until
 
 EXTRA = {"seed": 3, "num_inference_steps": 12}
 

@@ -21,13 +21,13 @@ from server.pipeline import Pipeline
 from server.pipeline.loading.folder import read_family
 from server.pipeline.loading.model_plan import plan_model
 from server.requests import GenerationRequest
-from tests.test_sequence import tiny_transformers
+from tests.support.denoisers import tiny_transformers
 
 RANK_SHARE = 0.55  # the issue's bound: a rank holds at most this part of the split blocks' bytes
 
 
 def tiny_denoisers() -> dict[str, tuple[torch.nn.Module, object]]:
-    from tests.test_wan import tiny_wan, video_inputs
+    from tests.support.denoisers import tiny_wan, video_inputs
 
     return {**tiny_transformers(), "wan": (tiny_wan(), video_inputs())}
 
@@ -137,7 +137,7 @@ def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_a
     first-block-cached one and a plain one in one call each equal what they give alone within 1e-3."""
     from server.pipeline.conditioning.lora_keys import read_adapter
     from server.requests.step_cache import StepCache
-    from tests.test_lora import random_lora
+    from tests.support.lora import random_lora
 
     sd3 = folders["sd3"]
     lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
@@ -174,7 +174,7 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     rank holds 84% of those blocks' bytes on the tiny SD 1.5 (its Linear layers are 27% of it;
     SD 1.5's are about a third)."""
     from server.pipeline.loading.folder import load_components
-    from tests.tiny_pipelines import build_sd15_folder
+    from tests.support.tiny_pipelines import build_sd15_folder
 
     model = load_components(build_sd15_folder(tmp_path_factory.mktemp("tensor-unet") / "sd15")).denoiser
     inputs = spec_for(model).example_inputs(model, 2, 16, torch.float32, torch.device("cpu"))
@@ -191,9 +191,9 @@ def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> No
     by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve): a group of
     two equals the unsplit call, each rank ≤ 0.55 of the split blocks."""
     from server.pipeline.loading.folder import load_components
-    from tests.tiny_flux2 import build_flux2_folder
-    from tests.tiny_qwenimage import build_qwen_image_folder
-    from tests.tiny_zimage import build_zimage_pipeline
+    from tests.support.tiny_flux2 import build_flux2_folder
+    from tests.support.tiny_qwenimage import build_qwen_image_folder
+    from tests.support.tiny_zimage import build_zimage_pipeline
 
     if name == "z-image":
         model = build_zimage_pipeline(dim=48, axes_dims=[12, 6, 6]).transformer
@@ -288,8 +288,9 @@ def test_a_server_on_two_workers_as_a_tensor_group_serves_one_devices_images(flu
 
     import httpx
 
-    from tests.live import live_server
-    from tests.test_sequence import as_request, pixels
+    from tests.support.denoisers import as_request
+    from tests.support.images import pixels
+    from tests.support.live import live_server
 
     bodies = [
         {"prompt": "a red circle", "negative_prompt": "blue", "seed": 3, "num_inference_steps": 3,

@@ -27,7 +27,7 @@ from server.pipeline.loading.vae_tiling import VaeShape, VaeTiling, decoder_memo
 from server.requests import Edit, GenerationRequest
 from server.serving.limits import check_limits
 from server.startup import decoder_for, plan_for, request_limits
-from tests.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
+from tests.support.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
 
 PIXEL = 2 / 255
 LARGE = 1024 * 1024

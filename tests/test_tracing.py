@@ -22,7 +22,7 @@ from server.engine.runtime.tracing import (
 )
 from server.pipeline.conditioning.adapters import Adapter, AdapterSet, LoraPair, Target
 from server.pipeline.conditioning.live_changes import CHANGES
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 DEADLINE_S = 30
 

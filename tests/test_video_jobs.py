@@ -25,9 +25,9 @@ from server.serving.jobs import Job, leaving_outcome
 from server.serving.limits import Limits
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import JobStore, VideoJob, read_whole
-from tests.live import LiveServer, free_port, live_server
-from tests.redis_server import redis_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, free_port, live_server
+from tests.support.redis_server import redis_server
+from tests.support.waiting import wait_until
 
 FAST = {"num_frames": 9, "seed": 3, "num_inference_steps": 3, "guidance_scale": 5.0, "size": "32x32"}
 ENDED = ("completed", "failed")
@@ -163,7 +163,7 @@ def test_while_a_video_model_loads_its_jobs_answer_503_not_404(wan_folder: Path)
     server's model makes images"); an image model answers 404 saying why."""
     from server.app import create_app
     from server.config import Settings
-    from tests.test_app import request
+    from tests.support.asgi import request
 
     loading = request(create_app(Settings(model=wan_folder)), "GET", "/v1/videos/video_0")
     assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"

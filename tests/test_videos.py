@@ -23,10 +23,11 @@ import torch
 from PIL import Image
 
 from server.requests import GenerationRequest
-from tests.live import free_port, live_server, sse
-from tests.redis_server import redis_server
-from tests.test_wan import random_wan_lora, wan_pipeline_video
-from tests.waiting import wait_until
+from tests.support.denoisers import wan_pipeline_video
+from tests.support.live import free_port, live_server, sse
+from tests.support.lora import random_wan_lora
+from tests.support.redis_server import redis_server
+from tests.support.waiting import wait_until
 
 # openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -113,8 +114,8 @@ def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
 
     from server.serving.videos import REFERENCE, open_job_store, to_request
     from server.serving.videostore import read_whole
-    from tests.test_wan import first_frame
-    from tests.tiny_pipelines import build_wan_i2v_folder
+    from tests.support.images import first_frame
+    from tests.support.tiny_pipelines import build_wan_i2v_folder
 
     folder = build_wan_i2v_folder(tmp_path_factory.mktemp("wan") / "i2v")
     frame, png = first_frame(), tmp_path / "frame.png"

@@ -19,25 +19,9 @@ from server.engine.runtime.sequence import run_sequence
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.clip import Clip
-
-
-def tiny_wan() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ).eval()  # fmt: skip
-
-
-def video_inputs() -> DenoiserInputs:
-    """Two videos of 3 latent frames, 8×12 latents (72 tokens each), each at its own timestep."""
-    generator = torch.Generator().manual_seed(1)
-    return DenoiserInputs(
-        torch.randn(2, 16, 3, 8, 12, generator=generator),
-        torch.tensor([900.0, 400.0]),
-        torch.randn(2, 7, 32, generator=generator),
-    )
+from tests.support.denoisers import tiny_wan, video_inputs, wan_pipeline_video
+from tests.support.images import first_frame
+from tests.support.lora import random_wan_lora
 
 
 def diffusers_forward(model: WanTransformer3DModel, inputs: DenoiserInputs) -> torch.Tensor:
@@ -89,23 +73,6 @@ VIDEO = {"width": 32, "height": 32, "frames": 9}
 @pytest.fixture(scope="module")
 def wan_folder(tiny_folder):
     return tiny_folder("wan2.1")
-
-
-def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray:
-    """WanPipeline's frames for `request`, with `lora` (a file, its scale) loaded if given."""
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(lora[0], adapter_name="style")
-        pipe.set_adapters(["style"], [lora[1]])
-    return pipe(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
-        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
-        output_type="np",
-    ).frames[0]  # fmt: skip
 
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])  # guided: two rows; unguided: one
@@ -181,7 +148,7 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])
 def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tiny_folder, guidance: float) -> None:
-    """Wan 2.2 TI2V-5B's shape (tests/tiny_wan22.py: a 48-channel VAE, 16x spatial with its 2x2
+    """Wan 2.2 TI2V-5B's shape (tests/support/tiny_wan22.py: a 48-channel VAE, 16x spatial with its 2x2
     patches inside, `expand_timesteps`): text-to-video equals WanPipeline's, its per-token
     timesteps all the step's."""
     folder = tiny_folder("wan2.2-ti2v")
@@ -281,22 +248,6 @@ def test_two_videos_and_two_images_stepped_together_equal_each_alone(wan_folder)
     assert calls.get(4, 0) >= 2 * 2, calls  # each shape's two requests shared their calls
 
 
-def random_wan_lora(folder, out, seed: int):
-    """A rank-4 LoRA on every attention projection of the transformer (what Wan's LoRA loader
-    takes: no text-encoder part), in the diffusers/PEFT file format."""
-    from diffusers import WanTransformer3DModel
-    from safetensors.torch import save_file
-
-    from tests.test_lora import UNET_TARGETS, random_pairs
-
-    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer", local_files_only=True)
-    tensors: dict[str, torch.Tensor] = {}
-    parts = (("transformer", transformer, UNET_TARGETS),)
-    list(random_pairs(parts, torch.Generator().manual_seed(seed), 4, tensors))
-    save_file(tensors, out)
-    return out
-
-
 @pytest.mark.parametrize("scheduler", ["flow_match_euler", "unipc"])
 def test_adapters_step_caching_and_int8_compose_for_videos(
     wan_folder, tmp_path_factory, tmp_path, scheduler: str
@@ -312,7 +263,7 @@ def test_adapters_step_caching_and_int8_compose_for_videos(
     from server.pipeline.conditioning.lora_keys import read_adapter
     from server.requests.step_cache import StepCache
     from server.serving import Service
-    from tests.tiny_pipelines import build_wan_folder
+    from tests.support.tiny_pipelines import build_wan_folder
 
     if scheduler == "flow_match_euler":
         euler = FlowMatchEulerDiscreteScheduler(shift=7.0)
@@ -452,17 +403,9 @@ def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memo
 
 @pytest.fixture(scope="module")
 def wan_i2v_folder(tmp_path_factory: pytest.TempPathFactory):
-    from tests.tiny_pipelines import build_wan_i2v_folder
+    from tests.support.tiny_pipelines import build_wan_i2v_folder
 
     return build_wan_i2v_folder(tmp_path_factory.mktemp("wan") / "i2v")
-
-
-def first_frame():
-    """A 48×40 gradient: resized to the video's 32×32, as the pipeline resizes it."""
-    from PIL import Image
-
-    ys, xs = np.mgrid[0:40, 0:48]
-    return Image.fromarray(np.stack([xs * 5, ys * 6, (xs + ys) * 2], -1).astype(np.uint8))
 
 
 def test_our_image_to_video_equals_wan_image_to_video_pipelines(wan_i2v_folder, monkeypatch) -> None:

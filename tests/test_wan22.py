@@ -1,6 +1,6 @@
 """Wan 2.2 (issue 51): A14B's two experts inside one batched step, I2V-A14B, TI2V-5B, and the
 plans at published sizes, in-process (served over /v1/videos: `tests/test_wan22_http.py`). The
-tiny folders are `tests/tiny_wan22.py`'s (seeded, offline): two experts of different weights
+tiny folders are `tests/support/tiny_wan22.py`'s (seeded, offline): two experts of different weights
 switching at `boundary_ratio`, held to WanPipeline and WanImageToVideoPipeline."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from server.errors import InvalidRequest, ModelFolderError, PlanError
 from server.pipeline import Pipeline
 from server.pipeline.families import reference_family
 from server.requests import GenerationRequest
-from tests.tiny_wan22 import TI2V_SIZE, wan_video
+from tests.support.tiny_wan22 import TI2V_SIZE, wan_video
 
 VIDEO = {"width": 32, "height": 32, "frames": 9}
 # 6 steps of the published UniPC scheduler at flow_shift 3: t = 999, 937 (high noise, ≥ 875), then
@@ -161,7 +161,7 @@ def test_a_one_transformer_wan_refuses_guidance_scale_2_by_name(tiny_folder) -> 
 def test_i2v_a14b_makes_wan_image_to_video_pipelines_video(tmp_path_factory) -> None:
     """Wan2.2-I2V-A14B's shape: two 36-channel experts (boundary 0.9) and no image encoder: the
     first frame conditions through its latents and mask only."""
-    from tests.tiny_wan22 import build_wan22_i2v_two_expert_folder
+    from tests.support.tiny_wan22 import build_wan22_i2v_two_expert_folder
 
     folder = build_wan22_i2v_two_expert_folder(tmp_path_factory.mktemp("i2v") / "i2v-a14b")
     pipeline = Pipeline.load(folder, devices="cpu")
@@ -299,7 +299,7 @@ def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_
     from safetensors.torch import load_file, save_file
 
     from server.pipeline.conditioning.lora_keys import read_adapter
-    from tests.test_wan import random_wan_lora
+    from tests.support.lora import random_wan_lora
 
     high = random_wan_lora(a14b_folder, tmp_path / "high.safetensors", 1)
     low = random_wan_lora(a14b_folder, tmp_path / "low.safetensors", 2)

@@ -1,4 +1,4 @@
-"""Wan 2.2 served (issue 67): `tests/tiny_wan22.py`'s A14B and TI2V-5B folders, with the UniPC
+"""Wan 2.2 served (issue 67): `tests/support/tiny_wan22.py`'s A14B and TI2V-5B folders, with the UniPC
 scheduler their published folders ship, behind one live server each and driven by OpenAI's SDK.
 Three jobs a server, at 20 and 6 steps, sent together (the 20-step one first), so they share
 steps: each job's frames are within 2/255 of WanPipeline's (from a first frame,
@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 
 from server.requests import GenerationRequest
-from tests.live import live_server
-from tests.tiny_wan22 import TI2V_SIZE, wan_video
-from tests.waiting import wait_until
+from tests.support.live import live_server
+from tests.support.tiny_wan22 import TI2V_SIZE, wan_video
+from tests.support.waiting import wait_until
 
 # openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")

@@ -30,7 +30,7 @@ from benchmarks.gpu.shapes import SHAPES, TINY, GiB, Shape, build_on_device, fre
 from server.engine import CallPlan, ModelShard, plan_shards
 from server.engine.quantize import Quantization, QuantMode, refusal
 from server.engine.runtime.call import CacheAsk, RowGroup
-from tests.reference import diffusers_forward
+from tests.support.reference import diffusers_forward
 
 
 class Clock:

@@ -16,8 +16,8 @@ import httpx
 from PIL import Image
 
 from benchmarks.gpu import Lines, phase_parser
-from tests.live import free_port, live_server
-from tests.tiny_pipelines import build_sd15_folder
+from tests.support.live import free_port, live_server
+from tests.support.tiny_pipelines import build_sd15_folder
 
 REQUEST = {"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 4, "seed": 1}
 DEVICE_SERIES = ("diffshard_device_total_bytes", "diffshard_shard_parameter_bytes")

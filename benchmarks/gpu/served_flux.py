@@ -48,8 +48,8 @@ from server.app import create_app
 from server.config import Settings
 from server.pipeline.families.flux import CLIP_L, FLUX1, FLUX_VAE, T5_XXL_ENCODER
 from server.pipeline.loading.folder import Components, class_of, read_family
-from tests.live import free_port
-from tests.tiny_pipelines import (
+from tests.support.live import free_port
+from tests.support.tiny_pipelines import (
     FLUX_DEV_SCHEDULE,
     FLUX_LATENT_CHANNELS,
     _flow_vae,
@@ -169,7 +169,7 @@ def _embeddings(model: CLIPTextModel) -> nn.Module:
 
 
 class Ready(logging.Handler):
-    """Set once the service logs "ready:" (what `serve` and `tests/live.py` wait for) or the load
+    """Set once the service logs "ready:" (what `serve` and `tests/support/live.py` wait for) or the load
     fails (`on_fatal`)."""
 
     def __init__(self) -> None:

@@ -22,7 +22,7 @@ from server.__main__ import SHUTDOWN_GRACE_S
 from server.config import Settings
 from tests.deploy.manifests import K8S, OVERLAYS, container, overlay, render, settings_env, the
 from tests.deploy.test_images import image_env
-from tests.live import live_server
+from tests.support.live import live_server
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 CRDS = Path(__file__).parent / "crds"

@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.forking import Forked
-from tests.live import free_port
+from tests.support.forking import Forked
+from tests.support.live import free_port
 
 MODEL_DIR = Path(__file__).parents[2] / "server" / "demo" / "model"  # the built-in model
 WITHIN_S = 30  # "within seconds": importing torch and diffusers alone takes a few here

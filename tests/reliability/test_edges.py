@@ -21,8 +21,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.live import LiveServer, live_server
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, live_server
+from tests.support.waiting import wait_until
 
 READ_TIMEOUT_S = 2.0  # the edge server's --read-timeout-s: a slow *reader* must outlast it
 QUICK = {"prompt": "a blue square", "num_inference_steps": 4, "seed": 2}

@@ -30,7 +30,7 @@ from schemathesis.checks import (
 )
 from schemathesis.core.failures import Failure
 
-from tests.live import LiveServer, live_server
+from tests.support.live import LiveServer, live_server
 
 CALL_TIMEOUT_S = 30  # no answer this late: the server hangs
 SEEN: dict[str, Counter] = defaultdict(Counter)  # operation → status → answers

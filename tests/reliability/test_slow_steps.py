@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.live import LiveServer, free_port, live_server
 from tests.reliability.test_edges import ANSWER_S, QUICK, assert_images, post
-from tests.waiting import wait_until
+from tests.support.live import LiveServer, free_port, live_server
+from tests.support.waiting import wait_until
 
 # 4 images of 256² on the 64-pixel built-in model: 8 rows at 16x the native area, so each call
 # gets 8x the step timeout; on 2 cores one such step takes ~2.5 s, ~10x STEP_TIMEOUT_S.

@@ -9,7 +9,7 @@ encoder whose second-to-last hidden states are the caption features, a Qwen2 byt
 tokenizer with Qwen3's chat template, the FLUX-style 16-channel VAE with its factors, and
 Z-Image-Turbo's scheduler (flow matching, static shift 3). Nothing is downloaded.
 
-`python -m tests.tiny_zimage` (with HF_HUB_OFFLINE=1) builds a folder, loads it back and runs it.
+`python -m tests.support.tiny_zimage` (with HF_HUB_OFFLINE=1) builds a folder, loads it back and runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
 from server.demo.tokenizer import WORDS
-from tests.tiny_qwen import byte_merges
+from tests.support.tiny_qwen import byte_merges
 
 TEXT_DIM = 32  # the text encoder's hidden size = the transformer's cap_feat_dim (Z-Image: 2560)
 LATENT_CHANNELS = 16

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.live import free_port
-from tests.waiting import wait_until
+from tests.support.live import free_port
+from tests.support.waiting import wait_until
 
 
 @dataclass

@@ -20,7 +20,7 @@ byte-level BPE `TokenizersBackend` with Mistral's special tokens and a Mistral-s
 (caption upsampling, which calls `tokenizer.tokenizer.batch_decode` and passes images, needs the
 processor and is not supported by this folder).
 
-Run `python -m tests.tiny_flux2` (from the repository root, HF_HUB_OFFLINE=1) to build each variant,
+Run `python -m tests.support.tiny_flux2` (from the repository root, HF_HUB_OFFLINE=1) to build each variant,
 load it back and generate 32×32 images, text-only and with one 64-pixel reference image."""
 
 from __future__ import annotations

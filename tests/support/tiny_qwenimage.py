@@ -1,6 +1,6 @@
 """A tiny Qwen-Image-shaped pipeline folder with random weights, built from config under a fixed
 seed (diffusers' own test's dummy components, tests/pipelines/qwenimage/test_qwenimage.py): a
-double-stream MMDiT of 4 heads (a group of two splits them), tests/tiny_qwen.py's two-layer
+double-stream MMDiT of 4 heads (a group of two splits them), tests/support/tiny_qwen.py's two-layer
 Qwen2.5-VL encoder and local tokenizer (the template's first 34 tokens are its system prompt, as
 the real one's), and a 4x Wan-style VAE with per-channel statistics that are not the identity, so
 a 32² image is 16 tokens."""
@@ -17,7 +17,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 
-from tests.tiny_qwen import TEXT_HIDDEN, _text_encoder, build_qwen_tokenizer
+from tests.support.tiny_qwen import TEXT_HIDDEN, _text_encoder, build_qwen_tokenizer
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json
 QWEN_IMAGE_SCHEDULE = {

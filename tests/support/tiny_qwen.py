@@ -19,7 +19,7 @@ per-channel statistics, Qwen-Image's scheduler config), with no download:
   do (`["transformers", "Qwen2VLProcessor"]`); load it with `load_qwen_image_edit` (which passes
   the processor in) where torchvision is missing.
 
-`python -m tests.tiny_qwen` builds the three folders in a temporary directory, reloads them and
+`python -m tests.support.tiny_qwen` builds the three folders in a temporary directory, reloads them and
 runs each pipeline at 32x32 for 2 steps."""
 
 from __future__ import annotations

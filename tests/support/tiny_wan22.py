@@ -1,6 +1,6 @@
 """Tiny Wan 2.2 folders for issue 51, with random weights, built from config under fixed seeds and
 saved as diffusers saves any pipeline (safetensors), offline (the UMT5 encoder and its tokenizer
-are `tests/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
+are `tests/support/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
 
 - `build_wan22_two_expert_folder`: Wan2.2-T2V-A14B's shape (`WanPipeline`): a high-noise expert
   `transformer` and a low-noise expert `transformer_2` of one config with different weights, and
@@ -20,7 +20,7 @@ are `tests/tiny_pipelines.py`'s, as its Wan 2.1 folders have them).
 Each holds the scheduler its published folder ships: UniPCMultistepScheduler (flow_prediction,
 flow sigmas, flow_shift 3.0 for A14B, 5.0 for TI2V-5B; `tiny_pipelines.wan_scheduler`).
 
-Run `python -m tests.tiny_wan22` (offline: HF_HUB_OFFLINE=1) to build both in a temporary folder
+Run `python -m tests.support.tiny_wan22` (offline: HF_HUB_OFFLINE=1) to build both in a temporary folder
 and run each pipeline on them."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-from tests.tiny_pipelines import _wan_parts, wan_scheduler
+from tests.support.tiny_pipelines import _wan_parts, wan_scheduler
 
 if TYPE_CHECKING:
     import numpy as np

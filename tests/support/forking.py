@@ -3,7 +3,7 @@
 
 `Forked.run` runs one to its end (the CLI's tests); `Forked.spawn` starts one and hands back a
 `ForkedProcess`, which a test signals and waits for as it would a `subprocess.Popen` (live
-servers: `tests/live.py`). A spawned process's stdout and stderr are the file descriptors given,
+servers: `tests/support/live.py`). A spawned process's stdout and stderr are the file descriptors given,
 passed over the fork server's socket (SCM_RIGHTS): a pipe reads as it would from `Popen`."""
 
 from __future__ import annotations

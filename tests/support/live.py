@@ -1,6 +1,6 @@
 """Start `python -m server serve` as a process of its own on a free loopback port and wait until
 it is ready: for the tests and benchmarks that need the real thing (uvicorn, its lifespan, the
-body limit, signals); in the test session forked from its fork server (`tests/forking.py`).
+body limit, signals); in the test session forked from its fork server (`tests/support/forking.py`).
 Readiness is the "ready:" line the service logs once the model is loaded, an event awaited with
 a deadline, not a sleep."""
 
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:
-    from tests.forking import Forked
+    from tests.support.forking import Forked
 
 STARTUP_DEADLINE_S = 120
 # the test session's fork server, started on first use (conftest's `fork_server`); None elsewhere

@@ -1,0 +1,121 @@
+"""Tiny denoisers built from config under fixed seeds, and the inputs and splits the engine tests
+run them with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import (
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    WanTransformer3DModel,
+)
+
+from server.engine import (
+    ParallelPlan,
+    plan_shards,
+)
+from server.engine.denoisers.blocks import DenoiserInputs
+from server.pipeline import Pipeline
+from server.pipeline.families import meta_denoiser
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
+from tests.support.tiny_pipelines import _flux_transformer, _sd3_transformer
+
+
+def tiny_sd3_transformer() -> SD3Transformer2DModel:
+    torch.manual_seed(0)
+    return _sd3_transformer().eval()
+
+
+def tiny_flux_transformer(guidance: bool = True) -> FluxTransformer2DModel:
+    torch.manual_seed(0)
+    return _flux_transformer(guidance).eval()
+
+
+def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, splits: bool = True, **load):
+    """`request` alone on two CPU replicas whose plan splits lone requests (or not: `splits`;
+    `prepare` adds what the pipeline serves; `load`: more of `Pipeline.load`'s options): its
+    image, each worker's busy seconds and the loop's stats."""
+    from server.pipeline.loading.folder import read_family
+    from server.serving import Service
+
+    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    plan = ParallelPlan((one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=splits)
+    service = Service(prepare(Pipeline.load(folder, plan=plan, **load)), "tiny")
+    try:
+        image = service.submit(request).future.result(timeout=60)[0]
+        return image, service.busy()["busy_seconds"], service.stats()
+    finally:
+        service.close()
+
+
+def tiny_transformers() -> dict[str, tuple[torch.nn.Module, DenoiserInputs]]:
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    flux = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=[4, 4, 8],
+    ).eval()  # fmt: skip
+    sd3 = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+        pooled_projection_dim=32, out_channels=4,
+    ).eval()  # fmt: skip
+    steps = torch.tensor([900.0, 500.0])
+    return {
+        "flux": (flux, DenoiserInputs(torch.randn(2, 4, 14, 12), steps, torch.randn(2, 13, 32),
+                                      {"pooled_projections": torch.randn(2, 32),
+                                       "guidance": torch.full((2,), 3.5)})),
+        "sd3": (sd3, DenoiserInputs(torch.randn(2, 4, 16, 12), steps, torch.randn(2, 77, 32),
+                                    {"pooled_projections": torch.randn(2, 32)})),
+    }  # fmt: skip
+
+
+def as_request(body: dict) -> GenerationRequest:
+    cache = body.get("step_cache")
+    return GenerationRequest(
+        body["prompt"], negative_prompt=body.get("negative_prompt"), seed=body["seed"],
+        steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"], width=32, height=32,
+        step_cache=StepCache(cache["policy"], threshold=cache["threshold"]) if cache else None,
+    )  # fmt: skip
+
+
+def tiny_wan() -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()  # fmt: skip
+
+
+def video_inputs() -> DenoiserInputs:
+    """Two videos of 3 latent frames, 8×12 latents (72 tokens each), each at its own timestep."""
+    generator = torch.Generator().manual_seed(1)
+    return DenoiserInputs(
+        torch.randn(2, 16, 3, 8, 12, generator=generator),
+        torch.tensor([900.0, 400.0]),
+        torch.randn(2, 7, 32, generator=generator),
+    )
+
+
+def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray:
+    """WanPipeline's frames for `request`, with `lora` (a file, its scale) loaded if given."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora[0], adapter_name="style")
+        pipe.set_adapters(["style"], [lora[1]])
+    return pipe(
+        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+    ).frames[0]  # fmt: skip
