@@ -14,6 +14,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from tests.support import live
+from tests.support.browser import browser  # noqa: F401  (the session's one Chromium)
 from tests.support.forking import Forked
 from tests.support.live import MAKE_RUN, LiveServer, free_port, live_server
 from tests.support.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
@@ -190,6 +191,12 @@ def served() -> Iterator[LiveServer]:
     Tests on it read counters as differences, never as totals from zero."""
     with live_server(*MAKE_RUN, "--metrics-port", str(free_port())) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def server(served: LiveServer) -> LiveServer:
+    """The built-in model as `make run` serves it, where a module starts no server of its own."""
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,20 @@ from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import Select
 
 from server.demo.train_controlnet import silhouettes
-from tests import test_playground as page
-from tests import test_playground_edit as edits
+from tests.support.browser import (
+    RECORD_REQUESTS,
+    RECORD_SENT,
+    api_edit,
+    api_pixels,
+    fill,
+    final_images,
+    form_fields,
+    open_page,
+    sent,
+    shown_pixels,
+    until,
+)
 from tests.support.live import LiveServer
-
-browser = page.browser  # the same fixtures: one Chromium, the shared make-run server
-server = page.server
-until, fill, final_images, shown_pixels = page.until, page.fill, page.final_images, page.shown_pixels
 
 SIDE = 64  # the built-in model's images
 BOX = (6, 6, 30, 30)  # a 24-pixel circle in the top-left corner
@@ -55,7 +62,7 @@ def test_a_control_upload_makes_an_image_that_follows_it(
     control.save(upload)
     wanted = np.asarray(control)[..., 0] > 127
 
-    page.open_page(browser, server.url)
+    open_page(browser, server.url)
     until(browser, lambda b: b.find_element(By.ID, "control").is_displayed(), "the ControlNet section")
     choice = Select(browser.find_element(By.ID, "control-model"))
     assert [o.text for o in choice.options] == ["off", "silhouette"]
@@ -65,7 +72,7 @@ def test_a_control_upload_makes_an_image_that_follows_it(
     error = browser.find_element(By.ID, "error")
     until(browser, lambda b: error.text.startswith("Choose a control image"), "the missing image")
 
-    browser.execute_script(page.RECORD_REQUESTS)
+    browser.execute_script(RECORD_REQUESTS)
     browser.find_element(By.ID, "control-image").send_keys(str(upload))
     until(browser, lambda b: b.find_element(By.ID, "control-preview").is_displayed(), "the preview")
     browser.find_element(By.ID, "go").click()
@@ -83,31 +90,31 @@ def test_a_control_upload_makes_an_image_that_follows_it(
     plain = shown_pixels(browser, plain_image)
 
     with_control, without = browser.execute_script("return window.sent")
-    [sent] = with_control["control"]
-    assert (sent["model"], sent["scale"]) == ("silhouette", 1)
-    assert sent["image"].startswith("data:image/png;base64,")
-    assert base64.b64decode(sent["image"].split(",", 1)[1]) == upload.read_bytes()  # as uploaded
+    [control_sent] = with_control["control"]
+    assert (control_sent["model"], control_sent["scale"]) == ("silhouette", 1)
+    assert control_sent["image"].startswith("data:image/png;base64,")
+    assert base64.b64decode(control_sent["image"].split(",", 1)[1]) == upload.read_bytes()  # as uploaded
     assert "control" not in without
     streamed = ("stream", "stream_progress", "partial_images")
     body = {k: v for k, v in with_control.items() if k not in streamed}
-    np.testing.assert_array_equal(controlled, page.api_pixels(server, **body))
+    np.testing.assert_array_equal(controlled, api_pixels(server, **body))
 
     follows, ignores = overlap(shape_of(controlled), wanted), overlap(shape_of(plain), wanted)
     assert follows > 0.5 and follows > ignores + 0.2, (follows, ignores)
 
     # the plain image edited with the control on: its form carries the same list as JSON text
     choice.select_by_value("silhouette")
-    browser.execute_script(edits.RECORD_SENT)
+    browser.execute_script(RECORD_SENT)
     browser.find_element(By.CSS_SELECTOR, ".card .edit-this").click()
     until(browser, lambda b: b.find_element(By.ID, "canvas-frame").is_displayed(), "the editor")
     assert browser.find_element(By.ID, "control").is_displayed()
     browser.find_element(By.ID, "go").click()
     until(browser, staleness_of(plain_image), "the edit")
     [edited] = final_images(browser, 1)
-    [edit] = [s for s in edits.sent(browser) if "path" in s]  # RECORD_REQUESTS's entry beside it: none
+    [edit] = [s for s in sent(browser) if "path" in s]  # RECORD_REQUESTS's entry beside it: none
     assert edit["path"] == "/v1/images/edits"
-    assert json.loads(edits.form_fields(edit)["control"]) == [sent]
-    np.testing.assert_array_equal(shown_pixels(browser, edited), edits.api_edit(server, edit))
+    assert json.loads(form_fields(edit)["control"]) == [control_sent]
+    np.testing.assert_array_equal(shown_pixels(browser, edited), api_edit(server, edit))
     caption = browser.find_element(By.CSS_SELECTOR, ".card .control-image figcaption")
     assert caption.text == "Control: silhouette at 1.00"
     assert not [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]

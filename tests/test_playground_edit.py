@@ -31,47 +31,29 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.expected_conditions import staleness_of
 
-from tests import test_playground as page
+from tests.support.browser import (
+    RECORD_KINDS,
+    RECORD_SENT,
+    api_edit,
+    fill,
+    final_images,
+    form_fields,
+    form_files,
+    open_page,
+    sent,
+    shown_pixels,
+    until,
+)
 from tests.support.live import LiveServer
-
-browser = page.browser  # the same fixtures: one Chromium, one server on the built-in model
-server = page.server
-until, fill, final_images, shown_pixels = page.until, page.fill, page.final_images, page.shown_pixels
 
 SIDE = 64  # the built-in model's images
 BRUSH = 8  # the page's first brush for them: an eighth of the side, in image pixels
-# Records, in the page, what each POST sends: a generation's JSON, or an edit's form with its
-# files as base64 (read with SENT).
-RECORD_SENT = """
-window.sent = [];
-const send = window.fetch;
-const file = async (blob) => {
-  let text = "";
-  for (const byte of new Uint8Array(await blob.arrayBuffer())) text += String.fromCharCode(byte);
-  return {name: blob.name, type: blob.type, b64: btoa(text)};
-};
-const entries = (form) => Promise.all(
-  [...form.entries()].map(async ([k, v]) => [k, typeof v === "string" ? v : await file(v)]));
-window.fetch = (path, init = {}) => {
-  if (init.method === "POST") {
-    window.sent.push(init.body instanceof FormData
-      ? entries(init.body).then((form) => ({path, form}))
-      : Promise.resolve({path, json: JSON.parse(init.body)}));
-  }
-  return send(path, init);
-};
-"""
-SENT = "const done = arguments[arguments.length - 1]; Promise.all(window.sent).then(done);"
 # The painted pixels the mask canvas holds, 1 where painted, row by row.
 PAINTED = """
 const canvas = arguments[0];
 const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
 return [canvas.width, canvas.height, Array.from(pixels.filter((_, i) => i % 4 === 3), (a) => a ? 1 : 0)];
 """
-
-
-def sent(browser: WebDriver) -> list[dict]:
-    return browser.execute_async_script(SENT)
 
 
 def painted(browser: WebDriver) -> np.ndarray:
@@ -111,32 +93,10 @@ def distances(points: list[tuple[float, float]]) -> np.ndarray:
     return nearest
 
 
-def form_files(request: dict) -> dict[str, bytes]:
-    return {k: base64.b64decode(v["b64"]) for k, v in request["form"] if isinstance(v, dict)}
-
-
-def form_fields(request: dict) -> dict[str, str]:
-    return {k: v for k, v in request["form"] if isinstance(v, str)}
-
-
 def png(data: bytes) -> Image.Image:
     image = Image.open(io.BytesIO(data))
     assert image.format == "PNG"
     return image
-
-
-def api_edit(server: LiveServer, request: dict) -> np.ndarray:
-    """The image /v1/images/edits answers, not streamed, for the form the page sent."""
-    fields = {
-        k: v
-        for k, v in form_fields(request).items()
-        if k not in ("stream", "stream_progress", "partial_images")
-    }
-    files = {k: (k + ".png", data, "image/png") for k, data in form_files(request).items()}
-    answer = httpx.post(f"{server.url}/v1/images/edits", data=fields, files=files, timeout=60)
-    assert answer.status_code == 200, answer.text
-    image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
-    return np.asarray(image.convert("RGB"))
 
 
 def error_box(browser: WebDriver) -> WebElement:
@@ -156,8 +116,8 @@ def test_an_image_made_here_is_edited_with_the_mask_painted_on_it(
     browser: WebDriver, server: LiveServer, tmp_path: Path
 ) -> None:
     browser.get_log("browser")  # drop what earlier pages logged
-    page.open_page(browser, server.url)
-    browser.execute_script(page.RECORD_KINDS + RECORD_SENT)
+    open_page(browser, server.url)
+    browser.execute_script(RECORD_KINDS + RECORD_SENT)
     fill(browser, prompt="a red circle", seed="7", num_inference_steps="12")
     browser.find_element(By.ID, "go").click()
     [made] = final_images(browser, 1)
@@ -236,7 +196,7 @@ def test_invert_paints_the_other_pixels_and_clear_sends_no_mask(
     ).json()["data"][0]["b64_json"]
     upload = tmp_path / "green-square.png"
     upload.write_bytes(base64.b64decode(made))
-    page.open_page(browser, server.url)
+    open_page(browser, server.url)
     browser.execute_script(RECORD_SENT)
     browser.find_element(By.CSS_SELECTOR, 'label[for="mode-edit"]').click()
     assert browser.find_element(By.ID, "sources-empty").is_displayed()
@@ -283,7 +243,7 @@ def test_invert_paints_the_other_pixels_and_clear_sends_no_mask(
 def test_an_unreadable_upload_and_a_refused_one_are_explained(
     browser: WebDriver, server: LiveServer, tmp_path: Path
 ) -> None:
-    page.open_page(browser, server.url)
+    open_page(browser, server.url)
     browser.find_element(By.CSS_SELECTOR, 'label[for="mode-edit"]').click()
     fill(browser, prompt="a red square")
     browser.find_element(By.ID, "go").click()

@@ -26,11 +26,13 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from tests import test_playground as page
+from tests.support.browser import (
+    RECORD_REQUESTS,
+    fill,
+    open_page,
+    until,
+)
 from tests.support.live import LiveServer, live_server
-
-browser = page.browser  # the same Chromium fixture
-until, fill = page.until, page.fill
 
 FRAMES, FPS = 5, 16  # the tiny job: 32×32, 5 frames (a quarter second), 2 steps
 # Records, in the page, each text the progress line takes and the type and size of each blob the
@@ -86,7 +88,7 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     browser: WebDriver, wan_server: LiveServer, tmp_path: Path
 ) -> None:
     browser.get_log("browser")  # drop what earlier pages logged
-    page.open_page(browser, wan_server.url)
+    open_page(browser, wan_server.url)
     until(browser, lambda b: b.find_element(By.ID, "mode-video").is_selected(), "video mode")
     assert browser.find_element(By.CSS_SELECTOR, 'label[for="mode-video"]').is_displayed()
     assert browser.find_element(By.ID, "go").text == "Make video"
@@ -117,7 +119,7 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     # 2. A good one, with the server's adapter on: its progress, then the video.
     fill(browser, size="32x32")
     browser.find_element(By.CSS_SELECTOR, "#lora-list input[type=checkbox]").click()
-    browser.execute_script(page.RECORD_REQUESTS)
+    browser.execute_script(RECORD_REQUESTS)
     browser.find_element(By.ID, "go").click()
     played = browser.find_elements  # the card's <video>, once shown
     video = until(browser, lambda b: [v for v in played(By.CSS_SELECTOR, ".card video") if v.is_displayed()],

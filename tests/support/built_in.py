@@ -15,7 +15,7 @@ from server.requests import Edit, GenerationRequest
 from server.requests.control import Control
 from server.requests.step_cache import StepCache
 
-DEMO = Path(__file__).resolve().parents[1] / "server" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "server" / "demo"
 
 
 def with_make_run_parts(pipeline: Pipeline) -> Pipeline:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 STARTUP_DEADLINE_S = 120
 # the test session's fork server, started on first use (conftest's `fork_server`); None elsewhere
 forking: Callable[[], Forked] | None = None
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # `make run`'s arguments (the Makefile's): the built-in model with the diamond adapter and the
 # silhouette ControlNet
 MAKE_RUN = (
