@@ -72,17 +72,17 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check .
 
 bench: $(VENV)/.test
-	$(PY) -m benchmarks.shard
-	$(PY) -m benchmarks.sampling
-	$(PY) -m benchmarks.pipeline
-	$(PY) -m benchmarks.unet_rows
-	$(PY) -m benchmarks.serving
-	$(PY) -m benchmarks.soak
-	$(PY) -m benchmarks.host_memory
-	$(PY) -m benchmarks.threads
-	$(PY) -m benchmarks.parallel
-	$(PY) -m benchmarks.planner
-	$(PY) -m benchmarks.thread_default
+	$(PY) -m benchmarks.parallel.shard
+	$(PY) -m benchmarks.peers.diffusers_sampling
+	$(PY) -m benchmarks.peers.diffusers_pipeline
+	$(PY) -m benchmarks.speed.unet_rows
+	$(PY) -m benchmarks.serving.throughput
+	$(PY) -m benchmarks.serving.soak
+	$(PY) -m benchmarks.serving.host_memory
+	$(PY) -m benchmarks.parallel.thread_count
+	$(PY) -m benchmarks.parallel.replicas_and_stages
+	$(PY) -m benchmarks.parallel.planner
+	$(PY) -m benchmarks.parallel.thread_default
 
 # Retrain the built-in model from scratch (~50 min on 2 CPU cores), then redraw its grid.
 model: $(VENV)/.runtime
@@ -96,7 +96,7 @@ samples: $(VENV)/.runtime
 # then judge it as the server serves it; both write server/demo/adapters/diamond.json.
 diamond: $(VENV)/.test
 	$(PY) -m server.demo.train_lora
-	$(PY) -m benchmarks.diamond_lora
+	$(PY) -m benchmarks.quality.diamond_lora
 
 # Redraw docs/playground.md's pictures of the playground (a real Chromium drives it: tests/test_playground*.py).
 screenshot: $(VENV)/.test test-tools

@@ -1,10 +1,10 @@
 """Edits on the built-in model, judged by its evaluator (issue 24; the figures are
-`python -m benchmarks.edit_quality`'s): img2img turns a red circle blue, inpainting repaints
+`python -m benchmarks.quality.edits`'s): img2img turns a red circle blue, inpainting repaints
 only the masked half and returns the other as sent."""
 
 from __future__ import annotations
 
-from benchmarks.edit_quality import TARGET, img2img, inpainting
+from benchmarks.quality.edits import TARGET, img2img, inpainting
 from server.demo import MODEL_DIR
 from server.pipeline import Pipeline
 

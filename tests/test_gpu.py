@@ -133,7 +133,7 @@ def test_a_lone_step_split_over_two_gpu_replicas_takes_at_most_065_of_one_gpu() 
     """An SD-1.5-architecture UNet (random weights, bfloat16) at latent 64: one guided image's two
     rows split over two replicas (a row each, at once) against both rows on one GPU; medians of
     5 timed steps after a warm-up, within 1e-2 of each other (bfloat16)."""
-    from benchmarks.shard import build_unet
+    from benchmarks.parallel.shard import build_unet
     from server.pipeline.families.sd import SD
 
     unet = build_unet(SD.reference_configs["sd15"], torch.bfloat16).to("cuda:0")

@@ -251,7 +251,7 @@ def test_flux_dev_fits_one_24_gib_gpu_or_two_16_gib_ones_in_int8_not_unquantized
 @pytest.mark.slow
 def test_the_built_in_model_in_int8_still_draws_what_it_is_asked() -> None:
     """The evaluator's gate (≥ 90% color, ≥ 80% shape) over every prompt, one seed each, as
-    served; `python -m benchmarks.quantize_quality` runs the gate for each mode and 4 seeds
+    served; `python -m benchmarks.quality.quantize` runs the gate for each mode and 4 seeds
     (int8-dynamic too, which quantizes this tiny model's every activation: ~2x slower)."""
     pipeline = Pipeline.load(MODEL_DIR, devices="cpu", quantize="int8")
     prompts = list(all_prompts())

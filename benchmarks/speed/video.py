@@ -1,0 +1,160 @@
+"""Video requests batched step by step (issue 41): 4 concurrent Wan requests in one step loop
+against the same 4 one at a time, and both with step caching (`first_block`), in frames/s; and
+(issue 51) Wan 2.2 A14B's two experts: the same 4 videos on a two-expert folder one at a time,
+all at once, and `staggered` (each joining 3 steps after the one before, so a step holds rows
+of both experts: a call per expert, the rows of each batched).
+
+The model is a Wan-2.1-shaped folder built here from config, random weights (seed 0): a video
+transformer of 4 blocks, 8 heads of 64 (inner 512, FFN 2048), and the tiny VAE and UMT5 encoder
+of the tests (`tests/tiny_pipelines.build_wan_folder`), so the transformer's work dominates; the
+two-expert folder holds two such transformers (`tests/tiny_wan22`, boundary 0.875, shift 3: the
+first 4 of 12 steps on the high-noise expert).
+Each request: 17 frames of 128×128 (5 latent frames of 16×16: 320 tokens), guided (2 rows), 12
+steps, its own seed. Through `Service` (the step loop the HTTP routes use, no HTTP): `batched`
+submits all 4 at once (one call of 8 rows a step), `sequential` waits for each before the next.
+Rounds alternate the modes; medians of the rounds' frames/s, and ratios as the median of each
+round's ratio (paired).
+
+No target is named by the issues: `meets_target` checks only that batching and step caching do
+not slow videos down, nor do two experts' rows batched or staggered (each ≥ 1.0× what it
+replaces, from the printed medians). What a CPU run
+cannot show: a GPU's batching gain (a CPU's rows-per-call gain is small once a call fills its
+cores), real Wan weights' step-cache reuse rate (random weights change more per step).
+
+    python -m benchmarks.speed.video [--quick] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from server.engine.hardware.memory import retain_freed_host_memory
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
+from server.serving import Service
+from tests.support.tiny_pipelines import build_wan_folder
+from tests.support.tiny_wan22 import build_wan22_two_expert_folder
+
+SIZE, FRAMES, STEPS, VIDEOS = 128, 17, 12, 4
+LEAD = 3  # staggered: steps a video takes before the next joins
+SHAPE = {"num_attention_heads": 8, "attention_head_dim": 64, "ffn_dim": 2048, "num_layers": 4}
+CACHE = StepCache("first_block", threshold=0.2)
+
+
+def requests(cache: StepCache | None) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(f"a red circle {i}", seed=i, steps=STEPS, guidance_scale=5.0, width=SIZE,
+                          height=SIZE, frames=FRAMES, step_cache=cache)
+        for i in range(VIDEOS)
+    ]  # fmt: skip
+
+
+def frames_per_s(service: Service, mode: str, cache: StepCache | None) -> float:
+    started = time.perf_counter()
+    if mode == "sequential":
+        for request in requests(cache):
+            service.submit([request]).future.result(timeout=600)
+    else:
+        jobs = []
+        for request in requests(cache):
+            if jobs and mode == "staggered":
+                took_steps(service, jobs[-1], LEAD)
+            jobs.append(service.submit([request]))
+        for job in jobs:
+            job.future.result(timeout=600)
+    return VIDEOS * FRAMES / (time.perf_counter() - started)
+
+
+def took_steps(service: Service, job: object, steps: int, timeout_s: float = 600.0) -> None:
+    """Wait (polling with a short backoff, to a deadline) until `job` took `steps` or ended."""
+    deadline, pause = time.monotonic() + timeout_s, 0.001
+    while not job.future.done():  # type: ignore[attr-defined]
+        progress = service.stats().progress.get(job.id)  # type: ignore[attr-defined]
+        if progress and progress[0][0] >= steps:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the video took fewer than {steps} steps in {timeout_s} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def rounds_of(service: Service, configs: dict, rounds: int) -> dict:
+    """Each config's frames/s per round, the configs alternating within a round."""
+    frames_per_s(service, "batched", None)  # warm-up
+    rates: dict = {key: [] for key in configs}
+    for _ in range(rounds):
+        for key, (mode, cache) in configs.items():
+            rates[key].append(frames_per_s(service, mode, cache))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="1 round instead of 3")
+    parser.add_argument("--rounds", type=int)
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    retain_freed_host_memory()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_wan_folder(Path(tmp) / "wan", **SHAPE)
+        service = Service(Pipeline.load(folder, devices="cpu"), "wan-shaped", max_batch=16)
+        try:
+            configs = {
+                (mode, name): (mode, cache)
+                for name, cache in (("plain", None), ("first_block", CACHE))
+                for mode in ("sequential", "batched")
+            }
+            rates = rounds_of(service, configs, rounds)
+            rows = dict(service.stats().batch_rows)
+        finally:
+            service.close()
+        folder = build_wan22_two_expert_folder(Path(tmp) / "a14b", **SHAPE)
+        pipeline = Pipeline.load(folder, devices="cpu")
+        service = Service(pipeline, "wan22-shaped", max_batch=16)
+        try:
+            modes = ("sequential", "batched", "staggered")
+            rates |= rounds_of(service, {(mode, "two_experts"): (mode, None) for mode in modes}, rounds)
+            experts = pipeline.expert_steps.view()
+        finally:
+            service.close()
+    medians = {key: statistics.median(values) for key, values in rates.items()}
+    for (mode, name), values in rates.items():
+        print(json.dumps({"mode": mode, "model": "two_experts" if name == "two_experts" else "one",
+                          "step_cache": "plain" if name == "two_experts" else name,
+                          "frames_per_s": round(medians[mode, name], 3),
+                          "rounds": [round(v, 3) for v in values]}))  # fmt: skip
+
+    def paired(key: tuple[str, str], base: tuple[str, str]) -> float:
+        """The median of the rounds' ratios (a round runs both, one after the other)."""
+        return statistics.median(a / b for a, b in zip(rates[key], rates[base], strict=True))
+
+    batching = paired(("batched", "plain"), ("sequential", "plain"))
+    caching = paired(("batched", "first_block"), ("batched", "plain"))
+    two = {mode: paired((mode, "two_experts"), ("sequential", "two_experts")) for mode in modes[1:]}
+    print(json.dumps({
+        "summary": True, "videos": VIDEOS, "frames": FRAMES, "size": SIZE, "steps": STEPS,
+        "transformer": SHAPE, "threads": torch.get_num_threads(),
+        "batched_over_sequential": round(batching, 3), "first_block_over_plain_batched": round(caching, 3),
+        "two_experts_batched_over_sequential": round(two["batched"], 3),
+        "two_experts_staggered_over_sequential": round(two["staggered"], 3),
+        "two_experts_steps": experts,
+        "rows_per_call": {str(k): v for k, v in sorted(rows.items())},
+        "target": "batching, step caching and two experts' rows batched or staggered each >= 1.0x "
+        "what they replace (no target is named)",
+        "meets_target": min(batching, caching, *two.values()) >= 1.0,
+    }))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
