@@ -1,10 +1,14 @@
 """ControlNets for the tiny folders, saved as diffusers saves them, and diffusers' own controlled
-image to compare with."""
+image to compare with: the UNet families' (SD-1.5, SDXL) and the DiTs' (FLUX.1, Qwen-Image, SD3), whose
+nets are built from the folder's transformer with fewer layers than its blocks, so a sample feeds
+several blocks as forward spreads them, and their zero layers drawn at random: zeros would prove
+nothing."""
 
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,13 @@ import numpy as np
 import torch
 from diffusers import (
     ControlNetModel,
+    FluxControlNetModel,
+    FluxTransformer2DModel,
     MultiControlNetModel,
+    QwenImageControlNetModel,
+    QwenImageTransformer2DModel,
+    SD3ControlNetModel,
+    SD3Transformer2DModel,
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
@@ -64,6 +74,78 @@ def diffusers_controlled(
         control_guidance_start=controls[0].start if one else [c.start for c in controls],
         control_guidance_end=controls[0].end if one else [c.end for c in controls],
     )  # fmt: skip
+
+
+def flux_controlnet(folder: Path, seed: int) -> FluxControlNetModel:
+    """1 double and 2 single layers against the tiny FLUX.1 transformer's 2 and 3 blocks."""
+    transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer")
+    config = transformer.config
+    net = FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=2,
+        attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    for zero in [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]:
+        torch.nn.init.normal_(zero.weight, std=0.2)
+    return net.eval()
+
+
+def qwen_image_controlnet(folder: Path, seed: int) -> QwenImageControlNetModel:
+    """1 layer against the tiny Qwen-Image transformer's 2 blocks: its one sample feeds both."""
+    transformer = QwenImageTransformer2DModel.from_pretrained(folder / "transformer")
+    config = transformer.config
+    net = QwenImageControlNetModel.from_transformer(
+        transformer, num_layers=1, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    for zero in [*net.controlnet_blocks, net.controlnet_x_embedder]:
+        torch.nn.init.normal_(zero.weight, std=0.2)
+    return net.eval()
+
+
+def sd3_controlnet(folder: Path, seed: int) -> SD3ControlNetModel:
+    """2 layers against the tiny SD3 transformer's 3 blocks (sample int(i / 1.5) for block i, none
+    for the last), as `SD3ControlNetModel.from_transformer` makes one (which writes into the
+    transformer's frozen config), with no extra conditioning channels."""
+    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer")
+    net = SD3ControlNetModel.from_config(
+        {**transformer.config, "num_layers": 2, "extra_conditioning_channels": 0}
+    )
+    for part in ("pos_embed", "time_text_embed", "context_embedder"):
+        getattr(net, part).load_state_dict(getattr(transformer, part).state_dict())
+    net.transformer_blocks.load_state_dict(transformer.transformer_blocks.state_dict(), strict=False)
+    torch.manual_seed(seed)
+    for zero in [*net.controlnet_blocks, net.pos_embed_input.proj]:
+        torch.nn.init.normal_(zero.weight, std=0.3)
+    return net.eval()
+
+
+def diffusers_dit_controlled(
+    reference: type,
+    multi: Callable[[list[Any]], Any],
+    folder: Path,
+    nets: Sequence[Any],
+    controls: Sequence[Control],
+    request: GenerationRequest,
+    loads: Mapping[str, Any] | None = None,
+    **knobs: Any,
+) -> np.ndarray:
+    """What diffusers' DiT ControlNet pipeline `reference` draws for `request` with `controls`, the
+    nets each control names (`nets`, in order; several as `multi`, the family's Multi-ControlNet,
+    takes them); `loads` go to its `from_pretrained`, `knobs` (its guidance arguments) to its call."""
+    one = len(controls) == 1
+    net = nets[0] if one else multi(list(nets))
+    pipe = reference.from_pretrained(folder, controlnet=net, **(loads or {}), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=request.prompt, num_inference_steps=request.steps, width=request.width, height=request.height,
+        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np", **knobs,
+        control_image=controls[0].image if one else [c.image for c in controls],
+        controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
+        control_guidance_start=controls[0].start if one else [c.start for c in controls],
+        control_guidance_end=controls[0].end if one else [c.end for c in controls],
+    ).images[0]  # fmt: skip
 
 
 ASKED = {  # what the pipeline tests and the HTTP ones each compare with diffusers
