@@ -14,7 +14,6 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from tests.support import live
-from tests.support.browser import browser  # noqa: F401  (the session's one Chromium)
 from tests.support.forking import Forked
 from tests.support.live import MAKE_RUN, LiveServer, free_port, live_server
 from tests.support.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
@@ -193,15 +192,25 @@ def served() -> Iterator[LiveServer]:
         yield running
 
 
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One headless Chromium for the session's playground tests (`tests/support/browser.py`)."""
+    from tests.support.browser import chromium
+
+    with chromium(tmp_path_factory.mktemp("chromium")) as driver:
+        yield driver
+
+
 @pytest.fixture(scope="module")
 def server(served: LiveServer) -> LiveServer:
     """The built-in model as `make run` serves it, where a module starts no server of its own."""
     return served
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """`python -m server serve --api-key-file` with the keys sk-first and sk-second."""
+    """`python -m server serve --api-key-file` with the keys sk-first and sk-second, for the
+    session: the modules that use it only send requests and read answers."""
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# one key a line\nsk-first\nsk-second\n")
     with live_server("--api-key-file", str(keys)) as running:

@@ -66,9 +66,11 @@ def families_in(expr: str) -> set[str]:
     return {re.sub(r"_(bucket|sum|count|info)$", "", n).removeprefix(f"{PREFIX}_") for n in names}
 
 
-@pytest.fixture
-def prometheus(prometheus_installed, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """A server with traffic behind it, and a Prometheus scraping its metrics port every second."""
+@pytest.fixture(scope="module")
+def prometheus(prometheus_installed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A server with traffic behind it, and a Prometheus scraping its metrics port every second:
+    one for the module (its tests read, and wait for the server to be idle before they load it)."""
+    tmp_path = tmp_path_factory.mktemp("prometheus")
     metrics_port, web_port = free_port(), free_port()
     with live_server("--metrics-port", str(metrics_port)) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:

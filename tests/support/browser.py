@@ -1,14 +1,16 @@
 """The playground in a real headless Chromium, offline, and what the tests read off its pages. One
-Chromium serves the session: `browser` is registered once, in conftest.py (a session fixture
-imported into several modules would start one each)."""
+Chromium serves the session: conftest.py's `browser` (selenium is imported only when a test asks
+for it: the GPU check's bundle carries no browser)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -88,8 +90,9 @@ return [canvas.width, canvas.height, Array.from(pixels)];
 """
 
 
-@pytest.fixture(scope="session")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
+@contextlib.contextmanager
+def chromium(profile: Path) -> Iterator[WebDriver]:
+    """Headless Chromium, offline, with its profile in `profile`."""
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
     if missing:
         pytest.fail(f"Chromium is not installed: run `make test`, which installs it ({missing} missing)")
@@ -97,11 +100,13 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, CSP refusals too
-    for flag in (*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+    for flag in (*FLAGS, f"--user-data-dir={profile}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
+    try:
+        yield driver
+    finally:
+        driver.quit()
 
 
 def until(browser: WebDriver, condition, what: str):
