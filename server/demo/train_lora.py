@@ -23,7 +23,7 @@ draw it. No new token, no shipped embedding: the file is a plain LoRA, ~0.8 MB a
    that takes alpha = rank when it finds no plain `lora_alpha` reads the same scaling.
 5. Figures: the command, budget, seconds and losses, in `diamond.json` beside the adapter.
 
-Then judge it as the server serves it: `python -m benchmarks.diamond_lora` (the serving pipeline
+Then judge it as the server serves it: `python -m benchmarks.quality.diamond_lora` (the serving pipeline
 is a layer above this package, which may not import it) adds its evaluation to that JSON.
 `--quick` runs a few steps: a smoke test.
 """

@@ -59,7 +59,7 @@ from server.errors import PlanError
 # estimate (NVLink is faster); on one host's CPU workers a boundary moves nothing.
 BOUNDARY_BYTES_PER_S = 16e9
 # Cores the server's own threads keep busy beside the workers under load (event loop, step
-# loops between forwards, PNG encoding): an estimate, checked by benchmarks.thread_default.
+# loops between forwards, PNG encoding): an estimate, checked by benchmarks.parallel.thread_default.
 HTTP_CORES = 0.5
 
 # (device, threads, rows=, workers=, beside_server=) → seconds per block for `rows` rows on one

@@ -27,7 +27,7 @@ from server.engine.planning.flow import trace_flow
 from server.engine.planning.plan import ShardPlan
 
 # Seconds one exchange waits beyond its copies: a barrier round trip between threads, a
-# cross-device synchronization on GPUs. An estimate; `benchmarks.sequence` prints the measured.
+# cross-device synchronization on GPUs. An estimate; `benchmarks.parallel.sequence` prints the measured.
 EXCHANGE_SYNC_S = 50e-6
 
 

@@ -19,7 +19,7 @@ The ranks are threads of this process (rank 0 the lane's own, the others its hel
 exchanging through a barrier, not processes over `torch.distributed` (diffusers' context
 parallelism): every rank then reads the same call plan (rows, adapters, cache decisions) with
 no step-by-step messages, CPU ranks share one copy of the weights, and a step batches requests
-as any other call does. `benchmarks.sequence` measures both.
+as any other call does. `benchmarks.parallel.sequence` measures both.
 
 A flow enters the split blocks whole (every rank has it: the embedding ran on every rank) and
 each rank takes its slice without moving anything; it leaves them gathered (each rank gets the

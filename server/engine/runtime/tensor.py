@@ -55,7 +55,7 @@ class RankSlot:
     @contextmanager
     def holding(self, rank: Any) -> Iterator[None]:
         """The block's split layers exchange through `rank` meanwhile: anything with `all_reduce`
-        and `gather` (a `TensorRank`; `benchmarks.tensor`'s rank of a `torch.distributed` group)."""
+        and `gather` (a `TensorRank`; `benchmarks.parallel.tensor`'s rank of a `torch.distributed` group)."""
         self._rank = rank
         try:
             yield
