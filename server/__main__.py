@@ -28,8 +28,6 @@ from server.api.connections import bounded_protocol
 from server.api.metricsport import ProbeTarget, start_metrics_port
 from server.api.requestid import QueryRedaction, RequestIdFilter
 from server.app import create_app
-from server.config import Settings
-from server.config_values import is_loopback
 from server.engine import Costs, Strategy
 from server.engine.hardware.devices import format_bytes, planning_absent_devices
 from server.engine.hardware.memory import bound_kernel_cache
@@ -40,7 +38,9 @@ from server.pipeline.loading.folder import quiet_libraries, read_family
 from server.pipeline.loading.model_plan import compare_costs, fits_by_mode, largest_side
 from server.pipeline.loading.quantized_parts import describe
 from server.serving import Runtime
-from server.startup import check_runs_here, decoder_for, fitted_plan, pixel_limit
+from server.settings import CONCERNS, ServerSettings, Settings
+from server.settings.values import is_loopback
+from server.startup import check_runs_here, decide_dtype, decoder_for, fitted_plan, pixel_limit, served_dtype
 
 log = logging.getLogger("diffshard")
 
@@ -65,7 +65,7 @@ PLAN_SETTINGS = (
 )
 
 
-def _add_setting(parser: argparse.ArgumentParser, name: str) -> None:
+def _add_setting(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
     """A flag for a settings field: its description, environment variable and default."""
     info = Settings.model_fields[name]
     default = "the built-in model" if name == "model" else info.default
@@ -91,8 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the HTTP service (OpenAI Images API) under uvicorn")
-    for name in Settings.model_fields:  # every setting is a flag: the settings class is the one list
-        _add_setting(serve, name)
+    for concern in CONCERNS:  # every setting is a flag, under its concern's heading
+        group = serve.add_argument_group(concern.title)
+        for name in concern.model_fields:
+            _add_setting(group, name)
 
     plan = commands.add_parser("plan", help="plan a shard split and print it; loads no weights")
     model = plan.add_mutually_exclusive_group()
@@ -132,8 +134,11 @@ def _settings(args: argparse.Namespace, **overrides: object) -> Settings:
     except ValidationError as err:
         problems = []
         for error in err.errors():
-            name = str(error["loc"][0]) if error["loc"] else "settings"
             message = error["msg"].removeprefix("Value error, ")
+            if not error["loc"]:  # a check across concerns: its message names the flags
+                problems.append(message)
+                continue
+            name = str(error["loc"][0])
             problems.append(f"--{name.replace('_', '-')} (DIFFSHARD_{name.upper()}): {message}")
         raise ConfigError("; ".join(problems)) from None
 
@@ -148,6 +153,7 @@ def _plan(args: argparse.Namespace) -> None:
     if args.device_map and not explicit:
         raise PlanError("--device-map is the explicit strategy's map: add --strategy explicit")
     settings = _settings(args, **({"strategy": Strategy.MEMORY} if explicit else {}))
+    settings = decide_dtype(settings)  # auto: measured here, once; the plan prints what it chose
     family = reference_family(args.config) if args.config else read_family(settings.model)
     options: dict = (
         {"strategy": Strategy.EXPLICIT, "device_map": _device_map(args.device_map)} if explicit else {}
@@ -168,7 +174,7 @@ def _plan(args: argparse.Namespace) -> None:
         modes = fits_by_mode(
             family,
             settings.devices,
-            dtype=settings.torch_dtype,
+            dtype=served_dtype(settings),
             batch=settings.max_batch,
             side=side,
             max_memory=settings.max_memory,
@@ -178,7 +184,7 @@ def _plan(args: argparse.Namespace) -> None:
     if settings.costs == Costs.MEASURED:  # what counting would have predicted, beside the timings
         device = plan.replicas[0].stages[0].device
         side_by_side = compare_costs(
-            family, device, settings.torch_dtype, plan.threads or 1, settings.cache_dir
+            family, device, served_dtype(settings), plan.threads or 1, settings.cache_dir
         )
     if args.json:
         extra: dict = {"vae_decoder": decoder.to_dict()}
@@ -269,8 +275,9 @@ def serve_command(args: argparse.Namespace) -> int:
     # rather than after the model loaded (or, for the metrics port, with a traceback).
     api_socket = bind_port(settings.host, settings.port, "port")
     registry, probes = CollectorRegistry(), ProbeTarget()
-    exporter = serve_metrics(settings, registry, probes) if settings.metrics_port else None
+    exporter = serve_metrics(ServerSettings.of(settings), registry, probes) if settings.metrics_port else None
     try:
+        settings = decide_dtype(settings)  # --dtype auto, on a CPU: measured (cached), once
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
         family = read_family(settings.model)
@@ -330,7 +337,7 @@ def bind_port(host: str, port: int, setting: str) -> socket.socket:
     return sock
 
 
-def serve_metrics(settings: Settings, registry: CollectorRegistry, probes: ProbeTarget) -> WSGIServer:
+def serve_metrics(settings: ServerSettings, registry: CollectorRegistry, probes: ProbeTarget) -> WSGIServer:
     """The metrics port: `registry` (empty until the app fills it) and the probes (api/metricsport.py)."""
     try:
         exporter = start_metrics_port(settings.host, settings.metrics_port, registry, probes)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -28,8 +29,6 @@ from server.api.limits import BodyLimit
 from server.api.openapi import Bounds, install_openapi
 from server.api.requestid import RequestContext
 from server.api.uploads import DATA_URL_PREFIX, bound_decoder
-from server.config import Settings
-from server.config_values import read_api_keys
 from server.engine import ParallelPlan
 from server.engine.hardware.memory import (
     bound_kernel_cache,
@@ -48,19 +47,24 @@ from server.pipeline.loading.attention_calls import serve_attention
 from server.pipeline.loading.folder import Components, quiet_libraries, read_family
 from server.pipeline.loading.model_plan import step_knees
 from server.pipeline.loading.quantized_parts import describe, float8_speed
+from server.pipeline.loading.vae_tiling import VaeTiling
 from server.pipeline.loading.warmup import compile_pipeline
 from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
+from server.settings import CompileSettings, JobSettings, LimitSettings, ModelSettings, Settings
+from server.settings.values import read_api_keys
 from server.startup import (
     check_runs_here,
+    decide_dtype,
     decoder_for,
     fitted_plan,
     pixel_limit,
     pool_budgets,
     request_defaults,
     request_limits,
+    served_dtype,
 )
 
 log = logging.getLogger("diffshard")
@@ -88,26 +92,11 @@ def load_service(
     family = read_family(settings.model)
     if plan is None:
         settings, plan = fitted_plan(settings, family, folder=settings.model)
-    pool = ActivationPool(pool_budgets(settings))
-    if components is not None:
-        log.warning("serving parts built by the caller, not the weights of %s", settings.model)
-    pipeline = Pipeline.load(
-        settings.model,
-        plan=plan,
-        dtype=settings.torch_dtype,
-        pool=pool,
-        quantize=settings.quantize,
-        denoiser_file=settings.denoiser_file,
-        vae_tiling=decoder_for(settings, family, plan).tiling,
-        components=components,
-    )
-    pipeline.defaults = request_defaults(settings, pipeline.family, pipeline.defaults)
-    for name, path in settings.adapters.items():  # a file that does not fit stops the start, naming it
-        pipeline.add_adapter(read_adapter(name, path, pipeline.family))
-        log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
-    for name, folder in settings.controlnets.items():  # one of another family stops the start, naming it
-        pipeline.controlnets.load(name, folder)
-        log.info("ControlNet %s: %s", name, folder)
+    model, limits = ModelSettings.of(settings), LimitSettings.of(settings)
+    pool = ActivationPool(pool_budgets(model))
+    tiling = decoder_for(settings, family, plan).tiling
+    pipeline = load_pipeline(model, plan, served_dtype(settings), pool, tiling, components)
+    pipeline.defaults = request_defaults(limits, pipeline.family, pipeline.defaults)
     attention = serve_attention(settings.attention, pipeline)  # timed alone: before any other call
 
     def housekeeping() -> bool:  # idle a while: give back what bursts left; True once all is back
@@ -124,42 +113,84 @@ def load_service(
         threads,
         f"; each lane runs {lanes}" if lanes is not None else "",
     )
-    limits = request_limits(settings, pipeline.family)
+    per_request = request_limits(limits, pipeline.family)
     budget = step_budget(settings, pipeline, threads)
     # after the step budget's timed calls (a compile beside them slowed them and the start: the
     # built-in model's cold start to ready 34.6 s against 9.9 s eager), before the lanes copy the
     # pipeline; in the background, giving way while the step loops have work
     give_way = GiveWay()
-    compiling = compile_pipeline(
-        pipeline,
-        settings.compile,
-        settings.compile_sizes or (pipeline.defaults.size,),
-        settings.max_batch,
-        settings.cache_dir,
-        compiling,
-        background=True,
-        budget_s=settings.compile_budget_s,
-        give_way=give_way,
-        route=settings.compile_route,
-    )
-    if said := float8_speed(settings.quantize, compiling.mode):
+    compiling = start_compiling(CompileSettings.of(settings), pipeline, limits.max_batch, compiling, give_way)
+    if said := float8_speed(model.quantize, compiling.mode):
         log.info("%s", said)
-    bound_decoder(limits.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
+    bound_decoder(per_request.max_image_pixels)  # Pillow's bomb check: a second fence behind uploads.py's
     return Service(
         pipeline,
-        settings.served_name,
-        limits,
-        max_queue=settings.max_queue,
-        max_queue_per_key=settings.key_queue_limit,
-        max_batch=settings.max_batch,
+        model.served_name,
+        per_request,
+        max_queue=limits.max_queue,
+        max_queue_per_key=limits.key_queue_limit,
+        max_batch=limits.max_batch,
         step_budget=budget,
-        step_timeout_s=settings.step_timeout_s,
-        failures_unready=settings.failures_unready,
-        inject_faults=settings.inject_faults,
+        step_timeout_s=limits.step_timeout_s,
+        failures_unready=limits.failures_unready,
+        inject_faults=limits.inject_faults,
         tidy=housekeeping,
         threads=threads,
         background=give_way,
         attention=attention.view(),
+    )
+
+
+def load_pipeline(
+    model: ModelSettings,
+    plan: ParallelPlan,
+    dtype: torch.dtype,
+    pool: ActivationPool,
+    vae_tiling: VaeTiling,
+    components: Components | None,
+) -> Pipeline:
+    """The model's weights placed by `plan`, and the adapters and ControlNets served beside it."""
+    if components is not None:
+        log.warning("serving parts built by the caller, not the weights of %s", model.model)
+    pipeline = Pipeline.load(
+        model.model,
+        plan=plan,
+        dtype=dtype,
+        pool=pool,
+        quantize=model.quantize,
+        denoiser_file=model.denoiser_file,
+        vae_tiling=vae_tiling,
+        components=components,
+    )
+    for name, path in model.adapters.items():  # a file that does not fit stops the start, naming it
+        pipeline.add_adapter(read_adapter(name, path, pipeline.family))
+        log.info("LoRA %s: %s", name, pipeline.adapters.loaded[name].describe())
+    for name, folder in model.controlnets.items():  # one of another family stops the start, naming it
+        pipeline.controlnets.load(name, folder)
+        log.info("ControlNet %s: %s", name, folder)
+    return pipeline
+
+
+def start_compiling(
+    compiling: CompileSettings,
+    pipeline: Pipeline,
+    max_batch: int,
+    stats: CompileStats | None,
+    give_way: GiveWay,
+) -> CompileStats:
+    """The denoiser compiled in the background per shape bucket (`stats` shows the progress),
+    giving way while the step loops have work."""
+    return compile_pipeline(
+        pipeline,
+        compiling.compile,
+        compiling.compile_sizes or (pipeline.defaults.size,),
+        max_batch,
+        compiling.cache_dir,
+        stats,
+        background=True,
+        budget_s=compiling.compile_budget_s,
+        give_way=give_way,
+        route=compiling.compile_route,
     )
 
 
@@ -175,9 +206,8 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
     ]
     device = pipeline.shard.devices[0]
     lane_threads = pipeline.lane_threads or threads
-    knees = step_knees(
-        family, settings.torch_dtype, device, lane_threads, sides, settings.max_batch, settings.cache_dir
-    )
+    dtype = served_dtype(settings)
+    knees = step_knees(family, dtype, device, lane_threads, sides, settings.max_batch, settings.cache_dir)
     budget = float(knees[native])
     where = ", ".join(
         f"{side} px: knee {knee} rows, budget {max(1, int(budget * native**2 / side**2))}"
@@ -190,16 +220,23 @@ def step_budget(settings: Settings, pipeline: Pipeline, threads: int) -> float |
 RUNNER_STOP_S = 5.0  # for the video runner to give its jobs back before the process ends (at least)
 
 
-def start_videos(settings: Settings, service: Service, runtime: Runtime) -> VideoRunner:
+def start_videos(
+    jobs: JobSettings, service: Service, runtime: Runtime, *, inject_faults: bool = False
+) -> VideoRunner:
     """The job store opened (ConfigError if it cannot be) and the runner taking its jobs."""
-    store = open_job_store(settings.job_store, service.name, settings.video_lease_s, runs=True)
-    log.info("video jobs in %s", shown(settings.job_store))
+    store = open_job_store(jobs.job_store, service.name, jobs.video_lease_s, runs=True)
+    log.info("video jobs in %s", shown(jobs.job_store))
     runtime.videos = VideoRunner(
-        store, service, fps=settings.video_fps, expiry_s=settings.video_expiry_s,
-        max_bytes=settings.video_store_bytes, lease_s=settings.video_lease_s,
-        takes_work=lambda: runtime.takes_work, max_running=settings.max_running_videos,
-        inject_faults=settings.inject_faults,
-    )  # fmt: skip
+        store,
+        service,
+        fps=jobs.video_fps,
+        expiry_s=jobs.video_expiry_s,
+        max_bytes=jobs.video_store_bytes,
+        lease_s=jobs.video_lease_s,
+        takes_work=lambda: runtime.takes_work,
+        max_running=jobs.max_running_videos,
+        inject_faults=inject_faults,
+    )
     return runtime.videos
 
 
@@ -212,7 +249,10 @@ async def _load(app: FastAPI) -> None:
             load_service, settings, app.state.plan, runtime.compiling, app.state.components
         )
         if service.clip is not None:  # a video model: /v1/videos' jobs, from the job store
-            app.state.videos = await asyncio.to_thread(start_videos, settings, service, runtime)
+            jobs = JobSettings.of(settings)
+            app.state.videos = await asyncio.to_thread(
+                start_videos, jobs, service, runtime, inject_faults=settings.inject_faults
+            )
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         # the cause is in the log (here, and as serve's last line); its traceback only with --debug
@@ -289,6 +329,7 @@ def create_app(
     `serve_metrics` is False (`serve` binds that port itself, before anything loads). `on_fatal`
     is called if the model cannot load (`serve` stops the server). `components`: the model's parts
     built already (`load_service`); None (always, in `serve`): read from the folder."""
+    settings = decide_dtype(settings)  # `serve` did already; an app made in tests does here
     app = FastAPI(  # /docs is api/docs.py's (offline, under a CSP); no /redoc
         title="diffshard", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
@@ -299,9 +340,9 @@ def create_app(
     app.state.form_text_bytes = settings.max_body_bytes + _control_bytes(settings)
     app.state.api_keys = read_api_keys(settings.api_key_file) if settings.api_key_file else None
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
-    dtype = str(settings.torch_dtype).removeprefix("torch.")
     quantization = describe(settings.quantize, settings.denoiser_file)
-    app.state.runtime = runtime = Runtime(settings.served_name, dtype, settings.max_queue, quantization)
+    runtime = Runtime(settings.served_name, settings.dtype, settings.max_queue, quantization)
+    app.state.runtime = runtime
     runtime.compiling = CompileStats(str(settings.compile))
     app.state.metrics = metrics = Metrics(
         registry or CollectorRegistry(), runtime.snapshot, inject_faults=settings.inject_faults
@@ -356,7 +397,7 @@ def _control_bodies(settings: Settings) -> dict[str, tuple[int, str]]:
 def _bounds(settings: Settings, keyed: bool) -> Bounds:
     """What the OpenAPI document says of request bodies: these settings on this model."""
     family = read_family(settings.model)
-    limits = request_limits(settings, family)
+    limits = request_limits(LimitSettings.of(settings), family)
     return Bounds(
         served_name=settings.served_name,
         max_n=limits.max_n,

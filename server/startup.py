@@ -1,4 +1,5 @@
-"""What the settings plan on this host, before a weight loads: the denoiser's split (`plan_for`,
+"""What the settings plan on this host, before a weight loads: the weights' dtype (`--dtype
+auto` decided, measured where it must be: `decide_dtype`), the denoiser's split (`plan_for`,
 with the batch reserve fitted), the VAE decoder's tiling, the activation pool's budgets, whether
 the quantization asked for runs on the devices, and what one request may ask of the model and
 gets when it names nothing (`request_limits`, `request_defaults`). `serve` and `plan` both use it."""
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from server.config import Settings
 from server.engine import ParallelPlan
+from server.engine.hardware.devices import auto_dtype
 from server.engine.hardware.threads import cpu_quota
+from server.engine.planning.calibrate import cpu_serves_bf16
 from server.engine.quantize import refusal
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import compile_route
@@ -27,8 +29,35 @@ from server.pipeline.loading.vae_tiling import DecoderMemory, decoder_memory
 from server.requests.clip import work_limit
 from server.requests.generation import Defaults
 from server.serving import Limits
+from server.settings import CompileSettings, LimitSettings, ModelSettings, Settings
+from server.settings.values import DTYPES
 
 log = logging.getLogger("diffshard")
+
+
+def served_dtype(settings: Settings) -> torch.dtype:
+    """`--dtype`; auto: the GPUs' best (`auto_dtype`), and with a CPU stage bfloat16 only where
+    the CPU runs it natively and measures it faster (`cpu_serves_bf16`: a calibration, cached on
+    disk), else float32. A lookup once `decide_dtype` has named it."""
+    if settings.dtype != "auto":
+        return DTYPES[settings.dtype]
+    gpus = [d for d in settings.devices if d.startswith("cuda")]
+    best = auto_dtype(gpus, settings.device_profile) if gpus else torch.bfloat16
+    if len(gpus) == len(settings.devices):
+        return best
+    cpu_bf16 = cpu_serves_bf16(settings.threads or cpu_quota(), settings.cache_dir)
+    return torch.bfloat16 if cpu_bf16 and best == torch.bfloat16 else torch.float32
+
+
+def decide_dtype(settings: Settings) -> Settings:
+    """The settings with `--dtype auto` decided (`served_dtype`) and said in the log: where
+    `serve`, `plan` and an app start, once, so what runs after reads a dtype already named. Not
+    a validator: deciding may time matmuls, and settings validate in a blink."""
+    if settings.dtype != "auto":
+        return settings
+    name = str(served_dtype(settings)).removeprefix("torch.")
+    log.info("--dtype auto: %s on %s", name, ",".join(settings.devices))
+    return settings.model_copy(update={"dtype": name})
 
 
 def plan_for(
@@ -40,7 +69,7 @@ def plan_for(
         family,
         settings.devices,
         options.pop("strategy", settings.strategy),
-        dtype=settings.torch_dtype,
+        dtype=served_dtype(settings),
         batch=settings.max_batch,
         max_memory=settings.max_memory,
         folder=folder,
@@ -98,7 +127,7 @@ def decoder_for(
         family.config.vae,
         side=side or largest_side(family, pixel_limit(settings, family)),
         default_tile=family.native_size,
-        dtype=family.held_dtype("vae", settings.torch_dtype),
+        dtype=family.held_dtype("vae", served_dtype(settings)),
         frames=family.clip and family.clip.longest(settings.max_batch),  # a video's longest, whole
         setting=settings.vae_tiling,
         reserve=reserve,
@@ -109,24 +138,24 @@ def check_runs_here(settings: Settings) -> None:
     """What the settings ask that this host cannot run stops the start now, in one line:
     quantization a device lacks, a compile route this PyTorch lacks, an attention backend
     named without a CUDA device."""
-    check_quantization_runs(settings)
-    check_compile_route(settings)
+    check_quantization_runs(ModelSettings.of(settings))
+    check_compile_route(CompileSettings.of(settings))
     check_attention(settings)
 
 
-def check_quantization_runs(settings: Settings) -> None:
+def check_quantization_runs(model: ModelSettings) -> None:
     """A mode a device cannot run stops the start, in one line naming the device."""
-    for mode in set(settings.quantize.values()):
-        for device in settings.devices:
+    for mode in set(model.quantize.values()):
+        for device in model.devices:
             if problem := refusal(mode, device):
                 raise ConfigError(f"--quantize (DIFFSHARD_QUANTIZE): {problem}")
 
 
-def check_compile_route(settings: Settings) -> None:
+def check_compile_route(compiling: CompileSettings) -> None:
     """`--compile-route aot` on a PyTorch without it stops the start, in one line."""
-    if settings.compile != CompileMode.OFF:
+    if compiling.compile != CompileMode.OFF:
         try:
-            compile_route(settings.compile_route)
+            compile_route(compiling.compile_route)
         except ValueError as err:
             raise ConfigError(f"{err} (DIFFSHARD_COMPILE_ROUTE)") from None
 
@@ -144,50 +173,50 @@ def check_attention(settings: Settings) -> None:
         )
 
 
-def pool_budgets(settings: Settings) -> dict[str, int]:
+def pool_budgets(model: ModelSettings) -> dict[str, int]:
     """The pool's idle budget per device: the defaults, overridden by --pool-budget (one SIZE for
     every device, or device=SIZE for some)."""
-    budgets = default_pool_budgets(settings.devices)
-    if ANY_DEVICE in settings.pool_budget:
-        budgets = dict.fromkeys([*budgets, ANY_DEVICE], settings.pool_budget[ANY_DEVICE])
-    return budgets | {d: b for d, b in settings.pool_budget.items() if d != ANY_DEVICE}
+    budgets = default_pool_budgets(model.devices)
+    if ANY_DEVICE in model.pool_budget:
+        budgets = dict.fromkeys([*budgets, ANY_DEVICE], model.pool_budget[ANY_DEVICE])
+    return budgets | {d: b for d, b in model.pool_budget.items() if d != ANY_DEVICE}
 
 
-def pixel_limit(settings: Settings, family: Family) -> int:
+def pixel_limit(limits: LimitSettings, family: Family) -> int:
     """`max_pixels`, or by default the family's multiple of the model's native area (4x for SD:
     SD-1.5 1024², the built-in 128²; FLUX.1 less, so two 24 GiB GPUs hold its default plan)."""
-    return settings.max_pixels or int(family.default_area * family.native_size**2)
+    return limits.max_pixels or int(family.default_area * family.native_size**2)
 
 
-def request_limits(settings: Settings, family: Family) -> Limits:
-    """What one request may ask of a `family` model under these settings."""
-    clip, max_pixels = family.clip, pixel_limit(settings, family)
-    explicit_work = "max_work" in settings.model_fields_set
+def request_limits(limits: LimitSettings, family: Family) -> Limits:
+    """What one request may ask of a `family` model under these limits."""
+    clip, max_pixels = family.clip, pixel_limit(limits, family)
+    explicit_work = "max_work" in limits.model_fields_set
     return Limits(
-        max_n=settings.max_n,
-        max_steps=settings.max_steps,
+        max_n=limits.max_n,
+        max_steps=limits.max_steps,
         max_pixels=max_pixels,
-        max_prompt_chars=settings.max_prompt_chars,
-        max_work=work_limit(settings.max_work, clip, explicit=explicit_work),
+        max_prompt_chars=limits.max_prompt_chars,
+        max_work=work_limit(limits.max_work, clip, explicit=explicit_work),
         native_pixels=family.native_size**2,
-        request_timeout_s=settings.request_timeout_s,
-        video_timeout_s=settings.video_timeout_s,
-        max_image_bytes=settings.max_image_bytes,
-        max_image_pixels=settings.max_image_pixels or 4 * max_pixels,
-        max_edit_images=settings.max_edit_images,
-        max_clip=math.inf if clip is None else clip.max_clip(settings.max_batch, max_pixels),
+        request_timeout_s=limits.request_timeout_s,
+        video_timeout_s=limits.video_timeout_s,
+        max_image_bytes=limits.max_image_bytes,
+        max_image_pixels=limits.max_image_pixels or 4 * max_pixels,
+        max_edit_images=limits.max_edit_images,
+        max_clip=math.inf if clip is None else clip.max_clip(limits.max_batch, max_pixels),
         clip=clip,
     )
 
 
-def request_defaults(settings: Settings, family: Family, defaults: Defaults) -> Defaults:
+def request_defaults(limits: LimitSettings, family: Family, defaults: Defaults) -> Defaults:
     """The model's `defaults` (its folder's, else its family's) with the operator's steps and
     guidance where set (`--default-steps`, `--default-guidance`); ConfigError where one cannot
     be served: steps over `--max-steps`, guidance to a model without a guidance input."""
-    steps, guidance = settings.default_steps, settings.default_guidance
-    if steps is not None and steps > settings.max_steps:
+    steps, guidance = limits.default_steps, limits.default_guidance
+    if steps is not None and steps > limits.max_steps:
         raise ConfigError(
-            f"--default-steps (DIFFSHARD_DEFAULT_STEPS): {steps} is over --max-steps ({settings.max_steps}): "
+            f"--default-steps (DIFFSHARD_DEFAULT_STEPS): {steps} is over --max-steps ({limits.max_steps}): "
             "a request naming none would be refused"
         )
     if guidance is not None and guidance != family.default_guidance and not family.takes_guidance:
@@ -199,5 +228,5 @@ def request_defaults(settings: Settings, family: Family, defaults: Defaults) -> 
         defaults,
         steps=defaults.steps if steps is None else steps,
         guidance_scale=defaults.guidance_scale if guidance is None else guidance,
-        step_cache=settings.step_cache,
+        step_cache=limits.step_cache,
     )

@@ -11,9 +11,9 @@ import pytest
 
 from server.api.errors import domain_response
 from server.app import create_app
-from server.config import Settings
 from server.errors import NotReady, OutOfMemory, StepFailed
 from server.requests.generation import SEED_LIMIT
+from server.settings import Settings
 from tests.support.asgi import request
 
 

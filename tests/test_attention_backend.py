@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from server.app import create_app, load_service
-from server.config import Settings
 from server.engine.hardware import simulated
 from server.engine.runtime.cpu_attention import Recording, Shape
 from server.engine.runtime.sdpa_backend import (
@@ -33,6 +32,7 @@ from server.engine.runtime.sdpa_backend import (
 from server.errors import ConfigError
 from server.pipeline import Pipeline
 from server.pipeline.loading.attention_calls import attention_calls, serve_attention
+from server.settings import Settings
 
 FLAGS = ("flash", "mem_efficient", "math", "cudnn")
 

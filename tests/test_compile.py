@@ -277,9 +277,9 @@ def test_auto_takes_the_jit_route_where_this_pytorch_lacks_aot_compile(
 ) -> None:
     """2.13 has `aot_compile`; where it is missing (2.11, the lent GPUs': hidden here) `auto` takes
     the just-in-time route, and `aot` asked for stops the start in one line saying what to use."""
-    from server.config import Settings
     from server.engine.runtime.graphs import CompileRoute, compile_route
     from server.errors import ConfigError
+    from server.settings import Settings
     from server.startup import check_compile_route
 
     assert compile_route("auto") == CompileRoute.AOT

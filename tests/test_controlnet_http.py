@@ -20,10 +20,10 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from server.config import Settings
 from server.errors import ConfigError
 from server.pipeline.loading.folder import read_family
 from server.requests.control import Control
+from server.settings import Settings
 from server.startup import plan_for
 from tests.support.controlnets import (
     ASKED,

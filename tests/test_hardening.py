@@ -22,7 +22,7 @@ from PIL import Image
 from server.api import metricsport
 from server.api.health import probe
 from server.api.metricsport import ProbeTarget
-from server.config import Settings
+from server.settings import Settings
 from tests.support.live import LiveServer, free_port, live_server
 from tests.support.waiting import wait_until
 

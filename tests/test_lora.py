@@ -23,7 +23,6 @@ from diffusers import (
 )
 from safetensors.torch import load_file, save_file
 
-from server.config import Settings
 from server.demo import MODEL_DIR
 from server.engine.runtime.call import AdapterRows
 from server.errors import ConfigError, InvalidRequest, ModelFolderError
@@ -32,6 +31,7 @@ from server.pipeline.conditioning.adapters import RowsMismatch
 from server.pipeline.conditioning.lora_keys import read_adapter
 from server.pipeline.steps.schedulers import make_scheduler
 from server.requests import GenerationRequest
+from server.settings import Settings
 from tests.support.live import LiveServer, free_port, live_server
 from tests.support.lora import NO_T5, RANK, REFERENCE, TEXT_TARGETS, UNET_TARGETS, random_lora, random_pairs
 from tests.support.tiny_pipelines import diffusers_image

@@ -611,9 +611,9 @@ def test_a_guided_and_a_cached_row_step_over_two_fake_gpus(built, name: str) -> 
 
 def test_operator_defaults_a_model_cannot_serve_stop_the_start(built) -> None:
     """Named with the setting: guidance for a model without a guidance input, steps over the limit."""
-    from server.config import Settings
     from server.errors import ConfigError
     from server.pipeline.resolve import read_defaults
+    from server.settings import Settings
     from server.startup import request_defaults
 
     folder = built("qwen-image")

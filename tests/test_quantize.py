@@ -23,7 +23,6 @@ from diffusers import (
 )
 from PIL import Image
 
-from server.config import Settings
 from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
@@ -36,6 +35,8 @@ from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.loading.model_plan import fits_by_mode, largest_side, plan_model
 from server.pipeline.loading.quantized_parts import float8_speed, parse_quantize, part_quantizations
 from server.requests import Edit, GenerationRequest
+from server.settings import Settings
+from server.startup import served_dtype
 from tests.support.denoisers import split_lone
 from tests.support.images import left_half_mask, source_image
 from tests.support.live import live_server
@@ -275,8 +276,8 @@ def test_dtype_auto_on_a_cpu_serves_bfloat16_only_where_it_measures_faster(
 ) -> None:
     """The measurement is the host's (a true boundary): its result is given here."""
     monkeypatch.setattr(calibrate, "cpu_bf16_gain", lambda _threads, _cache: gain)
-    assert Settings(devices="cpu", dtype="auto").torch_dtype == served
-    assert Settings(devices="cpu", dtype="float32").torch_dtype == torch.float32
+    assert served_dtype(Settings(devices="cpu", dtype="auto")) == served
+    assert served_dtype(Settings(devices="cpu", dtype="float32")) == torch.float32
 
 
 def test_the_bf16_measurement_runs_only_where_bf16_is_native(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from PIL import Image, ImageDraw
 from torch.profiler import ProfilerActivity, profile
 
 from server.__main__ import main
-from server.config import Settings
 from server.engine.runtime.compile import CompiledDecoder, run_decoder
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.pipeline import Pipeline
@@ -26,6 +25,7 @@ from server.pipeline.loading.folder import read_family
 from server.pipeline.loading.vae_tiling import VaeShape, VaeTiling, decoder_memory, decoder_peak, set_tiling
 from server.requests import Edit, GenerationRequest
 from server.serving.limits import check_limits
+from server.settings import Settings
 from server.startup import decoder_for, plan_for, request_limits
 from tests.support.tiny_pipelines import IMAGE_SIZE, LARGE_SD15, _vae, build_sd15_folder, diffusers_image
 

@@ -162,7 +162,7 @@ def test_while_a_video_model_loads_its_jobs_answer_503_not_404(wan_folder: Path)
     """Pollers of a job that exists must try again while the model loads (before: 404 "this
     server's model makes images"); an image model answers 404 saying why."""
     from server.app import create_app
-    from server.config import Settings
+    from server.settings import Settings
     from tests.support.asgi import request
 
     loading = request(create_app(Settings(model=wan_folder)), "GET", "/v1/videos/video_0")

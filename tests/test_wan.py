@@ -325,11 +325,11 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
 
 
 def test_a_clip_is_sized_against_its_own_default_and_within_max_pixels(tmp_path) -> None:
-    from server.config import Settings
     from server.pipeline.families import reference_family
     from server.pipeline.resolve import read_defaults
     from server.requests.generation import size_warning
     from server.serving.limits import fit_defaults
+    from server.settings import Settings
     from server.startup import request_limits
 
     family = reference_family("wan-1.3b")
@@ -347,11 +347,11 @@ def test_a_clip_is_sized_against_its_own_default_and_within_max_pixels(tmp_path)
 def test_a_video_longer_than_the_reserve_holds_is_refused_naming_the_longest(tmp_path) -> None:
     """A video's row is never split: Wan 14B planned for 8 rows of the 81-frame clip at 832x480's
     area (one 80 GiB GPU) holds a guided 832x480 video of at most 333 frames a step."""
-    from server.config import Settings
     from server.errors import InvalidRequest
     from server.pipeline.families import reference_family
     from server.pipeline.resolve import read_defaults, with_defaults
     from server.serving.limits import check_limits
+    from server.settings import Settings
     from server.startup import request_limits
 
     family = reference_family("wan-14b")

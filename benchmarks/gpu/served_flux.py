@@ -45,9 +45,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from benchmarks.gpu import Lines, phase_parser
 from benchmarks.gpu.shapes import SHAPES, build_on_device
 from server.app import create_app
-from server.config import Settings
 from server.pipeline.families.flux import CLIP_L, FLUX1, FLUX_VAE, T5_XXL_ENCODER
 from server.pipeline.loading.folder import Components, class_of, read_family
+from server.settings import Settings
 from tests.support.live import free_port
 from tests.support.tiny_pipelines import (
     FLUX_DEV_SCHEDULE,

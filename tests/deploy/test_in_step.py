@@ -16,8 +16,8 @@ from pydantic import TypeAdapter
 
 from server.api.health import PROBES
 from server.app import create_app
-from server.config import Settings
 from server.metrics import CATALOG, PREFIX
+from server.settings import Settings
 from tests.deploy.manifests import (
     K8S,
     OVERLAYS,

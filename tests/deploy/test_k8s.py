@@ -19,7 +19,7 @@ import yaml
 from kubernetes_validate import utils as kubernetes_schemas
 
 from server.__main__ import SHUTDOWN_GRACE_S
-from server.config import Settings
+from server.settings import Settings
 from tests.deploy.manifests import K8S, OVERLAYS, container, overlay, render, settings_env, the
 from tests.deploy.test_images import image_env
 from tests.support.live import live_server

@@ -1,5 +1,6 @@
-"""The typed values of the settings (config.py): each parses what a flag or variable says, and
-a ValueError's message says what to write (pydantic names the setting)."""
+"""The typed values of the settings: each parses what a flag or variable says, and a
+ValueError's message says what to write (pydantic names the setting). And `Concern`, the base of
+each concern's model (server.py, model.py, limits.py, jobs.py, compile.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar, Self
 
-from pydantic import AfterValidator, BeforeValidator
+import torch
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 from pydantic_settings import NoDecode
 
 from server.engine import Strategy
@@ -24,6 +26,26 @@ from server.pipeline.loading.vae_tiling import VaeTiling, parse_vae_tiling
 from server.requests.step_cache import StepCache, parse_step_cache
 from server.serving.videostore import parse_job_store
 
+
+class Concern(BaseModel):
+    """The fields of one concern, with their validators; `Settings` is every concern at once.
+    `of(settings)` is a concern's slice: what a layer is handed, holding nothing else."""
+
+    # validate_default: a default such as devices="auto" is parsed as a given value is;
+    # protected_namespaces: `model` and `model_name` are settings, not pydantic's
+    model_config = ConfigDict(frozen=True, validate_default=True, protected_namespaces=())
+    title: ClassVar[str]  # the heading of its flags in `serve --help`
+
+    @classmethod
+    def of(cls, settings: Concern) -> Self:
+        """This concern's fields of `settings` (validated already: not again), and which of
+        them were set rather than defaulted (`--max-batch` given or not changes a plan)."""
+        names = cls.model_fields.keys()
+        values = {name: getattr(settings, name) for name in names}
+        return cls.model_construct(_fields_set=settings.model_fields_set & names, **values)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Devices = Annotated[tuple[str, ...], NoDecode, BeforeValidator(lambda v: tuple(resolve_devices(v)))]
 Budgets = Annotated[dict[str, int], NoDecode, BeforeValidator(lambda v: parse_memory_map(v))]
 GpuName = Annotated[str, BeforeValidator(lambda v: gpu_profile(v).name)]
