@@ -42,6 +42,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.support.forking import Forked
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "gpu-check.json"
@@ -121,20 +125,32 @@ def keep_cache(cache: Path, out: Path) -> dict[str, float]:
 
 
 def run_phase(
-    phase: Phase, common: list[str], out: Path, limit_s: float, env: dict[str, str], cache: Path | None = None
+    phase: Phase,
+    common: list[str],
+    out: Path,
+    limit_s: float,
+    env: dict[str, str],
+    cache: Path | None = None,
+    forked: Forked | None = None,
 ) -> dict:
-    """The phase as a child process; its JSON lines, however far it got, and how it ended."""
+    """The phase as a child process (forked from `forked`, when given); its JSON lines, however
+    far it got, and how it ended."""
     lines_file = out / f"{phase.name.replace(':', '-')}.jsonl"
     log_file = out / f"{phase.name.replace(':', '-')}.log"
-    command = [sys.executable, "-m", phase.module, *phase.args, *common, "--lines", str(lines_file)]
+    args = [*phase.args, *common, "--lines", str(lines_file)]
     if phase.cached and cache is not None:
-        command += ["--cache-dir", str(cache)]
+        args += ["--cache-dir", str(cache)]
     started = time.monotonic()
     with log_file.open("w") as log:
         # a session of its own: at the limit, its children (pytest, a server) go with it
-        child = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        if forked is not None:
+            fd = log.fileno()
+            child = forked.spawn(phase.module, *args, env=env, stdout=fd, stderr=fd, session=True)
+        else:
+            child = subprocess.Popen(
+                [sys.executable, "-m", phase.module, *args],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
         try:
             code = child.wait(timeout=limit_s)
             status = "ok" if code == 0 else f"failed (exit {code})"
@@ -176,6 +192,10 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="all phases together (default: 480)")
     parser.add_argument("--only", help="comma-separated phase names (default: all)")
     parser.add_argument(
+        "--fork", action="store_true", help="start each phase forked from one process that imported "
+        "torch, diffusers and the server once (the dry run: seconds saved a phase)",
+    )  # fmt: skip
+    parser.add_argument(
         "--compile-cache", type=Path, help=f"an earlier run's {KEPT_CACHE}/ to start the compile phases "
         f"from (default: the bundle's {KEPT_CACHE}/, when there)",
     )  # fmt: skip
@@ -196,6 +216,11 @@ def main() -> int:
 
     report: dict = {"device": args.device, "quick": args.quick, "budget_s": args.budget_s, "phases": {}}
     report["compile_cache"] = {"seeded": seed_cache(cache, kept)}
+    forked = None
+    if args.fork:
+        from tests.support.forking import Forked  # the standard library only, as this module
+
+        forked = Forked(Path(tempfile.mkdtemp(prefix="gpu-check-fork-")), env)
     deadline = time.monotonic() + args.budget_s
     for phase in phases():
         if chosen is not None and phase.name not in chosen:
@@ -205,11 +230,13 @@ def main() -> int:
             report["phases"][phase.name] = {"status": "skipped: budget spent", "seconds": 0, "results": []}
             continue
         report["phases"][phase.name] = run_phase(
-            phase, common, args.out, min(phase.limit_s, left), env, cache
+            phase, common, args.out, min(phase.limit_s, left), env, cache, forked
         )
         report["compile_cache"]["kept"] = keep_cache(cache, args.out)
         (args.out / REPORT).write_text(json.dumps(report, indent=1))
     shutil.rmtree(cache, ignore_errors=True)
+    if forked is not None:
+        forked.close()
     lines = table(report)
     (args.out / REPORT).write_text(json.dumps({**report, "table": lines}, indent=1))
     print("\n".join(lines))

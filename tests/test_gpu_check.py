@@ -48,7 +48,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
     )  # fmt: skip
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out),
-         "--budget-s", "900"],
+         "--budget-s", "900", "--fork"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     collected = collect.communicate(timeout=120)[0]
@@ -195,12 +195,17 @@ def survivors(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_phase_past_its_limit_is_killed_with_its_children_and_still_reported(tmp_path: Path) -> None:
+@pytest.mark.parametrize("started_as", ["process", "fork"])
+def test_a_phase_past_its_limit_is_killed_with_its_children_and_still_reported(
+    tmp_path: Path, started_as: str, fork_server
+) -> None:
     # the tests phase writes its files, then runs pytest, which takes seconds to collect
     marker = f"GPU_CHECK_KILL_TEST={uuid.uuid4().hex}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", marker.split("=")[0]: marker.split("=")[1]}
+    forked = fork_server() if started_as == "fork" else None
     started = time.monotonic()
-    section = run_phase(Phase("slow", "benchmarks.gpu.tests", (), 2), ["--device", "cpu"], tmp_path, 2, env)
+    slow = Phase("slow", "benchmarks.gpu.tests", (), 2)
+    section = run_phase(slow, ["--device", "cpu"], tmp_path, 2, env, forked=forked)
     assert time.monotonic() - started < 6
     assert section["status"].startswith("timed out"), section
     assert "log_tail" in section

@@ -2,9 +2,10 @@
 `python -m server` imports (torch, diffusers, the app: seconds a start, paid once a session).
 
 `Forked.run` runs one to its end (the CLI's tests); `Forked.spawn` starts one and hands back a
-`ForkedProcess`, which a test signals and waits for as it would a `subprocess.Popen` (live
-servers: `tests/support/live.py`). A spawned process's stdout and stderr are the file descriptors given,
-passed over the fork server's socket (SCM_RIGHTS): a pipe reads as it would from `Popen`."""
+`ForkedProcess`, which a caller signals and waits for as it would a `subprocess.Popen` (live
+servers: `tests/support/live.py`; the GPU check's phases with `--fork`). A spawned process's
+stdout and stderr are the file descriptors given, passed over the fork server's socket
+(SCM_RIGHTS): a pipe reads as it would from `Popen`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def serve():
 
 
 request = serve()  # only a forked run gets here: it runs as `python -m MODULE ARGS` would
+if request.get("session"):
+    os.setsid()  # its own process group: killed at a limit, its children go with it
 os.chdir(request["cwd"])
 os.environ.clear()
 os.environ.update(request["env"])
@@ -146,7 +149,7 @@ class Forked:
     would a fresh interpreter's; `import_s` is its time, to add where a test times a start.
     Without fork (CUDA already initialised), a plain subprocess."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.names = itertools.count()
         self.listener = socket.socket(socket.AF_UNIX)
@@ -160,7 +163,7 @@ class Forked:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=os.environ | {"HF_HUB_OFFLINE": "1"},
+                env=(env or os.environ) | {"HF_HUB_OFFLINE": "1"},
             )
         self.listener.close()  # the fork server's now: if it dies, connecting to it fails at once
         try:
@@ -207,10 +210,13 @@ class Forked:
             path.unlink()
         return subprocess.CompletedProcess(command, code, out, err)
 
-    def spawn(self, module: str, *args: str, env: dict[str, str], stdout: int, stderr: int) -> ForkedProcess:
+    def spawn(
+        self, module: str, *args: str, env: dict[str, str], stdout: int, stderr: int, session: bool = False
+    ) -> ForkedProcess:
         """`python -m module args` started with `env` (whole), writing to the descriptors
-        `stdout` and `stderr` (the caller closes its own copies); it runs until it exits."""
-        request = {"argv": [module, *args], "env": env, "cwd": os.getcwd()}
+        `stdout` and `stderr` (the caller closes its own copies); it runs until it exits. With
+        `session`, in a session of its own (`start_new_session`: its pid is its process group)."""
+        request = {"argv": [module, *args], "env": env, "cwd": os.getcwd(), "session": session}
         answers = self._ask(request, None, (stdout, stderr))
         line = answers.readline()
         if not line:
