@@ -83,7 +83,7 @@ def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session", autouse=True)
 def float32_by_default() -> Iterator[None]:
     """Tests compare images with diffusers' float32 ones: `--dtype auto` would pick bfloat16 on a
-    CPU that runs it natively and faster (config.py), so servers and settings made in tests take
+    CPU that runs it natively and faster (startup.py), so servers and settings made in tests take
     float32 unless a test asks for another dtype (tests/test_quantize.py tests auto itself)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DIFFSHARD_DTYPE", "float32")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "server"
 # A module may import its own layer and those below it. `errors`, `requests` (what a request
 # asks for, as values), `media` (pixels as bytes) and `demo` (the built-in model's data) sit at
-# the bottom; `config`, `metrics`, `app`, `startup` and the CLI wire layers together.
+# the bottom; `settings`, `metrics`, `app`, `startup` and the CLI wire layers together.
 RANKS = {
     "errors": 0,
     "requests": 0,

@@ -56,6 +56,7 @@ def overlap(a: np.ndarray, b: np.ndarray) -> float:
 def test_a_control_upload_makes_an_image_that_follows_it(
     browser: WebDriver, server: LiveServer, tmp_path: Path
 ) -> None:
+    browser.get_log("browser")  # drop what earlier pages logged (the browser is the session's)
     control = Image.new("RGB", (SIDE, SIDE))
     ImageDraw.Draw(control).ellipse(BOX, fill="white")
     upload = tmp_path / "corner-circle.png"
