@@ -11,6 +11,8 @@ import zipfile
 import numpy as np
 from PIL import Image
 
+from server.media.images import to_uint8
+
 VARIANTS = {  # variant → (file, media type)
     "video": ("video.mp4", "video/mp4"),
     "thumbnail": ("thumbnail.png", "image/png"),
@@ -20,14 +22,9 @@ VARIANTS = {  # variant → (file, media type)
 SPRITES = 8
 
 
-def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """[F, H, W, 3] floats in [0, 1] → uint8, rounded as diffusers' `numpy_to_pil`."""
-    return (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
-
-
 def video_files(frames: np.ndarray, fps: int) -> dict[str, bytes]:
     """Every variant of `frames` ([F, H, W, 3] in [0, 1]), file name → bytes."""
-    pixels = to_uint8(frames)
+    pixels = to_uint8(np.clip(frames, 0, 1))  # [F, H, W, 3], rounded as diffusers' `numpy_to_pil`
     picks = np.linspace(0, len(pixels) - 1, min(SPRITES, len(pixels))).round().astype(int)
     frames_zip = io.BytesIO()
     with zipfile.ZipFile(frames_zip, "w") as archive:

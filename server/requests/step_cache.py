@@ -1,4 +1,5 @@
-"""Step caching per row: which policy a request asked for, and what its rows keep between steps.
+"""Step caching as a request asks for it: a policy and its parameter, parsed from the wire
+(`parse_step_cache`) or from `--step-cache`.
 
 Two policies, each a few lines of the papers' idea around per-row state (their code assumes one
 request per forward, so none is vendored):
@@ -12,8 +13,9 @@ request per forward, so none is vendored):
   `threshold` (relative mean absolute change since its last refresh) skips the other blocks and
   adds the residual they made at its last refresh.
 
-The block walker (`server/engine/runtime/walker.py`) splits each step's rows at the spec's cache
-boundary (`CacheBoundary`): refreshing rows run the deep part, reusing rows do not, in one call.
+What a row keeps between steps is the pipeline's (`steps/caching.py`); the block walker
+(`server/engine/runtime/walker.py`) splits each step's rows at the spec's cache boundary
+(`CacheBoundary`): refreshing rows run the deep part, reusing rows do not, in one call.
 """
 
 from __future__ import annotations
