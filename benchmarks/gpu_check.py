@@ -96,10 +96,22 @@ def install_bundle(bundle: Path) -> Path:
         raise SystemExit(f"no wheels in {bundle}: run `make gpu-bundle` on a machine with network first")
     site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-         "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), *map(str, wheels)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            *map(str, wheels),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     return site
 
 
@@ -149,8 +161,12 @@ def run_phase(
         else:
             child = subprocess.Popen(
                 [sys.executable, "-m", phase.module, *args],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             code = child.wait(timeout=limit_s)
             status = "ok" if code == 0 else f"failed (exit {code})"
@@ -192,13 +208,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="all phases together (default: 480)")
     parser.add_argument("--only", help="comma-separated phase names (default: all)")
     parser.add_argument(
-        "--fork", action="store_true", help="start each phase forked from one process that imported "
+        "--fork",
+        action="store_true",
+        help="start each phase forked from one process that imported "
         "torch, diffusers and the server once (the dry run: seconds saved a phase)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compile-cache", type=Path, help=f"an earlier run's {KEPT_CACHE}/ to start the compile phases "
+        "--compile-cache",
+        type=Path,
+        help=f"an earlier run's {KEPT_CACHE}/ to start the compile phases "
         f"from (default: the bundle's {KEPT_CACHE}/, when there)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -59,8 +59,10 @@ def travelling_bytes() -> int:
     """Bytes of the files that travel with every call: tracked and untracked-not-ignored ones."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout.decode()  # fmt: skip
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
     return sum((ROOT / p).stat().st_size for p in listed.split("\0") if p and (ROOT / p).is_file())
 
 
@@ -69,12 +71,25 @@ def download(dest: Path) -> None:
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-            "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-            *platforms, "--dest", str(dest), *pins,
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "--dest",
+            str(dest),
+            *pins,
         ],
         check=True,
-    )  # fmt: skip
+    )
 
 
 def main() -> int:

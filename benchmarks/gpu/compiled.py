@@ -49,9 +49,15 @@ def compiled_shard(
 
 
 def bench_compiled(
-    name: str, shape: Shape, device: torch.device, rounds: int, float8: bool, cache_dir: Path | None,
-    cache: str, lines: Lines,
-) -> None:  # fmt: skip
+    name: str,
+    shape: Shape,
+    device: torch.device,
+    rounds: int,
+    float8: bool,
+    cache_dir: Path | None,
+    cache: str,
+    lines: Lines,
+) -> None:
     dtype, clock = torch.bfloat16, Clock(device)
     model = build_on_device(shape, dtype, device)
     lone = inputs_for(model, shape, shape.lone, dtype, device)
@@ -85,9 +91,16 @@ def bench_compiled(
 
 
 def quantized_and_compiled(
-    name: str, shape: Shape, lone: DenoiserInputs, eager: Callable[[], torch.Tensor], reference: torch.Tensor,
-    cache_dir: Path | None, clock: Clock, rounds: int, lines: Lines,
-) -> str:  # fmt: skip
+    name: str,
+    shape: Shape,
+    lone: DenoiserInputs,
+    eager: Callable[[], torch.Tensor],
+    reference: torch.Tensor,
+    cache_dir: Path | None,
+    clock: Clock,
+    rounds: int,
+    lines: Lines,
+) -> str:
     """A second copy quantized in place (bfloat16's stays, for the paired rounds: FLUX.1-dev's
     23.8 GB and 12 GB beside it fit every card the check runs on), compiled, against `eager`."""
     device = lone.sample.device

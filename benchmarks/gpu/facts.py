@@ -90,8 +90,11 @@ def gpu_facts(torch: Any) -> dict[str, Any]:
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version,memory.used,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
         facts["nvidia_smi"] = smi
         facts["driver"] = smi.split(",")[0].strip()
     except (OSError, subprocess.SubprocessError) as error:

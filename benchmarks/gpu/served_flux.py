@@ -231,14 +231,19 @@ def main() -> None:
         components = build_components(folder, configs, torch.bfloat16, device)
         built_s = time.monotonic() - started
         settings = Settings(
-            model=folder, model_name="FLUX.1-dev" + (" (tiny)" if args.quick else ""), devices=str(device),
-            dtype="bfloat16", host="127.0.0.1", metrics_port=metrics_port,
+            model=folder,
+            model_name="FLUX.1-dev" + (" (tiny)" if args.quick else ""),
+            devices=str(device),
+            dtype="bfloat16",
+            host="127.0.0.1",
+            metrics_port=metrics_port,
             # eager: the compile phase measures compiling; a background compile would share the
             # device with this request
             compile="off",
             # one image: no timed search for a batch knee at startup, no reserve for 16 rows
-            step_budget="off", max_batch=1,
-        )  # fmt: skip
+            step_budget="off",
+            max_batch=1,
+        )
         with served(settings, components, READY_DEADLINE_S[args.device]) as url:
             ready_s = time.monotonic() - started
             before, steps_before = stage_seconds(url)

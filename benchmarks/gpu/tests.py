@@ -35,9 +35,19 @@ def main() -> None:
     lines.write({"files": files})
     timeout = ["--timeout", str(PER_TEST_TIMEOUT_S)] if importlib.util.find_spec("pytest_timeout") else []
     command = [
-        sys.executable, "-m", "pytest", *files, "-m", "gpu", "-p", "benchmarks.gpu.outcomes",
-        "-p", "no:cacheprovider", "-q", *timeout,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pytest",
+        *files,
+        "-m",
+        "gpu",
+        "-p",
+        "benchmarks.gpu.outcomes",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *timeout,
+    ]
     code = subprocess.run(
         command, cwd=ROOT, env={**os.environ, "GPU_CHECK_LINES": str(args.lines)}
     ).returncode

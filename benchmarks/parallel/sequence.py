@@ -127,13 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     split = shards[0].sequence
     workers = Workers(1, threads=1)
     call = CallPlan.plain(1)
-    print(json.dumps({
-        "model": "FluxTransformer2DModel (benchmarks.peers.diffusers_context_parallel.flux_shaped)",
-        "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-        "image_tokens": IMAGE_TOKENS, "text_tokens": TEXT_TOKENS, "rows": 1, "dtype": "float32",
-        "rounds": rounds, "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
-        "torch": torch.__version__,
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": "FluxTransformer2DModel (benchmarks.peers.diffusers_context_parallel.flux_shaped)",
+                "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "image_tokens": IMAGE_TOKENS,
+                "text_tokens": TEXT_TOKENS,
+                "rows": 1,
+                "dtype": "float32",
+                "rounds": rounds,
+                "cpu": cpu_model(),
+                "cpu_count": os.cpu_count(),
+                "cpu_flags": cpu_flags(),
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
 
     def one_worker(threads: int) -> Callable[[], CallResult]:
         def run() -> CallResult:
@@ -163,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, values in times.items():
         line: dict[str, Any] = {
-            "config": name, "median_s": round(medians[name], 4), "times_s": [round(t, 4) for t in values],
+            "config": name,
+            "median_s": round(medians[name], 4),
+            "times_s": [round(t, 4) for t in values],
             "max_abs_diff": float((outputs[name] - reference).abs().max()),
-        }  # fmt: skip
+        }
         if name == "sequence_2x1":
             line["exchange_share"] = round(statistics.median(shares), 4)
         print(json.dumps(line), flush=True)
@@ -174,29 +187,42 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_diffusers:
         del model, shards
         theirs = diffusers_context_parallel(2, 1, rounds, reference=None)
-        print(json.dumps({
-            "config": "diffusers_ulysses2_gloo", "processes": 2, "threads_per_process": 1,
-            "median_s": round(theirs["median_s"], 4), "times_s": [round(t, 4) for t in theirs["times_s"]],
-            "max_abs_diff_vs_its_one_process": theirs["max_abs_diff"],
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "config": "diffusers_ulysses2_gloo",
+                    "processes": 2,
+                    "threads_per_process": 1,
+                    "median_s": round(theirs["median_s"], 4),
+                    "times_s": [round(t, 4) for t in theirs["times_s"]],
+                    "max_abs_diff_vs_its_one_process": theirs["max_abs_diff"],
+                }
+            ),
+            flush=True,
+        )
 
     group_s = medians["sequence_2x1"]
     versus_diffusers = round(theirs["median_s"] / group_s, 3) if theirs else None
     ratio = group_s / medians["one_worker_1_thread"]
     close = float((outputs["sequence_2x1"] - reference).abs().max()) <= TOLERANCE
-    print(json.dumps({
-        "summary": True,
-        "medians_s": {name: round(s, 4) for name, s in medians.items()},
-        "sequence_2x1_over_one_worker_1_thread": round(ratio, 3),
-        "sequence_2x1_over_one_worker_2_threads": round(group_s / medians["one_worker_2_threads"], 3),
-        "diffusers_ulysses2_gloo_over_sequence_2x1": versus_diffusers,
-        "exchange_share_of_a_call": round(statistics.median(shares), 4),
-        "target": f"sequence_2x1 <= {TARGET} x one_worker_1_thread, output within {TOLERANCE}",
-        "meets_target": ratio <= TARGET and close,
-        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "not_shown_on_cpu": "two devices' own compute and memory bandwidth, NVLink/NCCL exchanges, "
-        "GPU kernels at half the tokens (tests/test_gpu.py holds the GPU target)",
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "medians_s": {name: round(s, 4) for name, s in medians.items()},
+                "sequence_2x1_over_one_worker_1_thread": round(ratio, 3),
+                "sequence_2x1_over_one_worker_2_threads": round(group_s / medians["one_worker_2_threads"], 3),
+                "diffusers_ulysses2_gloo_over_sequence_2x1": versus_diffusers,
+                "exchange_share_of_a_call": round(statistics.median(shares), 4),
+                "target": f"sequence_2x1 <= {TARGET} x one_worker_1_thread, output within {TOLERANCE}",
+                "meets_target": ratio <= TARGET and close,
+                "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                "not_shown_on_cpu": "two devices' own compute and memory bandwidth, NVLink/NCCL exchanges, "
+                "GPU kernels at half the tokens (tests/test_gpu.py holds the GPU target)",
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -155,13 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     rank_share = max(sum(tensor_bytes(r.get_submodule(b)) for b in split.blocks) for r in ranks) / split_bytes
     workers = Workers(1, threads=1)
     call = CallPlan.plain(1)
-    print(json.dumps({
-        "model": "FluxTransformer2DModel (benchmarks.peers.diffusers_context_parallel.flux_shaped)",
-        "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-        "image_tokens": IMAGE_TOKENS, "text_tokens": TEXT_TOKENS, "rows": 1, "dtype": "float32",
-        "rank_share_of_split_blocks": round(rank_share, 4), "rounds": rounds, "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": "FluxTransformer2DModel (benchmarks.peers.diffusers_context_parallel.flux_shaped)",
+                "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "image_tokens": IMAGE_TOKENS,
+                "text_tokens": TEXT_TOKENS,
+                "rows": 1,
+                "dtype": "float32",
+                "rank_share_of_split_blocks": round(rank_share, 4),
+                "rounds": rounds,
+                "cpu": cpu_model(),
+                "cpu_count": os.cpu_count(),
+                "cpu_flags": cpu_flags(),
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
 
     def one_worker(threads: int) -> Callable[[], CallResult]:
         def run() -> CallResult:
@@ -198,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, values in times.items():
         line: dict[str, Any] = {
-            "config": name, "median_s": round(medians[name], 4), "times_s": [round(t, 4) for t in values],
+            "config": name,
+            "median_s": round(medians[name], 4),
+            "times_s": [round(t, 4) for t in values],
             "max_abs_diff": float((outputs[name] - reference).abs().max()),
-        }  # fmt: skip
+        }
         print(json.dumps(line), flush=True)
 
     def paired(name: str, base: str) -> float:
@@ -208,23 +222,30 @@ def main(argv: list[str] | None = None) -> int:
 
     ratio = paired("tensor_2x1", "one_worker_1_thread")
     close = float((outputs["tensor_2x1"] - reference).abs().max()) <= TOLERANCE
-    print(json.dumps({
-        "summary": True,
-        "medians_s": {name: round(s, 4) for name, s in medians.items()},
-        "tensor_2x1_over_one_worker_1_thread": round(ratio, 3),
-        "tensor_2x1_over_one_worker_2_threads": round(paired("tensor_2x1", "one_worker_2_threads"), 3),
-        "tensor_2x1_over_sequence_2x1": round(paired("tensor_2x1", "sequence_2x1"), 3),
-        "tensor_2x1_over_tensor_2_processes_gloo": round(
-            medians["tensor_2x1"] / medians["tensor_2_processes_gloo"], 3
-        ),  # medians: the processes' rounds ran after the paired ones
-        "diffusers_tensor_parallel": "not run: diffusers' tensor parallelism supports cuda, neuron, tpu "
-        "and xpu devices only (hooks/tensor_parallel.py, _SUPPORTED_TP_DEVICES)",
-        "target": f"tensor_2x1 <= {TARGET} x one_worker_1_thread (paired), output within {TOLERANCE}",
-        "meets_target": ratio <= TARGET and close,
-        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "not_shown_on_cpu": "two devices' own compute and memory bandwidth, NVLink/NCCL all-reduces, "
-        "GPU kernels at half the features",
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "medians_s": {name: round(s, 4) for name, s in medians.items()},
+                "tensor_2x1_over_one_worker_1_thread": round(ratio, 3),
+                "tensor_2x1_over_one_worker_2_threads": round(
+                    paired("tensor_2x1", "one_worker_2_threads"), 3
+                ),
+                "tensor_2x1_over_sequence_2x1": round(paired("tensor_2x1", "sequence_2x1"), 3),
+                "tensor_2x1_over_tensor_2_processes_gloo": round(
+                    medians["tensor_2x1"] / medians["tensor_2_processes_gloo"], 3
+                ),  # medians: the processes' rounds ran after the paired ones
+                "diffusers_tensor_parallel": "not run: diffusers' tensor parallelism supports cuda, neuron, "
+                "tpu and xpu devices only (hooks/tensor_parallel.py, _SUPPORTED_TP_DEVICES)",
+                "target": f"tensor_2x1 <= {TARGET} x one_worker_1_thread (paired), output within {TOLERANCE}",
+                "meets_target": ratio <= TARGET and close,
+                "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                "not_shown_on_cpu": "two devices' own compute and memory bandwidth, NVLink/NCCL all-reduces, "
+                "GPU kernels at half the features",
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

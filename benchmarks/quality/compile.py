@@ -107,12 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     meets = results["float32_compiled"]["max_abs_diff"] <= MAX_PIXELS_FLOAT32 and (
         bf16 is None or (bf16["color_accuracy"] == 1.0 and bf16["shape_accuracy"] == 1.0)
     )
-    print(json.dumps({
-        "summary": True, "seeds": seeds, "batch": batch, "columns": results,
-        "target": f"float32_compiled within {MAX_PIXELS_FLOAT32}/255 of float32_eager; bfloat16_compiled "
-        "at 100% color and shape accuracy",
-        "meets_target": meets, "bfloat16": "run" if bf16 else "not native on this CPU: not run",
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "seeds": seeds,
+                "batch": batch,
+                "columns": results,
+                "target": f"float32_compiled within {MAX_PIXELS_FLOAT32}/255 of float32_eager; "
+                "bfloat16_compiled at 100% color and shape accuracy",
+                "meets_target": meets,
+                "bfloat16": "run" if bf16 else "not native on this CPU: not run",
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

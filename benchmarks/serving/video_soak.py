@@ -67,8 +67,19 @@ def durable_redis(folder: Path) -> Iterator[dict[str, Any]]:
     if program is None:
         raise SystemExit("redis-server is not on PATH: `make test-tools` installs Debian's")
     port = free_port()
-    args = [program, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--save", "",
-            "--dir", str(folder)]  # fmt: skip
+    args = [
+        program,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--appendonly",
+        "yes",
+        "--save",
+        "",
+        "--dir",
+        str(folder),
+    ]
     url = f"redis://127.0.0.1:{port}/0"
     held: dict[str, Any] = {"url": url, "process": None}
 
@@ -237,8 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="diffshard-video-soak-") as temp, ExitStack() as stack:
         folder = build_wan_folder(Path(temp) / "tiny-wan")
         store = stack.enter_context(durable_redis(Path(temp)))
-        flags = ("--model", str(folder), "--job-store", store["url"], "--video-lease-s", str(LEASE_S),
-                 "--inject-faults", "--drain-timeout-s", "30", "--max-queue", "64")  # fmt: skip
+        flags = (
+            "--model",
+            str(folder),
+            "--job-store",
+            store["url"],
+            "--video-lease-s",
+            str(LEASE_S),
+            "--inject-faults",
+            "--drain-timeout-s",
+            "30",
+            "--max-queue",
+            "64",
+        )
         replicas = Replicas(stack, flags)
         load = Load(replicas, seed=0)
         clients = [threading.Thread(target=load.client, args=(i,), daemon=True) for i in range(args.clients)]
@@ -257,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         for at, what in sorted(events):
             load.stop.wait(max(0.0, at - time.monotonic()))
             took = replicas.restart(1) if what == "replica" else store["restart"]()
-            print(json.dumps({"phase": "restart", "what": what, "at_s": round(at - started),
-                              "took_s": round(took, 1)}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {"phase": "restart", "what": what, "at_s": round(at - started), "took_s": round(took, 1)}
+                ),
+                flush=True,
+            )
         load.stop.wait(max(0.0, end_at - time.monotonic()))
         load.stop.set()  # no new requests; the jobs made are followed to their end
         for thread in clients:

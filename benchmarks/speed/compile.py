@@ -101,8 +101,14 @@ def serving(cache: Path, rounds: int, per_client: int) -> dict[str, Any]:
     began = time.perf_counter()
     times["compiled_warm"], (compiled_ctx, compiled) = startup("--compile", "auto", "--cache-dir", str(cache))
     graphs_warm = compiled_after(compiled, began)
-    emit({"measure": "startup", "server": "compiled_warm", "seconds": round(times["compiled_warm"], 2),
-          "graphs": graphs_warm})  # fmt: skip
+    emit(
+        {
+            "measure": "startup",
+            "server": "compiled_warm",
+            "seconds": round(times["compiled_warm"], 2),
+            "graphs": graphs_warm,
+        }
+    )
     try:
         servers = {"eager": eager, "compiled": compiled}
         lone: dict[str, list[float]] = {"eager": [], "compiled": []}

@@ -181,9 +181,11 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         clip, pipeline = videos.service.clip, videos.service.pipeline
         width, height = pipeline.defaults.video_size or (pipeline.defaults.size,) * 2
         clips = {
-            "num_frames": clip.frames, "frame_multiple": clip.frame_multiple, "fps": videos.fps,
+            "num_frames": clip.frames,
+            "frame_multiple": clip.frame_multiple,
+            "fps": videos.fps,
             "size": f"{width}x{height}",
-        }  # fmt: skip
+        }
     model: dict[str, Any] = {
         "id": runtime.model_name,
         "object": "model",

@@ -86,9 +86,10 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
     reference = body.input_reference  # decoded by video_body; anything else is refused here
     if reference is not None and not isinstance(reference, Image.Image):
         raise InvalidRequest(
-            "input_reference", "must be an image file (PNG, JPEG or WebP) sent as a multipart upload, "
+            "input_reference",
+            "must be an image file (PNG, JPEG or WebP) sent as a multipart upload, "
             "as OpenAI's SDK sends a file; image_url and file_id references are not served",
-        )  # fmt: skip
+        )
     if body.model is not None and body.model != service.name:
         raise InvalidRequest("model", f"this server serves {service.name!r}, not {body.model!r}")
     frames = body.num_frames
@@ -105,13 +106,19 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         raise InvalidRequest("seed", f"must be between 0 and {SEED_LIMIT - 1}, or -1, got {body.seed}")
     width, height = parse_size(body.size) if body.size is not None else (None, None)
     request = GenerationRequest(
-        body.prompt, negative_prompt=body.negative_prompt,
+        body.prompt,
+        negative_prompt=body.negative_prompt,
         seed=secrets.randbelow(SEED_LIMIT) if body.seed in (None, RANDOM_SEED) else body.seed,
-        steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-        guidance_scale_2=body.guidance_scale_2, width=width, height=height, frames=frames,
+        steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        guidance_scale_2=body.guidance_scale_2,
+        width=width,
+        height=height,
+        frames=frames,
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
-        lora=checked_lora(body.lora), reference=reference,
-    )  # fmt: skip
+        lora=checked_lora(body.lora),
+        reference=reference,
+    )
     return request, seconds_of(frames, fps)
 
 
@@ -166,8 +173,15 @@ async def video_body(request: Request) -> VideoCreateRequest:
         raise RequestValidationError(err.errors()) from None
 
 
-@router.post("/videos", openapi_extra={"requestBody": {"content": {"application/json": {"schema": {
-    "$ref": "#/components/schemas/VideoCreateRequest"}}}, "required": True}})  # fmt: skip
+@router.post(
+    "/videos",
+    openapi_extra={
+        "requestBody": {
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/VideoCreateRequest"}}},
+            "required": True,
+        }
+    },
+)
 async def create_video(request: Request, service: ServiceDep, runner: RunnerDep) -> dict:
     body = await video_body(request)
     generation, seconds = video_request(body, service, runner.fps)
@@ -180,9 +194,15 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
         raise InvalidRequest("seconds", asked + err.message, err.limit) from None
     settings, owner = request.app.state.settings, request.state.owner or ""
     job = VideoJob(
-        new_job_id(), owner, service.name, body.prompt,
-        f"{resolved.width}x{resolved.height}", seconds, stored(resolved), int(time.time()),
-    )  # fmt: skip
+        new_job_id(),
+        owner,
+        service.name,
+        body.prompt,
+        f"{resolved.width}x{resolved.height}",
+        seconds,
+        stored(resolved),
+        int(time.time()),
+    )
     # one key's share of the line, and the line: counted with the add, in one step
     reference = await asyncio.to_thread(reference_png, resolved)
     refused = await runner.ask(runner.add, job, settings.key_queue_limit, settings.max_queue, reference)
@@ -207,16 +227,21 @@ async def video_content(
 ) -> Response:
     job = await runner.ask(own_job, runner, request, video_id)
     if job.status != "completed":
-        raise APIError(409, f"video {video_id!r} is {job.status}: its content comes once it is completed",
-                       code="video_not_ready")  # fmt: skip
+        raise APIError(
+            409,
+            f"video {video_id!r} is {job.status}: its content comes once it is completed",
+            code="video_not_ready",
+        )
     name, media = VARIANTS[variant]
     content = await runner.ask(runner.store.content, job.id, name)
     if content is None:
         raise APIError(404, f"video {video_id!r} has no {variant} any more", code="not_found")
     if isinstance(content, Path):
         return FileResponse(content, media_type=media, filename=f"{job.id}-{name}")
-    headers = {"Content-Disposition": f'attachment; filename="{job.id}-{name}"',
-               "Content-Length": str(content.size)}  # fmt: skip
+    headers = {
+        "Content-Disposition": f'attachment; filename="{job.id}-{name}"',
+        "Content-Length": str(content.size),
+    }
     return StreamingResponse(pieces_of(runner, content), media_type=media, headers=headers)
 
 
@@ -236,9 +261,10 @@ async def video_progress_events(video_id: str, request: Request, runner: RunnerD
     job = await runner.ask(own_job, runner, request, video_id)
     keepalive_s = request.app.state.settings.sse_keepalive_s
     return StreamingResponse(
-        video_events(runner, job, request, keepalive_s), media_type="text/event-stream",
+        video_events(runner, job, request, keepalive_s),
+        media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )  # fmt: skip
+    )
 
 
 async def video_events(
@@ -248,8 +274,13 @@ async def video_events(
     said, wait, quiet = None, EVENT_POLL_S[0], 0.0
     while True:
         status = "running" if job.status == "in_progress" else job.status
-        now = {"video_id": job.id, "status": status, "progress": job.progress, "step": job.step,
-               "steps": job.steps}  # fmt: skip
+        now = {
+            "video_id": job.id,
+            "status": status,
+            "progress": job.progress,
+            "step": job.step,
+            "steps": job.steps,
+        }
         if job.finished:
             yield stamped(f"video.{job.status}", job.public())
             return
@@ -265,8 +296,12 @@ async def video_events(
             return
         fresh = await runner.ask(runner.store.get, job.id)
         if fresh is None:
-            gone = {"message": f"video {job.id!r} was deleted", "type": "invalid_request_error",
-                    "param": None, "code": "not_found"}  # fmt: skip
+            gone = {
+                "message": f"video {job.id!r} was deleted",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "not_found",
+            }
             yield stamped("error", {"error": gone})
             return
         job = fresh

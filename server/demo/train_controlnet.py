@@ -112,9 +112,12 @@ def train_controlnet(pipe: StableDiffusionPipeline, budget: Budget, g: torch.Gen
         noisy = noise_schedule.add_noise(x0, noise, t)
         down, mid = net(noisy, t, encoder_hidden_states=context, controlnet_cond=control, return_dict=False)
         predicted = pipe.unet(
-            noisy, t, encoder_hidden_states=context,
-            down_block_additional_residuals=down, mid_block_additional_residual=mid,
-        ).sample  # fmt: skip
+            noisy,
+            t,
+            encoder_hidden_states=context,
+            down_block_additional_residuals=down,
+            mid_block_additional_residual=mid,
+        ).sample
         loss = F.mse_loss(predicted, noise_schedule.get_velocity(x0, noise, t))
         descend(loss, opt, sched, params)
         loss_avg = 0.98 * loss_avg + 0.02 * loss.item() if step else loss.item()

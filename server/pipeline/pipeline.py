@@ -145,9 +145,15 @@ class Pipeline:
         if plan is None:
             held = held_bytes(components.denoiser, dtype, quantizations.get(family.denoiser), denoiser_file)
             plan = plan_shards(
-                components.denoiser, devices, strategy, max_memory=max_memory, device_map=device_map,
-                dtype=dtype, block_bytes=held, experts=len(family.experts),
-            )  # fmt: skip
+                components.denoiser,
+                devices,
+                strategy,
+                max_memory=max_memory,
+                device_map=device_map,
+                dtype=dtype,
+                block_bytes=held,
+                experts=len(family.experts),
+            )
         # every expert by the one plan, beside the first's; or each apart (replica k: expert k's)
         apart = isinstance(plan, ParallelPlan) and plan.experts_apart
         places = plan.replicas if apart else (plan,) * len(components.experts)
@@ -156,9 +162,13 @@ class Pipeline:
             for k, (model, place) in enumerate(zip(components.experts, places, strict=True))
         )
         pipeline = cls(
-            components, deployment, pool, encoder_device=encoder_device, vae_tiling=vae_tiling,
+            components,
+            deployment,
+            pool,
+            encoder_device=encoder_device,
+            vae_tiling=vae_tiling,
             more_experts=more,
-        )  # fmt: skip
+        )
         pipeline.quantization = describe(quantize, denoiser_file)
         return pipeline
 
@@ -284,20 +294,40 @@ class Pipeline:
             generator = torch.Generator("cpu").manual_seed(request.seed)  # as diffusers'; controls draw first
             controls = self.controlnets.rows(request, context.shape[0], self.vae, generator)
             start = first_latents(
-                edit, family=family, vae=self.vae, scheduler=scheduler, first_t=scheduler.timesteps[begin],
-                generator=generator, scope=scope, width=request.width, height=request.height,
-                device=self.device, dtype=self.denoiser_dtype, frames=request.frames,
+                edit,
+                family=family,
+                vae=self.vae,
+                scheduler=scheduler,
+                first_t=scheduler.timesteps[begin],
+                generator=generator,
+                scope=scope,
+                width=request.width,
+                height=request.height,
+                device=self.device,
+                dtype=self.denoiser_dtype,
+                frames=request.frames,
                 reference=request.reference,
-            )  # fmt: skip
+            )
             kept = {}
             for name, rows in {"context": context, **extras}.items():
                 kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
                 kept[name].copy_(rows)
             return RequestState(
-                request, scheduler, generator, start.latents, kept.pop("context"), kept, scope, begin=begin,
-                inpainting=start.inpainting, conditioning=start.conditioning, first_frame=start.first_frame,
-                step_kwargs=step_kwargs(type(scheduler), generator), layout=layout, controls=controls,
-            )  # fmt: skip
+                request,
+                scheduler,
+                generator,
+                start.latents,
+                kept.pop("context"),
+                kept,
+                scope,
+                begin=begin,
+                inpainting=start.inpainting,
+                conditioning=start.conditioning,
+                first_frame=start.first_frame,
+                step_kwargs=step_kwargs(type(scheduler), generator),
+                layout=layout,
+                controls=controls,
+            )
         except BaseException:
             scope.close()
             raise

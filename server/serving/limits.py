@@ -103,12 +103,20 @@ def fit_defaults(defaults: Defaults, limits: Limits, family: Family) -> Defaults
         log.warning(
             "the model's defaults (%d steps, %dx%d) are beyond the limits: requests that leave them "
             "unset get %d steps at %dx%d (DIFFSHARD_MAX_STEPS, DIFFSHARD_MAX_PIXELS)",
-            defaults.steps, defaults.size, defaults.size, fitted.steps, fitted.size, fitted.size,
-        )  # fmt: skip
+            defaults.steps,
+            defaults.size,
+            defaults.size,
+            fitted.steps,
+            fitted.size,
+            fitted.size,
+        )
     if (clip := defaults.video_size) and clip[0] * clip[1] > limits.max_pixels:
         log.warning(
             "the model's default clip size (%dx%d) is beyond the limits: videos that leave it unset "
-            "get %dx%d (DIFFSHARD_MAX_PIXELS)", *clip, fitted.size, fitted.size,
-        )  # fmt: skip
+            "get %dx%d (DIFFSHARD_MAX_PIXELS)",
+            *clip,
+            fitted.size,
+            fitted.size,
+        )
         fitted = replace(fitted, video_size=None)
     return fitted

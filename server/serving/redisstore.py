@@ -190,9 +190,16 @@ class RedisJobStore:
             ) from None
         self._scripts = {
             name: self._redis.register_script(text)
-            for name, text in [("add", ADD), ("claim", CLAIM), ("progress", PROGRESS), ("release", RELEASE),
-                               ("finish", FINISH), ("recover", RECOVER), ("delete", DELETE)]
-        }  # fmt: skip
+            for name, text in [
+                ("add", ADD),
+                ("claim", CLAIM),
+                ("progress", PROGRESS),
+                ("release", RELEASE),
+                ("finish", FINISH),
+                ("recover", RECOVER),
+                ("delete", DELETE),
+            ]
+        }
 
     def _run(self, script: str, *args: object) -> object:
         try:
@@ -271,10 +278,22 @@ class RedisJobStore:
         try:
             for name, data in content.items():
                 self._upload(job.id, worker, name, data)
-            return bool(self._scripts["finish"](args=[
-                self.prefix, job.id, worker, job.owner, job.expires_at or 0, job.bytes,
-                int(job.status == "failed"), *changed, "--", *content,
-            ]))  # fmt: skip
+            return bool(
+                self._scripts["finish"](
+                    args=[
+                        self.prefix,
+                        job.id,
+                        worker,
+                        job.owner,
+                        job.expires_at or 0,
+                        job.bytes,
+                        int(job.status == "failed"),
+                        *changed,
+                        "--",
+                        *content,
+                    ]
+                )
+            )
         except redis.ResponseError as err:  # it answered, and said no: the same again says no again
             for name in content:
                 with contextlib.suppress(redis.RedisError):
@@ -351,5 +370,7 @@ def refusal(err: redis.ResponseError, size: int) -> str:
         limit = "the job store's largest value (Redis proto-max-bulk-len)"
     else:
         limit = "the job store's limits"
-    return (f"the video's content ({size / 2**20:.1f} MiB) is over {limit}: ask for fewer frames or a "
-            "smaller size, or ask the operator for room")  # fmt: skip
+    return (
+        f"the video's content ({size / 2**20:.1f} MiB) is over {limit}: ask for fewer frames or a "
+        "smaller size, or ask the operator for room"
+    )

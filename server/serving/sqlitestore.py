@@ -162,11 +162,13 @@ class SqliteJobStore:
     def progress(self, job: VideoJob, worker: str) -> bool:
         """Its progress fields only (a renewal on another thread never writes a status), while it runs."""
         with self._lock:
-            return bool(self._db.execute(
-                "UPDATE jobs SET job = json_set(job, '$.progress', ?, '$.step', ?, '$.steps', ?) "
-                "WHERE id = ? AND status = 'in_progress'",
-                (job.progress, job.step, job.steps, job.id),
-            ).rowcount)  # fmt: skip
+            return bool(
+                self._db.execute(
+                    "UPDATE jobs SET job = json_set(job, '$.progress', ?, '$.step', ?, '$.steps', ?) "
+                    "WHERE id = ? AND status = 'in_progress'",
+                    (job.progress, job.step, job.steps, job.id),
+                ).rowcount
+            )
 
     def release(self, job: VideoJob, worker: str) -> bool:
         job.status, job.progress, job.step = "queued", 0, 0

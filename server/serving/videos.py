@@ -241,8 +241,9 @@ class VideoRunner:
                 log.exception("video job %s", job.id)
                 self._fail(job, "the video could not be made")
         except StoreUnavailable:  # its lease lapses: a replica reaching the store runs it
-            log.warning("video job %s: the job store does not answer; it runs again once its lease "
-                        "lapses", job.id)  # fmt: skip
+            log.warning(
+                "video job %s: the job store does not answer; it runs again once its lease lapses", job.id
+            )
         finally:
             self._ended_job(job.id)
 
@@ -298,14 +299,23 @@ class VideoRunner:
         content = video_files(frames, self.fps)
         size = sum(len(data) for data in content.values())
         if size > self.max_bytes:  # made room for, it would push out every other job, and not fit
-            self._fail(job, f"the video's content ({size / 2**20:.1f} MiB) is over the store's room for "
-                       f"videos ({self.max_bytes / 2**20:.1f} MiB, DIFFSHARD_VIDEO_STORE_BYTES): ask for "
-                       "fewer frames or a smaller size")  # fmt: skip
+            self._fail(
+                job,
+                f"the video's content ({size / 2**20:.1f} MiB) is over the store's room for "
+                f"videos ({self.max_bytes / 2**20:.1f} MiB, DIFFSHARD_VIDEO_STORE_BYTES): ask for "
+                "fewer frames or a smaller size",
+            )
             return
         self.store.tidy(int(self.clock()), self.max_bytes - size)  # room for it: the first to expire go
         now = int(self.clock())
-        made = replace(job, status="completed", progress=100, completed_at=now,
-                       expires_at=now + self.expiry_s, bytes=size)  # fmt: skip
+        made = replace(
+            job,
+            status="completed",
+            progress=100,
+            completed_at=now,
+            expires_at=now + self.expiry_s,
+            bytes=size,
+        )
         try:
             kept = self.store.finish(made, self.worker, content)
         except StoreRefused as err:  # for its size: made again, it would be refused again
@@ -327,13 +337,19 @@ class VideoRunner:
 
     def _fail(self, job: VideoJob, message: str) -> None:
         """Failed, with a message fit for the client; kept until it expires, as a finished one."""
-        failed = replace(job, status="failed", error={"code": "video_failed", "message": message},
-                         expires_at=int(self.clock()) + self.expiry_s)  # fmt: skip
+        failed = replace(
+            job,
+            status="failed",
+            error={"code": "video_failed", "message": message},
+            expires_at=int(self.clock()) + self.expiry_s,
+        )
         try:
             self.store.finish(failed, self.worker, None)
         except StoreRefused:  # a store that takes no write at all (Redis at maxmemory, noeviction)
-            log.error("video job %s: the job store refused even its failure; it runs again once "
-                      "its lease lapses", job.id)  # fmt: skip
+            log.error(
+                "video job %s: the job store refused even its failure; it runs again once its lease lapses",
+                job.id,
+            )
 
 
 __all__ = ["REFERENCE", "VARIANTS", "VideoRunner", "new_job_id", "open_job_store", "to_request"]

@@ -76,11 +76,20 @@ class VideoJob:
     def public(self) -> dict[str, Any]:
         """The job as OpenAI's `Video` object."""
         return {
-            "id": self.id, "object": "video", "model": self.model, "status": self.status,
-            "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
-            "expires_at": self.expires_at, "error": self.error, "prompt": self.prompt, "size": self.size,
-            "seconds": self.seconds, "remixed_from_video_id": None,
-        }  # fmt: skip
+            "id": self.id,
+            "object": "video",
+            "model": self.model,
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": self.expires_at,
+            "error": self.error,
+            "prompt": self.prompt,
+            "size": self.size,
+            "seconds": self.seconds,
+            "remixed_from_video_id": None,
+        }
 
     @property
     def finished(self) -> bool:

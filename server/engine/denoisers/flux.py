@@ -150,11 +150,15 @@ class FluxTransformerSpec:
     def tensor(self, model: nn.Module) -> TensorSplit:
         """diffusers' own plan for FLUX.1 (`_tp_plan`: heads, MLPs and the single blocks' packed
         output), and each block's AdaLN modulation gathered (a sixth of a double block's weights)."""
-        return diffusers_split(model, self.sequence(model).blocks, {
-            "transformer_blocks.*.norm1.linear": Cut.GATHERED,
-            "transformer_blocks.*.norm1_context.linear": Cut.GATHERED,
-            "single_transformer_blocks.*.norm.linear": Cut.GATHERED,
-        })  # fmt: skip
+        return diffusers_split(
+            model,
+            self.sequence(model).blocks,
+            {
+                "transformer_blocks.*.norm1.linear": Cut.GATHERED,
+                "transformer_blocks.*.norm1_context.linear": Cut.GATHERED,
+                "single_transformer_blocks.*.norm.linear": Cut.GATHERED,
+            },
+        )
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:

@@ -99,9 +99,11 @@ def peer_access(devices: Sequence[str]) -> list[tuple[str, str]]:
     """The pairs of this host's GPUs among `devices` that cannot reach each other's memory."""
     gpus = sorted({d for d in devices if d.startswith("cuda") and not absent(d)})
     return [
-        (a, b) for i, a in enumerate(gpus) for b in gpus[i + 1 :]
+        (a, b)
+        for i, a in enumerate(gpus)
+        for b in gpus[i + 1 :]
         if not torch.cuda.can_device_access_peer(torch.device(a), torch.device(b))
-    ]  # fmt: skip
+    ]
 
 
 def profile_note(devices: Sequence[str], profile: str | None, dtype: torch.dtype) -> str:

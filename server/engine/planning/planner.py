@@ -298,9 +298,18 @@ class _Search(TensorAxis):
         split, lanes = self.plans[id(best)]
         workers = tuple(worker_names([s.device for plan in split for s in plan.stages]))
         return ParallelPlan(
-            split, 1 if best.grouped else lanes, best.threads, tuple(self.candidates), reason, workers,
-            costs_note, best.splits_lone, best.sequence, best.grouped, tensor=best.tensor,
-        )  # fmt: skip
+            split,
+            1 if best.grouped else lanes,
+            best.threads,
+            tuple(self.candidates),
+            reason,
+            workers,
+            costs_note,
+            best.splits_lone,
+            best.sequence,
+            best.grouped,
+            tensor=best.tensor,
+        )
 
     # Helpers.
 

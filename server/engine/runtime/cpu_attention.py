@@ -132,8 +132,14 @@ def measured(shapes: Iterable[Shape]) -> dict[Shape, str]:
         q, k, v = (torch.randn(s, generator=generator).to(shape.dtype) for s in shape[:3])
         flash, mine = seconds(F.scaled_dot_product_attention, (q, k, v)), seconds(chunked, (q, k, v))
         kernels[shape] = "chunked" if mine < flash else "flash"
-        log.info("attention of %s queries, %s keys (%s): flash %.1f ms, chunked %.1f ms",
-                 shape.query, shape.key, shape.dtype, flash * 1e3, mine * 1e3)  # fmt: skip
+        log.info(
+            "attention of %s queries, %s keys (%s): flash %.1f ms, chunked %.1f ms",
+            shape.query,
+            shape.key,
+            shape.dtype,
+            flash * 1e3,
+            mine * 1e3,
+        )
     return kernels
 
 

@@ -167,8 +167,13 @@ class GraphStore:
             self._load_artifacts()
 
     def key(self, what: dict[str, Any]) -> str:
-        described = {**what, "torch": torch.__version__, "device": self.device_kind, "guards": None,
-                     "threads": self.threads}  # fmt: skip
+        described = {
+            **what,
+            "torch": torch.__version__,
+            "device": self.device_kind,
+            "guards": None,
+            "threads": self.threads,
+        }
         return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def get(self, key: str, fn: Callable, example: tuple, external: dict[str, Any]) -> Any:

@@ -179,9 +179,13 @@ class Rank:
         return F.scaled_dot_product_attention(query, k, v, attn_mask=_keys_mask(keys, 2, here), scale=scale)
 
     def _ulysses(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
         scale: float | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         parts = self.gather((q, k, v, mask))
         start, stop = chunks(q.shape[1], self.size)[self.index]
         here = q.device  # this rank's stage's device

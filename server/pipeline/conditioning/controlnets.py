@@ -28,9 +28,14 @@ from server.requests.control import MAX_CONTROLS, MAX_SCALE, Control
 
 # what a ControlNet shares with the denoiser it was made for (its residuals' shapes, its inputs)
 SHARED_CONFIG = (
-    "in_channels", "block_out_channels", "cross_attention_dim", "addition_embed_type",  # a UNet's
-    "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",  # FLUX.1's (its width: the family's)
-)  # fmt: skip
+    "in_channels",
+    "block_out_channels",
+    "cross_attention_dim",
+    "addition_embed_type",  # a UNet's
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "guidance_embeds",  # FLUX.1's (its width: the family's)
+)
 
 
 @dataclass(frozen=True)

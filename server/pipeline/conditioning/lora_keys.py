@@ -89,8 +89,10 @@ def _lora_state(pipeline_class: type, raw: dict[str, torch.Tensor]) -> tuple[dic
 
 def _by_expert(raw: dict[str, torch.Tensor], family: Family) -> dict[str, dict[str, torch.Tensor]]:
     """The file's keys per expert, a later expert's renamed as the first's (the rest: the first's)."""
-    later = {e: _renamed({k: v for k, v in raw.items() if k.startswith(f"{e}.")}, e, family.denoiser)
-             for e in family.experts[1:]}  # fmt: skip
+    later = {
+        e: _renamed({k: v for k, v in raw.items() if k.startswith(f"{e}.")}, e, family.denoiser)
+        for e in family.experts[1:]
+    }
     taken = {f"{e}." for e in later}
     first = {k: v for k, v in raw.items() if not k.startswith(tuple(taken))}
     return {e: keys for e, keys in {family.denoiser: first, **later}.items() if keys}

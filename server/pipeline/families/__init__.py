@@ -23,8 +23,18 @@ from server.pipeline.families.wan import Wan, WanI2V
 from server.pipeline.families.zimage import ZImage
 
 FAMILIES: tuple[type[Family], ...] = (
-    SD, SDXL, SD3, Flux, Flux2, Flux2Klein, Wan, WanI2V, QwenImage, QwenImageEdit, ZImage,
-)  # fmt: skip
+    SD,
+    SDXL,
+    SD3,
+    Flux,
+    Flux2,
+    Flux2Klein,
+    Wan,
+    WanI2V,
+    QwenImage,
+    QwenImageEdit,
+    ZImage,
+)
 SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE
 
 

@@ -326,9 +326,13 @@ class Family:
         """`net`'s residuals for `inputs`' rows (DenoiserInputs) and their control `image`, unscaled,
         by the denoiser's keyword."""
         down, mid = net(
-            inputs.sample, inputs.timestep, encoder_hidden_states=inputs.context, controlnet_cond=image,
-            added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"), return_dict=False,
-        )  # fmt: skip
+            inputs.sample,
+            inputs.timestep,
+            encoder_hidden_states=inputs.context,
+            controlnet_cond=image,
+            added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"),
+            return_dict=False,
+        )
         return {"down_block_additional_residuals": tuple(down), "mid_block_additional_residual": mid}
 
 

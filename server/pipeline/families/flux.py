@@ -152,13 +152,17 @@ class Flux(PackedFlow):
         sample, context = inputs.sample, inputs.context
         _, _, h, w = sample.shape
         blocks, singles = net(
-            hidden_states=pack(sample), controlnet_cond=image, conditioning_scale=1.0,
+            hidden_states=pack(sample),
+            controlnet_cond=image,
+            conditioning_scale=1.0,
             timestep=inputs.timestep.to(sample.dtype) / 1000,
             guidance=inputs.conditioning.get("guidance") if net.config.guidance_embeds else None,
-            pooled_projections=inputs.conditioning["pooled_projections"], encoder_hidden_states=context,
+            pooled_projections=inputs.conditioning["pooled_projections"],
+            encoder_hidden_states=context,
             txt_ids=torch.zeros(context.shape[1], 3, device=sample.device, dtype=sample.dtype),
-            img_ids=image_ids(h, w, sample.device, sample.dtype), return_dict=False,
-        )  # fmt: skip
+            img_ids=image_ids(h, w, sample.device, sample.dtype),
+            return_dict=False,
+        )
         return {
             "controlnet_block_samples": tuple(blocks) if blocks is not None else None,
             "controlnet_single_block_samples": tuple(singles) if singles is not None else None,

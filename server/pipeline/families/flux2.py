@@ -58,13 +58,25 @@ MISTRAL_SMALL_3 = {
 KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24, "joint_attention_dim": 7680}
 KLEIN_9B = {"num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288}
 QWEN3_4B = {
-    "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
-}  # fmt: skip
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
 QWEN3_8B = {
-    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
-}  # fmt: skip
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
 FLUX2_VAE: dict[str, Any] = {}  # AutoencoderKLFlux2's defaults are FLUX.2's: 32 channels, 8x
 
 
@@ -158,9 +170,15 @@ class Flux2(PackedFlow):
 
     def tokens(self, tokenizer: Any, prompts: list[str]) -> Any:
         return tokenizer.apply_chat_template(
-            [self.messages(p) for p in prompts], add_generation_prompt=False, tokenize=True, return_dict=True,
-            return_tensors="pt", padding="max_length", truncation=True, max_length=TEXT_TOKENS,
-        )  # fmt: skip
+            [self.messages(p) for p in prompts],
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=TEXT_TOKENS,
+        )
 
     def encode(
         self, encoders: Sequence[nn.Module], tokenizers: Sequence[Any], prompts: list[str]
@@ -171,9 +189,11 @@ class Flux2(PackedFlow):
         tokens = self.tokens(tokenizers[0], prompts)
         model = getattr(encoder, "model", encoder)  # without the LM head's logits
         states = model(
-            input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device),
-            output_hidden_states=True, use_cache=False,
-        ).hidden_states  # fmt: skip
+            input_ids=tokens["input_ids"].to(device),
+            attention_mask=tokens["attention_mask"].to(device),
+            output_hidden_states=True,
+            use_cache=False,
+        ).hidden_states
         stacked = torch.stack([states[k] for k in self.hidden_layers], dim=2)  # [N, tokens, layers, dim]
         return TextEmbeddings(stacked.flatten(2))
 

@@ -93,10 +93,12 @@ class QwenImageEdit(QwenImage):
         device = next(encoder.parameters()).device
         model = getattr(encoder, "model", encoder)  # the hidden states without the LM head's logits
         states = model(
-            input_ids=inputs["input_ids"].to(device), attention_mask=inputs["attention_mask"].to(device),
+            input_ids=inputs["input_ids"].to(device),
+            attention_mask=inputs["attention_mask"].to(device),
             pixel_values=_moved(inputs.get("pixel_values"), device, encoder.dtype),
-            image_grid_thw=_moved(inputs.get("image_grid_thw"), device), output_hidden_states=True,
-        ).hidden_states[-1]  # fmt: skip
+            image_grid_thw=_moved(inputs.get("image_grid_thw"), device),
+            output_hidden_states=True,
+        ).hidden_states[-1]
         mask = inputs["attention_mask"].to(device)
         return padded_text(states, mask, EDIT_TEMPLATE_TOKENS, self.text_tokens)
 

@@ -113,11 +113,15 @@ class QwenImage(PackedFlow):
         sample = inputs.sample
         _, _, h, w = sample.shape
         samples = net(
-            hidden_states=pack(sample), controlnet_cond=image.to(sample.dtype), conditioning_scale=1.0,
-            timestep=inputs.timestep.to(sample.dtype) / 1000, encoder_hidden_states=inputs.context,
-            encoder_hidden_states_mask=inputs.conditioning.get(TEXT_MASK), img_shapes=[(1, h // 2, w // 2)],
+            hidden_states=pack(sample),
+            controlnet_cond=image.to(sample.dtype),
+            conditioning_scale=1.0,
+            timestep=inputs.timestep.to(sample.dtype) / 1000,
+            encoder_hidden_states=inputs.context,
+            encoder_hidden_states_mask=inputs.conditioning.get(TEXT_MASK),
+            img_shapes=[(1, h // 2, w // 2)],
             return_dict=False,
-        )  # fmt: skip
+        )
         return {"controlnet_block_samples": tuple(samples)}
 
     def encode(
@@ -128,9 +132,12 @@ class QwenImage(PackedFlow):
         encoder, tokenizer = encoders[0], tokenizers[0]
         device = next(encoder.parameters()).device
         tokens = tokenizer(
-            [TEMPLATE.format(p) for p in prompts], max_length=TOKENIZER_LENGTH + TEMPLATE_TOKENS,
-            padding=True, truncation=True, return_tensors="pt",
-        )  # fmt: skip
+            [TEMPLATE.format(p) for p in prompts],
+            max_length=TOKENIZER_LENGTH + TEMPLATE_TOKENS,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        )
         mask = tokens.attention_mask.to(device)
         model = getattr(encoder, "model", encoder)  # the hidden states without the LM head's logits
         states = model(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)

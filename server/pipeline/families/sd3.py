@@ -130,10 +130,14 @@ class SD3(Family):
         if config.force_zeros_for_pooled_projection:  # InstantX's nets, as the pipeline feeds them
             pooled = torch.zeros_like(pooled)
         (samples,) = net(
-            hidden_states=inputs.sample, controlnet_cond=image, conditioning_scale=1.0,
+            hidden_states=inputs.sample,
+            controlnet_cond=image,
+            conditioning_scale=1.0,
             encoder_hidden_states=inputs.context if config.joint_attention_dim is not None else None,
-            pooled_projections=pooled, timestep=inputs.timestep, return_dict=False,
-        )  # fmt: skip
+            pooled_projections=pooled,
+            timestep=inputs.timestep,
+            return_dict=False,
+        )
         return {"block_controlnet_hidden_states": tuple(samples)}
 
     def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:

@@ -57,9 +57,16 @@ TWO_EXPERTS["transformer_2"] = TWO_EXPERTS["transformer"]
 WAN22_T2V_A14B = {"_index": {**TWO_EXPERTS, "boundary_ratio": 0.875}}
 WAN22_I2V_A14B = {"in_channels": 36, "_index": {**TWO_EXPERTS, "boundary_ratio": 0.9}}
 WAN22_VAE = {
-    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "in_channels": 12,
-    "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
-}  # fmt: skip
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+}
 
 
 def prompt_clean(text: str) -> str:
@@ -111,9 +118,14 @@ class Wan(Family):
         encoder = encoders[0]
         device = next(encoder.parameters()).device
         tokens = tokenizers[0](
-            [prompt_clean(p) for p in prompts], padding="max_length", max_length=UMT5_TOKENS,
-            truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
-        )  # fmt: skip
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=UMT5_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         mask = tokens.attention_mask
         states = encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
         keep = mask.gt(0).to(device)[..., None]  # each prompt's own tokens

@@ -193,9 +193,14 @@ class Deployment:
             return cls((ModelShard(model, plan, placed=placed),))
         shards = build_shards(model, plan, placed)
         return cls(
-            tuple(shards), plan.lanes_per_replica, plan.threads, plan.splits_lone, plan.sequence,
-            plan.grouped, plan.tensor,
-        )  # fmt: skip
+            tuple(shards),
+            plan.lanes_per_replica,
+            plan.threads,
+            plan.splits_lone,
+            plan.sequence,
+            plan.grouped,
+            plan.tensor,
+        )
 
     def encoder_spread(self) -> list[str]:
         """The devices a tensor group's text encoders spread over (`parts.py`, as `plan` counts

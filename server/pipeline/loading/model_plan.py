@@ -120,13 +120,26 @@ def plan_model(
 
     def plan(devices: str | Sequence[str], parallel: str, **more: Any) -> ParallelPlan:
         return plan_parallel(
-            model, devices, parallel, strategy, threads=threads, block_costs=model_costs.costs,
-            costs_note=where, pick_threads=pick_threads, timed=costs == Costs.MEASURED,
-            lone_rows=family.lone_rows, links=model_costs.link, device_map=device_map, dtype=dtype,
-            latent_size=side // family.vae_scale_factor, batch=batch, block_bytes=block_bytes,
-            layout=layout, spread=spread,
+            model,
+            devices,
+            parallel,
+            strategy,
+            threads=threads,
+            block_costs=model_costs.costs,
+            costs_note=where,
+            pick_threads=pick_threads,
+            timed=costs == Costs.MEASURED,
+            lone_rows=family.lone_rows,
+            links=model_costs.link,
+            device_map=device_map,
+            dtype=dtype,
+            latent_size=side // family.vae_scale_factor,
+            batch=batch,
+            block_bytes=block_bytes,
+            layout=layout,
+            spread=spread,
             **{"max_memory": max_memory, "resident": resident, "experts": len(family.experts), **more},
-        )  # fmt: skip
+        )
 
     # auto: experts apart on distinct GPUs, where each device's memory is its own (CPU workers share
     # the cores and one copy of the weights: replicas of both experts serve them better)

@@ -312,9 +312,13 @@ def _faster(
     compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
     kept = compiled_s < eager_s
     stats.buckets.append(
-        {"bucket": what, "compiled_ms": round(compiled_s * 1e3, 2), "eager_ms": round(eager_s * 1e3, 2),
-         "kept": kept}
-    )  # fmt: skip
+        {
+            "bucket": what,
+            "compiled_ms": round(compiled_s * 1e3, 2),
+            "eager_ms": round(eager_s * 1e3, 2),
+            "kept": kept,
+        }
+    )
     verdict = "compiled" if kept else "kept eager: its graphs were not faster"
     log.info(
         "compile: %s %s (%.1f ms compiled, %.1f ms eager)", what, verdict, compiled_s * 1e3, eager_s * 1e3

@@ -31,12 +31,23 @@ SCHEDULER_NAMES = ("default", *SCHEDULERS)
 # its diffusers pipeline steps it, as tests/test_schedulers.py's table shows (a row each). A
 # folder that ships another is refused at load (`check_folder_scheduler`), never served otherwise.
 DDPM_FOLDER_SCHEDULERS = (
-    "PNDMScheduler", "DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
-    "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler",
-    "UniPCMultistepScheduler", "DEISMultistepScheduler", "HeunDiscreteScheduler",
-    "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler", "SASolverScheduler",
-    "EDMEulerScheduler", "LCMScheduler", "TCDScheduler",
-)  # fmt: skip
+    "PNDMScheduler",
+    "DDIMScheduler",
+    "DDPMScheduler",
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "DPMSolverMultistepScheduler",
+    "DPMSolverSinglestepScheduler",
+    "UniPCMultistepScheduler",
+    "DEISMultistepScheduler",
+    "HeunDiscreteScheduler",
+    "KDPM2DiscreteScheduler",
+    "KDPM2AncestralDiscreteScheduler",
+    "SASolverScheduler",
+    "EDMEulerScheduler",
+    "LCMScheduler",
+    "TCDScheduler",
+)
 FLOW_FOLDER_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 

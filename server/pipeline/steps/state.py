@@ -159,8 +159,10 @@ def stack_inputs(
     still = any(s.first_frame is not None for s in states)
     timesteps = batch.rent((rows, first.latents.shape[2]) if still else (rows,), torch.float32, device)
     context = batch.rent((rows, columns, *first.context.shape[2:]), dtype, device)
-    shapes = {name: (rows, columns, *v.shape[2:]) if name == TEXT_MASK else (rows, *v.shape[1:])
-              for name, v in first.extras.items()}  # fmt: skip
+    shapes = {
+        name: (rows, columns, *v.shape[2:]) if name == TEXT_MASK else (rows, *v.shape[1:])
+        for name, v in first.extras.items()
+    }
     extras = {name: batch.rent(shapes[name], v.dtype, device) for name, v in first.extras.items()}
     for state, span in zip(states, spans(states), strict=True):
         sample[span, :channels] = family.model_input(state.scheduler, state.latents, state.timestep)

@@ -22,7 +22,7 @@ from server.engine.hardware.simulated.gpus import (
     current_streams,
     device_index,
     set_current_device,
-)  # fmt: skip
+)
 
 
 class _Device:
@@ -108,9 +108,14 @@ def cuda_functions(sim: Simulation) -> dict[str, Any]:
     def properties(device: Any = None) -> SimpleNamespace:
         gpu = sim.gpu(device)
         return SimpleNamespace(
-            name=gpu.name, total_memory=gpu.total, major=9, minor=0, multi_processor_count=132,
-            uuid=f"simulated-{gpu.index}", is_integrated=False,
-        )  # fmt: skip
+            name=gpu.name,
+            total_memory=gpu.total,
+            major=9,
+            minor=0,
+            multi_processor_count=132,
+            uuid=f"simulated-{gpu.index}",
+            is_integrated=False,
+        )
 
     def set_device(device: Any) -> None:
         set_current_device(device_index(device))

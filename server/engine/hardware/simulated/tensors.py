@@ -44,9 +44,14 @@ class SimulatedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor, device: torch.device) -> SimulatedTensor:
         wrapper = torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=data.dtype, device=device, requires_grad=False,
-        )  # fmt: skip
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=device,
+            requires_grad=False,
+        )
         wrapper._data = data
         return wrapper
 
@@ -97,22 +102,58 @@ _INDEXING = {
 }
 # Calls that read a device value on the host (each waits for the device: a sync).
 _READS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-    torch.Tensor.__bool__, torch.Tensor.__index__,
-}  # fmt: skip
-_METADATA = {"shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout", "is_sparse",
-             "is_quantized", "is_nested", "names", "is_leaf", "grad_fn", "requires_grad", "grad",
-             "_is_view", "output_nr", "_version", "is_mkldnn", "is_mps", "is_xla", "is_xpu"}  # fmt: skip
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+}
+_METADATA = {
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "layout",
+    "is_sparse",
+    "is_quantized",
+    "is_nested",
+    "names",
+    "is_leaf",
+    "grad_fn",
+    "requires_grad",
+    "grad",
+    "_is_view",
+    "output_nr",
+    "_version",
+    "is_mkldnn",
+    "is_mps",
+    "is_xla",
+    "is_xpu",
+}
 
 
 def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         return _attribute(func, args, kwargs)
-    if func in (torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.numel,
-                torch.Tensor.element_size, torch.Tensor.get_device, torch.Tensor.is_floating_point,
-                torch.Tensor.is_complex, torch.Tensor.nelement, torch.Tensor.__len__,
-                torch.Tensor.storage_offset, torch.Tensor.is_contiguous):  # fmt: skip
+    if func in (
+        torch.Tensor.dim,
+        torch.Tensor.size,
+        torch.Tensor.stride,
+        torch.Tensor.numel,
+        torch.Tensor.element_size,
+        torch.Tensor.get_device,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.nelement,
+        torch.Tensor.__len__,
+        torch.Tensor.storage_offset,
+        torch.Tensor.is_contiguous,
+    ):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func is torch._has_compatible_shallow_copy_type:
