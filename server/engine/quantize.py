@@ -76,7 +76,7 @@ class Quantization:
         float8 leaves those under a module the loader keeps in float32 (`_keep_in_fp32_modules`,
         matched by name part as diffusers and transformers do: Wan's time embedder, T5's `wo`;
         `fp32`: the root's, where `model` is a part of it): torchao's float8 refuses float32
-        weights (the lent H100 found it on Wan's). The int8 modes take float32 weights."""
+        weights (Wan's time embedder is one). The int8 modes take float32 weights."""
         if fp32 is None:
             fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
         kept = set(fp32) if self.mode == QuantMode.FLOAT8 else set()
@@ -134,7 +134,7 @@ def torchao_config(mode: QuantMode) -> Any:
         QuantMode.INT8: Int8WeightOnlyConfig,
         QuantMode.INT8_DYNAMIC: Int8DynamicActivationInt8WeightConfig,
         # a floor under each row's scale: an all-zero row (Wan's padded text context) otherwise
-        # gets scale 0 and quantizes to NaN (0/0), which the lent H100 found as NaN videos
+        # gets scale 0 and quantizes to NaN (0/0): a whole video of NaN
         QuantMode.FLOAT8: lambda: Float8DynamicActivationFloat8WeightConfig(
             granularity=PerRow(), activation_value_lb=FLOAT8_SCALE_FLOOR
         ),

@@ -85,12 +85,10 @@ def retain_freed_host_memory() -> bool:
     """Ask glibc to keep freed activation memory for reuse rather than hand it back to the OS.
 
     A CPU forward allocates and frees MiB-sized activations; by default glibc unmaps or trims
-    them and the next forward page-faults them back in. Measured on SD-1.5 (bf16, 32x32,
-    batch 2, 2 cores): median forward 1.21 s → 0.96 s, run-to-run spread 11% → 4%. On the
-    built-in model at 128 px (`benchmarks/serving/host_memory.py`): 10-35 page faults per generation
-    instead of glibc's default 2700-3600. What it keeps after a burst of odd sizes is no more
-    than glibc keeps by default (+125-134 MiB either way); `release_freed_host_memory` gives
-    that back. Process-wide; returns False where the C library is not glibc.
+    them and the next forward page-faults them back in: forwards slower and steadier kept
+    (`benchmarks/serving/host_memory.py` measures it; docs/serving.md has figures, with their
+    host). What it keeps after a burst of odd sizes is no more than glibc keeps by default;
+    `release_freed_host_memory` gives that back. Process-wide; returns False where the C library is not glibc.
     """
     libc = _libc()
     if libc is None:

@@ -1,11 +1,10 @@
 """A frozen graph's attention by the kernel measured faster for each of its shapes: PyTorch's flash
 kernel for CPUs, or the scores by oneDNN's batched GEMM and a softmax, a chunk of queries at a time.
 
-Measured on a 2-core AVX-512 host without AMX, bf16, one thread, milliseconds a call (flash /
-chunked): SD-1.5's self-attention at a 256² image (8 heads of 40, 1024 tokens) 16.9 / 7.5, at
-512² (4096 tokens) 263 / 223; its VAE's (1 head of 512, 4096 tokens) 321 / 81. The flash kernel
-wins elsewhere, so each shape is timed both ways on this host before the graph is traced
-(`choose_kernels`), and the graph routes the shapes that measured faster chunked (`routed`).
+Which wins depends on the shape and the CPU (docs/serving.md has figures, with their host): the
+chunked GEMMs on few wide heads, such as a VAE's, the flash kernel elsewhere. So each shape is
+timed both ways on this host before the graph is traced (`choose_kernels`), and the graph routes
+the shapes that measured faster chunked (`routed`).
 Only plain calls are routed: no mask, no dropout, not causal, the default scale."""
 
 from __future__ import annotations

@@ -188,8 +188,8 @@ class Family:
 
     def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
         """The dtype its diffusers pipeline draws the first noise in (`dtype`: the model's, its
-        prompt embeddings'). Drawn so, a seed makes diffusers' image on every torch release:
-        2.11's bfloat16 draw is not 2.13's (nor float32's rounded), found on the lent H100."""
+        prompt embeddings'). Drawn so, a seed makes diffusers' image on every torch release: one
+        release's bfloat16 draw need not equal another's, nor float32's rounded."""
         return dtype
 
     @property

@@ -120,10 +120,9 @@ class Lane:
     def idle_cores(self, threads: int | None) -> Iterator[bool]:
         """This thread's `threads` (a lane's intra-op threads; None: unchanged) and the idle
         replicas' while it runs, and whether it has more than its own: a lone image's VAE decode is
-        one call on one lane, and left at its lane's threads it kept the other cores idle (a 512²
-        image's 6.8 s on 1 of 2 cores). A compiled decoder runs the threads it was built with (inductor
-        writes their count into its kernels): given more, a decode runs eagerly (SD-1.5's VAE at
-        512², bfloat16: 3.8 s on 2 threads, 7.1 s on 1)."""
+        one call on one lane, and left at its lane's threads it would keep the other cores idle. A
+        compiled decoder runs the threads it was built with (inductor writes their count into its
+        kernels): given more, a decode runs eagerly (docs/serving.md has figures, with their host)."""
         spare = len(self.spare()) if threads else 0
         with intra_op_threads(threads * (1 + spare) if threads and spare else None):
             yield bool(threads and spare)
