@@ -64,8 +64,10 @@ test-tools:
 run: $(VENV)/.runtime
 	$(PY) -m server serve --lora diamond=server/demo/adapters/diamond.safetensors --controlnet silhouette=server/demo/controlnets/silhouette
 
+# The whole suite, a module to a worker (its module fixtures built once), each worker pinned to its
+# share of the CPUs (tests/conftest.py); at most 4 workers: each holds a torch and its servers.
 test: $(VENV)/.test test-tools lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +18,20 @@ from tests.support import live
 from tests.support.forking import Forked
 from tests.support.live import MAKE_RUN, LiveServer, free_port, live_server
 from tests.support.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker takes its own share of the
+    host's CPUs, and the servers it starts inherit them: two torch thread pools spinning on the
+    same cores would slow each call several times over (measured: the demo's scoring 14 s alone,
+    70 s beside another unpinned)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker.removeprefix("gw")) % len(cpus) :: int(count)] or cpus
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
 
 
 def tiny_sd15_unet() -> UNet2DConditionModel:
