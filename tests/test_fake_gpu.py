@@ -243,7 +243,7 @@ def _wan_family(parts: dict) -> Family:
 
 
 def _wan(fake: FakeCuda) -> Pipeline:
-    """Tiny Wan parts (tests/tiny_pipelines, CPU weights the moves turn into fakes): the
+    """Tiny Wan parts (tests/support/tiny_pipelines, CPU weights the moves turn into fakes): the
     transformer split over fake cuda:0 and cuda:1, UMT5 and the VAE on cuda:0."""
     from tests.support.tiny_pipelines import _wan_parts
 

@@ -136,7 +136,7 @@ SHAPES = {
         measures=LIGHT,
     ),
 }
-# the dry run's: shaped like the tests' tiny models (tests/conftest.py, tests/tiny_*.py)
+# the dry run's: shaped like the tests' tiny models (tests/conftest.py, tests/support/tiny_*.py)
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,

@@ -6,8 +6,8 @@ of both experts: a call per expert, the rows of each batched).
 
 The model is a Wan-2.1-shaped folder built here from config, random weights (seed 0): a video
 transformer of 4 blocks, 8 heads of 64 (inner 512, FFN 2048), and the tiny VAE and UMT5 encoder
-of the tests (`tests/tiny_pipelines.build_wan_folder`), so the transformer's work dominates; the
-two-expert folder holds two such transformers (`tests/tiny_wan22`, boundary 0.875, shift 3: the
+of the tests (`tests/support/tiny_pipelines.build_wan_folder`), so the transformer's work dominates; the
+two-expert folder holds two such transformers (`tests/support/tiny_wan22`, boundary 0.875, shift 3: the
 first 4 of 12 steps on the high-noise expert).
 Each request: 17 frames of 128×128 (5 latent frames of 16×16: 320 tokens), guided (2 rows), 12
 steps, its own seed. Through `Service` (the step loop the HTTP routes use, no HTTP): `batched`

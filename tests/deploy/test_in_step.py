@@ -91,7 +91,7 @@ def test_every_diffshard_variable_is_a_setting(path: Path) -> None:
 
 
 def is_path(annotation: object) -> bool:
-    """A Path setting, optional or not, or a Path with a check of its own (`config_values.Folder`)."""
+    """A Path setting, optional or not, or a Path with a check of its own (`settings/values.py::Folder`)."""
     kinds = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
     return all(a is Path or (get_origin(a) is Annotated and get_args(a)[0] is Path) for a in kinds)
 
