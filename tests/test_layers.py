@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -224,3 +226,11 @@ def test_no_per_call_state_lives_in_a_thread_local() -> None:
         if (n := path.read_text().count("threading.local("))
     }
     assert found == allowed, found
+
+
+@pytest.mark.parametrize("module", ["server.requests", "server.api.errors", "server.errors"])
+def test_request_values_and_the_error_table_import_no_torch(module: str) -> None:
+    """What every layer shares, and the API's error table, stay light: importing them loads no
+    torch (a client of the values, or a test of the envelope, pays nothing for the model)."""
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -20,7 +20,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.api.schemas import ImageEditRequest, ImageGenerationRequest  # fields, for did you mean
 from server.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -226,6 +225,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        # the bodies' fields, for "did you mean": imported here, so the error table alone imports
+        # no schema (and through it, no torch)
+        from server.api.schemas import ImageEditRequest, ImageGenerationRequest
+
         edit = request.url.path.endswith("/edits")
         fields = (ImageEditRequest if edit else ImageGenerationRequest).model_fields
         content_type = request.headers.get("content-type", "")
