@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from diffusers import UNet2DConditionModel
@@ -23,6 +23,7 @@ from server.engine.denoisers.blocks import TEXT_MASK
 from server.errors import ModelFolderError
 from server.pipeline.steps.schedulers import DDPM_FOLDER_SCHEDULERS, SCHEDULER_NAMES
 from server.requests.clip import Clip
+from server.requests.generation import GenerationRequest
 
 # SD-style families run every scheduler in steps/schedulers.py, beside "default" (the folder's own).
 DDPM_SCHEDULERS = SCHEDULER_NAMES
@@ -53,18 +54,6 @@ class TextEmbeddings:
 
         pooled = None if self.pooled is None else cut(self.pooled)
         return TextEmbeddings(cut(self.context), pooled, {k: cut(v) for k, v in self.rows.items()})
-
-
-class Asked(Protocol):
-    """What a family reads of a (resolved) request: server/requests/generation.py's GenerationRequest, which
-    imports this module."""
-
-    negative_prompt: str | None
-    guidance_scale: float
-    guidance_scale_2: float | None
-    true_cfg_scale: float
-    width: int
-    height: int
 
 
 class Family:
@@ -128,20 +117,20 @@ class Family:
 
     # 1. Prompts → conditioning.
 
-    def rows(self, request: Asked) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
         return 2 if request.guidance_scale > 1 else 1
 
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
     vae_float32: ClassVar[bool] = False  # its VAE in float32 whatever --dtype (Wan: as diffusers loads it)
 
-    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+    def cfg_scale(self, request: GenerationRequest, expert: int = 0) -> float:
         """The classifier-free guidance scale between a request's negative and positive rows
         (`expert`: the denoiser that made them, `experts`' index)."""
         return request.guidance_scale
 
     def guide(
-        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+        self, negative: torch.Tensor, positive: torch.Tensor, request: GenerationRequest, expert: int = 0
     ) -> torch.Tensor:
         """One prediction from a guided request's two rows' (classifier-free guidance)."""
         return negative + self.cfg_scale(request, expert) * (positive - negative)
@@ -161,7 +150,7 @@ class Family:
         mask = tokens.attention_mask.to(device) if use_mask else None
         return TextEmbeddings(encoder(tokens.input_ids.to(device), attention_mask=mask)[0])
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         """Per-row conditioning beside the context (rows as `pooled`'s), e.g. SDXL's time ids."""
         return {}
 

@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from server.pipeline.families.base import Asked, Family
+from server.pipeline.families.base import Family
 from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.requests.generation import GenerationRequest
 
 
 def shift_mu(config: Any, tokens: int, max_shift: float = 1.15) -> float:
@@ -31,13 +32,13 @@ class PackedFlow(Family):
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")  # the spec's cache boundary
     native_latent: ClassVar[int] = 128  # the pipelines' default_sample_size: 1024 px
 
-    def rows(self, request: Asked) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         """One row, or two for true CFG (diffusers: true_cfg_scale > 1 with a negative prompt)."""
         return 2 if request.true_cfg_scale > 1 and request.negative_prompt is not None else 1
 
     lone_rows = 1  # guidance is embedded, distilled or absent: true CFG is the exception
 
-    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+    def cfg_scale(self, request: GenerationRequest, expert: int = 0) -> float:
         return request.true_cfg_scale
 
     @property

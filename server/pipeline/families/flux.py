@@ -21,8 +21,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from server.engine.denoisers.flux import T5_TOKENS, image_ids, pack
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, other_width, tokenize
+from server.pipeline.families.base import TextEmbeddings, other_width, tokenize
 from server.pipeline.families.flow import PackedFlow
+from server.requests.generation import GenerationRequest
 
 # FLUX.1's transformer/config.json (dev and schnell differ only in guidance_embeds): diffusers'
 # FluxTransformer2DModel defaults, written out
@@ -122,7 +123,7 @@ class Flux(PackedFlow):
         context = t5(tokens.to(next(t5.parameters()).device), output_hidden_states=False)[0]
         return TextEmbeddings(context, pooled.to(context.dtype))
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         extras = {"pooled_projections": pooled}
         if self.guidance_embeds:  # per row: requests with other guidance scales share the call
             extras["guidance"] = torch.full((pooled.shape[0],), request.guidance_scale, device=pooled.device)

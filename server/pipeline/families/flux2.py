@@ -30,8 +30,9 @@ from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3
 from server.engine.denoisers.blocks import REFERENCE_IDS, REFERENCES
 from server.engine.denoisers.flux2 import TEXT_TOKENS
 from server.errors import InvalidRequest, ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, edit_size
+from server.pipeline.families.base import Family, TextEmbeddings, edit_size
 from server.pipeline.families.flow import PackedFlow
+from server.requests.generation import GenerationRequest
 
 # black-forest-labs/FLUX.2-dev's transformer/config.json (the class's defaults) and text_encoder
 # (Mistral-Small-3.2-24B-Instruct-2506), for `plan --config` to count
@@ -116,7 +117,7 @@ class Flux2(PackedFlow):
     edits_by_reference: ClassVar[bool] = True  # an edit's images are references on the sequence
     edit_area: ClassVar[int | None] = 1024 * 1024  # a larger reference image is scaled down to it
 
-    def rows(self, request: Asked) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         return 1  # guidance is embedded: one row, `guidance` per row
 
     def check_request(self, request: Any) -> None:
@@ -154,7 +155,7 @@ class Flux2(PackedFlow):
         conditioning = {REFERENCES: torch.cat(tokens, dim=1), REFERENCE_IDS: torch.cat(ids)[None].float()}
         return {k: v.expand(rows, -1, -1) for k, v in conditioning.items()}, tuple(layout)
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         return {"guidance": torch.full((1,), request.guidance_scale)}  # per row: other scales share the call
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -287,15 +288,15 @@ class Flux2Klein(Flux2):
     def default_guidance(self) -> float:  # type: ignore[override]
         return 1.0 if self.distilled else 4.0  # distilled: guidance has no effect
 
-    def rows(self, request: Asked) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         return 1 if self.distilled else Family.rows(self, request)  # CFG when guidance_scale > 1
 
     lone_rows = 1  # the distilled klein people run
 
-    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+    def cfg_scale(self, request: GenerationRequest, expert: int = 0) -> float:
         return request.guidance_scale
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         return {}
 
     def tokens(self, tokenizer: Any, prompts: list[str]) -> Any:

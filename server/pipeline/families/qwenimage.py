@@ -25,8 +25,9 @@ from server.engine.denoisers.blocks import TEXT_MASK
 from server.engine.denoisers.flux import pack
 from server.engine.denoisers.qwenimage import TEXT_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, TextEmbeddings, other_width, padded_text
+from server.pipeline.families.base import TextEmbeddings, other_width, padded_text
 from server.pipeline.families.flow import PackedFlow
+from server.requests.generation import GenerationRequest
 
 # QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
 TEMPLATE = (
@@ -143,14 +144,14 @@ class QwenImage(PackedFlow):
         states = model(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
         return padded_text(states.hidden_states[-1], mask, TEMPLATE_TOKENS, self.text_tokens)
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         return {}  # the text mask comes with the embeddings (`TextEmbeddings.rows`)
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         return dict(extras)
 
     def guide(
-        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+        self, negative: torch.Tensor, positive: torch.Tensor, request: GenerationRequest, expert: int = 0
     ) -> torch.Tensor:
         """True CFG rescaled to the positive prediction's norm over each packed token's features."""
         combined = negative + self.cfg_scale(request) * (positive - negative)

@@ -17,8 +17,9 @@ from server.engine.denoisers.dit import (
     T5_TOKENS,  # diffusers' max_sequence_length default: T5's, or its zeros'
 )
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, other_width, penultimate_states
+from server.pipeline.families.base import Family, TextEmbeddings, other_width, penultimate_states
 from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
+from server.requests.generation import GenerationRequest
 
 
 class SD3(Family):
@@ -75,7 +76,7 @@ class SD3(Family):
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return TextEmbeddings(torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1))
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         return {"pooled_projections": pooled}
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, penultimate_states
+from server.pipeline.families.base import Family, TextEmbeddings, penultimate_states
+from server.requests.generation import GenerationRequest
 
 
 class SDXL(Family):
@@ -55,7 +56,7 @@ class SDXL(Family):
             contexts.append(hidden)
         return TextEmbeddings(torch.cat(contexts, dim=-1), pooled)
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         size = (request.height, request.width)  # original size, crop top-left (0, 0), target size
         time_ids = torch.tensor([*size, 0, 0, *size], dtype=pooled.dtype, device=pooled.device)
         return {"text_embeds": pooled, "time_ids": time_ids.expand(pooled.shape[0], 6)}

@@ -22,9 +22,10 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from server.engine.denoisers.wan import UMT5_TOKENS
 from server.errors import InvalidRequest, ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings
+from server.pipeline.families.base import Family, TextEmbeddings
 from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
 from server.requests.clip import Clip
+from server.requests.generation import GenerationRequest
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers, transformer/config.json (14B: the class's
 # defaults), text_encoder/config.json (UMT5-XXL's encoder) and vae/config.json (the defaults).
@@ -232,7 +233,7 @@ class Wan(Family):
             return 0
         return int(float(timestep) < ratio * scheduler.config.num_train_timesteps)
 
-    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+    def cfg_scale(self, request: GenerationRequest, expert: int = 0) -> float:
         """The low-noise expert's rows take `guidance_scale_2` (unset: `guidance_scale`)."""
         second = request.guidance_scale_2
         return second if expert == 1 and second is not None else request.guidance_scale

@@ -24,9 +24,10 @@ from transformers import Qwen3Config, Qwen3Model
 
 from server.engine.denoisers.qwenimage import TEXT_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Asked, Family, TextEmbeddings, padded_text
+from server.pipeline.families.base import Family, TextEmbeddings, padded_text
 from server.pipeline.families.flow import PackedFlow
 from server.pipeline.families.flux import FLUX_VAE
+from server.requests.generation import GenerationRequest
 
 # Qwen/Qwen3-4B's config (Tongyi-MAI/Z-Image-Turbo's text_encoder/config.json), for `plan --config`
 QWEN3_4B = {
@@ -61,19 +62,19 @@ class ZImage(PackedFlow):
     # Tongyi-MAI/Z-Image-Turbo's transformer/config.json: the class's defaults but the rotary lengths
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"z-image": {"axes_lens": [1536, 512, 512]}}
 
-    def rows(self, request: Asked) -> int:
+    def rows(self, request: GenerationRequest) -> int:
         return Family.rows(self, request) if request.guidance_scale > 0 else 1  # the pipeline's `> 0`
 
     lone_rows = 1  # the Turbo runs unguided
 
-    def cfg_scale(self, request: Asked, expert: int = 0) -> float:
+    def cfg_scale(self, request: GenerationRequest, expert: int = 0) -> float:
         return request.guidance_scale
 
     def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
         return dtype if edit else torch.float32  # ZImagePipeline's float32; its img2img's prompts'
 
     def guide(
-        self, negative: torch.Tensor, positive: torch.Tensor, request: Asked, expert: int = 0
+        self, negative: torch.Tensor, positive: torch.Tensor, request: GenerationRequest, expert: int = 0
     ) -> torch.Tensor:
         return positive + self.cfg_scale(request) * (positive - negative)  # ZImagePipeline's
 
@@ -100,7 +101,7 @@ class ZImage(PackedFlow):
         states = model(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
         return padded_text(states.hidden_states[-2], mask, 0, TEXT_TOKENS)
 
-    def extras(self, pooled: torch.Tensor | None, request: Asked) -> dict[str, torch.Tensor]:
+    def extras(self, pooled: torch.Tensor | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
         return {}  # the text mask comes with the embeddings (`TextEmbeddings.rows`)
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
