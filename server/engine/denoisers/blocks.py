@@ -227,6 +227,19 @@ class DenoiserSpec(Protocol):
     def sequence(self, model: nn.Module) -> SequenceSplit | None: ...
 
 
+def stacked_layout(
+    model: nn.Module, embed: tuple[str, ...], streams: tuple[str, ...], out: tuple[str, ...]
+) -> Layout:
+    """A DiT's layout: the embedding modules as one block, every block of each stream in order
+    (`stream.i`, a block each: the walker's unit, and the compiled graph blocks that repeat share),
+    then the output modules as one block."""
+    blocks = [Block("embed", embed)]
+    for stream in streams:
+        blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
+    blocks.append(Block("out", out))
+    return Layout(tuple(blocks))
+
+
 def present(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
     """Those of `names` the model has (optional parts: class embeddings, IP-Adapter projections)."""
     return tuple(n for n in names if getattr(model, n, None) is not None)

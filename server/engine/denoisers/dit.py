@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import (
-    Block,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -35,6 +34,7 @@ from server.engine.denoisers.blocks import (
     SequenceSplit,
     TensorSplit,
     present,
+    stacked_layout,
 )
 
 CLIP_TOKENS = 77  # both CLIP encoders' hidden states, side by side in the channels
@@ -51,13 +51,8 @@ class SD3TransformerSpec:
     OUTPUT = ("norm_out", "proj_out")
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", present(model, self.EMBEDDING))]
-        blocks += [
-            Block(f"transformer_blocks.{i}", (f"transformer_blocks.{i}",))
-            for i in range(len(model.transformer_blocks))
-        ]
-        blocks.append(Block("out", present(model, self.OUTPUT)))
-        return Layout(tuple(blocks))
+        embed, out = present(model, self.EMBEDDING), present(model, self.OUTPUT)
+        return stacked_layout(model, embed, ("transformer_blocks",), out)
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device

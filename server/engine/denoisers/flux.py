@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import (
-    Block,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -41,6 +40,7 @@ from server.engine.denoisers.blocks import (
     TensorSplit,
     diffusers_split,
     present,
+    stacked_layout,
 )
 from server.engine.denoisers.dit import TOKENS, carried, controlled, dit_boundary, out, token_rows
 
@@ -86,11 +86,8 @@ class FluxTransformerSpec:
         return NATIVE_LATENT
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", present(model, self.EMBEDDING))]
-        for stream in ("transformer_blocks", "single_transformer_blocks"):
-            blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
-        blocks.append(Block("out", present(model, self.OUTPUT)))
-        return Layout(tuple(blocks))
+        streams = ("transformer_blocks", "single_transformer_blocks")
+        return stacked_layout(model, present(model, self.EMBEDDING), streams, present(model, self.OUTPUT))
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device

@@ -26,7 +26,6 @@ from torch import nn
 from server.engine.denoisers.blocks import (
     REFERENCE_IDS,
     REFERENCES,
-    Block,
     BlockCall,
     CacheBoundary,
     DenoiserInputs,
@@ -35,6 +34,7 @@ from server.engine.denoisers.blocks import (
     SequenceSplit,
     TensorSplit,
     diffusers_split,
+    stacked_layout,
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import rotary_slice
@@ -71,11 +71,7 @@ class Flux2TransformerSpec:
         return 64  # the pipelines' 1024 px: 64 tokens a side (16 px a token)
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", self.EMBEDDING)]
-        for stream in STREAMS:
-            blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
-        blocks.append(Block("out", self.OUTPUT))
-        return Layout(tuple(blocks))
+        return stacked_layout(model, self.EMBEDDING, STREAMS, self.OUTPUT)
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device

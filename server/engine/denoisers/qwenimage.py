@@ -30,7 +30,6 @@ from server.engine.denoisers.blocks import (
     REFERENCE_SHAPES,
     REFERENCES,
     TEXT_MASK,
-    Block,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -41,6 +40,7 @@ from server.engine.denoisers.blocks import (
     TensorSplit,
     diffusers_split,
     present,
+    stacked_layout,
 )
 from server.engine.denoisers.dit import carried, controlled, dit_boundary, out, token_rows
 from server.engine.denoisers.flux import pack, unpack
@@ -59,13 +59,7 @@ class QwenImageTransformerSpec:
         return 128  # QwenImagePipeline's default_sample_size: 1024 px
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", present(model, self.EMBEDDING))]
-        blocks += [
-            Block(f"transformer_blocks.{i}", (f"transformer_blocks.{i}",))
-            for i in range(len(model.transformer_blocks))
-        ]
-        blocks.append(Block("out", self.OUTPUT))
-        return Layout(tuple(blocks))
+        return stacked_layout(model, present(model, self.EMBEDDING), ("transformer_blocks",), self.OUTPUT)
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import (
-    Block,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -35,6 +34,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
+    stacked_layout,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
 
@@ -55,10 +55,7 @@ class WanTransformerSpec:
         return NATIVE_LATENT
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", self.EMBEDDING)]
-        blocks += [Block(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))]
-        blocks.append(Block("out", self.OUTPUT))
-        return Layout(tuple(blocks))
+        return stacked_layout(model, self.EMBEDDING, ("blocks",), self.OUTPUT)
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device

@@ -29,7 +29,6 @@ from torch import nn
 
 from server.engine.denoisers.blocks import (
     TEXT_MASK,
-    Block,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -38,6 +37,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
+    stacked_layout,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
 from server.engine.denoisers.qwenimage import TEXT_TOKENS
@@ -56,11 +56,9 @@ class ZImageTransformerSpec:
         return 128  # ZImagePipeline's default 1024 px
 
     def layout(self, model: nn.Module) -> Layout:
-        blocks = [Block("embed", self.EMBEDDING)]
-        for stream in ("noise_refiner", "context_refiner", "layers"):
-            blocks += [Block(f"{stream}.{i}", (f"{stream}.{i}",)) for i in range(len(getattr(model, stream)))]
-        blocks.append(Block("out", self.OUTPUT))
-        return Layout(tuple(blocks))
+        return stacked_layout(
+            model, self.EMBEDDING, ("noise_refiner", "context_refiner", "layers"), self.OUTPUT
+        )
 
     def example_inputs(
         self, model: nn.Module, batch: int, latent_size: int, dtype: torch.dtype, device: torch.device
