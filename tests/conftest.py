@@ -171,8 +171,12 @@ def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The tiers a developer deselects while working (`pytest -m "not (live or browser or fuzz or compile)"`);
 # `make test` runs them all. By module: what its tests start or build.
-BROWSER_MODULES = ("test_playground.py", "test_playground_edit.py", "test_playground_control.py",
-                   "test_playground_video.py")  # fmt: skip
+BROWSER_MODULES = (
+    "test_playground.py",
+    "test_playground_edit.py",
+    "test_playground_control.py",
+    "test_playground_video.py",
+)
 FUZZ_MODULES = ("test_openapi_fuzz.py",)
 COMPILE_MODULES = ("test_compile.py", "test_gpu_check.py", "test_tracing.py", "test_attention.py")
 TIERS = {"browser": BROWSER_MODULES, "fuzz": FUZZ_MODULES, "compile": COMPILE_MODULES}

@@ -74,8 +74,12 @@ def test_the_chooser_times_each_backend_that_runs_and_marks_the_others_unable() 
     assert enabled() == dict.fromkeys(FLAGS, True)  # forcing a backend ended with its timing
     view = choice.view()
     assert view["setting"] == "auto" and view["devices"]["cpu"]["ms"]["cudnn"] is None
-    assert view["devices"]["cpu"]["shapes"][0] == {"query": [1, 2, 32, 16], "key": [1, 2, 32, 16],
-                                                   "dtype": "float32", "calls": 6}  # fmt: skip
+    assert view["devices"]["cpu"]["shapes"][0] == {
+        "query": [1, 2, 32, 16],
+        "key": [1, 2, 32, 16],
+        "dtype": "float32",
+        "calls": 6,
+    }
 
 
 def test_another_backend_is_taken_only_when_faster_than_pytorchs_own_by_the_margin() -> None:

@@ -18,9 +18,17 @@ def test_mid_block_runs_before_up_blocks_unlike_registration_order() -> None:
     children = [name for name, _ in unet.named_children()]
     assert children.index("up_blocks") < children.index("mid_block")  # what accelerate follows
     assert layout_of(unet).names == (
-        "embed", "conv_in", "down_blocks.0", "down_blocks.1", "down_blocks.2",
-        "mid_block", "up_blocks.0", "up_blocks.1", "up_blocks.2", "out",
-    )  # fmt: skip
+        "embed",
+        "conv_in",
+        "down_blocks.0",
+        "down_blocks.1",
+        "down_blocks.2",
+        "mid_block",
+        "up_blocks.0",
+        "up_blocks.1",
+        "up_blocks.2",
+        "out",
+    )
 
 
 def test_sd15_skip_edges() -> None:

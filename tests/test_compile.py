@@ -196,8 +196,16 @@ def plan_parallel_for(folder: Path, parallel: str):
     from server.pipeline.loading.model_plan import plan_model
 
     family = read_family(folder)
-    return plan_model(family, "cpu,cpu", "memory", dtype=torch.float32, batch=2, side=IMAGE_SIZE,
-                      folder=folder, parallel=parallel)  # fmt: skip
+    return plan_model(
+        family,
+        "cpu,cpu",
+        "memory",
+        dtype=torch.float32,
+        batch=2,
+        side=IMAGE_SIZE,
+        folder=folder,
+        parallel=parallel,
+    )
 
 
 def calls_no_bucket_holds_run_eagerly_and_are_counted(pipeline: Pipeline, stats: CompileStats) -> None:
@@ -312,8 +320,24 @@ def test_the_jit_route_compiles_what_eager_makes_and_a_restart_serves_it_ready_s
     assert (first["state"], first["route"], first["compiled"]) == ("ready", "jit", first["graphs"]["total"])
     assert first["difference"] < TOLERANCE and first["calls"]["compiled"] == first["steps"], first
     assert len(list((cache / "compiled").glob("artifacts-*.bin"))) == 1
-    args = ("--compile", "blocks", "--compile-route", "jit", "--cache-dir", str(cache), "--dtype", "float32",
-            "--max-batch", "2", "--compile-sizes", "64", "--parallel", "off", "--threads", "1")  # fmt: skip
+    args = (
+        "--compile",
+        "blocks",
+        "--compile-route",
+        "jit",
+        "--cache-dir",
+        str(cache),
+        "--dtype",
+        "float32",
+        "--max-batch",
+        "2",
+        "--compile-sizes",
+        "64",
+        "--parallel",
+        "off",
+        "--threads",
+        "1",
+    )
     with live_server(*args, fresh=True) as server:  # a restart: a fresh interpreter
         ready = server.wait_for(lambda s: s["compile"]["state"] in ("ready", "failed"), timeout_s=300)
         compiled = ready["compile"]

@@ -58,16 +58,21 @@ def inputs_of(unet: UNet2DConditionModel) -> tuple[DenoiserInputs, torch.Tensor]
 
 def residuals(net: ControlNetModel, inputs: DenoiserInputs, image: torch.Tensor, scale: float) -> dict:
     down, mid = net(
-        inputs.sample, inputs.timestep, encoder_hidden_states=inputs.context, controlnet_cond=image,
-        conditioning_scale=scale, added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"),
+        inputs.sample,
+        inputs.timestep,
+        encoder_hidden_states=inputs.context,
+        controlnet_cond=image,
+        conditioning_scale=scale,
+        added_cond_kwargs=inputs.conditioning.get("added_cond_kwargs"),
         return_dict=False,
-    )  # fmt: skip
+    )
     return dict(zip(CONTROL, (tuple(down), mid), strict=True))
 
 
 def diffusers_forward(unet: UNet2DConditionModel, inputs: DenoiserInputs, control: dict) -> torch.Tensor:
-    return unet(inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning, **control,
-                return_dict=False)[0]  # fmt: skip
+    return unet(
+        inputs.sample, inputs.timestep, inputs.context, **inputs.conditioning, **control, return_dict=False
+    )[0]
 
 
 def given(inputs: DenoiserInputs, control: dict) -> DenoiserInputs:
@@ -165,8 +170,10 @@ def test_a_batch_of_four_rows_each_as_alone_in_shared_calls(
     alone = [pipeline.generate([request])[0] for request in four]
     rows: dict[str, list[int]] = {"unet": [], "a": [], "b": []}
     modules = {"unet": pipeline.shard.model.conv_in, **{n: pipeline.controlnets.loaded[n] for n in "ab"}}
-    hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: rows[n].append(args[0].shape[0]))
-             for n, m in modules.items()]  # fmt: skip
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args, n=n: rows[n].append(args[0].shape[0]))
+        for n, m in modules.items()
+    ]
     try:
         together = pipeline.generate(four)
     finally:
@@ -215,9 +222,14 @@ def test_control_with_an_edit_equals_diffusers_controlnet_edit_pipelines(
     ours = pipeline.generate([request])[0]
     masked = {"mask_image": edit.mask} if edit.mask else {}
     theirs = diffusers_controlled(
-        folders["sd15"], [nets[c.model] for c in asked], asked, EDIT_PIPELINES[kind],
-        image=edit.image, strength=edit.strength, **masked,
-    )  # fmt: skip
+        folders["sd15"],
+        [nets[c.model] for c in asked],
+        asked,
+        EDIT_PIPELINES[kind],
+        image=edit.image,
+        strength=edit.strength,
+        **masked,
+    )
     plain = pipeline.generate([replace(request, control=())])[0]
     assert np.abs(ours - theirs).max() < TOLERANCE, np.abs(ours - theirs).max()
     assert np.abs(ours - plain).max() > 0.05  # the control steered the edit

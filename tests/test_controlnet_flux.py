@@ -54,9 +54,15 @@ def test_over_http_images_equal_diffusers_flux_controlnet_pipeline(
     ours = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), np.float32) / 255
     loaded = {name: FluxControlNetModel.from_pretrained(root / name) for name in "ab"}
     reference = diffusers_dit_controlled(
-        FluxControlNetPipeline, FluxMultiControlNetModel, flux_folder, [loaded[c.model] for c in asked],
-        asked, REQUEST, negative_prompt=REQUEST.negative_prompt, guidance_scale=REQUEST.guidance_scale,
-    )  # fmt: skip
+        FluxControlNetPipeline,
+        FluxMultiControlNetModel,
+        flux_folder,
+        [loaded[c.model] for c in asked],
+        asked,
+        REQUEST,
+        negative_prompt=REQUEST.negative_prompt,
+        guidance_scale=REQUEST.guidance_scale,
+    )
     assert np.abs(ours - reference).max() <= 2 / 255
 
 

@@ -161,23 +161,34 @@ def test_over_http_an_inpainting_edit_with_a_control_equals_diffusers_pipeline(
     alpha = np.where(np.asarray(edit.mask) == 255, 0, 255).astype(np.uint8)  # OpenAI's: clear repaints
     mask = Image.fromarray(np.dstack([np.zeros((*alpha.shape, 3), np.uint8), alpha]), "RGBA")
     extra = {
-        "negative_prompt": GUIDED.negative_prompt, "seed": GUIDED.seed, "num_inference_steps": GUIDED.steps,
-        "guidance_scale": GUIDED.guidance_scale, "strength": edit.strength, "keep_unmasked": False,
-    }  # fmt: skip
+        "negative_prompt": GUIDED.negative_prompt,
+        "seed": GUIDED.seed,
+        "num_inference_steps": GUIDED.steps,
+        "guidance_scale": GUIDED.guidance_scale,
+        "strength": edit.strength,
+        "keep_unmasked": False,
+    }
 
     def edited(control: object) -> np.ndarray:
         answer = client.images.edit(
-            image=("source.png", png_bytes(edit.image)), mask=("mask.png", png_bytes(mask)),
-            prompt=GUIDED.prompt, extra_body={**extra, "control": control},
-        )  # fmt: skip
+            image=("source.png", png_bytes(edit.image)),
+            mask=("mask.png", png_bytes(mask)),
+            prompt=GUIDED.prompt,
+            extra_body={**extra, "control": control},
+        )
         return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), np.float32) / 255
 
     ours = edited(json.dumps([wire(c) for c in asked]))
     net = ControlNetModel.from_pretrained(nets[asked[0].model], use_safetensors=True)
     theirs = diffusers_controlled(
-        folders["sd15"], [net], asked, EDIT_PIPELINES["inpainting"],
-        image=edit.image, mask_image=edit.mask, strength=edit.strength,
-    )  # fmt: skip
+        folders["sd15"],
+        [net],
+        asked,
+        EDIT_PIPELINES["inpainting"],
+        image=edit.image,
+        mask_image=edit.mask,
+        strength=edit.strength,
+    )
     assert np.abs(ours - theirs).max() <= 2 / 255
     for control, says in (
         ("[{not json", "is not valid JSON: send a list"),
@@ -211,8 +222,9 @@ def test_a_bad_controlnet_folder_stops_the_start_naming_it(tmp_path: Path, nets:
     (shelf := tmp_path / "shelf").mkdir()
     shutil.copytree(nets["b"], shelf / "b")
     assert Settings(controlnet=f"a={nets['a']}", controlnet_dir=shelf).controlnets == {
-        "a": nets["a"], "b": shelf / "b",
-    }  # fmt: skip
+        "a": nets["a"],
+        "b": shelf / "b",
+    }
     with pytest.raises(ConfigError, match=r"two ControlNets are named 'b' \(--controlnet and"):
         _ = Settings(controlnet=f"b={nets['a']}", controlnet_dir=shelf).controlnets
     shutil.copytree(weightless, shelf / "weightless")

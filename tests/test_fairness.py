@@ -163,9 +163,15 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     (folder / "keys").write_text("".join(f"{KEYS[name]}\n" for name in (*FLOODS, "lone")))
     (folder / "admins").write_text(f"{KEYS['admin']}\n")
     with live_server(  # one step loop: the floods and the lone request share it
-        "--api-key-file", str(folder / "keys"), "--admin-key-file", str(folder / "admins"),
-        "--threads", "1", "--parallel", "off",
-    ) as running:  # fmt: skip
+        "--api-key-file",
+        str(folder / "keys"),
+        "--admin-key-file",
+        str(folder / "admins"),
+        "--threads",
+        "1",
+        "--parallel",
+        "off",
+    ) as running:
         yield running
 
 

@@ -252,9 +252,14 @@ def _wan(fake: FakeCuda) -> Pipeline:
     plan = plan_shards(model, ["cpu", "cpu"], strategy="even")
     plan = replace(plan, stages=tuple(replace(s, device=f"cuda:{i}") for i, s in enumerate(plan.stages)))
     components = Components(
-        _wan_family(parts), Path("."), model, parts["vae"], (parts["text_encoder"],), (parts["tokenizer"],),
+        _wan_family(parts),
+        Path("."),
+        model,
+        parts["vae"],
+        (parts["text_encoder"],),
+        (parts["tokenizer"],),
         parts["scheduler"],
-    )  # fmt: skip
+    )
     defaults = Defaults(steps=3, guidance_scale=5.0, scheduler="default", size=32, clip=Clip(9, (32, 32), 4))
     return Pipeline(components, ModelShard(model, plan), defaults=defaults)
 
@@ -267,10 +272,16 @@ def test_a_video_step_over_two_fake_gpus(fake: FakeCuda) -> None:
     requests = [
         GenerationRequest("a red circle", seed=1, steps=3, frames=9, width=32, height=32),
         GenerationRequest(
-            "a blue square", seed=2, steps=3, frames=9, width=32, height=32, guidance_scale=1.0,
+            "a blue square",
+            seed=2,
+            steps=3,
+            frames=9,
+            width=32,
+            height=32,
+            guidance_scale=1.0,
             step_cache=StepCache("first_block", threshold=0.5),
         ),
-    ]  # fmt: skip
+    ]
     states = pipeline.start([pipeline.resolve(r) for r in requests])
     try:
         assert {s.latents.device for s in states} == {torch.device("cuda:0")}
@@ -295,10 +306,20 @@ def test_a_first_frame_is_encoded_on_the_vaes_fake_gpu_and_lands_with_the_latent
     family.set_timesteps(scheduler, 3, device, family.latent_shape(32, 32, 9))
     with ActivationPool().scope() as scope:
         start = first_latents(
-            None, family=family, vae=vae, scheduler=scheduler, first_t=scheduler.timesteps[0],
-            generator=torch.Generator("cpu").manual_seed(0), scope=scope, width=32, height=32,
-            device=device, dtype=torch.float32, frames=9, reference=source(),
-        )  # fmt: skip
+            None,
+            family=family,
+            vae=vae,
+            scheduler=scheduler,
+            first_t=scheduler.timesteps[0],
+            generator=torch.Generator("cpu").manual_seed(0),
+            scope=scope,
+            width=32,
+            height=32,
+            device=device,
+            dtype=torch.float32,
+            frames=9,
+            reference=source(),
+        )
         assert start.latents.device == start.conditioning.device == device
         assert start.conditioning.shape == (1, 20, 3, 4, 4)  # the mask's 4 and the frame's 16 channels
 

@@ -25,8 +25,16 @@ LIMITS = {"DIFFSHARD_MAX_QUEUE": "2", "DIFFSHARD_MAX_BATCH": "1", "DIFFSHARD_MAX
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     env = {"DIFFSHARD_COMPILE": "auto", **LIMITS}  # conftest serves eagerly; the default compiles
     cache = tmp_path_factory.mktemp("cold-cache")  # no graph another test compiled: a cold start
-    args = ("--pool-budget", "256KiB", "--metrics-port", str(free_port()), "--drain-timeout-s", "30",
-            "--cache-dir", str(cache))  # fmt: skip
+    args = (
+        "--pool-budget",
+        "256KiB",
+        "--metrics-port",
+        str(free_port()),
+        "--drain-timeout-s",
+        "30",
+        "--cache-dir",
+        str(cache),
+    )
     with live_server(*args, env=env) as running:
         yield running
 

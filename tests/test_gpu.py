@@ -315,10 +315,15 @@ def test_a_flux_shaped_sequence_group_of_two_gpus_takes_at_most_06_of_one_gpu() 
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(
-        num_layers=2, num_single_layers=4, attention_head_dim=128, num_attention_heads=24,
-        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        num_layers=2,
+        num_single_layers=4,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
         axes_dims_rope=[16, 56, 56],
-    ).to(torch.bfloat16)  # fmt: skip
+    ).to(torch.bfloat16)
     costs = dict.fromkeys(layout_of(model).names, 0.001)
     plan = plan_parallel(model, "cuda:0,cuda:1", "sequence", block_costs=lambda *_, **__: costs)
     shards = build_shards(model, plan)
@@ -351,10 +356,15 @@ def test_a_flux_shaped_tensor_group_of_two_gpus_equals_one_and_takes_at_most_06_
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(
-        num_layers=2, num_single_layers=4, attention_head_dim=128, num_attention_heads=24,
-        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        num_layers=2,
+        num_single_layers=4,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
         axes_dims_rope=[16, 56, 56],
-    ).to(torch.bfloat16)  # fmt: skip
+    ).to(torch.bfloat16)
     whole = ModelShard(copy.deepcopy(model), plan_shards(model, ["cuda:0"], "memory"))
     costs = dict.fromkeys(layout_of(model).names, 0.001)
     plan = plan_parallel(model, "cuda:0,cuda:1", "tensor", block_costs=lambda *_, **__: costs)
@@ -386,9 +396,15 @@ def test_tiny_dits_as_a_sequence_group_of_a_gpu_pair_equal_one_gpu(tmp_path: Pat
     request = GenerationRequest("a red circle", seed=3, steps=4, guidance_scale=3.5, width=32, height=32)
     one = Pipeline.load(folder, devices="cuda:0").generate([request])[0]
     plan = plan_model(
-        read_family(folder), GPU_PAIR, "memory", dtype=torch.float32, batch=2, side=32,
-        folder=folder, parallel="sequence",
-    )  # fmt: skip
+        read_family(folder),
+        GPU_PAIR,
+        "memory",
+        dtype=torch.float32,
+        batch=2,
+        side=32,
+        folder=folder,
+        parallel="sequence",
+    )
     grouped = Pipeline.load(folder, plan=plan)
     assert grouped.deployment.grouped and grouped.deployment.sequence == 2
     assert [r.device for r in grouped.deployment.replicas] == [torch.device(d) for d in GPU_PAIR.split(",")]

@@ -42,15 +42,44 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
     out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     collect = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         *gpu_test_files()],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            *gpu_test_files(),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out),
-         "--budget-s", "900", "--fork"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+            "--budget-s",
+            "900",
+            "--fork",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     collected = collect.communicate(timeout=120)[0]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert collect.returncode == 0, collected[-3000:]
@@ -106,8 +135,12 @@ def test_the_dry_run_passes_every_phase_with_the_results_each_promises(dry_run: 
     kept = report["compile_cache"]["kept"]
     assert kept and sorted(kept) == sorted(path.name for path in (out / KEPT_CACHE).iterdir()), kept
     assert report["compile_cache"]["seeded"] == []
-    caches = [line["cache"] for name in ("flux", "wan") for line in sections[f"compile:{name}"]["results"]
-              if "cache" in line]  # fmt: skip
+    caches = [
+        line["cache"]
+        for name in ("flux", "wan")
+        for line in sections[f"compile:{name}"]["results"]
+        if "cache" in line
+    ]
     assert caches == ["cold", "from cache artifacts"], caches
 
     rows = report["table"][1:]

@@ -169,10 +169,15 @@ def theirs(name: str, folder: Path, request: GenerationRequest, lora: Path | Non
     generator = torch.Generator("cpu").manual_seed(request.seed)
     negative = {} if request.negative_prompt is None else {"negative_prompt": request.negative_prompt}
     return pipe(
-        prompt=request.prompt, **negative, num_inference_steps=request.steps,
-        width=request.width, height=request.height, generator=generator, output_type="np",
+        prompt=request.prompt,
+        **negative,
+        num_inference_steps=request.steps,
+        width=request.width,
+        height=request.height,
+        generator=generator,
+        output_type="np",
         **case.knobs(request),
-    ).images[0]  # fmt: skip
+    ).images[0]
 
 
 def test_images_equal_diffusers_alone_batched_and_split_over_two_stages(family) -> None:
@@ -184,8 +189,12 @@ def test_images_equal_diffusers_alone_batched_and_split_over_two_stages(family) 
         assert mine.shape == reference.shape == (request.height, request.width, 3)
         assert float(np.abs(mine - reference).max()) < TOLERANCE, request
         assert float(mine.std()) > 0.05  # not a flat image: the comparison means something
-    same_size = [requests[0], one.resolve(GenerationRequest("a blue triangle", negative_prompt=" ", seed=9,
-                                                             steps=3, width=32, height=32))]  # fmt: skip
+    same_size = [
+        requests[0],
+        one.resolve(
+            GenerationRequest("a blue triangle", negative_prompt=" ", seed=9, steps=3, width=32, height=32)
+        ),
+    ]
     batched = one.generate(same_size)
     assert float(np.abs(batched[0] - alone[0]).max()) < TOLERANCE  # a guided, longer row beside it
     two = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
@@ -227,11 +236,18 @@ def test_edits_equal_the_familys_img2img_and_inpaint_pipelines(family, masked: b
     pipe = reference.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, image=edit.image, strength=strength,
-        num_inference_steps=5, width=request.width, height=request.height, output_type="np",
-        generator=torch.Generator("cpu").manual_seed(request.seed), **CASES[name].knobs(request),
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        image=edit.image,
+        strength=strength,
+        num_inference_steps=5,
+        width=request.width,
+        height=request.height,
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        **CASES[name].knobs(request),
         **({"mask_image": edit.mask} if masked else {}),
-    ).images[0]  # fmt: skip
+    ).images[0]
     assert float(np.abs(one.generate([request])[0] - theirs).max()) < TOLERANCE
 
 
@@ -257,8 +273,10 @@ def test_prompts_of_other_lengths_make_calls_of_one_shape_which_compiled_graphs_
     from server.engine.runtime.pool import PoolScope
 
     pipeline = Pipeline.load(tiny_folder("qwen-image"), devices="cpu")
-    requests = [pipeline.resolve(GenerationRequest("cat " * n, seed=1, steps=2, width=32, height=32))
-                for n in (1, 20, 40, 80)]  # fmt: skip
+    requests = [
+        pipeline.resolve(GenerationRequest("cat " * n, seed=1, steps=2, width=32, height=32))
+        for n in (1, 20, 40, 80)
+    ]
     with torch.inference_mode():
         states = pipeline.start(requests)
         try:
@@ -272,8 +290,13 @@ def test_prompts_of_other_lengths_make_calls_of_one_shape_which_compiled_graphs_
         finally:
             for state in states:
                 state.close()
-    model = QwenImageTransformer2DModel(num_layers=1, attention_head_dim=8, num_attention_heads=2,
-                                        joint_attention_dim=8, axes_dims_rope=(2, 2, 4))  # fmt: skip
+    model = QwenImageTransformer2DModel(
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
     shard = ModelShard(model, plan_shards(model, ["cpu"], "memory"))
     shard.compile(CompileMode.FULL, GraphStore(None, ["cpu"], CompileStats("full")))
     assert shard.compiled is not None
@@ -369,9 +392,14 @@ def edits_over_http(folder: Path, url: str) -> None:
     pipe = Flux2Pipeline.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt="a red circle", image=images, num_inference_steps=3, width=32, height=32, output_type="np",
+        prompt="a red circle",
+        image=images,
+        num_inference_steps=3,
+        width=32,
+        height=32,
+        output_type="np",
         generator=torch.Generator("cpu").manual_seed(3),
-    ).images[0]  # fmt: skip
+    ).images[0]
     assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
     assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
     assert family["supports"]["edits"] == "by reference"
@@ -387,8 +415,12 @@ def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -
     called with them draws it, and /v1/models shows them."""
     name, folder, one = family
     request = one.resolve(CASES[name].requests[1])
-    extra = {"seed": request.seed, "num_inference_steps": request.steps,
-             "negative_prompt": request.negative_prompt, **CASES[name].knobs(request)}  # fmt: skip
+    extra = {
+        "seed": request.seed,
+        "num_inference_steps": request.steps,
+        "negative_prompt": request.negative_prompt,
+        **CASES[name].knobs(request),
+    }
     size = f"{request.width}x{request.height}"
     guidance = 4.0 if one.family.takes_guidance else one.defaults.guidance_scale
     defaults = ("--default-steps", "3", *(("--default-guidance", "4") if one.family.takes_guidance else ()))
@@ -397,8 +429,11 @@ def test_served_over_http_within_2_of_diffusers_streamed_and_described(family) -
             edits_over_http(folder, server.url)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         plain = client.images.generate(prompt=request.prompt, size=size, extra_body=extra)
-        events = list(client.images.generate(prompt=request.prompt, size=size, stream=True, partial_images=1,
-                                             extra_body=extra))  # fmt: skip
+        events = list(
+            client.images.generate(
+                prompt=request.prompt, size=size, stream=True, partial_images=1, extra_body=extra
+            )
+        )
         unnamed = client.images.generate(prompt=request.prompt, size=size, extra_body={"seed": request.seed})
         listed = client.models.list().data[0].model_extra
     assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
@@ -478,18 +513,26 @@ def test_flux2_edits_by_reference_equal_the_pipelines_and_batch_by_layout(flux2_
         pipe.set_progress_bar_config(disable=True)
         edits = [Edit(images[0]), Edit(images[0], more=(images[1],))]
         requests = [
-            pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=3, width=32, height=32,
-                                               guidance_scale=3.0, edit=edit))
+            pipeline.resolve(
+                GenerationRequest(
+                    "a red circle", seed=3, steps=3, width=32, height=32, guidance_scale=3.0, edit=edit
+                )
+            )
             for edit in edits
-        ]  # fmt: skip
+        ]
         alone = [pipeline.generate([r])[0] for r in requests]
         for request, mine in zip(requests, alone, strict=True):
             given = [request.edit.image, *request.edit.more]
             theirs = pipe(
-                prompt=request.prompt, image=given if len(given) > 1 else given[0], num_inference_steps=3,
-                guidance_scale=3.0, width=32, height=32, output_type="np",
+                prompt=request.prompt,
+                image=given if len(given) > 1 else given[0],
+                num_inference_steps=3,
+                guidance_scale=3.0,
+                width=32,
+                height=32,
+                output_type="np",
                 generator=torch.Generator("cpu").manual_seed(3),
-            ).images[0]  # fmt: skip
+            ).images[0]
             assert float(np.abs(mine - theirs).max()) < TOLERANCE, (variant, len(given))
         if variant == "dev":  # the reference tokens over two stages (bit for bit) and a group of two
             staged = Pipeline.load(flux2_folders[variant], devices="cpu,cpu", strategy="even")
@@ -526,17 +569,26 @@ def test_qwen_image_edits_equal_the_edit_pipelines_alone_and_batched(qwen_edit_f
     sized = pipeline.resolve(GenerationRequest("make it red", edit=edit))
     assert (sized.width, sized.height) == (1024, 1024)  # the pipelines' default: ~1 MP at the image's ratio
     requests = [
-        pipeline.resolve(GenerationRequest(prompt, negative_prompt=negative, seed=seed, steps=2, edit=edit,
-                                           width=32, height=32))
+        pipeline.resolve(
+            GenerationRequest(
+                prompt, negative_prompt=negative, seed=seed, steps=2, edit=edit, width=32, height=32
+            )
+        )
         for prompt, negative, seed in (("make it red", None, 3), ("a blue sky over it", "blurry", 4))
-    ]  # fmt: skip
+    ]
     alone = [pipeline.generate([r])[0] for r in requests]
     for request, mine in zip(requests[1:], alone[1:], strict=True):  # the guided one: both passes
         theirs = pipe(
-            prompt=request.prompt, negative_prompt=request.negative_prompt, true_cfg_scale=4.0,
-            image=images if kind == "plus" else images[0], num_inference_steps=2, output_type="np",
-            width=32, height=32, generator=torch.Generator("cpu").manual_seed(request.seed),
-        ).images[0]  # fmt: skip
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            true_cfg_scale=4.0,
+            image=images if kind == "plus" else images[0],
+            num_inference_steps=2,
+            output_type="np",
+            width=32,
+            height=32,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+        ).images[0]
         assert mine.shape == theirs.shape == (32, 32, 3)
         assert float(np.abs(mine - theirs).max()) < TOLERANCE, request.negative_prompt
     calls: list[int] = []
@@ -558,8 +610,13 @@ def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_
         data = io.BytesIO()
         condition_image(seed).save(data, format="PNG")
         files.append(("image[]", (f"{seed}.png", data.getvalue(), "image/png")))
-    fields = {"prompt": "make it red", "seed": "3", "num_inference_steps": "2", "negative_prompt": "blurry",
-              "size": "32x32"}  # fmt: skip
+    fields = {
+        "prompt": "make it red",
+        "seed": "3",
+        "num_inference_steps": "2",
+        "negative_prompt": "blurry",
+        "size": "32x32",
+    }
     server = live_server("--model", str(folder))
     with server as running, httpx.Client(base_url=running.url, timeout=120) as client:
         edited = client.post("/v1/images/edits", data=fields, files=files)
@@ -569,10 +626,15 @@ def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_
     pipe = load_qwen_image_edit(folder, plus=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt="make it red", negative_prompt="blurry", image=[condition_image(0), condition_image(1)],
-        num_inference_steps=2, width=32, height=32, output_type="np",
+        prompt="make it red",
+        negative_prompt="blurry",
+        image=[condition_image(0), condition_image(1)],
+        num_inference_steps=2,
+        width=32,
+        height=32,
+        output_type="np",
         generator=torch.Generator("cpu").manual_seed(3),
-    ).images[0]  # fmt: skip
+    ).images[0]
     assert int(np.abs(served.astype(int) - (theirs * 255).round().astype(int)).max()) <= 2
     assert generated.status_code == 400 and generated.json()["error"]["param"] == "image"
 

@@ -413,8 +413,10 @@ def test_a_tie_in_throughput_and_lone_latency_goes_to_fewer_threads_a_worker() -
     from server.engine.planning.parallel import Candidate, Parallel
 
     split = Candidate(2, 1, 0.488, lone_step_s=4.406, threads=1, splits_lone=True)
-    for threaded, wins in ((Candidate(1, 1, 0.471, lone_step_s=4.250, threads=2), split),
-                           (Candidate(1, 1, 0.471, lone_step_s=3.000, threads=2), None)):  # fmt: skip
+    for threaded, wins in (
+        (Candidate(1, 1, 0.471, lone_step_s=4.250, threads=2), split),
+        (Candidate(1, 1, 0.471, lone_step_s=3.000, threads=2), None),
+    ):
         search = SimpleNamespace(candidates=[split, threaded], crowded=set(), all_cpu=True, quota=2)
         best, why = choose(search, [], Parallel.AUTO, True, ["cpu"], "")
         assert best is (wins or threaded), why

@@ -78,8 +78,18 @@ def wan_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]
     folder = build_wan_folder(tmp_path_factory.mktemp("wan") / "t2v", rope_max_seq_len=64)
     style = random_wan_lora(folder, tmp_path_factory.mktemp("lora") / "style.safetensors", 1)
     store = f"sqlite:///{tmp_path_factory.mktemp('jobs') / 'jobs.sqlite'}"
-    args = ("--model", str(folder), "--job-store", store, "--video-fps", str(FPS), "--drain-timeout-s", "0.5",
-            "--lora", f"style={style}")  # fmt: skip
+    args = (
+        "--model",
+        str(folder),
+        "--job-store",
+        store,
+        "--video-fps",
+        str(FPS),
+        "--drain-timeout-s",
+        "0.5",
+        "--lora",
+        f"style={style}",
+    )
     with live_server(*args) as running:
         yield running
 
@@ -122,8 +132,11 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     browser.execute_script(RECORD_REQUESTS)
     browser.find_element(By.ID, "go").click()
     played = browser.find_elements  # the card's <video>, once shown
-    video = until(browser, lambda b: [v for v in played(By.CSS_SELECTOR, ".card video") if v.is_displayed()],
-                  "the video")[0]  # fmt: skip
+    video = until(
+        browser,
+        lambda b: [v for v in played(By.CSS_SELECTOR, ".card video") if v.is_displayed()],
+        "the video",
+    )[0]
 
     def metadata(b: WebDriver) -> dict | None:  # HAVE_METADATA, or the reason it never comes
         media = b.execute_script(MEDIA, video)

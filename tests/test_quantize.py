@@ -154,8 +154,10 @@ def test_lora_rows_on_a_gguf_base_act_and_mix_with_plain_rows(sd3_folder: Path, 
     unquantized base, within the quantization's own difference."""
     file = write_gguf(sd3_folder, "transformer", tmp_path / "transformer-Q8_0.gguf")
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
-    bases = {"gguf": Pipeline.load(sd3_folder, devices="cpu", denoiser_file=file),
-             "full": Pipeline.load(sd3_folder, devices="cpu")}  # fmt: skip
+    bases = {
+        "gguf": Pipeline.load(sd3_folder, devices="cpu", denoiser_file=file),
+        "full": Pipeline.load(sd3_folder, devices="cpu"),
+    }
     adapted = GenerationRequest("a red circle", seed=1, steps=3, width=32, height=32, lora=(("style", 0.8),))
     plain = replace(adapted, prompt="a blue square", seed=2, lora=())
     images = {}
@@ -332,9 +334,16 @@ def test_float8_leaves_the_layers_the_loader_keeps_in_float32() -> None:
 
     with torch.device("meta"):
         model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
-        )  # fmt: skip
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+        )
     names = {mode: [n for n, _ in Quantization(mode, Wan.keep_precise).targets(model)] for mode in QuantMode}
     for mode in (QuantMode.FLOAT8, QuantMode.INT8):
         assert {"blocks.0.ffn.net.0.proj", "condition_embedder.text_embedder.linear_1"} <= set(names[mode])

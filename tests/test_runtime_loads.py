@@ -51,10 +51,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     (root / "admins").write_text(ADMIN + "\n")
     source = random_lora(MODEL_DIR, root / "style.safetensors", 7, "sd15")
     with live_server(
-        "--lora-dir", str(folder), "--controlnet-dir", str(nets), "--api-key-file", str(root / "keys"),
-        "--admin-key-file", str(root / "admins"), "--inject-faults", "--step-timeout-s", "1",
-        "--threads", "1",
-    ) as server:  # fmt: skip
+        "--lora-dir",
+        str(folder),
+        "--controlnet-dir",
+        str(nets),
+        "--api-key-file",
+        str(root / "keys"),
+        "--admin-key-file",
+        str(root / "admins"),
+        "--inject-faults",
+        "--step-timeout-s",
+        "1",
+        "--threads",
+        "1",
+    ) as server:
         headers = {ADMIN: {"authorization": f"Bearer {ADMIN}"}, USER: {"authorization": f"Bearer {USER}"}}
         with (
             httpx.Client(base_url=server.url, headers=headers[ADMIN], timeout=ANSWER_S) as admin,

@@ -135,10 +135,16 @@ def theirs(kind: str, folder: Path, request: GenerationRequest) -> np.ndarray:
     negative = {} if request.negative_prompt is None else {"negative_prompt": request.negative_prompt}
     frames = {"num_frames": request.frames} if spec.video else {}
     out = pipe(
-        prompt=request.prompt, **negative, **frames, num_inference_steps=request.steps, width=request.width,
-        height=request.height, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
+        prompt=request.prompt,
+        **negative,
+        **frames,
+        num_inference_steps=request.steps,
+        width=request.width,
+        height=request.height,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
         **spec.knobs(request),
-    )  # fmt: skip
+    )
     return out.frames[0] if spec.video else out.images[0]
 
 
@@ -196,8 +202,10 @@ def test_mixed_schedulers_in_one_batch_each_draw_the_pipelines_image(folders, ki
 
 def test_a_folder_shipping_a_scheduler_no_row_holds_is_refused_at_load(folders, flux_folder, tmp_path):
     """Named with the classes its family steps and how to pick one, before any weight loads."""
-    cases = ((folders["sd15"], "CMStochasticIterativeScheduler", "PNDMScheduler"),
-             (flux_folder, "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"))  # fmt: skip
+    cases = (
+        (folders["sd15"], "CMStochasticIterativeScheduler", "PNDMScheduler"),
+        (flux_folder, "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"),
+    )
     for published, class_name, accepted in cases:
         folder = shipping(published, class_name, tmp_path / class_name)
         with pytest.raises(ModelFolderError) as refused:

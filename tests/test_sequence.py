@@ -114,9 +114,17 @@ def test_guidance_in_parallel_on_two_groups_of_two_equals_the_unsplit_call() -> 
 # The planner's third axis.
 
 FLUX_ON_TWO_H100 = (
-    "plan", "--config", "flux-dev", "--devices", "cuda:0,cuda:1", "--max-memory",
-    "cuda:0=80GiB,cuda:1=80GiB", "--dtype", "bfloat16", "--json",
-)  # fmt: skip
+    "plan",
+    "--config",
+    "flux-dev",
+    "--devices",
+    "cuda:0,cuda:1",
+    "--max-memory",
+    "cuda:0=80GiB,cuda:1=80GiB",
+    "--dtype",
+    "bfloat16",
+    "--json",
+)
 
 
 def candidates(run_cli: Cli, *args: str) -> tuple[dict, list[dict]]:
@@ -139,8 +147,18 @@ def test_flux_dev_on_two_gpus_has_a_group_of_two_at_most_0_6_of_one_devices_lone
 
 
 def test_auto_splits_a_lone_sd3_images_rows_and_refuses_a_group_for_a_unet(run_cli: Cli) -> None:
-    sd3 = ("plan", "--config", "sd3", "--devices", "cuda:0,cuda:1", "--max-memory",
-           "cuda:0=80GiB,cuda:1=80GiB", "--dtype", "bfloat16", "--json")  # fmt: skip
+    sd3 = (
+        "plan",
+        "--config",
+        "sd3",
+        "--devices",
+        "cuda:0,cuda:1",
+        "--max-memory",
+        "cuda:0=80GiB,cuda:1=80GiB",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    )
     parallel, _ = candidates(run_cli, *sd3)  # two guided rows: a row each beats splitting tokens
     assert parallel["splits_lone_requests"] and parallel["sequence_degree"] == 1
     done = run_cli("plan", "--config", "sd15", "--devices", "cpu,cpu", "--parallel", "sequence")
@@ -153,19 +171,34 @@ def test_auto_splits_a_lone_sd3_images_rows_and_refuses_a_group_for_a_unet(run_c
 
 REQUESTS = {
     "sd3": [
-        {"prompt": "a red circle", "negative_prompt": "blue", "seed": 3, "num_inference_steps": 4,
-         "guidance_scale": 4.0},
+        {
+            "prompt": "a red circle",
+            "negative_prompt": "blue",
+            "seed": 3,
+            "num_inference_steps": 4,
+            "guidance_scale": 4.0,
+        },
         {"prompt": "a green square", "seed": 5, "num_inference_steps": 4, "guidance_scale": 6.0},
-        {"prompt": "a white triangle", "seed": 7, "num_inference_steps": 5, "guidance_scale": 5.0,
-         "step_cache": {"policy": "first_block", "threshold": 0.05}},
+        {
+            "prompt": "a white triangle",
+            "seed": 7,
+            "num_inference_steps": 5,
+            "guidance_scale": 5.0,
+            "step_cache": {"policy": "first_block", "threshold": 0.05},
+        },
     ],
     "flux": [
         {"prompt": "a red circle", "seed": 3, "num_inference_steps": 4, "guidance_scale": 3.5},
         {"prompt": "a green square", "seed": 5, "num_inference_steps": 4, "guidance_scale": 5.0},
-        {"prompt": "a blue triangle", "seed": 7, "num_inference_steps": 5, "guidance_scale": 3.5,
-         "step_cache": {"policy": "first_block", "threshold": 0.05}},
+        {
+            "prompt": "a blue triangle",
+            "seed": 7,
+            "num_inference_steps": 5,
+            "guidance_scale": 3.5,
+            "step_cache": {"policy": "first_block", "threshold": 0.05},
+        },
     ],
-}  # fmt: skip
+}
 
 
 def diffusers_reference(name: str, folder: Path, request: GenerationRequest) -> np.ndarray:
@@ -239,9 +272,15 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
     request = GenerationRequest(
-        "a red circle", seed=3, steps=3, guidance_scale=4.0, width=32, height=32,
-        lora=(("style", 0.8),), step_cache=StepCache("first_block", threshold=0.05),
-    )  # fmt: skip
+        "a red circle",
+        seed=3,
+        steps=3,
+        guidance_scale=4.0,
+        width=32,
+        height=32,
+        lora=(("style", 0.8),),
+        step_cache=StepCache("first_block", threshold=0.05),
+    )
 
     def image(pipeline: Pipeline) -> np.ndarray:
         pipeline.add_adapter(read_adapter("style", style, pipeline.family))

@@ -46,9 +46,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 
 IMAGE = GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=4, width=32, height=32)
 VIDEO = GenerationRequest(
-    "a red circle", negative_prompt="blue", seed=3, steps=6, guidance_scale=4.0, guidance_scale_2=2.0,
-    width=32, height=32, frames=9,
-)  # fmt: skip
+    "a red circle",
+    negative_prompt="blue",
+    seed=3,
+    steps=6,
+    guidance_scale=4.0,
+    guidance_scale_2=2.0,
+    width=32,
+    height=32,
+    frames=9,
+)
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "sd15": build_sd15_folder,
     "flux": build_flux_folder,
@@ -92,9 +99,16 @@ def gpus(request: pytest.FixtureRequest) -> Iterator[simulated.Simulation]:
 
 def planned(folder: Path, devices: list[str], parallel: str = "auto", layout: str | None = None) -> Pipeline:
     plan = plan_model(
-        read_family(folder), devices, "memory", dtype=torch.float32, batch=4, side=32, folder=folder,
-        parallel=parallel, layout=layout,
-    )  # fmt: skip
+        read_family(folder),
+        devices,
+        "memory",
+        dtype=torch.float32,
+        batch=4,
+        side=32,
+        folder=folder,
+        parallel=parallel,
+        layout=layout,
+    )
     return Pipeline.load(folder, plan=plan)
 
 
@@ -121,10 +135,18 @@ def test_wan22_experts_apart_on_two_gpus_make_one_devices_video(folder, one_devi
 
 
 MODES = [
-    ("sd15", "pipeline"), ("sd15", "replicas"), ("sd15", "tensor"),
-    ("flux", "pipeline"), ("flux", "replicas"), ("flux", "sequence"), ("flux", "tensor"),
-    ("sd3", "pipeline"), ("sd3", "replicas"), ("sd3", "sequence"), ("sd3", "tensor"),
-]  # fmt: skip
+    ("sd15", "pipeline"),
+    ("sd15", "replicas"),
+    ("sd15", "tensor"),
+    ("flux", "pipeline"),
+    ("flux", "replicas"),
+    ("flux", "sequence"),
+    ("flux", "tensor"),
+    ("sd3", "pipeline"),
+    ("sd3", "replicas"),
+    ("sd3", "sequence"),
+    ("sd3", "tensor"),
+]
 
 
 @pytest.mark.parametrize(("name", "mode"), MODES, ids=[f"{n}-{m}" for n, m in MODES])
@@ -224,11 +246,13 @@ def test_a_text_encoder_spread_over_two_gpus_gives_every_hidden_state_on_the_fir
     with torch.inference_mode():
         states = [
             model.model(
-                input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device),
-                output_hidden_states=True, use_cache=False,
+                input_ids=tokens["input_ids"].to(device),
+                attention_mask=tokens["attention_mask"].to(device),
+                output_hidden_states=True,
+                use_cache=False,
             ).hidden_states
             for model, device in ((encoder, "cuda:0"), (whole, "cpu"))
-        ]  # fmt: skip
+        ]
     stacked = torch.stack([states[0][k] for k in (10, 20, 30)], dim=2)
     assert stacked.device == torch.device("cuda:0")
     assert torch.allclose(stacked.cpu(), torch.stack([states[1][k] for k in (10, 20, 30)], dim=2), atol=1e-5)
@@ -261,8 +285,16 @@ def built_in(devices: list[str], parallel: str) -> Pipeline:
     """The built-in model with `make run`'s adapter and ControlNet."""
     if devices == ["cpu"]:
         return with_make_run_parts(Pipeline.load(MODEL_DIR, devices="cpu"))
-    plan = plan_model(read_family(MODEL_DIR), devices, "memory", dtype=torch.float32, batch=8, side=64,
-                      folder=MODEL_DIR, parallel=parallel)  # fmt: skip
+    plan = plan_model(
+        read_family(MODEL_DIR),
+        devices,
+        "memory",
+        dtype=torch.float32,
+        batch=8,
+        side=64,
+        folder=MODEL_DIR,
+        parallel=parallel,
+    )
     return with_make_run_parts(Pipeline.load(MODEL_DIR, plan=plan))
 
 
@@ -353,8 +385,16 @@ def test_two_gpu_replicas_load_without_a_host_copy_each(folder, gpus) -> None:
     weights (they were 2×: every replica deep-copied on the host before any was placed)."""
     folder_ = folder("flux")
     family = read_family(folder_)
-    plan = plan_model(family, ["cuda:0", "cuda:1"], "memory", dtype=torch.float32, batch=4, side=32,
-                      folder=folder_, parallel="replicas")  # fmt: skip
+    plan = plan_model(
+        family,
+        ["cuda:0", "cuda:1"],
+        "memory",
+        dtype=torch.float32,
+        batch=4,
+        side=32,
+        folder=folder_,
+        parallel="replicas",
+    )
     model = Pipeline.load(folder_, devices="cpu").components.denoiser
     one = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
     before = host_tensor_bytes(gpus) - one
@@ -397,13 +437,20 @@ def test_served_wan22_experts_on_simulated_gpus(folder, one_device) -> None:
     with live_server(*args, env=env) as server:
         assert any("simulating 2 CUDA device" in line for line in server.log)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        body = {"num_frames": 9, "num_inference_steps": 6, "seed": 3, "guidance_scale": 4.0,
-                "guidance_scale_2": 2.0, "negative_prompt": "blue"}  # fmt: skip
+        body = {
+            "num_frames": 9,
+            "num_inference_steps": 6,
+            "seed": 3,
+            "guidance_scale": 4.0,
+            "guidance_scale_2": 2.0,
+            "negative_prompt": "blue",
+        }
         video_id = client.videos.create(prompt="a red circle", size="32x32", extra_body=body).id
         done = wait_until(
             lambda: (v := client.videos.retrieve(video_id)).status in ("completed", "failed") and v,
-            120, "the video job finished",
-        )  # fmt: skip
+            120,
+            "the video job finished",
+        )
         assert done.status == "completed", done.error
         archive = client.videos.download_content(video_id, variant="frames").read()
     with zipfile.ZipFile(io.BytesIO(archive)) as z:
@@ -414,8 +461,15 @@ def test_served_wan22_experts_on_simulated_gpus(folder, one_device) -> None:
 
 def test_plan_on_simulated_gpus_is_the_plan_on_budgets_of_their_size(folder, run_cli) -> None:
     """The same plan, word for word but for where the devices are said to be."""
-    args = ("plan", "--model", str(folder("flux")), "--devices", "cuda:0,cuda:1",
-            "--max-memory", "cuda:0=18GiB,cuda:1=18GiB")  # fmt: skip
+    args = (
+        "plan",
+        "--model",
+        str(folder("flux")),
+        "--devices",
+        "cuda:0,cuda:1",
+        "--max-memory",
+        "cuda:0=18GiB,cuda:1=18GiB",
+    )
     absent = run_cli(*args)
     on_simulated = run_cli(*args, env={simulated.ENV: "2x20GiB"})
     assert absent.returncode == 0 == on_simulated.returncode, on_simulated.stderr
@@ -430,9 +484,7 @@ def test_plan_says_when_gpus_cannot_reach_each_other_and_prices_their_copies_thr
     """Simulated without peer access (`,no-p2p`: GeForce cards, many VMs), a tensor group's
     exchanges go through the host: predicted slower, and the plan says why."""
     args = ("plan", "--model", str(folder("flux")), "--devices", "cuda:0,cuda:1", "--json")
-    said = {
-        spec: run_cli(*args, env={simulated.ENV: spec}) for spec in ("2x20GiB", "2x20GiB,no-p2p")
-    }  # fmt: skip
+    said = {spec: run_cli(*args, env={simulated.ENV: spec}) for spec in ("2x20GiB", "2x20GiB,no-p2p")}
     assert all(r.returncode == 0 for r in said.values()), said
     plans = {spec: json.loads(r.stdout) for spec, r in said.items()}
     costs = {spec: plan["parallel"]["costs"] for spec, plan in plans.items()}

@@ -87,8 +87,16 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
 
     folder = folders[name]
     one = Pipeline.load(folder, devices="cpu")
-    plan = plan_model(read_family(folder), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4,
-                      side=64, folder=folder, parallel="tensor")  # fmt: skip
+    plan = plan_model(
+        read_family(folder),
+        ["cpu", "cpu"],
+        "memory",
+        dtype=torch.float32,
+        batch=4,
+        side=64,
+        folder=folder,
+        parallel="tensor",
+    )
     assert plan.kind == "tensor" and plan.tensor == 2 and plan.lanes == 1
     group = Pipeline.load(folder, plan=plan)
     split = group.replicas[0].tensor
@@ -120,11 +128,28 @@ def test_a_pipeline_on_two_workers_as_a_tensor_group_makes_one_devices_images(fo
 def test_tensor_groups_refuse_what_they_cannot_split_yet(folders) -> None:
     flux = read_family(folders["flux"])  # 2 heads
     with pytest.raises(PlanError, match="3 does not divide the attention heads"):
-        plan_model(flux, ["cpu"] * 3, "memory", dtype=torch.float32, batch=4, side=64,
-                   folder=folders["flux"], parallel="tensor")  # fmt: skip
+        plan_model(
+            flux,
+            ["cpu"] * 3,
+            "memory",
+            dtype=torch.float32,
+            batch=4,
+            side=64,
+            folder=folders["flux"],
+            parallel="tensor",
+        )
     with pytest.raises(PlanError, match="nf4 and GGUF files are not split"):
-        plan_model(flux, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
-                   folder=folders["flux"], parallel="tensor", quantize={"*": "nf4"})  # fmt: skip
+        plan_model(
+            flux,
+            ["cpu", "cpu"],
+            "memory",
+            dtype=torch.float32,
+            batch=4,
+            side=64,
+            folder=folders["flux"],
+            parallel="tensor",
+            quantize={"*": "nf4"},
+        )
 
 
 def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_alone(
@@ -141,8 +166,17 @@ def test_lora_rows_beside_cached_and_plain_ones_in_a_group_give_what_they_give_a
 
     sd3 = folders["sd3"]
     lora = random_lora(sd3, tmp_path_factory.mktemp("lora") / "style.safetensors", 1, "sd3")
-    plan = plan_model(read_family(sd3), ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=64,
-                      folder=sd3, parallel="tensor", quantize={"*": "int8"})  # fmt: skip
+    plan = plan_model(
+        read_family(sd3),
+        ["cpu", "cpu"],
+        "memory",
+        dtype=torch.float32,
+        batch=4,
+        side=64,
+        folder=sd3,
+        parallel="tensor",
+        quantize={"*": "int8"},
+    )
     group = Pipeline.load(sd3, plan=plan, quantize="int8")
     one = Pipeline.load(sd3, devices="cpu", quantize="int8")
     split = group.replicas[1].model.transformer_blocks[0].attn.to_out[0]
@@ -221,8 +255,9 @@ def test_layouts_2x1x2_and_1x2x2_serve_tensor_groups_as_one_device(folders) -> N
     ]
     alone = [one.generate([one.resolve(r)])[0] for r in requests]
     family, devices = read_family(folder), ["cpu"] * 4
-    plan = plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
-                      layout="2x1x2")  # fmt: skip
+    plan = plan_model(
+        family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder, layout="2x1x2"
+    )
     assert (plan.kind, plan.tensor, plan.lanes, len(plan.replicas)) == ("tensor", 2, 2, 4)
     service = Service(Pipeline.load(folder, plan=plan), "tensor", max_batch=4)
     try:
@@ -233,8 +268,9 @@ def test_layouts_2x1x2_and_1x2x2_serve_tensor_groups_as_one_device(folders) -> N
         service.close()
     for image, expected in zip(images, alone, strict=True):
         assert float(np.abs(image - expected).max()) * 255 <= 2
-    staged = plan_model(family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder,
-                        layout="1x2x2")  # fmt: skip
+    staged = plan_model(
+        family, devices, "memory", dtype=torch.float32, batch=4, side=64, folder=folder, layout="1x2x2"
+    )
     assert (staged.tensor, staged.stages, staged.lanes, len(staged.replicas)) == (2, 2, 1, 2)
     group = Pipeline.load(folder, plan=staged)
     for image, expected in zip(group.generate([group.resolve(r) for r in requests]), alone, strict=True):
@@ -293,11 +329,22 @@ def test_a_server_on_two_workers_as_a_tensor_group_serves_one_devices_images(flu
     from tests.support.live import live_server
 
     bodies = [
-        {"prompt": "a red circle", "negative_prompt": "blue", "seed": 3, "num_inference_steps": 3,
-         "guidance_scale": 3.5, "size": "32x32"},
-        {"prompt": "a blue square", "seed": 4, "num_inference_steps": 3, "guidance_scale": 3.5,
-         "size": "32x32"},
-    ]  # fmt: skip
+        {
+            "prompt": "a red circle",
+            "negative_prompt": "blue",
+            "seed": 3,
+            "num_inference_steps": 3,
+            "guidance_scale": 3.5,
+            "size": "32x32",
+        },
+        {
+            "prompt": "a blue square",
+            "seed": 4,
+            "num_inference_steps": 3,
+            "guidance_scale": 3.5,
+            "size": "32x32",
+        },
+    ]
     args = ("--model", str(flux_folder), "--devices", "cpu,cpu", "--parallel", "tensor")
     with live_server(*args) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         with ThreadPoolExecutor(2) as pool:

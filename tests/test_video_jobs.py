@@ -104,8 +104,18 @@ def test_a_replica_that_cannot_take_work_leaves_the_shared_queue_to_the_other(
     store = ("--model", str(wan_folder), "--video-lease-s", "2")
     with redis_server(tmp_path) as redis:
         # one lane (--parallel off): a wedged one leaves no other lane of this replica to run on
-        flags = (*store, "--job-store", redis.url, "--parallel", "off", "--inject-faults",
-                 "--step-timeout-s", "1", "--drain-timeout-s", "1")  # fmt: skip
+        flags = (
+            *store,
+            "--job-store",
+            redis.url,
+            "--parallel",
+            "off",
+            "--inject-faults",
+            "--step-timeout-s",
+            "1",
+            "--drain-timeout-s",
+            "1",
+        )
         with live_server(*flags) as sick:
             hang = {"prompt": "[[hang]] a cat", "size": "32x32", "num_inference_steps": 4}
             wedge = threading.Thread(
@@ -268,8 +278,17 @@ def test_a_lapsed_job_is_queued_again_while_the_runner_is_busy(wan_folder: Path,
     this replica runs a long job (before: only once a runner was idle, so never under load). It
     runs one job at a time: with room for another it would take the lapsed job at once."""
     with redis_server(tmp_path) as redis:
-        flags = ("--job-store", redis.url, "--video-lease-s", "2", "--inject-faults", "--step-timeout-s", "6",
-                 "--max-running-videos", "1")  # fmt: skip
+        flags = (
+            "--job-store",
+            redis.url,
+            "--video-lease-s",
+            "2",
+            "--inject-faults",
+            "--step-timeout-s",
+            "6",
+            "--max-running-videos",
+            "1",
+        )
         with live_server("--model", str(wan_folder), *flags) as server:
             long = httpx.post(f"{server.url}/v1/videos", json={"prompt": "[[slow]] a red circle", **FAST})
             status = f"{server.url}/v1/videos/{long.json()['id']}"
@@ -486,8 +505,16 @@ def test_the_runner_runs_its_bound_at_once_each_job_on_its_own(tmp_path: Path) -
     others running; the metrics count every run and made second; a stop gives back what runs."""
     store = open_job_store(f"sqlite:///{tmp_path / 'jobs.sqlite'}", "m", lease_s=30, runs=True)
     service = SteppedJobs()
-    runner = VideoRunner(store, service, fps=16, expiry_s=60, max_bytes=2**30, lease_s=30,
-                         takes_work=lambda: True, max_running=2)  # fmt: skip
+    runner = VideoRunner(
+        store,
+        service,
+        fps=16,
+        expiry_s=60,
+        max_bytes=2**30,
+        lease_s=30,
+        takes_work=lambda: True,
+        max_running=2,
+    )
     frames = np.full((1, 16, 16, 3), 0.5, dtype=np.float32)
     try:
         for index in range(4):

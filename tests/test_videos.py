@@ -50,14 +50,28 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     store, keys = f"sqlite:///{tmp_path / 'jobs.sqlite'}", tmp_path / "keys"
     keys.write_text("sk-first\nsk-second\n")
     style = random_wan_lora(wan_folder, tmp_path / "style.safetensors", 1)
-    args = ("--model", str(wan_folder), "--job-store", store, "--api-key-file", str(keys),
-            "--max-queue-per-key", "1", "--drain-timeout-s", "0.5", "--lora", f"style={style}")  # fmt: skip
+    args = (
+        "--model",
+        str(wan_folder),
+        "--job-store",
+        store,
+        "--api-key-file",
+        str(keys),
+        "--max-queue-per-key",
+        "1",
+        "--drain-timeout-s",
+        "0.5",
+        "--lora",
+        f"style={style}",
+    )
     with live_server(*args) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-first", max_retries=0)
         styled = client.videos.create_and_poll(
-            prompt="a red circle", size="32x32", extra_body={**FAST, "lora": {"style": 0.8}},
+            prompt="a red circle",
+            size="32x32",
+            extra_body={**FAST, "lora": {"style": 0.8}},
             poll_interval_ms=50,
-        )  # fmt: skip
+        )
         styled_frames = frames_of(client.videos.download_content(styled.id, variant="frames").read())
         client.videos.delete(styled.id)
         video = client.videos.create_and_poll(
@@ -146,9 +160,16 @@ def test_an_image_to_video_job_over_the_sdk_equals_wan_image_to_video_pipeline(
     pipe = WanImageToVideoPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        image=frame, prompt="a red circle", height=32, width=32, num_frames=5, num_inference_steps=2,
-        guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        image=frame,
+        prompt="a red circle",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     theirs = (theirs * 255).round().astype(int)
     assert frames.shape == theirs.shape == (5, 32, 32, 3)
     assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
@@ -307,9 +328,17 @@ def test_two_replicas_sharing_redis_answer_any_job_and_finish_a_dead_ones(
     with (
         redis_server(tmp_path) as redis,
         live_server("--model", str(wan_folder), "--job-store", redis.url, "--video-lease-s", "2") as one,
-        live_server("--model", str(wan_folder), "--job-store", redis.url, "--video-lease-s", "2",
-                    "--metrics-port", str(free_port())) as two,
-    ):  # fmt: skip
+        live_server(
+            "--model",
+            str(wan_folder),
+            "--job-store",
+            redis.url,
+            "--video-lease-s",
+            "2",
+            "--metrics-port",
+            str(free_port()),
+        ) as two,
+    ):
         made = httpx.post(f"{one.url}/v1/videos", json={"prompt": "a red circle", "size": "32x32", **FAST})
         job = made.json()["id"]
         done = wait_until(

@@ -108,9 +108,15 @@ def test_in_bfloat16_as_gpus_serve_it_the_vae_stays_float32_and_videos_follow_di
     pipe = WanPipeline.from_pretrained(wan_folder, vae=vae, dtype=torch.bfloat16, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        prompt="a red circle", height=32, width=32, num_frames=9, num_inference_steps=3, guidance_scale=1.0,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        prompt="a red circle",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     assert float(np.abs(mine - theirs).mean()) * 255 <= 1 and float(theirs.std()) > 0.05
 
 
@@ -123,8 +129,10 @@ def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
     asked = (("a red circle", 3, 20, 5.0), ("a blue square", 4, 6, 5.0), ("a green line", 5, 6, 1.0))
-    requests = [pipeline.resolve(GenerationRequest(p, seed=s, steps=n, guidance_scale=g, **VIDEO))
-                for p, s, n, g in asked]  # fmt: skip
+    requests = [
+        pipeline.resolve(GenerationRequest(p, seed=s, steps=n, guidance_scale=g, **VIDEO))
+        for p, s, n, g in asked
+    ]
     alone = [pipeline.generate([r])[0] for r in requests]
     states = pipeline.start(requests[:1])
     for joining in requests[1:]:
@@ -155,9 +163,17 @@ def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tiny_folder, 
     pipeline = Pipeline.load(folder, devices="cpu")
     assert pipeline.family.vae_scale_factor == 16 and pipeline.family.size_multiple == 32
     request = pipeline.resolve(
-        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=guidance,
-                          width=64, height=64, frames=9)
-    )  # fmt: skip
+        GenerationRequest(
+            "a red circle",
+            negative_prompt="blue",
+            seed=3,
+            steps=3,
+            guidance_scale=guidance,
+            width=64,
+            height=64,
+            frames=9,
+        )
+    )
     mine = pipeline.generate([request])[0]
     assert mine.shape == (9, 64, 64, 3)
     assert float(np.abs(mine - wan_pipeline_video(folder, request)).max()) < 1e-3
@@ -178,9 +194,15 @@ def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.enable_tiling()
     theirs = pipe(
-        prompt="a red circle", height=32, width=512, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        prompt="a red circle",
+        height=32,
+        width=512,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     assert float(np.abs(mine - theirs).max()) * 255 <= 2
     assert float(np.abs(mine - whole).max()) * 255 > 10
 
@@ -192,8 +214,9 @@ def test_frames_are_checked_against_the_model(wan_folder) -> None:
 
     pipeline = Pipeline.load(wan_folder, devices="cpu")
     wan = reference_family("wan-1.3b")  # WanPipeline's default size, where the model runs it
-    video, image = (resolve(GenerationRequest("a cat", frames=f), read_defaults(wan_folder, wan), wan)
-                    for f in (81, None))  # fmt: skip
+    video, image = (
+        resolve(GenerationRequest("a cat", frames=f), read_defaults(wan_folder, wan), wan) for f in (81, None)
+    )
     assert (video.width, video.height, image.width, image.height) == (832, 480, 480, 480)
     video = pipeline.resolve(GenerationRequest("a cat", frames=9))  # 832 is past the tiny one's 512
     assert (video.width, video.height) == (480, 480)
@@ -284,11 +307,15 @@ def test_adapters_step_caching_and_int8_compose_for_videos(
     requests = {
         "adapter": styled,
         "cached": GenerationRequest(
-            "a blue square", seed=4, steps=6, guidance_scale=5.0,
-            step_cache=StepCache("first_block", threshold=0.5), **VIDEO,
+            "a blue square",
+            seed=4,
+            steps=6,
+            guidance_scale=5.0,
+            step_cache=StepCache("first_block", threshold=0.5),
+            **VIDEO,
         ),
         "plain": GenerationRequest("a green star", seed=5, steps=3, guidance_scale=5.0, **VIDEO),
-    }  # fmt: skip
+    }
     quantized = Pipeline.load(wan_folder, devices="cpu", quantize="int8-dynamic")
     quantized.add_adapter(read_adapter("style", style, quantized.family))
     service = Service(quantized, "tiny-wan", max_batch=16)
@@ -313,10 +340,21 @@ def test_wan_14b_plans_on_two_gpus_and_a_group_halves_a_lone_step(run_cli) -> No
     import json
 
     done = run_cli(
-        "plan", "--config", "wan-14b", "--devices", "cuda:0,cuda:1", "--max-memory",
-        "cuda:0=80GiB,cuda:1=80GiB", "--dtype", "bfloat16", "--max-batch", "2", "--parallel", "sequence",
+        "plan",
+        "--config",
+        "wan-14b",
+        "--devices",
+        "cuda:0,cuda:1",
+        "--max-memory",
+        "cuda:0=80GiB,cuda:1=80GiB",
+        "--dtype",
+        "bfloat16",
+        "--max-batch",
+        "2",
+        "--parallel",
+        "sequence",
         "--json",
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)["parallel"]["candidates"]
     group = next(c for c in found if c["sequence_degree"] == 2)
@@ -379,8 +417,17 @@ def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memo
     to its default, --max-batch halves until the reserve fits (said); asked for, it is kept and
     the refusal says to lower it. The 3D VAE's peak, counted on meta at the longest clip the
     batch admits (rows × 21 latent frames; 81 frames alone: 7.4 GiB), decides its tiles."""
-    args = ("plan", "--config", config, "--devices", "cuda:0", "--max-memory", f"cuda:0={memory}",
-            "--dtype", "bfloat16")  # fmt: skip
+    args = (
+        "plan",
+        "--config",
+        config,
+        "--devices",
+        "cuda:0",
+        "--max-memory",
+        f"cuda:0={memory}",
+        "--dtype",
+        "bfloat16",
+    )
     fitted = run_cli(*args)
     assert fitted.returncode == 0, fitted.stderr
     assert f"batch={rows} " in fitted.stdout and f"a step runs at most {rows} rows" in fitted.stderr
@@ -419,20 +466,32 @@ def test_our_image_to_video_equals_wan_image_to_video_pipelines(wan_i2v_folder, 
     pipeline, frame = Pipeline.load(wan_i2v_folder, devices="cpu"), first_frame()
     request = pipeline.resolve(
         GenerationRequest(
-            "a red circle", negative_prompt="blue", seed=3, steps=2, guidance_scale=5.0, reference=frame,
+            "a red circle",
+            negative_prompt="blue",
+            seed=3,
+            steps=2,
+            guidance_scale=5.0,
+            reference=frame,
             **VIDEO,
         )
-    )  # fmt: skip
+    )
     mine = pipeline.generate([request])[0]
     pipe = WanImageToVideoPipeline.from_pretrained(
         wan_i2v_folder, local_files_only=True, use_safetensors=True
     )
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(
-        image=frame, prompt=request.prompt, negative_prompt=request.negative_prompt, height=32, width=32,
-        num_frames=9, num_inference_steps=2, guidance_scale=5.0,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        image=frame,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     assert mine.shape == theirs.shape == (9, 32, 32, 3)
     print("image-to-video, max |ours - diffusers'| × 255:", float(np.abs(mine - theirs).max()) * 255)
     assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.02

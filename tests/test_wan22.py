@@ -96,10 +96,14 @@ def test_first_block_caching_refreshes_at_the_expert_switch(a14b) -> None:
 
     cached = a14b.resolve(
         GenerationRequest(
-            "a red circle", seed=3, steps=STEPS, guidance_scale=4.0,
-            step_cache=StepCache("first_block", threshold=10.0), **VIDEO,
+            "a red circle",
+            seed=3,
+            steps=STEPS,
+            guidance_scale=4.0,
+            step_cache=StepCache("first_block", threshold=10.0),
+            **VIDEO,
         )
-    )  # fmt: skip
+    )
     (state,) = a14b.start([cached])
     outcomes = []
     try:
@@ -169,10 +173,16 @@ def test_i2v_a14b_makes_wan_image_to_video_pipelines_video(tmp_path_factory) -> 
     frame = Image.new("RGB", (32, 32), (200, 40, 40))
     request = pipeline.resolve(
         GenerationRequest(
-            "a red circle", negative_prompt="blue", seed=3, steps=STEPS, guidance_scale=4.0,
-            guidance_scale_2=2.0, reference=frame, **VIDEO,
+            "a red circle",
+            negative_prompt="blue",
+            seed=3,
+            steps=STEPS,
+            guidance_scale=4.0,
+            guidance_scale_2=2.0,
+            reference=frame,
+            **VIDEO,
         )
-    )  # fmt: skip
+    )
     mine = pipeline.generate([request])[0]
     assert alike(mine, wan_video(folder, request, frame)) * 255 <= 2
 
@@ -183,11 +193,26 @@ def test_a14b_plans_at_published_sizes_count_both_experts(run_cli) -> None:
     each (auto: `experts`)."""
     gpus = ("cuda:0", "cuda:0=80GiB"), ("cuda:0,cuda:1", "cuda:0=80GiB,cuda:1=80GiB")
     done = [
-        run_cli("plan", "--config", name, "--devices", devices, "--max-memory", memory,
-                "--dtype", "bfloat16", "--max-batch", "2", "--json")
-        for name, (devices, memory) in (("wan2.2-t2v-a14b", gpus[0]), ("wan-14b", gpus[0]),
-                                        ("wan2.2-t2v-a14b", gpus[1]))
-    ]  # fmt: skip
+        run_cli(
+            "plan",
+            "--config",
+            name,
+            "--devices",
+            devices,
+            "--max-memory",
+            memory,
+            "--dtype",
+            "bfloat16",
+            "--max-batch",
+            "2",
+            "--json",
+        )
+        for name, (devices, memory) in (
+            ("wan2.2-t2v-a14b", gpus[0]),
+            ("wan-14b", gpus[0]),
+            ("wan2.2-t2v-a14b", gpus[1]),
+        )
+    ]
     assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
     two, one = (sum(sum(s["block_bytes"]) for s in json.loads(d.stdout)["stages"]) for d in done[:2])
     assert two == 2 * one and two > 50 * 2**30
@@ -246,9 +271,16 @@ def test_ti2v_image_to_video_equals_wan_image_to_video_pipelines_joining_text_to
         GenerationRequest("a blue square", seed=4, steps=20, guidance_scale=5.0, **size)
     )
     from_image = pipeline.resolve(
-        GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=STEPS, guidance_scale=5.0,
-                          reference=frame, **size)
-    )  # fmt: skip
+        GenerationRequest(
+            "a red circle",
+            negative_prompt="blue",
+            seed=3,
+            steps=STEPS,
+            guidance_scale=5.0,
+            reference=frame,
+            **size,
+        )
+    )
     shorter = pipeline.resolve(
         GenerationRequest("a green line", seed=5, steps=STEPS, guidance_scale=3.0, **size)
     )
@@ -282,9 +314,15 @@ def test_the_wan_2_2_vae_decodes_in_tiles_as_diffusers_tiles_it(ti2v_folder) -> 
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.enable_tiling()
     theirs = pipe(
-        prompt="a red circle", height=64, width=512, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        prompt="a red circle",
+        height=64,
+        width=512,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     assert alike(mine, theirs) * 255 <= 2
     assert alike(mine, whole) * 255 > 10
 
@@ -323,9 +361,15 @@ def test_a_lora_per_expert_equals_diffusers_loading_the_second_into_transformer_
     pipe.load_lora_weights(str(low), adapter_name="both", load_into_transformer_2=True)
     pipe.set_adapters(["both"], [0.8])
     theirs = pipe(
-        prompt=request.prompt, height=32, width=32, num_frames=9, num_inference_steps=STEPS,
-        guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).frames[0]  # fmt: skip
+        prompt=request.prompt,
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).frames[0]
     assert alike(mine, theirs) * 255 <= 2
     plain = a14b.generate([a14b.resolve(replace(request, lora=()))])[0]
     assert alike(mine, plain) * 255 > 10
@@ -336,8 +380,17 @@ def test_ti2v_defaults_are_the_model_cards_and_it_fits_24_gib_quantized(run_cli)
     UMT5-XXL too), not in bfloat16."""
     ti2v = reference_family("wan2.2-ti2v-5b")
     assert (ti2v.clip.frames, ti2v.clip.size, ti2v.native_size) == (121, (1280, 704), 704)
-    args = ("plan", "--config", "wan2.2-ti2v-5b", "--devices", "cuda:0", "--max-memory", "cuda:0=24GiB",
-            "--dtype", "bfloat16")  # fmt: skip
+    args = (
+        "plan",
+        "--config",
+        "wan2.2-ti2v-5b",
+        "--devices",
+        "cuda:0",
+        "--max-memory",
+        "cuda:0=24GiB",
+        "--dtype",
+        "bfloat16",
+    )
     quantized, whole = run_cli(*args, "--quantize", "int8", "--json"), run_cli(*args)
     assert quantized.returncode == 0, quantized.stderr
     assert json.loads(quantized.stdout)["quantize"]["modes"]["int8"]["fits"]
@@ -353,8 +406,16 @@ def test_experts_apart_each_on_its_own_worker_give_what_one_device_gives(a14b, a
     from server.pipeline.loading.model_plan import plan_model
 
     family = read_family(a14b_folder)
-    plan = plan_model(family, ["cpu", "cpu"], "memory", dtype=torch.float32, batch=4, side=32,
-                      folder=a14b_folder, parallel="experts")  # fmt: skip
+    plan = plan_model(
+        family,
+        ["cpu", "cpu"],
+        "memory",
+        dtype=torch.float32,
+        batch=4,
+        side=32,
+        folder=a14b_folder,
+        parallel="experts",
+    )
     assert plan.experts_apart and plan.kind == "experts" and len(plan.replicas) == 2
     apart = Pipeline.load(a14b_folder, plan=plan)
     shards = [d.replicas[0] for d in apart.experts]
@@ -376,5 +437,13 @@ def test_experts_apart_each_on_its_own_worker_give_what_one_device_gives(a14b, a
         state.close()
     assert apart.expert_steps.mixed_steps == HIGH_STEPS
     with pytest.raises(PlanError, match="a multiple of 2"):
-        plan_model(family, ["cpu"], "memory", dtype=torch.float32, batch=4, side=32, folder=a14b_folder,
-                   parallel="experts")  # fmt: skip
+        plan_model(
+            family,
+            ["cpu"],
+            "memory",
+            dtype=torch.float32,
+            batch=4,
+            side=32,
+            folder=a14b_folder,
+            parallel="experts",
+        )

@@ -47,18 +47,29 @@ class Job:
 
     def body(self) -> dict[str, Any]:
         """The SDK's extra_body, as the Videos API reads it."""
-        given = {"num_frames": FRAMES, "num_inference_steps": self.steps, "seed": self.seed,
-                 "guidance_scale": self.guidance_scale, "guidance_scale_2": self.guidance_scale_2,
-                 "negative_prompt": self.negative_prompt}  # fmt: skip
+        given = {
+            "num_frames": FRAMES,
+            "num_inference_steps": self.steps,
+            "seed": self.seed,
+            "guidance_scale": self.guidance_scale,
+            "guidance_scale_2": self.guidance_scale_2,
+            "negative_prompt": self.negative_prompt,
+        }
         return {name: value for name, value in given.items() if value is not None}
 
     def request(self, size: int) -> GenerationRequest:
         """The request WanPipeline is given for this job."""
         return GenerationRequest(
-            self.prompt, negative_prompt=self.negative_prompt, seed=self.seed, steps=self.steps,
-            guidance_scale=self.guidance_scale, guidance_scale_2=self.guidance_scale_2, width=size,
-            height=size, frames=FRAMES,
-        )  # fmt: skip
+            self.prompt,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+            steps=self.steps,
+            guidance_scale=self.guidance_scale,
+            guidance_scale_2=self.guidance_scale_2,
+            width=size,
+            height=size,
+            frames=FRAMES,
+        )
 
 
 @dataclass
@@ -114,7 +125,7 @@ A14B_JOBS = (
     Job("a red circle", steps=20, seed=3, guidance_scale=4.0, guidance_scale_2=2.0, negative_prompt="blue"),
     Job("a blue square", steps=6, seed=4, guidance_scale=5.0),
     Job("a green line", steps=6, seed=5, guidance_scale=1.0),  # unguided: a row a step
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +180,16 @@ def gradient(width: int, height: int) -> Image.Image:
 
 TI2V_JOBS = (
     Job("a blue square", steps=20, seed=4, guidance_scale=5.0),
-    Job("a red circle", steps=6, seed=3, guidance_scale=5.0, negative_prompt="blue",
-        reference=gradient(80, 56)),  # resized to the video's size, as the pipeline resizes it
+    Job(
+        "a red circle",
+        steps=6,
+        seed=3,
+        guidance_scale=5.0,
+        negative_prompt="blue",
+        reference=gradient(80, 56),
+    ),  # resized to the video's size, as the pipeline resizes it
     Job("a green line", steps=6, seed=5, guidance_scale=3.0),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")

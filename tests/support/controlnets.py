@@ -69,11 +69,14 @@ def diffusers_controlled(
     control = controls[0].image if one else [c.image for c in controls]
     images = {"image": edit.pop("image"), "control_image": control} if edit else {"image": control}
     return diffusers_image(
-        pipe, replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE), **images, **edit,
+        pipe,
+        replace(GUIDED, width=IMAGE_SIZE, height=IMAGE_SIZE),
+        **images,
+        **edit,
         controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
         control_guidance_start=controls[0].start if one else [c.start for c in controls],
         control_guidance_end=controls[0].end if one else [c.end for c in controls],
-    )  # fmt: skip
+    )
 
 
 def flux_controlnet(folder: Path, seed: int) -> FluxControlNetModel:
@@ -81,9 +84,12 @@ def flux_controlnet(folder: Path, seed: int) -> FluxControlNetModel:
     transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer")
     config = transformer.config
     net = FluxControlNetModel.from_transformer(
-        transformer, num_layers=1, num_single_layers=2,
-        attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
-    )  # fmt: skip
+        transformer,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+    )
     torch.manual_seed(seed)
     for zero in [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]:
         torch.nn.init.normal_(zero.weight, std=0.2)
@@ -95,9 +101,11 @@ def qwen_image_controlnet(folder: Path, seed: int) -> QwenImageControlNetModel:
     transformer = QwenImageTransformer2DModel.from_pretrained(folder / "transformer")
     config = transformer.config
     net = QwenImageControlNetModel.from_transformer(
-        transformer, num_layers=1, attention_head_dim=config.attention_head_dim,
+        transformer,
+        num_layers=1,
+        attention_head_dim=config.attention_head_dim,
         num_attention_heads=config.num_attention_heads,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     for zero in [*net.controlnet_blocks, net.controlnet_x_embedder]:
         torch.nn.init.normal_(zero.weight, std=0.2)
@@ -139,13 +147,18 @@ def diffusers_dit_controlled(
     pipe = reference.from_pretrained(folder, controlnet=net, **(loads or {}), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe(
-        prompt=request.prompt, num_inference_steps=request.steps, width=request.width, height=request.height,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np", **knobs,
+        prompt=request.prompt,
+        num_inference_steps=request.steps,
+        width=request.width,
+        height=request.height,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+        **knobs,
         control_image=controls[0].image if one else [c.image for c in controls],
         controlnet_conditioning_scale=controls[0].scale if one else [c.scale for c in controls],
         control_guidance_start=controls[0].start if one else [c.start for c in controls],
         control_guidance_end=controls[0].end if one else [c.end for c in controls],
-    ).images[0]  # fmt: skip
+    ).images[0]
 
 
 ASKED = {  # what the pipeline tests and the HTTP ones each compare with diffusers

@@ -57,41 +57,82 @@ def tiny_transformers() -> dict[str, tuple[torch.nn.Module, DenoiserInputs]]:
 
     torch.manual_seed(0)
     flux = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
         axes_dims_rope=[4, 4, 8],
-    ).eval()  # fmt: skip
+    ).eval()
     sd3 = SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-        pooled_projection_dim=32, out_channels=4,
-    ).eval()  # fmt: skip
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=32,
+        out_channels=4,
+    ).eval()
     steps = torch.tensor([900.0, 500.0])
     return {
-        "flux": (flux, DenoiserInputs(torch.randn(2, 4, 14, 12), steps, torch.randn(2, 13, 32),
-                                      {"pooled_projections": torch.randn(2, 32),
-                                       "guidance": torch.full((2,), 3.5)})),
-        "sd3": (sd3, DenoiserInputs(torch.randn(2, 4, 16, 12), steps, torch.randn(2, 77, 32),
-                                    {"pooled_projections": torch.randn(2, 32)})),
-    }  # fmt: skip
+        "flux": (
+            flux,
+            DenoiserInputs(
+                torch.randn(2, 4, 14, 12),
+                steps,
+                torch.randn(2, 13, 32),
+                {"pooled_projections": torch.randn(2, 32), "guidance": torch.full((2,), 3.5)},
+            ),
+        ),
+        "sd3": (
+            sd3,
+            DenoiserInputs(
+                torch.randn(2, 4, 16, 12),
+                steps,
+                torch.randn(2, 77, 32),
+                {"pooled_projections": torch.randn(2, 32)},
+            ),
+        ),
+    }
 
 
 def as_request(body: dict) -> GenerationRequest:
     cache = body.get("step_cache")
     return GenerationRequest(
-        body["prompt"], negative_prompt=body.get("negative_prompt"), seed=body["seed"],
-        steps=body["num_inference_steps"], guidance_scale=body["guidance_scale"], width=32, height=32,
+        body["prompt"],
+        negative_prompt=body.get("negative_prompt"),
+        seed=body["seed"],
+        steps=body["num_inference_steps"],
+        guidance_scale=body["guidance_scale"],
+        width=32,
+        height=32,
         step_cache=StepCache(cache["policy"], threshold=cache["threshold"]) if cache else None,
-    )  # fmt: skip
+    )
 
 
 def tiny_wan() -> WanTransformer3DModel:
     torch.manual_seed(0)
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ).eval()  # fmt: skip
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
 
 
 def video_inputs() -> DenoiserInputs:
@@ -114,8 +155,13 @@ def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray
         pipe.load_lora_weights(lora[0], adapter_name="style")
         pipe.set_adapters(["style"], [lora[1]])
     return pipe(
-        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
-        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        height=request.height,
+        width=request.width,
+        num_frames=request.frames,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
         output_type="np",
-    ).frames[0]  # fmt: skip
+    ).frames[0]

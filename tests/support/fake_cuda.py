@@ -70,9 +70,12 @@ class FakeCuda(TorchFunctionMode):
         # a walk records as it leaves a stage (a CPU build raises on these): one device for every
         # thread, events that mark nothing; waits and syncs still raise
         self._device = mock.patch.multiple(
-            torch.cuda, current_device=lambda: 0, set_device=lambda device: None,
-            device=lambda device: contextlib.nullcontext(), Event=NoEvent,
-        )  # fmt: skip
+            torch.cuda,
+            current_device=lambda: 0,
+            set_device=lambda device: None,
+            device=lambda device: contextlib.nullcontext(),
+            Event=NoEvent,
+        )
 
     def __enter__(self) -> FakeCuda:
         self._device.start()

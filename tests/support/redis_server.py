@@ -34,10 +34,21 @@ def redis_server(folder: Path) -> Iterator[RedisServer]:
         pytest.fail("redis-server is not on PATH: `make test-tools` installs Debian's redis-server")
     port = free_port()
     process = subprocess.Popen(
-        [program, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(folder)],
+        [
+            program,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(folder),
+        ],
         stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url, socket_connect_timeout=1)
 

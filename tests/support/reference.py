@@ -71,10 +71,13 @@ def _flow_forward(model: nn.Module, inputs: DenoiserInputs) -> torch.Tensor:
         return -torch.stack(out).squeeze(2)
     if isinstance(model, QwenImageTransformer2DModel):
         out = model(
-            hidden_states=pack(sample), timestep=timestep.to(sample.dtype) / 1000,
-            encoder_hidden_states=context, encoder_hidden_states_mask=cond.get(TEXT_MASK),
-            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=pack(sample),
+            timestep=timestep.to(sample.dtype) / 1000,
+            encoder_hidden_states=context,
+            encoder_hidden_states_mask=cond.get(TEXT_MASK),
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
         return unpack(out, h, w)
     out = model(
         hidden_states=sample.reshape(b, c, h * w).permute(0, 2, 1),

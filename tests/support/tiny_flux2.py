@@ -76,10 +76,26 @@ FLUX2_SCHEDULE = {
 # Mistral's tekken special tokens in their ids' order (<s> 1, </s> 2, [IMG] 10, <pad> 11, as in
 # Mistral-Small-3.1's config: bos 1, eos 2, image_token_index 10).
 MISTRAL_SPECIALS = (
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
-    "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-)  # fmt: skip
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+)
 # Mistral-Small-3.1's template for what Flux2Pipeline sends (format_input): the system message's
 # first text block in [SYSTEM_PROMPT], each user turn's text (images as [IMG]) in [INST].
 MISTRAL_TEMPLATE = (
@@ -174,8 +190,10 @@ def _mistral3(tokenizer: PreTrainedTokenizerFast) -> Mistral3ForConditionalGener
     """Tiny Mistral Small 3.x: diffusers' dummy text config, one layer past the deepest one
     Flux2Pipeline reads (hidden_states[30]: 31 layers), with a one-layer Pixtral vision tower the
     text-only pipeline never runs."""
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
-           (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("pad_token_id", "<pad>"))}  # fmt: skip
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(tok)
+        for name, tok in (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("pad_token_id", "<pad>"))
+    }
     config = Mistral3Config(
         text_config={
             "model_type": "mistral",

@@ -53,17 +53,33 @@ SD_SCHEDULE = {
 # per-request scheduler is made from_config of it: e.g. its clip_sample false reaches DDIM):
 # stable-diffusion-v1-5 (and its inpainting folder): PNDM, PLMS steps only
 SD15_PNDM = {
-    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "trained_betas": None,
     "clip_sample": False,
-}  # fmt: skip
+}
 # stable-diffusion-xl-base-1.0: Euler, "leading" spacing, linear interpolation (and DDIM's keys)
 SDXL_EULER = {
-    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-    "steps_offset": 1, "timestep_spacing": "leading", "interpolation_type": "linear",
-    "prediction_type": "epsilon", "use_karras_sigmas": False, "clip_sample": False, "sample_max_value": 1.0,
-    "set_alpha_to_one": False, "skip_prk_steps": True, "trained_betas": None,
-}  # fmt: skip
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "steps_offset": 1,
+    "timestep_spacing": "leading",
+    "interpolation_type": "linear",
+    "prediction_type": "epsilon",
+    "use_karras_sigmas": False,
+    "clip_sample": False,
+    "sample_max_value": 1.0,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "trained_betas": None,
+}
 
 
 def _text_config(tokenizer, **extra) -> CLIPTextConfig:
@@ -389,10 +405,14 @@ def build_wan_i2v_folder(folder: Path) -> Path:
     torch.manual_seed(1)
     encoder = CLIPVisionModel(
         CLIPVisionConfig(
-            hidden_size=TEXT_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-            image_size=32, patch_size=8,
+            hidden_size=TEXT_DIM,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor).save_pretrained(
         folder, safe_serialization=True
@@ -425,17 +445,29 @@ def _wan_parts(**transformer: object) -> dict:
     return dict(
         transformer=WanTransformer3DModel(
             **{
-                "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12,
-                "in_channels": 16, "out_channels": 16, "text_dim": TEXT_DIM, "freq_dim": 256,
-                "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
-                "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32, **transformer,
+                "patch_size": (1, 2, 2),
+                "num_attention_heads": 2,
+                "attention_head_dim": 12,
+                "in_channels": 16,
+                "out_channels": 16,
+                "text_dim": TEXT_DIM,
+                "freq_dim": 256,
+                "ffn_dim": 32,
+                "num_layers": 2,
+                "cross_attn_norm": True,
+                "qk_norm": "rms_norm_across_heads",
+                "rope_max_seq_len": 32,
+                **transformer,
             }
         ),
         vae=AutoencoderKLWan(
-            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
             temperal_downsample=[False, True, True],
         ),
         text_encoder=encoder,
         tokenizer=tokenizer,
         scheduler=wan_scheduler(),
-    )  # fmt: skip
+    )

@@ -36,9 +36,14 @@ def qwen_vae() -> AutoencoderKLQwenImage:
     """4 latent channels, 4x spatial; statistics that are not the identity, so a wrong
     normalization shows."""
     return AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.0, 2.0],
-    )  # fmt: skip
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.7, 1.0, 2.0],
+    )
 
 
 def build_qwen_image_folder(folder: Path, heads: int = 4) -> Path:
@@ -46,9 +51,15 @@ def build_qwen_image_folder(folder: Path, heads: int = 4) -> Path:
     torch.manual_seed(0)
     tokenizer = build_qwen_tokenizer()
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=heads, joint_attention_dim=TEXT_HIDDEN, axes_dims_rope=(8, 4, 4),
-    )  # fmt: skip
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=heads,
+        joint_attention_dim=TEXT_HIDDEN,
+        axes_dims_rope=(8, 4, 4),
+    )
     QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULE),
         vae=qwen_vae(),

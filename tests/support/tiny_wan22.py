@@ -48,17 +48,105 @@ TI2V_SIZE = 64  # pixels: 4×4 latents (16× spatial), 2×2 tokens a latent fram
 # The Wan 2.2 VAE's per-channel latent statistics (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json,
 # as scripts/convert_wan_to_diffusers.py's vae22_diffusers_config writes them).
 WAN22_LATENTS_MEAN = [
-    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
-    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
-    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
-    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
-]  # fmt: skip
+    -0.2289,
+    -0.0052,
+    -0.1323,
+    -0.2339,
+    -0.2799,
+    0.0174,
+    0.1838,
+    0.1557,
+    -0.1382,
+    0.0542,
+    0.2813,
+    0.0891,
+    0.1570,
+    -0.0098,
+    0.0375,
+    -0.1825,
+    -0.2246,
+    -0.1207,
+    -0.0698,
+    0.5109,
+    0.2665,
+    -0.2108,
+    -0.2158,
+    0.2502,
+    -0.2055,
+    -0.0322,
+    0.1109,
+    0.1567,
+    -0.0729,
+    0.0899,
+    -0.2799,
+    -0.1230,
+    -0.0313,
+    -0.1649,
+    0.0117,
+    0.0723,
+    -0.2839,
+    -0.2083,
+    -0.0520,
+    0.3748,
+    0.0152,
+    0.1957,
+    0.1433,
+    -0.2944,
+    0.3573,
+    -0.0548,
+    -0.1681,
+    -0.0667,
+]
 WAN22_LATENTS_STD = [
-    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
-    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
-    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
-    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
-]  # fmt: skip
+    0.4765,
+    1.0364,
+    0.4514,
+    1.1677,
+    0.5313,
+    0.4990,
+    0.4818,
+    0.5013,
+    0.8158,
+    1.0344,
+    0.5894,
+    1.0901,
+    0.6885,
+    0.6165,
+    0.8454,
+    0.4978,
+    0.5759,
+    0.3523,
+    0.7135,
+    0.6804,
+    0.5833,
+    1.4146,
+    0.8986,
+    0.5659,
+    0.7069,
+    0.5338,
+    0.4889,
+    0.4917,
+    0.4069,
+    0.4999,
+    0.6866,
+    0.4093,
+    0.5709,
+    0.6065,
+    0.6415,
+    0.4944,
+    0.5726,
+    1.2042,
+    0.5458,
+    1.6887,
+    0.3971,
+    1.0600,
+    0.3943,
+    0.5537,
+    0.5444,
+    0.4089,
+    0.7468,
+    0.7744,
+]
 
 
 def wan22_vae() -> AutoencoderKLWan:
@@ -69,11 +157,20 @@ def wan22_vae() -> AutoencoderKLWan:
     (`is_residual`) make 48 latent channels (`z_dim`)."""
     torch.manual_seed(0)
     return AutoencoderKLWan(
-        base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-        dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        scale_factor_spatial=16, scale_factor_temporal=4,
-        latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD,
-    )  # fmt: skip
+        base_dim=3,
+        z_dim=48,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=WAN22_LATENTS_MEAN,
+        latents_std=WAN22_LATENTS_STD,
+    )
 
 
 def build_wan22_two_expert_folder(folder: Path, **transformer: object) -> Path:
@@ -101,9 +198,12 @@ def build_wan22_i2v_two_expert_folder(folder: Path) -> Path:
     low_noise = WanTransformer3DModel.from_config(parts["transformer"].config)
     parts["scheduler"] = wan_scheduler(SHIFT_A14B)
     pipe = WanImageToVideoPipeline(
-        **parts, image_encoder=None, image_processor=None, transformer_2=low_noise,
+        **parts,
+        image_encoder=None,
+        image_processor=None,
+        transformer_2=low_noise,
         boundary_ratio=BOUNDARY_RATIO_I2V,
-    )  # fmt: skip
+    )
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -132,11 +232,17 @@ def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | Non
     pipe.set_progress_bar_config(disable=True)
     return pipe(
         **({} if image is None else {"image": image}),
-        prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
-        width=request.width, num_frames=request.frames, num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale, guidance_scale_2=request.guidance_scale_2,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
-    ).frames[0]  # fmt: skip
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        height=request.height,
+        width=request.width,
+        num_frames=request.frames,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        guidance_scale_2=request.guidance_scale_2,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+    ).frames[0]
 
 
 def _count_calls(model: torch.nn.Module | None, calls: list[str], name: str) -> None:
@@ -161,9 +267,13 @@ def main() -> None:
     pipeline_wan_i2v.basic_clean = pipeline_wan.basic_clean
 
     common: dict[str, Any] = dict(
-        prompt="a red cat", negative_prompt="blurry", num_frames=9, num_inference_steps=4,
-        max_sequence_length=16, output_type="pt",
-    )  # fmt: skip
+        prompt="a red cat",
+        negative_prompt="blurry",
+        num_frames=9,
+        num_inference_steps=4,
+        max_sequence_length=16,
+        output_type="pt",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_wan22_two_expert_folder(Path(tmp) / "t2v_a14b")
         pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
@@ -175,9 +285,13 @@ def main() -> None:
         _count_calls(pipe.transformer, calls, "high")
         _count_calls(pipe.transformer_2, calls, "low")
         video = pipe(
-            **common, height=32, width=32, guidance_scale=4.0, guidance_scale_2=3.0,
+            **common,
+            height=32,
+            width=32,
+            guidance_scale=4.0,
+            guidance_scale_2=3.0,
             generator=torch.Generator().manual_seed(0),
-        ).frames  # fmt: skip
+        ).frames
         _report("T2V-A14B two experts (WanPipeline)", video, calls)
         assert "high" in calls and "low" in calls
 
