@@ -111,7 +111,7 @@ class Pipeline:
         self.adapters = Adapters({})  # LoRA adapters served (shared by the lanes' views)
         self.controlnets = ControlNets(self.family, self.device, self.denoiser_dtype, self.shard.model.config)
         self.decoder: Callable[[torch.Tensor], torch.Tensor] = partial(run_decoder, self.vae)  # or compiled
-        self.quantization = "off"  # what is quantized (quantizing.describe)
+        self.quantization = "off"  # what is quantized (quantized_parts.describe)
 
     @classmethod
     def load(
