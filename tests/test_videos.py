@@ -23,10 +23,10 @@ import torch
 from PIL import Image
 
 from server.requests import GenerationRequest
-from tests.support.denoisers import wan_pipeline_video
 from tests.support.live import free_port, live_server, sse
 from tests.support.lora import random_wan_lora
 from tests.support.redis_server import redis_server
+from tests.support.tiny_wan22 import wan_video
 from tests.support.waiting import wait_until
 
 # openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
@@ -95,11 +95,11 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     request = GenerationRequest(
         "a red circle", seed=3, steps=3, guidance_scale=5.0, width=32, height=32, frames=9
     )
-    theirs = (wan_pipeline_video(wan_folder, request) * 255).round().astype(int)
+    theirs = (wan_video(wan_folder, request) * 255).round().astype(int)
     assert frames.shape == theirs.shape == (9, 32, 32, 3)
     assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
     for steps, made in longer.items():
-        theirs_longer = (wan_pipeline_video(wan_folder, replace(request, steps=steps)) * 255).round()
+        theirs_longer = (wan_video(wan_folder, replace(request, steps=steps)) * 255).round()
         assert int(np.abs(made.astype(int) - theirs_longer.astype(int)).max()) <= 2, steps
     with av.open(io.BytesIO(mp4)) as container:  # H.264 in yuv420p: lossy, chroma halved
         decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(int)
@@ -112,7 +112,7 @@ def test_a_video_job_over_the_sdk_equals_wan_pipeline_and_bad_input_gets_4xx(
     assert listed == [video.id]
     # an adapter as for images: WanPipeline's frames after load_lora_weights, not the plain ones
     assert styled.status == "completed", styled.error
-    adapted = (wan_pipeline_video(wan_folder, request, lora=(style, 0.8)) * 255).round().astype(int)
+    adapted = (wan_video(wan_folder, request, lora=(style, 0.8)) * 255).round().astype(int)
     assert int(np.abs(styled_frames.astype(int) - adapted).max()) <= 2
     assert int(np.abs(styled_frames.astype(int) - frames).max()) > 10
 
@@ -203,7 +203,7 @@ def test_a_job_cut_short_by_sigterm_completes_after_a_restart(wan_folder: Path, 
     request = GenerationRequest(
         "a red circle", seed=3, steps=40, guidance_scale=5.0, width=64, height=64, frames=17
     )
-    theirs = (wan_pipeline_video(wan_folder, request) * 255).round().astype(int)
+    theirs = (wan_video(wan_folder, request) * 255).round().astype(int)
     assert int(np.abs(frames_of(first).astype(int) - theirs).max()) <= 2
 
 

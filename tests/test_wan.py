@@ -19,9 +19,10 @@ from server.engine.runtime.sequence import run_sequence
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.clip import Clip
-from tests.support.denoisers import tiny_wan, video_inputs, wan_pipeline_video
+from tests.support.denoisers import tiny_wan, video_inputs
 from tests.support.images import first_frame
 from tests.support.lora import random_wan_lora
+from tests.support.tiny_wan22 import wan_video
 
 
 def diffusers_forward(model: WanTransformer3DModel, inputs: DenoiserInputs) -> torch.Tensor:
@@ -83,7 +84,7 @@ def test_our_videos_equal_wan_pipelines_frame_for_frame(wan_folder, guidance: fl
             "a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=guidance, **VIDEO
         )
     )
-    mine, theirs = pipeline.generate([request])[0], wan_pipeline_video(wan_folder, request)
+    mine, theirs = pipeline.generate([request])[0], wan_video(wan_folder, request)
     assert mine.shape == theirs.shape == (9, 32, 32, 3)
     assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.05
 
@@ -176,7 +177,7 @@ def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tiny_folder, 
     )
     mine = pipeline.generate([request])[0]
     assert mine.shape == (9, 64, 64, 3)
-    assert float(np.abs(mine - wan_pipeline_video(folder, request)).max()) < 1e-3
+    assert float(np.abs(mine - wan_video(folder, request)).max()) < 1e-3
 
 
 def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -> None:
@@ -238,7 +239,7 @@ def test_a_request_without_frames_is_an_image_as_wan_pipeline_draws_one_frame(wa
     request = pipeline.resolve(GenerationRequest("a red circle", seed=5, steps=3, width=32, height=32))
     assert request.frames is None
     mine = pipeline.generate([request])[0]
-    theirs = wan_pipeline_video(wan_folder, replace(request, frames=1))
+    theirs = wan_video(wan_folder, replace(request, frames=1))
     assert mine.shape == (32, 32, 3) and theirs.shape == (1, 32, 32, 3)
     assert float(np.abs(mine - theirs[0]).max()) * 255 <= 2
 
@@ -300,7 +301,7 @@ def test_adapters_step_caching_and_int8_compose_for_videos(
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     mine = pipeline.generate([pipeline.resolve(styled)])[0]
     plain = pipeline.generate([pipeline.resolve(replace(styled, lora=()))])[0]
-    theirs = wan_pipeline_video(wan_folder, pipeline.resolve(styled), lora=(style, 0.8))
+    theirs = wan_video(wan_folder, pipeline.resolve(styled), lora=(style, 0.8))
     assert float(np.abs(mine - theirs).max()) * 255 <= 2
     assert float(np.abs(mine - plain).max()) * 255 > 10  # the adapter changes the video
 

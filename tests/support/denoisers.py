@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from diffusers import (
     FluxTransformer2DModel,
@@ -143,25 +142,3 @@ def video_inputs() -> DenoiserInputs:
         torch.tensor([900.0, 400.0]),
         torch.randn(2, 7, 32, generator=generator),
     )
-
-
-def wan_pipeline_video(folder, request, lora: tuple | None = None) -> np.ndarray:
-    """WanPipeline's frames for `request`, with `lora` (a file, its scale) loaded if given."""
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(lora[0], adapter_name="style")
-        pipe.set_adapters(["style"], [lora[1]])
-    return pipe(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        height=request.height,
-        width=request.width,
-        num_frames=request.frames,
-        num_inference_steps=request.steps,
-        guidance_scale=request.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        output_type="np",
-    ).frames[0]

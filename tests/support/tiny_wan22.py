@@ -220,9 +220,15 @@ def build_wan22_ti2v_folder(folder: Path) -> Path:
     return folder
 
 
-def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | None = None) -> np.ndarray:
+def wan_video(
+    folder: Path,
+    request: GenerationRequest,
+    image: Image.Image | None = None,
+    lora: tuple[Path, float] | None = None,
+) -> np.ndarray:
     """WanPipeline's (with `image`: WanImageToVideoPipeline's) frames, [frames, height, width, 3] in
-    [0, 1], for a `GenerationRequest` whose prompts, size, frames, steps, scales and seed are set."""
+    [0, 1], for a `GenerationRequest` whose prompts, size, frames, steps, scales and seed are set;
+    with `lora` (a file, its scale) loaded as adapter "style" if given."""
     from diffusers import WanImageToVideoPipeline
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
@@ -230,6 +236,9 @@ def wan_video(folder: Path, request: GenerationRequest, image: Image.Image | Non
     cls = WanPipeline if image is None else WanImageToVideoPipeline
     pipe = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora[0], adapter_name="style")
+        pipe.set_adapters(["style"], [lora[1]])
     return pipe(
         **({} if image is None else {"image": image}),
         prompt=request.prompt,
