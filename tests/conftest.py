@@ -132,6 +132,8 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     from tests.support.tiny_zimage import build_zimage_folder
 
     return {
+        "sd3": build_sd3_folder,
+        "flux": build_flux_folder,
         "flux-schnell": partial(build_flux_folder, guidance=False),
         "flux2": build_flux2_folder,
         "flux2-klein": partial(build_flux2_folder, variant="klein-base"),
@@ -158,15 +160,15 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
 
 @pytest.fixture(scope="session")
-def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sd3_folder(tiny_folder: Callable[[str], Path]) -> Path:
     """A tiny SD3-shaped pipeline folder (an MMDiT, two CLIP encoders, no T5), built once."""
-    return build_sd3_folder(tmp_path_factory.mktemp("tiny") / "sd3")
+    return tiny_folder("sd3")
 
 
 @pytest.fixture(scope="session")
-def flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def flux_folder(tiny_folder: Callable[[str], Path]) -> Path:
     """A tiny FLUX.1-dev-shaped pipeline folder (tests/support/tiny_pipelines.py), built once."""
-    return build_flux_folder(tmp_path_factory.mktemp("tiny") / "flux")
+    return tiny_folder("flux")
 
 
 # The tiers a developer deselects while working (`pytest -m "not (live or browser or fuzz or compile)"`);

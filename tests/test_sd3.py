@@ -1,6 +1,8 @@
-"""Stable Diffusion 3 (an MMDiT denoiser) as the third model family: images equal diffusers'
-StableDiffusion3Pipeline on 1 and 2 stages, batched requests equal their solo runs, and an SD3
-folder serves through the same HTTP API."""
+"""What is Stable Diffusion 3's own (an MMDiT denoiser): requests joining a running service at
+different steps equal their solo runs, its schedulers and sizes are checked, its plan names the
+transformer's blocks, and an SD3 folder on two stages serves `n=2` and `/v1/shards`. Its images
+against StableDiffusion3Pipeline (alone, batched, two stages, a sequence group, LoRA, quantized,
+over HTTP) are tests/test_families.py's battery; its edits, tests/test_edits.py."""
 
 from __future__ import annotations
 
@@ -16,45 +18,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.serving import Service
 from tests.support.live import live_server
-from tests.support.tiny_pipelines import IMAGE_SIZE, diffusers_image
 from tests.support.waiting import wait_until
 
 TOLERANCE = 1e-3
-
-
-def reference(folder: Path, request: GenerationRequest) -> np.ndarray:
-    pipe = StableDiffusion3Pipeline.from_pretrained(
-        folder, text_encoder_3=None, tokenizer_3=None, local_files_only=True, use_safetensors=True
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return diffusers_image(pipe, request)
-
-
-CASES = [
-    GenerationRequest("a red circle", negative_prompt="blue", seed=3, steps=5, guidance_scale=4.0),
-    GenerationRequest("a green square", seed=5, steps=4, guidance_scale=6.0),  # unset negative: ""
-    GenerationRequest("a white triangle", seed=7, steps=3, guidance_scale=1.0),  # no guidance: one row
-]
-
-
-@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu"])
-def test_images_match_stable_diffusion_3_pipeline(sd3_folder: Path, devices: str) -> None:
-    pipeline = Pipeline.load(sd3_folder, devices=devices, strategy="even")
-    assert len(pipeline.shard.plan.stages) == len(devices.split(","))
-    for request in CASES:
-        resolved = pipeline.resolve(request)
-        ours = pipeline.generate([request])[0]
-        theirs = reference(sd3_folder, resolved)
-        assert ours.shape == theirs.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
-        assert np.abs(ours - theirs).max() < TOLERANCE, request
-        assert ((ours > 0.01) & (ours < 0.99)).mean() > 0.5, "a saturated image would hide differences"
 
 
 def test_requests_that_join_at_different_steps_equal_their_solo_runs(sd3_folder: Path) -> None:

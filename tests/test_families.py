@@ -1,5 +1,5 @@
-"""The 2025-26 image families (issue 50: Qwen-Image, Qwen-Image-Edit and -2509, FLUX.2 [dev] and
-[klein], Z-Image) on tiny folders built from config under fixed seeds, each held to its diffusers
+"""The transformer image families (SD3, FLUX.1, Qwen-Image, Qwen-Image-Edit and -2509, FLUX.2 [dev]
+and [klein], Z-Image) on tiny folders built from config under fixed seeds, each held to its diffusers
 pipeline: images alone and batched, split over two stages (bit-identical to one), a sequence group
 of two, per-row LoRA (diffusers' and a trainer's keys), first-block caching beside adapted and
 plain rows in one call, img2img or edits by reference, quantized encoders, the fake-GPU harness,
@@ -23,10 +23,15 @@ import torch
 from diffusers import (
     Flux2KleinPipeline,
     Flux2Pipeline,
+    FluxImg2ImgPipeline,
+    FluxInpaintPipeline,
+    FluxPipeline,
     QwenImageImg2ImgPipeline,
     QwenImageInpaintPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3Pipeline,
     ZImageImg2ImgPipeline,
     ZImageInpaintPipeline,
     ZImagePipeline,
@@ -68,11 +73,60 @@ class Case:
     knobs: Callable[[GenerationRequest], dict[str, Any]]  # the pipeline's guidance arguments
     img2img: type | None = None  # its img2img pipeline, where edits start from the image
     inpaint: type | None = None  # and its inpainting pipeline
+    edits_elsewhere: str = "edits by reference (below)"  # why img2img or inpaint is None
+    absent: tuple[str, ...] = ()  # parts the folder leaves out, passed to the pipeline as None
+
+    def load(self, reference: type, folder: Path) -> Any:
+        """`reference` (this family's pipeline class, or its img2img or inpainting one) from the folder."""
+        parts = dict.fromkeys(self.absent)
+        pipe = reference.from_pretrained(folder, local_files_only=True, use_safetensors=True, **parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
 
 # the double blocks' attention and MLP, the single blocks' fused projection
 FLUX2_TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out", "qkv_mlp_proj")
 CASES = {
+    "sd3": Case(
+        StableDiffusion3Pipeline,
+        (
+            GenerationRequest("a red circle", guidance_scale=1.0, seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                negative_prompt="blurry",
+                guidance_scale=4.0,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "ff.net.2"),
+        lambda r: {"guidance_scale": r.guidance_scale},
+        StableDiffusion3Img2ImgPipeline,
+        edits_elsewhere="diffusers' SD3 inpainting decodes unshifted (diffusers#13611): test_edits.py",
+        absent=("text_encoder_3", "tokenizer_3"),  # no T5: the pipeline feeds zeros, as we do
+    ),
+    "flux": Case(  # FLUX.1 [dev]: embedded guidance (one row), and true CFG with a negative prompt
+        FluxPipeline,
+        (
+            GenerationRequest("a red circle", guidance_scale=3.5, seed=3, steps=3, width=32, height=32),
+            GenerationRequest(
+                "a green square on a long white table",
+                negative_prompt="blurry",
+                true_cfg_scale=4.0,
+                guidance_scale=5.0,
+                seed=4,
+                steps=3,
+                width=48,
+                height=32,
+            ),
+        ),
+        ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.2", "proj_mlp"),
+        lambda r: {"guidance_scale": r.guidance_scale, "true_cfg_scale": r.true_cfg_scale or 1.0},
+        FluxImg2ImgPipeline,
+        FluxInpaintPipeline,
+    ),
     "qwen-image": Case(
         QwenImagePipeline,
         (
@@ -161,8 +215,7 @@ def family(request, built) -> tuple[str, Path, Pipeline]:
 
 def theirs(name: str, folder: Path, request: GenerationRequest, lora: Path | None = None) -> np.ndarray:
     case = CASES[name]
-    pipe = case.reference.from_pretrained(folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = case.load(case.reference, folder)
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="style")
         pipe.set_adapters(["style"], [request.lora[0][1]])
@@ -223,31 +276,36 @@ def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
     assert lane.lane.groups.calls == requests[0].steps
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
-def test_edits_equal_the_familys_img2img_and_inpaint_pipelines(family, masked: bool) -> None:
+@pytest.mark.parametrize(
+    ("masked", "strength"),
+    [(False, 0.6), (True, 0.75), (True, 1.0)],
+    ids=["img2img", "inpaint", "inpaint-full"],
+)
+def test_edits_equal_the_familys_img2img_and_inpaint_pipelines(family, masked: bool, strength: float) -> None:
     name, folder, one = family
-    if CASES[name].img2img is None:
-        pytest.skip(f"{name} edits by reference (below)")
-    strength = 0.75 if masked else 0.6
+    reference = CASES[name].inpaint if masked else CASES[name].img2img
+    if reference is None:
+        pytest.skip(f"{name}: {CASES[name].edits_elsewhere}")
     edit = Edit(source_image(), left_half_mask() if masked else None, strength, keep_unmasked=False)
     asked = {**vars(CASES[name].requests[1]), "edit": edit, "steps": 5, "width": None, "height": None}
     request = one.resolve(GenerationRequest(**asked))
-    reference = CASES[name].inpaint if masked else CASES[name].img2img
-    pipe = reference.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    theirs = pipe(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        image=edit.image,
-        strength=strength,
-        num_inference_steps=5,
-        width=request.width,
-        height=request.height,
-        output_type="np",
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        **CASES[name].knobs(request),
-        **({"mask_image": edit.mask} if masked else {}),
-    ).images[0]
+    theirs = (
+        CASES[name]
+        .load(reference, folder)(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            image=edit.image,
+            strength=strength,
+            num_inference_steps=5,
+            width=request.width,
+            height=request.height,
+            output_type="np",
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+            **CASES[name].knobs(request),
+            **({"mask_image": edit.mask} if masked else {}),
+        )
+        .images[0]
+    )
     assert float(np.abs(one.generate([request])[0] - theirs).max()) < TOLERANCE
 
 
@@ -304,7 +362,7 @@ def test_prompts_of_other_lengths_make_calls_of_one_shape_which_compiled_graphs_
 
 def random_lora(name: str, folder: Path, out: Path) -> Path:
     """A rank-4 LoRA on the transformer's attention and MLP, in diffusers' keys."""
-    pipe = CASES[name].reference.from_pretrained(folder, local_files_only=True)
+    pipe = CASES[name].load(CASES[name].reference, folder)
     tensors: dict[str, torch.Tensor] = {}
     parts = (("transformer", pipe.transformer, CASES[name].lora_targets),)
     list(random_pairs(parts, torch.Generator().manual_seed(1), 4, tensors))
