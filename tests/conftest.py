@@ -126,9 +126,13 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     """Every family's tiny folder as published (its scheduler and config), by name; the modules
     import lazily: most runs ask for a few."""
     from tests.support.tiny_flux2 import build_flux2_folder
-    from tests.support.tiny_pipelines import build_wan_folder
+    from tests.support.tiny_pipelines import build_wan_folder, build_wan_i2v_folder
     from tests.support.tiny_qwenimage import build_qwen_image_folder
-    from tests.support.tiny_wan22 import build_wan22_ti2v_folder, build_wan22_two_expert_folder
+    from tests.support.tiny_wan22 import (
+        build_wan22_i2v_two_expert_folder,
+        build_wan22_ti2v_folder,
+        build_wan22_two_expert_folder,
+    )
     from tests.support.tiny_zimage import build_zimage_folder
 
     return {
@@ -140,7 +144,9 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "qwen-image": build_qwen_image_folder,
         "z-image": build_zimage_folder,
         "wan2.1": build_wan_folder,
+        "wan2.1-i2v": build_wan_i2v_folder,
         "wan2.2-a14b": build_wan22_two_expert_folder,
+        "wan2.2-i2v-a14b": build_wan22_i2v_two_expert_folder,
         "wan2.2-ti2v": build_wan22_ti2v_folder,
     }
 

@@ -1,7 +1,10 @@
-"""Wan 2.x's video transformer in the engine (issue 41, first part): a tiny `WanTransformer3DModel`
-(built from config, seed 0) as blocks equals diffusers' forward, unsplit, over two stages (its
-root `scale_shift_table` placed with the last block) and as a sequence group of 2 and 3 ranks;
-the planner counts every byte it holds."""
+"""Wan 2.1 on its own (issue 41): a tiny `WanTransformer3DModel` (built from config, seed 0) as
+blocks equals diffusers' forward, unsplit, over two stages (its root `scale_shift_table` placed
+with the last block) and as a sequence group of 2 and 3 ranks; bfloat16, frames and sizes checked
+against the model, images from a video model, videos and images stepped together, adapters with
+step caching and int8, and the plans at published sizes. What every video family is held to
+(WanPipeline's videos guided and not, image-to-video, joining, a sequence group, tiled decode) is
+tests/test_video_families.py's battery."""
 
 from __future__ import annotations
 
@@ -76,19 +79,6 @@ def wan_folder(tiny_folder):
     return tiny_folder("wan2.1")
 
 
-@pytest.mark.parametrize("guidance", [5.0, 1.0])  # guided: two rows; unguided: one
-def test_our_videos_equal_wan_pipelines_frame_for_frame(wan_folder, guidance: float) -> None:
-    pipeline = Pipeline.load(wan_folder, devices="cpu")
-    request = pipeline.resolve(
-        GenerationRequest(
-            "a red circle", negative_prompt="blue", seed=3, steps=3, guidance_scale=guidance, **VIDEO
-        )
-    )
-    mine, theirs = pipeline.generate([request])[0], wan_video(wan_folder, request)
-    assert mine.shape == theirs.shape == (9, 32, 32, 3)
-    assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.05
-
-
 def test_in_bfloat16_as_gpus_serve_it_the_vae_stays_float32_and_videos_follow_diffusers(wan_folder) -> None:
     """bfloat16, every GPU's default: the transformer computes in it though diffusers keeps its
     `scale_shift_table` in float32 (read as the model's dtype, the inputs were float32 and the
@@ -119,93 +109,6 @@ def test_in_bfloat16_as_gpus_serve_it_the_vae_stays_float32_and_videos_follow_di
         output_type="np",
     ).frames[0]
     assert float(np.abs(mine - theirs).mean()) * 255 <= 1 and float(theirs.std()) > 0.05
-
-
-def test_videos_joining_at_different_steps_and_a_group_give_what_they_give_alone(wan_folder) -> None:
-    """Batched under the folder's UniPC: two videos of 6 steps joining a 20-step one at its 3rd
-    and 5th steps; split: a 6-step video as a sequence group of 2."""
-    from server.engine import ParallelPlan
-    from server.pipeline.families import meta_denoiser
-    from server.pipeline.loading.folder import read_family
-
-    pipeline = Pipeline.load(wan_folder, devices="cpu")
-    asked = (("a red circle", 3, 20, 5.0), ("a blue square", 4, 6, 5.0), ("a green line", 5, 6, 1.0))
-    requests = [
-        pipeline.resolve(GenerationRequest(p, seed=s, steps=n, guidance_scale=g, **VIDEO))
-        for p, s, n, g in asked
-    ]
-    alone = [pipeline.generate([r])[0] for r in requests]
-    states = pipeline.start(requests[:1])
-    for joining in requests[1:]:
-        for _ in range(2):
-            pipeline.step([s for s in states if not s.done])
-        states += pipeline.start([joining])
-    while active := [s for s in states if not s.done]:
-        pipeline.step(active)
-    pipeline.decode(states)
-    for state, image in zip(states, alone, strict=True):
-        assert float(np.abs(state.image.numpy() - image).max()) < 1e-3
-        state.close()
-    one = plan_shards(meta_denoiser(read_family(wan_folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    lane = Pipeline.load(wan_folder, plan=plan).lanes()[0]
-    assert float(np.abs(lane.generate([requests[1]])[0] - alone[1]).max()) < 1e-3
-    assert lane.lane.groups.calls == requests[1].steps
-
-
-@pytest.mark.parametrize("guidance", [5.0, 1.0])
-def test_a_ti2v_5b_shaped_folder_makes_wan_pipelines_text_to_video(tiny_folder, guidance: float) -> None:
-    """Wan 2.2 TI2V-5B's shape (tests/support/tiny_wan22.py: a 48-channel VAE, 16x spatial with its 2x2
-    patches inside, `expand_timesteps`): text-to-video equals WanPipeline's, its per-token
-    timesteps all the step's."""
-    folder = tiny_folder("wan2.2-ti2v")
-    pipeline = Pipeline.load(folder, devices="cpu")
-    assert pipeline.family.vae_scale_factor == 16 and pipeline.family.size_multiple == 32
-    request = pipeline.resolve(
-        GenerationRequest(
-            "a red circle",
-            negative_prompt="blue",
-            seed=3,
-            steps=3,
-            guidance_scale=guidance,
-            width=64,
-            height=64,
-            frames=9,
-        )
-    )
-    mine = pipeline.generate([request])[0]
-    assert mine.shape == (9, 64, 64, 3)
-    assert float(np.abs(mine - wan_video(folder, request)).max()) < 1e-3
-
-
-def test_a_clip_decoded_in_tiles_equals_wan_pipelines_tiled_decode(wan_folder) -> None:
-    """--vae-tiling on (or auto, over the reserve): diffusers' own tiles (256 px), as WanPipeline
-    decodes with `vae.enable_tiling()`; 512 px wide, so it tiles (whole differs by 36/255)."""
-    from diffusers import WanPipeline
-
-    request = GenerationRequest(
-        "a red circle", seed=3, steps=2, guidance_scale=5.0, width=512, height=32, frames=5
-    )
-    tiled = Pipeline.load(wan_folder, devices="cpu", vae_tiling=True)
-    mine = tiled.generate([tiled.resolve(request)])[0]
-    whole = Pipeline.load(wan_folder, devices="cpu").generate([tiled.resolve(request)])[0]
-    pipe = WanPipeline.from_pretrained(wan_folder, local_files_only=True, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.vae.enable_tiling()
-    theirs = pipe(
-        prompt="a red circle",
-        height=32,
-        width=512,
-        num_frames=5,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-    ).frames[0]
-    assert float(np.abs(mine - theirs).max()) * 255 <= 2
-    assert float(np.abs(mine - whole).max()) * 255 > 10
 
 
 def test_frames_are_checked_against_the_model(wan_folder) -> None:
@@ -446,67 +349,15 @@ def test_wan_on_one_gpu_fits_its_batch_unless_one_is_asked(run_cli, config, memo
         assert "batch=4 " in four.stdout and "--max-batch:" not in four.stderr
 
 
-# Image-to-video (WanImageToVideoPipeline): our pipeline against diffusers'.
-
-
-@pytest.fixture(scope="module")
-def wan_i2v_folder(tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.tiny_pipelines import build_wan_i2v_folder
-
-    return build_wan_i2v_folder(tmp_path_factory.mktemp("wan") / "i2v")
-
-
-def test_our_image_to_video_equals_wan_image_to_video_pipelines(wan_i2v_folder, monkeypatch) -> None:
-    """Guided, 9 frames, 2 steps: the CLIP image tokens and the first frame's 20 channels as
-    WanImageToVideoPipeline makes them (its prompt cleaning calls ftfy, not installed here, where
-    WanPipeline's checks: WanPipeline's cleaning stands in, as ours is)."""
-    from diffusers import WanImageToVideoPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
-
-    monkeypatch.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)
-    pipeline, frame = Pipeline.load(wan_i2v_folder, devices="cpu"), first_frame()
-    request = pipeline.resolve(
-        GenerationRequest(
-            "a red circle",
-            negative_prompt="blue",
-            seed=3,
-            steps=2,
-            guidance_scale=5.0,
-            reference=frame,
-            **VIDEO,
-        )
-    )
-    mine = pipeline.generate([request])[0]
-    pipe = WanImageToVideoPipeline.from_pretrained(
-        wan_i2v_folder, local_files_only=True, use_safetensors=True
-    )
-    pipe.set_progress_bar_config(disable=True)
-    theirs = pipe(
-        image=frame,
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-    ).frames[0]
-    assert mine.shape == theirs.shape == (9, 32, 32, 3)
-    print("image-to-video, max |ours - diffusers'| × 255:", float(np.abs(mine - theirs).max()) * 255)
-    assert float(np.abs(mine - theirs).max()) * 255 <= 2 and float(theirs.std()) > 0.02
-
-
 def test_a_first_frame_is_asked_where_the_model_takes_one_and_refused_elsewhere(
-    wan_folder, wan_i2v_folder
+    wan_folder, tiny_folder
 ) -> None:
     from server.errors import InvalidRequest
     from server.pipeline.loading.folder import read_family
     from server.pipeline.resolve import resolve
     from server.requests.generation import Defaults
 
-    t2v, i2v = read_family(wan_folder), read_family(wan_i2v_folder)
+    t2v, i2v = read_family(wan_folder), read_family(tiny_folder("wan2.1-i2v"))
     defaults = Defaults(2, 5.0, "default", 32, 16, clip=Clip(9, (32, 32), 4))
     with pytest.raises(InvalidRequest, match="from text only") as refused:
         resolve(GenerationRequest("a cat", reference=first_frame(), **VIDEO), defaults, t2v)

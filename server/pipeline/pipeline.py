@@ -46,7 +46,7 @@ from server.pipeline.conditioning.adapters import Adapter, Adapters, Target
 from server.pipeline.conditioning.controlnets import ControlNets
 from server.pipeline.conditioning.edits import first_latents, keep_unmasked
 from server.pipeline.conditioning.live_changes import CHANGES, unknown_adapter
-from server.pipeline.loading.deployment import Deployment, ExpertSteps, Lane, Spare, matching
+from server.pipeline.loading.deployment import Deployment, ExpertSteps, GroupCalls, Lane, Spare, matching
 from server.pipeline.loading.folder import Components, load_components, read_family
 from server.pipeline.loading.parts import place_parts
 from server.pipeline.loading.quantized_parts import (
@@ -176,9 +176,9 @@ class Pipeline:
         """A view of this pipeline per lane of its deployment (`Deployment.lanes`): the
         encoders, VAE, pool and defaults are shared; each lane steps its own requests through
         its replica's shard, where the stage gates interleave the lanes."""
-        views, first = [], self.deployment
-        more = [d.lanes(spare and matching(spare, first, d), splits) for d in self.experts[1:]]
-        for i, lane in enumerate(first.lanes(spare, splits)):
+        views, first, groups = [], self.deployment, GroupCalls()
+        more = [d.lanes(spare and matching(spare, first, d), splits, groups) for d in self.experts[1:]]
+        for i, lane in enumerate(first.lanes(spare, splits, groups)):
             view = copy.copy(self)
             view.lane, view.shard, view.device = lane, lane.shard, lane.shard.device
             view.expert_lanes = (lane, *(lanes[i] for lanes in more))

@@ -260,9 +260,11 @@ class Service:
             "sequence_degree": self.pipeline.deployment.sequence,
             "sequence_every_call": self.pipeline.deployment.grouped,
             "tensor_degree": self.pipeline.deployment.tensor,
-            **self.loops[0].pipeline.lane.groups.view(),  # the lanes count together
+            **self.loops[0].pipeline.lane.groups.view(),  # the lanes (and experts) count together
             **({"experts": experts.view()} if len((experts := self.pipeline.expert_steps).names) > 1 else {}),
-            "helper_restarts": sum(w.restarts for loop in self.loops if (w := loop.pipeline.lane.workers)),
+            "helper_restarts": sum(
+                w.restarts for loop in self.loops for lane in loop.pipeline.expert_lanes if (w := lane.workers)
+            ),
             **self.busy(),
         }
 

@@ -212,14 +212,17 @@ class Deployment:
         ranks together (a rank holds only a share of the split blocks)."""
         return self.lanes()[0] if self.tensor > 1 else Lane(self.replicas[0])
 
-    def lanes(self, spare: Callable[[int], Spare] | None = None, splits: bool = True) -> list[Lane]:
+    def lanes(
+        self, spare: Callable[[int], Spare] | None = None, splits: bool = True, groups: GroupCalls | None = None
+    ) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
         for the micro-batches it sends them if it `splits` its rows over them (else it only
         takes their cores for a lone decode: `Lane.idle_cores`). Grouped: one lane, the other
         replicas always its; tensor groups: a lane per group (its ranks: `tensor` consecutive
-        replicas), every call on all of them."""
-        groups = GroupCalls()  # counted over every lane
+        replicas), every call on all of them. `groups`: where sequence calls are counted (one
+        count over every lane, a model's experts' too)."""
+        groups = groups or GroupCalls()
         if self.tensor > 1:
             ranks = [self.replicas[i : i + self.tensor] for i in range(0, len(self.replicas), self.tensor)]
             return [
