@@ -53,7 +53,14 @@ from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
-from server.settings import CompileSettings, JobSettings, LimitSettings, ModelSettings, Settings
+from server.settings import (
+    CompileSettings,
+    JobSettings,
+    LimitSettings,
+    ModelSettings,
+    ServerSettings,
+    Settings,
+)
 from server.settings.values import read_api_keys
 from server.startup import (
     check_runs_here,
@@ -334,6 +341,12 @@ def create_app(
         title="diffshard", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.settings, app.state.plan, app.state.on_fatal = settings, plan, on_fatal
+    # the routes' slices: what the API reads of the settings, and nothing else
+    app.state.server_settings = ServerSettings.of(settings)
+    app.state.model_settings, app.state.limit_settings = (
+        ModelSettings.of(settings),
+        LimitSettings.of(settings),
+    )
     app.state.serve_metrics, app.state.components = serve_metrics, components
     app.state.makes_videos = read_family(settings.model).clip is not None  # configs only
     # an edit form's text fields: a JSON body's bytes, and its controls' images in base64

@@ -86,7 +86,7 @@ def _unloading(name: str, users: int) -> dict[str, Any]:
 async def load_adapter(body: AdapterLoad, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Serve a LoRA file of --lora-dir from the next request on (admin keys only): it attaches
     between two steps, running requests unchanged. Answers what /v1/models lists for it."""
-    settings = request.app.state.settings
+    settings = request.app.state.model_settings
     folder = _admin_folder(request, "adapters", settings.lora_dir, "--lora-dir")
     if service.attached.serves_adapter(body.name):
         raise APIError(409, f"an adapter named {body.name!r} is served (or still unloading)", code="conflict")
@@ -111,7 +111,7 @@ async def unload_adapter(name: str, request: Request, service: ServiceDep) -> di
 async def load_controlnet(body: ControlNetLoad, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Serve a ControlNet folder of --controlnet-dir from the next request on (admin keys only).
     Answers what /v1/models lists for it; its bytes are beside the plan's, not planned."""
-    settings = request.app.state.settings
+    settings = request.app.state.model_settings
     folder = _admin_folder(request, "ControlNets", settings.controlnet_dir, "--controlnet-dir")
     if service.attached.serves_controlnet(body.name):
         message = f"a ControlNet named {body.name!r} is served (or still unloading)"

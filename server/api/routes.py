@@ -138,7 +138,7 @@ def _stream(
         on_progress=on_progress,
         owner=request.state.owner,
     )
-    keepalive_s = request.app.state.settings.sse_keepalive_s
+    keepalive_s = request.app.state.server_settings.sse_keepalive_s
     first = job.requests[0]
     fields = {
         "size": f"{first.width}x{first.height}",

@@ -192,7 +192,7 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
             raise
         asked = f"{body.seconds} s is {generation.frames} frames at {runner.fps} fps (--video-fps): "
         raise InvalidRequest("seconds", asked + err.message, err.limit) from None
-    settings, owner = request.app.state.settings, request.state.owner or ""
+    limits, owner = request.app.state.limit_settings, request.state.owner or ""
     job = VideoJob(
         new_job_id(),
         owner,
@@ -205,9 +205,9 @@ async def create_video(request: Request, service: ServiceDep, runner: RunnerDep)
     )
     # one key's share of the line, and the line: counted with the add, in one step
     reference = await asyncio.to_thread(reference_png, resolved)
-    refused = await runner.ask(runner.add, job, settings.key_queue_limit, settings.max_queue, reference)
+    refused = await runner.ask(runner.add, job, limits.key_queue_limit, limits.max_queue, reference)
     if refused == "owner":
-        raise KeyOverloaded(RETRY_AFTER_S, settings.key_queue_limit)
+        raise KeyOverloaded(RETRY_AFTER_S, limits.key_queue_limit)
     if refused is not None:
         raise Overloaded(RETRY_AFTER_S)
     return job.public()
@@ -259,7 +259,7 @@ async def video_progress_events(video_id: str, request: Request, runner: RunnerD
     answer): `diffshard.progress` at each change (status, step of steps), then `video.completed`
     or `video.failed` with the Video object."""
     job = await runner.ask(own_job, runner, request, video_id)
-    keepalive_s = request.app.state.settings.sse_keepalive_s
+    keepalive_s = request.app.state.server_settings.sse_keepalive_s
     return StreamingResponse(
         video_events(runner, job, request, keepalive_s),
         media_type="text/event-stream",

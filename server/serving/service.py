@@ -263,7 +263,10 @@ class Service:
             **self.loops[0].pipeline.lane.groups.view(),  # the lanes (and experts) count together
             **({"experts": experts.view()} if len((experts := self.pipeline.expert_steps).names) > 1 else {}),
             "helper_restarts": sum(
-                w.restarts for loop in self.loops for lane in loop.pipeline.expert_lanes if (w := lane.workers)
+                w.restarts
+                for loop in self.loops
+                for lane in loop.pipeline.expert_lanes
+                if (w := lane.workers)
             ),
             **self.busy(),
         }

@@ -213,7 +213,10 @@ class Deployment:
         return self.lanes()[0] if self.tensor > 1 else Lane(self.replicas[0])
 
     def lanes(
-        self, spare: Callable[[int], Spare] | None = None, splits: bool = True, groups: GroupCalls | None = None
+        self,
+        spare: Callable[[int], Spare] | None = None,
+        splits: bool = True,
+        groups: GroupCalls | None = None,
     ) -> list[Lane]:
         """A lane per replica × lanes_per_replica. `spare(i)`: where lane i finds idle replicas
         (the Service's view of the other lanes' loads); given, each lane gets helper threads
