@@ -227,6 +227,12 @@ class DenoiserSpec(Protocol):
     def sequence(self, model: nn.Module) -> SequenceSplit | None: ...
 
 
+def flow_timesteps(batch: int, device: torch.device | str) -> torch.Tensor:
+    """A flow-matching model's example timesteps, one per row: sigma·1000, float32 as its
+    scheduler makes them (not the model's dtype), spread so rows differ."""
+    return torch.linspace(1000.0, 1.0, batch, device=device)
+
+
 def stacked_layout(
     model: nn.Module, embed: tuple[str, ...], streams: tuple[str, ...], out: tuple[str, ...]
 ) -> Layout:

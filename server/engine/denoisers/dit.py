@@ -33,6 +33,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
+    flow_timesteps,
     present,
     stacked_layout,
 )
@@ -60,8 +61,7 @@ class SD3TransformerSpec:
         config = model.config
         size = (batch, config.in_channels, latent_size, latent_size)
         sample = torch.randn(size, dtype=dtype, device=device)
-        # Flow-matching timesteps are sigma·1000, float32 as the scheduler makes them; one per row.
-        timestep = torch.linspace(1000.0, 1.0, batch, device=device)
+        timestep = flow_timesteps(batch, device)
         tokens = CLIP_TOKENS + T5_TOKENS
         context = torch.randn(batch, tokens, config.joint_attention_dim, dtype=dtype, device=device)
         pooled = torch.randn(batch, config.pooled_projection_dim, dtype=dtype, device=device)

@@ -34,6 +34,7 @@ from server.engine.denoisers.blocks import (
     SequenceSplit,
     TensorSplit,
     diffusers_split,
+    flow_timesteps,
     stacked_layout,
 )
 from server.engine.denoisers.dit import TOKENS, dit_boundary, out, token_rows
@@ -79,7 +80,7 @@ class Flux2TransformerSpec:
         config = model.config
         size = (batch, config.in_channels, latent_size, latent_size)  # a latent pixel is a 2x2 patch
         sample = torch.randn(size, dtype=dtype, device=device)
-        timestep = torch.linspace(1000.0, 1.0, batch, device=device)
+        timestep = flow_timesteps(batch, device)
         context = torch.randn(batch, TEXT_TOKENS, config.joint_attention_dim, dtype=dtype, device=device)
         conditioning: dict[str, Any] = {}
         if config.guidance_embeds:

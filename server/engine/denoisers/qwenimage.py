@@ -39,6 +39,7 @@ from server.engine.denoisers.blocks import (
     SequenceSplit,
     TensorSplit,
     diffusers_split,
+    flow_timesteps,
     present,
     stacked_layout,
 )
@@ -67,7 +68,7 @@ class QwenImageTransformerSpec:
         config = model.config
         size = (batch, config.in_channels // 4, latent_size, latent_size)
         sample = torch.randn(size, dtype=dtype, device=device)
-        timestep = torch.linspace(1000.0, 1.0, batch, device=device)  # sigma·1000, one per row
+        timestep = flow_timesteps(batch, device)
         context = torch.randn(batch, TEXT_TOKENS, config.joint_attention_dim, dtype=dtype, device=device)
         mask = torch.ones(batch, TEXT_TOKENS, dtype=dtype, device=device)
         return DenoiserInputs(sample, timestep, context, {TEXT_MASK: mask})

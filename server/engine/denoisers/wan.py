@@ -34,6 +34,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
+    flow_timesteps,
     stacked_layout,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
@@ -63,7 +64,7 @@ class WanTransformerSpec:
         config = model.config
         size = (batch, config.in_channels, NATIVE_FRAMES, latent_size, latent_size)
         sample = torch.randn(size, dtype=dtype, device=device)
-        timestep = torch.linspace(1000.0, 1.0, batch, device=device)
+        timestep = flow_timesteps(batch, device)
         context = torch.randn(batch, UMT5_TOKENS, config.text_dim, dtype=dtype, device=device)
         image = {}
         if config.image_dim is not None:  # image-to-video

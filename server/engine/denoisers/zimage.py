@@ -37,6 +37,7 @@ from server.engine.denoisers.blocks import (
     Layout,
     SequenceSplit,
     TensorSplit,
+    flow_timesteps,
     stacked_layout,
 )
 from server.engine.denoisers.dit import dit_boundary, token_rows
@@ -65,7 +66,7 @@ class ZImageTransformerSpec:
     ) -> DenoiserInputs:
         config = model.config
         sample = torch.randn(batch, config.in_channels, latent_size, latent_size, dtype=dtype, device=device)
-        timestep = torch.linspace(1000.0, 1.0, batch, device=device)
+        timestep = flow_timesteps(batch, device)
         context = torch.randn(batch, TEXT_TOKENS, config.cap_feat_dim, dtype=dtype, device=device)
         mask = torch.ones(batch, TEXT_TOKENS, dtype=dtype, device=device)
         return DenoiserInputs(sample, timestep, context, {TEXT_MASK: mask})
