@@ -133,7 +133,6 @@ def test_the_layer_check_sees_through_a_re_export() -> None:
     assert defined_in("server.requests", "GenerationRequest") == "server.requests.generation"
 
 
-
 def test_the_api_reads_the_settings_only_through_its_slices() -> None:
     """Routes read `app.state.server_settings`, `model_settings`, `limit_settings` (server/app.py
     sets them: `Concern.of`), never the whole `Settings`."""
@@ -145,6 +144,7 @@ def test_the_api_reads_the_settings_only_through_its_slices() -> None:
         if "state.settings" in line
     ]
     assert not whole, f"API modules reading the whole settings: {whole}"
+
 
 def test_there_is_no_import_cycle_in_the_server_or_the_benchmarks() -> None:
     edges = graph("server", "benchmarks")
