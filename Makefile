@@ -67,7 +67,7 @@ run: $(VENV)/.runtime
 # The whole suite, a module to a worker (its module fixtures built once), each worker pinned to its
 # share of the CPUs (tests/conftest.py); at most 4 workers: each holds a torch and its servers.
 test: $(VENV)/.test test-tools lint
-	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

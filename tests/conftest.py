@@ -202,12 +202,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, names in TIERS.items():
             if path.name in names:
                 item.add_marker(getattr(pytest.mark, marker))
+    heaviest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu"):  # the marker, not a keyword: a test id may say gpu
             item.add_marker(skip)
+
+
+# A module's likely weight by its tier: what compiles takes minutes, what starts servers or a
+# browser tens of seconds, the rest seconds. `make test` hands modules to its workers in this
+# order (`--no-loadscope-reorder`; xdist's own order is by test count, which put the GPU check's
+# dry run, 3 tests and 2.5 minutes, last, its worker running alone at the end).
+WEIGHT_BY_TIER = ("compile", "fuzz", "browser", "live")
+
+
+def heaviest_first(items: list[pytest.Item]) -> None:
+    """Modules ordered by tier (WEIGHT_BY_TIER), then by their tests' count, each kept whole."""
+    modules: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(Path(item.fspath), []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> tuple[int, int]:
+        tiers = [i for i, tier in enumerate(WEIGHT_BY_TIER) if tests[0].get_closest_marker(tier)]
+        return (min(tiers, default=len(WEIGHT_BY_TIER)), -len(tests))
+
+    items[:] = [item for tests in sorted(modules.values(), key=weight) for item in tests]
 
 
 @pytest.fixture(scope="session")
