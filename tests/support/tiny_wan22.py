@@ -225,10 +225,12 @@ def wan_video(
     request: GenerationRequest,
     image: Image.Image | None = None,
     lora: tuple[Path, float] | None = None,
+    tiled: bool = False,
 ) -> np.ndarray:
     """WanPipeline's (with `image`: WanImageToVideoPipeline's) frames, [frames, height, width, 3] in
     [0, 1], for a `GenerationRequest` whose prompts, size, frames, steps, scales and seed are set;
-    with `lora` (a file, its scale) loaded as adapter "style" if given."""
+    with `lora` (a file, its scale) loaded as adapter "style" if given; `tiled`: decoded after
+    `vae.enable_tiling()`."""
     from diffusers import WanImageToVideoPipeline
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
@@ -239,6 +241,8 @@ def wan_video(
     if lora is not None:
         pipe.load_lora_weights(lora[0], adapter_name="style")
         pipe.set_adapters(["style"], [lora[1]])
+    if tiled:
+        pipe.vae.enable_tiling()
     return pipe(
         **({} if image is None else {"image": image}),
         prompt=request.prompt,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from diffusers import (
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
+    HunyuanVideo15Transformer3DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
@@ -19,6 +20,7 @@ from server.engine.denoisers.blocks import DenoiserSpec, Layout, part, tensors_o
 from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
 from server.engine.denoisers.flux2 import Flux2TransformerSpec
+from server.engine.denoisers.hunyuan15 import HunyuanVideo15TransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
@@ -32,6 +34,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (QwenImageTransformer2DModel, QwenImageTransformerSpec),
     (ZImageTransformer2DModel, ZImageTransformerSpec),
     (Flux2Transformer2DModel, Flux2TransformerSpec),
+    (HunyuanVideo15Transformer3DModel, HunyuanVideo15TransformerSpec),
 ]
 
 

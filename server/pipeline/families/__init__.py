@@ -14,6 +14,7 @@ from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
+from server.pipeline.families.hunyuan15 import HunyuanVideo15
 from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
@@ -31,6 +32,7 @@ FAMILIES: tuple[type[Family], ...] = (
     Flux2Klein,
     Wan,
     WanI2V,
+    HunyuanVideo15,
     QwenImage,
     QwenImageEdit,
     ZImage,

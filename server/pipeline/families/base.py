@@ -36,6 +36,7 @@ class ModelConfig:
     index: dict[str, Any]
     denoiser: dict[str, Any]
     vae: dict[str, Any] = field(default_factory=dict)
+    guider: dict[str, Any] = field(default_factory=dict)  # a pipeline's guider (newer ones have one)
 
 
 @dataclass

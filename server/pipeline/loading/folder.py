@@ -132,7 +132,11 @@ def read_family(folder: str | Path) -> Family:
     hint = f"the folder's {family.denoiser}/ and vae/ need a config.json"
     config = {**_defaults(family.denoiser_class), **_read_json(denoiser, hint)}
     vae_config = {**_defaults(class_of(index, "vae")), **_read_json(vae, hint)}
-    family = type(family)(ModelConfig(index, config, vae_config))
+    guider = root / "guider" / "guider_config.json"
+    guider_config = (
+        _read_json(guider, "its guider/ needs a guider_config.json") if _present(index, "guider") else {}
+    )
+    family = type(family)(ModelConfig(index, config, vae_config, guider_config))
     family.check_configs(str(root))
     return family
 

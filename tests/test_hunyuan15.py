@@ -1,0 +1,128 @@
+"""What is HunyuanVideo-1.5's own (issue 71), on the tiny folder `tests/support/tiny_hunyuan15.py`
+builds as published: prompts with quoted text (ByT5's glyph tokens) and without, of different
+lengths, batched in one call as each alone and as HunyuanVideo15Pipeline makes them; the
+guider's scale as the default; two stages as one device; folders it cannot serve as its
+pipeline does refused at load. Held to the pipeline beside the other video families (guided and
+not, joining, tiled decode): tests/test_video_families.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPHS
+from server.errors import ModelFolderError
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from tests.support.live import live_server
+from tests.support.tiny_hunyuan15 import GLYPH_DIM, GUIDANCE, SIDE, hunyuan_video
+
+# openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+VIDEO = {"width": SIDE, "height": SIDE, "frames": 5}
+QUOTED = 'a red sign saying "open" on a long white table'
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_folder) -> Path:
+    return tiny_folder("hunyuanvideo-1.5")
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder: Path) -> Pipeline:
+    return Pipeline.load(folder, devices="cpu")
+
+
+def alike(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+def test_quoted_text_reaches_the_glyph_encoder_and_the_video_is_the_pipelines(pipeline, folder) -> None:
+    """A prompt with quotes gives ByT5's tokens of `Text "open". ` (its bytes and </s>); one
+    without, zeros under an empty mask, as the pipeline encodes them."""
+    parts = pipeline.components
+    embeddings = pipeline.family.encode(pipeline.encoders, parts.tokenizers, [QUOTED, "a cat"])
+    glyphs, masks = embeddings.rows[GLYPHS], embeddings.rows[GLYPH_MASK]
+    assert glyphs.shape == (2, 256, GLYPH_DIM)
+    assert int(masks[0].sum()) == len('Text "open". ') + 1 and int(masks[1].sum()) == 0
+    assert not glyphs[1].any()
+    request = pipeline.resolve(GenerationRequest(QUOTED, negative_prompt="blurry", seed=3, steps=3, **VIDEO))
+    assert alike(pipeline.generate([request])[0], hunyuan_video(folder, request)) * 255 <= 2
+
+
+def test_prompts_of_other_lengths_share_a_call_as_each_alone(pipeline) -> None:
+    """A quoted prompt, a short one and a long one (their text columns cut to the call's longest)
+    step in one call a step and each equals its video alone."""
+    prompts = (QUOTED, "a cat", " ".join(["a green square on a long white table"] * 6))
+    requests = [
+        pipeline.resolve(GenerationRequest(p, seed=s, steps=3, guidance_scale=g, **VIDEO))
+        for p, s, g in zip(prompts, (3, 4, 5), (6.0, 1.0, 4.0), strict=True)
+    ]
+    alone = [pipeline.generate([r])[0] for r in requests]
+    rows: list[int] = []
+    step = pipeline.step
+    pipeline.step = lambda states: (rows.append(sum(s.rows for s in states)), step(states))[1]
+    try:
+        together = pipeline.generate(requests)
+    finally:
+        del pipeline.step
+    assert rows == [5, 5, 5]  # two guided rows, one unguided, two guided: one call a step
+    for mine, reference in zip(together, alone, strict=True):
+        assert alike(mine, reference) < 1e-3
+
+
+def test_the_guiders_scale_is_the_default_and_two_stages_give_one_devices_video(pipeline, folder) -> None:
+    request = pipeline.resolve(GenerationRequest("a red circle", seed=3, steps=2, **VIDEO))
+    assert request.guidance_scale == GUIDANCE == pipeline.family.default_guidance
+    two = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+    assert len(two.shard.plan.stages) == 2
+    split, whole = (torch.from_numpy(p.generate([request])[0]) for p in (two, pipeline))
+    assert torch.equal(split, whole)
+
+
+@pytest.mark.parametrize(
+    ("part", "change", "named"),
+    [
+        ("guider/guider_config.json", {"guidance_rescale": 0.7}, "guidance_rescale"),
+        ("guider/guider_config.json", {"_class_name": "AdaptiveProjectedGuidance"}, "Adaptive"),
+        ("transformer/config.json", {"task_type": "i2v"}, "image-to-video"),
+    ],
+)
+def test_a_folder_it_cannot_serve_as_its_pipeline_does_is_refused_naming_why(
+    folder: Path, tmp_path: Path, part: str, change: dict, named: str
+) -> None:
+    copy = Path(shutil.copytree(folder, tmp_path / "folder"))
+    config = json.loads((copy / part).read_text())
+    (copy / part).write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelFolderError, match=named):
+        Pipeline.load(copy, devices="cpu")
+
+
+def test_a_video_job_over_the_sdk_equals_the_pipeline_and_models_shows_the_guiders_scale(folder) -> None:
+    """/v1/videos as for Wan: the frames (lossless, `variant=frames`) within 2/255 of
+    HunyuanVideo15Pipeline's, at the guider's scale when the request names none."""
+    body = {"num_frames": 5, "seed": 3, "num_inference_steps": 3, "negative_prompt": "blurry"}
+    with live_server("--model", str(folder)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        video = client.videos.create_and_poll(
+            prompt=QUOTED, size=f"{SIDE}x{SIDE}", extra_body=body, poll_interval_ms=50
+        )
+        archive = client.videos.download_content(video.id, variant="frames").read()
+        listed = client.models.list().data[0].model_extra
+    assert video.status == "completed", video.error
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
+    request = GenerationRequest(QUOTED, "blurry", seed=3, steps=3, guidance_scale=GUIDANCE, **VIDEO)
+    theirs = (hunyuan_video(folder, request) * 255).round().astype(int)
+    assert frames.shape == theirs.shape == (5, SIDE, SIDE, 3)
+    assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
+    assert listed["family"]["name"] == "hunyuanvideo-1.5" and listed["defaults"]["guidance_scale"] == GUIDANCE
