@@ -126,3 +126,17 @@ def test_a_video_job_over_the_sdk_equals_the_pipeline_and_models_shows_the_guide
     assert frames.shape == theirs.shape == (5, SIDE, SIDE, 3)
     assert int(np.abs(frames.astype(int) - theirs).max()) <= 2
     assert listed["family"]["name"] == "hunyuanvideo-1.5" and listed["defaults"]["guidance_scale"] == GUIDANCE
+
+
+def test_the_480p_model_plans_on_one_80_gib_gpu_in_bfloat16_beside_its_encoders(run_cli) -> None:
+    """`plan --config hunyuanvideo-1.5-480p`: the 8.3 B transformer's 54 blocks (16.7 GB in
+    bfloat16) with Qwen2.5-VL-7B's language model, ByT5 and the VAE beside it (17.1 GB)."""
+    args = ("--devices", "cuda:0", "--max-memory", "cuda:0=80GiB", "--dtype", "bfloat16", "--json")
+    done = run_cli("plan", "--config", "hunyuanvideo-1.5-480p", *args)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    (stage,) = plan["stages"]
+    assert stage["blocks"] == ["embed", *(f"transformer_blocks.{i}" for i in range(54)), "out"]
+    (device,) = plan["devices"]
+    assert 16e9 < device["param_bytes"] < 17e9 and 16e9 < device["other_bytes"] < 18e9
+    assert device["param_bytes"] + device["activation_reserve"] + device["other_bytes"] <= device["budget"]

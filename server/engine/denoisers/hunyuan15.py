@@ -92,6 +92,7 @@ class HunyuanVideo15TransformerSpec:
             rows["sample"] = torch.cat([sample, zeros], dim=1)
         for mask in (TEXT_MASK, GLYPH_MASK):
             rows[mask] = rows[mask].to(torch.bool)
+        rows["timestep"] = rows["timestep"].to(sample.dtype)  # the pipeline's t.to(latents' dtype)
         return Flow(rows, {"size": tuple(sample.shape[2:]), "rotary": model.rope(sample)})  # no weights
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
