@@ -1,9 +1,10 @@
 """What is HunyuanVideo-1.5's own (issue 71), on the tiny folder `tests/support/tiny_hunyuan15.py`
 builds as published: prompts with quoted text (ByT5's glyph tokens) and without, of different
 lengths, batched in one call as each alone and as HunyuanVideo15Pipeline makes them; the
-guider's scale as the default; two stages as one device; folders it cannot serve as its
-pipeline does refused at load. Held to the pipeline beside the other video families (guided and
-not, joining, tiled decode): tests/test_video_families.py."""
+guider's scale as the default; two stages as one device; first-block caching and int8 beside a
+plain video; a video job over the openai SDK; `plan --config` at the published size; folders it
+cannot serve as its pipeline does refused at load. Held to the pipeline beside the other video
+families (guided and not, joining, tiled decode): tests/test_video_families.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPHS
 from server.errors import ModelFolderError
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
+from server.requests.step_cache import StepCache
 from tests.support.live import live_server
 from tests.support.tiny_hunyuan15 import GLYPH_DIM, GUIDANCE, SIDE, hunyuan_video
 
@@ -140,3 +142,31 @@ def test_the_480p_model_plans_on_one_80_gib_gpu_in_bfloat16_beside_its_encoders(
     (device,) = plan["devices"]
     assert 16e9 < device["param_bytes"] < 17e9 and 16e9 < device["other_bytes"] < 18e9
     assert device["param_bytes"] + device["activation_reserve"] + device["other_bytes"] <= device["budget"]
+
+
+def test_first_block_caching_and_int8_compose_with_a_plain_video_in_one_call(folder) -> None:
+    """On an int8-dynamic transformer and Qwen2.5-VL: a first-block-cached video (it reuses steps)
+    and a plain one step together, each as it steps alone, both within a few 255ths of float32's."""
+    quantized = Pipeline.load(
+        folder, devices="cpu", quantize="denoiser=int8-dynamic,text_encoder=int8-dynamic"
+    )
+    plain = GenerationRequest("a red circle", seed=3, steps=6, guidance_scale=1.0, **VIDEO)
+    cached = GenerationRequest(**{**vars(plain), "seed": 4, "step_cache": StepCache("first_block", 3, 0.2)})
+    requests = [quantized.resolve(r) for r in (plain, cached)]
+    alone = [quantized.generate([r])[0] for r in requests]
+    states = quantized.start(requests)
+    reused = 0
+    try:
+        while active := [s for s in states if not s.done]:
+            quantized.step(active)
+            reused += states[1].cache.last == "reused"
+        quantized.decode(states)
+        together = [s.image.numpy().copy() for s in states]
+    finally:
+        for state in states:
+            state.close()
+    assert reused >= 1
+    for mine, reference in zip(together, alone, strict=True):
+        assert alike(mine, reference) < 1e-3
+    full = Pipeline.load(folder, devices="cpu")
+    assert 0 < alike(alone[0], full.generate([full.resolve(plain)])[0]) * 255 < 8
