@@ -234,6 +234,12 @@ def bad_input_gets_a_4xx_naming_the_problem(base: str, first_keys_job: str) -> N
         client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 10})
     )
     assert (status, param) == (400, "num_frames") and "1 more than a multiple of 4" in message
+    # an unknown field: the hint is among the video body's fields, never the field itself (an
+    # image request's `scheduler` was suggested for `scheduler`)
+    status, param, message = error(client.post(url, json={"prompt": "a cat", "scheduler": "ddim"}))
+    assert (status, param) == (400, "scheduler") and "did you mean" not in message, message
+    status, param, message = error(client.post(url, json={"prompt": "a cat", "num_frame": 9}))
+    assert (status, param) == (400, "num_frame") and "did you mean 'num_frames'" in message, message
     none = client.post(url, json={"prompt": "a cat", "size": "32x32", "num_frames": 0})
     assert error(none)[:2] == (400, "num_frames") and "got 0" in error(none)[2]  # not the default clip
     picture = client.post(

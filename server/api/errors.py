@@ -230,7 +230,8 @@ def install_error_handlers(app: FastAPI) -> None:
         from server.api.schemas import ImageEditRequest, ImageGenerationRequest
 
         edit = request.url.path.endswith("/edits")
-        fields = (ImageEditRequest if edit else ImageGenerationRequest).model_fields
+        fields = getattr(request.state, "body_fields", None)  # a route validating its own body says whose
+        fields = fields or (ImageEditRequest if edit else ImageGenerationRequest).model_fields
         content_type = request.headers.get("content-type", "")
         message, param, code = _validation_message(list(err.errors()), content_type, fields)
         return envelope(400, message, param, code)

@@ -170,6 +170,7 @@ async def video_body(request: Request) -> VideoCreateRequest:
             return body
         return VideoCreateRequest.model_validate_json(await request.body())
     except ValidationError as err:
+        request.state.body_fields = VideoCreateRequest.model_fields  # "did you mean" among these
         raise RequestValidationError(err.errors()) from None
 
 
