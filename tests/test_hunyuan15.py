@@ -1,10 +1,11 @@
 """What is HunyuanVideo-1.5's own (issue 71), on the tiny folder `tests/support/tiny_hunyuan15.py`
 builds as published: prompts with quoted text (ByT5's glyph tokens) and without, of different
 lengths, batched in one call as each alone and as HunyuanVideo15Pipeline makes them; the
-guider's scale as the default; two stages as one device; first-block caching and int8 beside a
-plain video; a video job over the openai SDK; `plan --config` at the published size; folders it
-cannot serve as its pipeline does refused at load. Held to the pipeline beside the other video
-families (guided and not, joining, tiled decode): tests/test_video_families.py."""
+guider's scale as the default; two stages and sequence groups as one device; first-block
+caching and int8 beside a plain video; a video job over the openai SDK; `plan --config` at the
+published size; folders it cannot serve as its pipeline does refused at load. Held to the
+pipeline beside the other video families (guided and not, joining, tiled decode):
+tests/test_video_families.py."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ import pytest
 import torch
 from PIL import Image
 
+from server.engine import ParallelPlan, plan_shards
 from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPHS
 from server.errors import ModelFolderError
 from server.pipeline import Pipeline
+from server.pipeline.families import meta_denoiser
+from server.pipeline.loading.folder import read_family
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
 from tests.support.live import live_server
@@ -170,3 +174,21 @@ def test_first_block_caching_and_int8_compose_with_a_plain_video_in_one_call(fol
         assert alike(mine, reference) < 1e-3
     full = Pipeline.load(folder, devices="cpu")
     assert 0 < alike(alone[0], full.generate([full.resolve(plain)])[0]) * 255 < 8
+
+
+@pytest.mark.parametrize("degree", [2, 3])  # 2 heads: Ulysses at 2, the keys and values gathered at 3
+def test_a_sequence_group_gives_one_devices_videos_for_prompts_of_other_lengths(folder, degree: int) -> None:
+    """Each rank a slice of the video and of the text tokens; the blocks' mask of token pairs
+    taken as its keys' (`keys_of`): within 2/255 of one device, the quoted prompt's too."""
+    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    workers = tuple(f"cpu:{i}" for i in range(degree))
+    split = {"splits_lone": True, "sequence": degree, "grouped": True}
+    plan = ParallelPlan((one,) * degree, 1, 1, workers=workers, **split)
+    lane = Pipeline.load(folder, plan=plan).lanes()[0]
+    alone = Pipeline.load(folder, devices="cpu")
+    requests = [
+        alone.resolve(GenerationRequest(p, seed=s, steps=2, **VIDEO)) for p, s in ((QUOTED, 3), ("a cat", 4))
+    ]
+    for split, whole in zip(lane.generate(requests), alone.generate(requests), strict=True):
+        assert alike(split, whole) * 255 <= 2
+    assert lane.lane.groups.calls == 2

@@ -17,7 +17,8 @@ unpatchifying is glue in `end`. No skips.
 A text-to-video row has no image tokens: diffusers feeds 729 zero tokens, masked out of every
 attention (as keys and as queries), so they change no valid token; a call of text-to-video rows
 leaves them out (exact: a masked key's weight is 0). The text's padding stays, masked, cut to the
-call's longest prompt by the pipeline (`text_columns`), as Qwen-Image's is.
+call's longest prompt by the pipeline (`text_columns`), as Qwen-Image's is. In a sequence group
+each rank holds a slice of the video tokens and of the text tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from server.engine.denoisers.blocks import (
     DenoiserInputs,
     Flow,
     Layout,
+    SequenceSplit,
     flow_timesteps,
     stacked_layout,
 )
@@ -114,8 +116,18 @@ class HunyuanVideo15TransformerSpec:
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         return dit_boundary(model.transformer_blocks, "transformer_blocks")
 
-    def sequence(self, model: nn.Module) -> None:
-        return None
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Each block on a slice of the video tokens and of the text tokens (and their mask), with
+        the rotary frequencies of the video slice; the blocks' pair mask is taken as its keys'
+        (`runtime/sequence.py: keys_of`)."""
+        blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
+        return SequenceSplit(blocks, {"hidden": 1, "context": 1, "text_mask": 1}, rotary_slice)
+
+
+def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The rotary (cos, sin) [tokens, d] of a rank's video tokens."""
+    start, stop, _ = cuts["hidden"]
+    return {**shared, "rotary": tuple(x[start:stop] for x in shared["rotary"])}
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as HunyuanVideo15Transformer3DModel.forward runs them.

@@ -165,11 +165,12 @@ class Rank:
     ) -> torch.Tensor:
         """`F.scaled_dot_product_attention` of this rank's queries ([B, H, S_r, d]) over every
         rank's tokens; returns this rank's tokens of the output. A mask may only mask keys
-        ([B, 1, 1, S_r]: a padded prompt's tokens), gathered as the keys are."""
+        ([B, 1, 1, S_r]: a padded prompt's tokens), gathered as the keys are; a mask of pairs
+        is taken as its keys' (`keys_of`)."""
         if is_causal or dropout_p or enable_gqa:
             raise ValueError("sequence-parallel attention takes no causality, dropout or GQA")
         if attn_mask is not None and attn_mask.shape[-2] != 1:
-            raise ValueError("sequence-parallel attention takes a mask of keys only ([B, 1, 1, S])")
+            attn_mask = keys_of(attn_mask)
         if query.shape[1] % self.size == 0:
             return self._ulysses(query, key, value, attn_mask, scale)
         keys = self.gather((key, value, attn_mask))
@@ -215,6 +216,18 @@ def _joined(parts: list[Any], dim: int, here: torch.device) -> Any:
     if parts[0] is None:
         return None
     return torch.cat([part.to(here) for part in parts], dim=dim)
+
+
+def keys_of(mask: torch.Tensor) -> torch.Tensor:
+    """A joint attention's mask of (query, key) pairs, [B, 1, S, S], kept where both tokens are
+    valid (HunyuanVideo-1.5's processor builds it from its text mask), as the mask of its keys,
+    [B, 1, 1, S]: each valid query's row. Valid queries attend as they did; a padded query (its
+    row all masked: zeros) attends the valid keys instead, which reaches no valid token, since as
+    a key it stays masked, and its output is dropped at the end. A rank's slice always holds
+    valid queries (its video tokens), so the rows' union is the keys' mask."""
+    if mask.dtype != torch.bool:
+        raise ValueError("sequence-parallel attention takes a boolean mask of pairs, or a mask of keys")
+    return mask.any(dim=-2, keepdim=True)
 
 
 def _keys_mask(parts: Sequence[tuple], at: int, device: torch.device) -> torch.Tensor | None:
