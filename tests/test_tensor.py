@@ -218,21 +218,27 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
-@pytest.mark.parametrize("name", ["flux2", "qwen-image", "z-image"])
+@pytest.mark.parametrize("name", ["flux2", "qwen-image", "z-image", "hunyuanvideo-1.5"])
 def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> None:
     """FLUX.2 and Qwen-Image as diffusers' own `_tp_plan` declares them (FLUX.2's fused
     single-block projections as packed parts; Qwen-Image's modulation gathered beside it), Z-Image
-    by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve): a group of
-    two equals the unsplit call, each rank ≤ 0.55 of the split blocks."""
+    by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve), and
+    HunyuanVideo-1.5 as SD3's MMDiT: a group of two equals the unsplit call, each rank ≤ 0.55 of
+    the split blocks."""
     from server.pipeline.loading.folder import load_components
     from tests.support.tiny_flux2 import build_flux2_folder
+    from tests.support.tiny_hunyuan15 import build_hunyuan15_folder
     from tests.support.tiny_qwenimage import build_qwen_image_folder
     from tests.support.tiny_zimage import build_zimage_pipeline
 
     if name == "z-image":
         model = build_zimage_pipeline(dim=48, axes_dims=[12, 6, 6]).transformer
     else:
-        build = {"flux2": build_flux2_folder, "qwen-image": build_qwen_image_folder}[name]
+        build = {
+            "flux2": build_flux2_folder,
+            "qwen-image": build_qwen_image_folder,
+            "hunyuanvideo-1.5": build_hunyuan15_folder,
+        }[name]
         model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
     inputs = spec_for(model).example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))
     plain, out, shares, _ = group_of_two(model, inputs)

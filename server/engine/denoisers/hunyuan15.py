@@ -18,7 +18,8 @@ A text-to-video row has no image tokens: diffusers feeds 729 zero tokens, masked
 attention (as keys and as queries), so they change no valid token; a call of text-to-video rows
 leaves them out (exact: a masked key's weight is 0). The text's padding stays, masked, cut to the
 call's longest prompt by the pipeline (`text_columns`), as Qwen-Image's is. In a sequence group
-each rank holds a slice of the video tokens and of the text tokens.
+each rank holds a slice of the video tokens and of the text tokens; in a tensor group, a share of
+every block's heads and MLP features.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ from server.engine.denoisers.blocks import (
     TEXT_MASK,
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
     flow_timesteps,
     stacked_layout,
 )
-from server.engine.denoisers.dit import dit_boundary, out, token_rows
+from server.engine.denoisers.dit import QKV, dit_boundary, out, token_rows
 
 TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length: Qwen2.5-VL's tokens after the crop
 GLYPHS = "encoder_hidden_states_2"  # ByT5's tokens of the prompt's quoted text, [rows, 256, D2]
@@ -122,6 +125,17 @@ class HunyuanVideo15TransformerSpec:
         (`runtime/sequence.py: keys_of`)."""
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
         return SequenceSplit(blocks, {"hidden": 1, "context": 1, "text_mask": 1}, rotary_slice)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """Each double-stream block's joint attention by heads (both streams' projections; its q/k
+        norms are per head), both MLPs, and both AdaLN modulations gathered: as SD3's MMDiT."""
+        blocks = "transformer_blocks.*"
+        cuts = {f"{blocks}.attn.{p}": Cut.COLUMN for p in QKV}
+        cuts |= {f"{blocks}.attn.to_out.0": Cut.ROW, f"{blocks}.attn.to_add_out": Cut.ROW}
+        for ff in ("ff", "ff_context"):
+            cuts |= {f"{blocks}.{ff}.net.0.proj": Cut.COLUMN, f"{blocks}.{ff}.net.2": Cut.ROW}
+        cuts |= {f"{blocks}.{n}.linear": Cut.GATHERED for n in ("norm1", "norm1_context")}
+        return TensorSplit(self.sequence(model).blocks, cuts)
 
 
 def rotary_slice(shared: dict[str, Any], cuts: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
