@@ -2,8 +2,9 @@
 builds as published: prompts with quoted text (ByT5's glyph tokens) and without, of different
 lengths, batched in one call as each alone and as HunyuanVideo15Pipeline makes them; the
 guider's scale as the default; two stages and sequence groups as one device; first-block
-caching and int8 beside a plain video; a video job over the openai SDK; `plan --config` at the
-published size; folders it cannot serve as its pipeline does refused at load. Held to the
+caching and int8 beside a plain video; image-to-video sized and cropped by its frame as
+HunyuanVideo15ImageToVideoPipeline does; a video job over the openai SDK; `plan --config` at
+the published size; folders it cannot serve as its pipeline does refused at load. Held to the
 pipeline beside the other video families (guided and not, joining, tiled decode):
 tests/test_video_families.py."""
 
@@ -23,12 +24,13 @@ from PIL import Image
 
 from server.engine import ParallelPlan, plan_shards
 from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPHS
-from server.errors import ModelFolderError
+from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import Pipeline
 from server.pipeline.families import meta_denoiser
 from server.pipeline.loading.folder import read_family
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
+from tests.support.images import source_image
 from tests.support.live import live_server
 from tests.support.tiny_hunyuan15 import GLYPH_DIM, GUIDANCE, SIDE, hunyuan_video
 
@@ -100,7 +102,7 @@ def test_the_guiders_scale_is_the_default_and_two_stages_give_one_devices_video(
     [
         ("guider/guider_config.json", {"guidance_rescale": 0.7}, "guidance_rescale"),
         ("guider/guider_config.json", {"_class_name": "AdaptiveProjectedGuidance"}, "Adaptive"),
-        ("transformer/config.json", {"task_type": "i2v"}, "image-to-video"),
+        ("transformer/config.json", {"task_type": "i2v"}, "task_type is 'i2v'"),
     ],
 )
 def test_a_folder_it_cannot_serve_as_its_pipeline_does_is_refused_naming_why(
@@ -192,3 +194,21 @@ def test_a_sequence_group_gives_one_devices_videos_for_prompts_of_other_lengths(
     for split, whole in zip(lane.generate(requests), alone.generate(requests), strict=True):
         assert alike(split, whole) * 255 <= 2
     assert lane.lane.groups.calls == 2
+
+
+def test_image_to_video_sizes_the_video_by_the_frame_and_crops_it_as_the_pipeline(tiny_folder) -> None:
+    """A 2:1 first frame and no size: the video is `target_size`² pixels at the frame's aspect
+    (80×48 here), the frame resized to cover it and cropped, its SigLIP tokens and latents as
+    HunyuanVideo15ImageToVideoPipeline's: within 2/255. A text-only request is refused by name."""
+    folder = tiny_folder("hunyuanvideo-1.5-i2v")
+    pipeline = Pipeline.load(folder, devices="cpu")
+    frame = source_image(128).resize((128, 64))
+    asked = GenerationRequest("a red circle", "blurry", seed=3, steps=3, frames=5, reference=frame)
+    request = pipeline.resolve(asked)
+    assert (request.width, request.height) == (80, 48) and request.reference.size == (80, 48)
+    mine, theirs = pipeline.generate([request])[0], hunyuan_video(folder, request, frame)
+    assert mine.shape == theirs.shape == (5, 48, 80, 3)
+    assert alike(mine, theirs) * 255 <= 2
+    with pytest.raises(InvalidRequest) as refused:
+        pipeline.resolve(GenerationRequest("a red circle", frames=5))
+    assert refused.value.field == "input_reference"

@@ -47,9 +47,7 @@ CASES = {
     "wan2.1": Case(32, {"guidance_scale": 5.0}, "wan2.1-i2v"),
     "wan2.2-a14b": Case(32, {"guidance_scale": 4.0, "guidance_scale_2": 2.0}, "wan2.2-i2v-a14b"),
     "wan2.2-ti2v": Case(TI2V_SIZE, {"guidance_scale": 5.0}, None),
-    "hunyuanvideo-1.5": Case(
-        HUNYUAN_SIDE, {"guidance_scale": 6.0}, None, hunyuan_video, frozenset({"image"})
-    ),
+    "hunyuanvideo-1.5": Case(HUNYUAN_SIDE, {"guidance_scale": 6.0}, "hunyuanvideo-1.5-i2v", hunyuan_video),
 }
 
 

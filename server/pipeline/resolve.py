@@ -45,9 +45,17 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
 
 
 def resolve(request: GenerationRequest, defaults: Defaults, family: Family) -> GenerationRequest:
-    """`request` with every unset field filled in from `defaults`, checked against the model."""
+    """`request` with every unset field filled in from `defaults`, checked against the model. A
+    first frame without a size sizes the video where the family's pipeline sizes it by the image
+    (`reference_size`), and is fitted to the video's size as that pipeline fits it."""
+    unsized = request.reference is not None and request.width is None and request.height is None
+    if unsized and (size := family.reference_size(request.reference)) is not None:
+        request = replace(request, width=size[0], height=size[1])
     request = with_defaults(request, defaults)
     _check(request, family)
+    if request.reference is not None:
+        fitted = family.fit_reference(request.reference, request.width, request.height)
+        request = replace(request, reference=fitted)
     return request
 
 

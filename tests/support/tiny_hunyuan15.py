@@ -20,15 +20,18 @@ components (tests/pipelines/hunyuan_video1_5/test_hunyuan_1_5.py) with no downlo
 from __future__ import annotations
 
 import inspect
+import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo15,
     FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
 )
@@ -39,6 +42,9 @@ from transformers import (
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
 )
@@ -144,6 +150,36 @@ def _glyph_encoder(tokenizer: ByT5Tokenizer) -> T5EncoderModel:
 
 
 def build_hunyuan15_folder(folder: Path) -> Path:
+    HunyuanVideo15Pipeline(**_parts("t2v")).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_hunyuan15_i2v_folder(folder: Path) -> Path:
+    """`hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v`'s layout: the same parts (the transformer's
+    `task_type` i2v) and SigLIP's vision tower with its image processor (so400m-patch14-384's: 729
+    tokens of 1152; here 16 of IMAGE_DIM, over 14-pixel patches of 56-pixel images)."""
+    torch.manual_seed(0)
+    encoder = SiglipVisionModel(
+        SiglipVisionConfig(
+            hidden_size=IMAGE_DIM,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        )
+    ).eval()
+    processor = SiglipImageProcessor(size={"height": 56, "width": 56})
+    HunyuanVideo15ImageToVideoPipeline(
+        **_parts("i2v"), image_encoder=encoder, feature_extractor=processor
+    ).save_pretrained(folder, safe_serialization=True)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["feature_extractor"] = ["transformers", "SiglipImageProcessor"]  # its PIL stand-in here
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
+def _parts(task: str) -> dict[str, Any]:
     torch.manual_seed(0)
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * LATENT_CHANNELS + 1,
@@ -160,7 +196,7 @@ def build_hunyuan15_folder(folder: Path) -> Path:
         image_embed_dim=IMAGE_DIM,
         rope_axes_dim=(2, 2, 4),
         target_size=SIDE,
-        task_type="t2v",
+        task_type=task,
     ).eval()
     torch.manual_seed(0)
     vae = AutoencoderKLHunyuanVideo15(
@@ -175,17 +211,16 @@ def build_hunyuan15_folder(folder: Path) -> Path:
     text_encoder = _text_encoder(tokenizer)
     torch.manual_seed(0)
     glyph_encoder = _glyph_encoder(glyphs)
-    HunyuanVideo15Pipeline(
-        transformer=transformer,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=glyph_encoder,
-        tokenizer_2=glyphs,
-        guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE),
-    ).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return {
+        "transformer": transformer,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=SHIFT),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": glyph_encoder,
+        "tokenizer_2": glyphs,
+        "guider": ClassifierFreeGuidance(guidance_scale=GUIDANCE),
+    }
 
 
 def hunyuan_video(
@@ -193,20 +228,19 @@ def hunyuan_video(
 ) -> np.ndarray:
     """HunyuanVideo15Pipeline's frames [frames, height, width, 3] in [0, 1] for a request whose
     prompts, size, frames, steps, scale and seed are set: the scale is the guider's (a copy of
-    the folder's with it); `tiled`: decoded after `vae.enable_tiling()`. No `image` yet (its
-    image-to-video pipeline is not served)."""
-    if image is not None:
-        raise ValueError("HunyuanVideo15ImageToVideoPipeline: not served yet")
-    pipe = HunyuanVideo15Pipeline.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    the folder's with it); `tiled`: decoded after `vae.enable_tiling()`. With `image`,
+    HunyuanVideo15ImageToVideoPipeline's (its size is the image's, at `target_size`)."""
+    cls = HunyuanVideo15Pipeline if image is None else HunyuanVideo15ImageToVideoPipeline
+    pipe = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     pipe.guider = pipe.guider.new(guidance_scale=request.guidance_scale)
     if tiled:
         pipe.vae.enable_tiling()
+    sized = {"height": request.height, "width": request.width} if image is None else {"image": image}
     return pipe(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
-        height=request.height,
-        width=request.width,
+        **sized,
         num_frames=request.frames,
         num_inference_steps=request.steps,
         generator=torch.Generator("cpu").manual_seed(request.seed),

@@ -128,7 +128,7 @@ class HunyuanVideo15TransformerSpec:
 
     def tensor(self, model: nn.Module) -> TensorSplit:
         """Each double-stream block's joint attention by heads (both streams' projections; its q/k
-        norms are per head), both MLPs, and both AdaLN modulations gathered: as SD3's MMDiT."""
+        norms are per head), both MLPs, and both AdaLN modulations gathered: as dit.py's MMDiT."""
         blocks = "transformer_blocks.*"
         cuts = {f"{blocks}.attn.{p}": Cut.COLUMN for p in QKV}
         cuts |= {f"{blocks}.attn.to_out.0": Cut.ROW, f"{blocks}.attn.to_add_out": Cut.ROW}

@@ -14,7 +14,7 @@ from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
-from server.pipeline.families.hunyuan15 import HunyuanVideo15
+from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
 from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
@@ -33,6 +33,7 @@ FAMILIES: tuple[type[Family], ...] = (
     Wan,
     WanI2V,
     HunyuanVideo15,
+    HunyuanVideo15I2V,
     QwenImage,
     QwenImageEdit,
     ZImage,

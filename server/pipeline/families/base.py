@@ -193,6 +193,16 @@ class Family:
         `pixels` [1, 3, H, W] in [-1, 1]."""
         raise NotImplementedError(f"a {self.name} model takes no image")
 
+    def reference_size(self, image: Any) -> tuple[int, int] | None:
+        """Image-to-video: the (width, height) a first frame gives a video that names no size;
+        None: the clip's default size."""
+        return None
+
+    def fit_reference(self, image: Any, width: int, height: int) -> Any:
+        """Image-to-video: the first frame as the video's size takes it (here as it is: the VAE's
+        processor resizes it to the size, as WanImageToVideoPipeline does)."""
+        return image
+
     # 2. Latents and their schedule.
 
     @property

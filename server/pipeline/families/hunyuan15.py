@@ -27,7 +27,8 @@ from torch import nn
 from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
 from server.engine.denoisers.blocks import TEXT_MASK
-from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPH_TOKENS, GLYPHS, TEXT_TOKENS
+from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPH_TOKENS, GLYPHS, IMAGE, TEXT_TOKENS
+from server.engine.denoisers.wan import IMAGE as IMAGE_TOKENS
 from server.errors import ModelFolderError
 from server.pipeline.families.base import Family, TextEmbeddings
 from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
@@ -83,6 +84,7 @@ class HunyuanVideo15(Family):
     step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
     keep_precise: ClassVar[tuple[str, ...]] = ("proj_out",)  # the output head, as for the other DiTs
     default_steps: ClassVar[int] = 50
+    task: ClassVar[str] = "t2v"  # the transformer's `task_type` its pipeline takes
     reference_parts: ClassVar[dict[str, Any]] = {
         "text_encoder": lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN25_VL_7B_TEXT)),
         "text_encoder_2": lambda: T5EncoderModel(T5Config(**BYT5_SMALL_ENCODER)),
@@ -203,8 +205,78 @@ class HunyuanVideo15(Family):
                 f"{where}/guider/guider_config.json sets {', '.join(changed) or 'enabled: false'}; diffshard "
                 f"guides with the scale alone (set guidance_scale 1.0 to turn guidance off)"
             )
-        if self.config.denoiser.get("task_type", "t2v") != "t2v" or self.config.denoiser.get("use_meanflow"):
+        config, pipeline = self.config.denoiser, self.pipeline_classes[0]
+        if config.get("use_meanflow"):
             raise ModelFolderError(
-                f"{where}/transformer/config.json is an image-to-video or super-resolution model; "
-                f"{self.served}"
+                f"{where}/transformer/config.json is a super-resolution (meanflow) model; {self.served}"
+            )
+        task = config.get("task_type", "i2v")  # the class's default
+        if task != self.task:
+            raise ModelFolderError(
+                f"{where}/transformer/config.json's task_type is {task!r}, where a {pipeline} folder "
+                f"takes {self.task!r}; {self.served}"
+            )
+
+
+class HunyuanVideo15I2V(HunyuanVideo15):
+    """HunyuanVideo-1.5 image-to-video (`HunyuanVideo15ImageToVideoPipeline`): its text-to-video
+    with a first frame twice, as the pipeline does it. The frame sizes the video where the request
+    names no size (`target_size`² pixels at the image's aspect) and is resized to it by cropping;
+    SigLIP's vision encoder (`image_encoder`, `feature_extractor`) gives its 729 tokens
+    (`image_embeds`, the same on the negative row), and the VAE its latents: scaled, on the first
+    latent frame of C channels (zeros after) beside a one-channel mask (1 on that frame), the
+    C + 1 channels concatenated to the noise at every step. Every request needs its frame."""
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("HunyuanVideo15ImageToVideoPipeline",)
+    served: ClassVar[str] = "diffshard serves HunyuanVideo-1.5's text-to-video and image-to-video"
+    image_encoders: ClassVar[tuple[str, ...]] = ("image_encoder",)
+    processors: ClassVar[tuple[str, ...]] = ("feature_extractor",)
+    takes_reference: ClassVar[bool] = True
+    task: ClassVar[str] = "i2v"
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"hunyuanvideo-1.5-480p-i2v": {}}
+
+    def _processor(self) -> HunyuanVideo15ImageProcessor:
+        return HunyuanVideo15ImageProcessor(vae_scale_factor=self.vae_scale_factor, do_convert_rgb=True)
+
+    def reference_size(self, image: Any) -> tuple[int, int]:
+        height, width = self._processor().calculate_default_height_width(
+            image.size[1], image.size[0], self.native_size
+        )
+        return width, height
+
+    def fit_reference(self, image: Any, width: int, height: int) -> Any:
+        """Resized to cover the size and cropped to it, as the pipeline does (a frame already
+        that size stays as it is)."""
+        return self._processor().resize(image.convert("RGB"), height=height, width=width, resize_mode="crop")
+
+    def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """prepare_cond_latents_and_mask for one video of `frames` frames: [1, C + 1, latent
+        frames, h, w] float32."""
+        vae_device = next(vae.parameters()).device
+        latents = vae.encode(pixels[:, :, None].to(vae_device, vae.dtype)).latent_dist.mode()
+        latents = latents.to(torch.float32) * vae.config.scaling_factor
+        condition = latents.new_zeros(1, latents.shape[1] + 1, self.clip.latent(frames), *latents.shape[-2:])
+        condition[:, :-1, :1] = latents
+        condition[:, -1:, :1] = 1.0
+        return condition
+
+    def encode_images(self, encoder: nn.Module, processor: Any, images: list[Any]) -> torch.Tensor:
+        """SigLIP's last hidden states of each first frame, as the pipeline's `_get_image_embeds`."""
+        # imported here: its module imports SigLIP's image processor, which warns without
+        # torchvision, at every start of every family
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+        device = next(encoder.parameters()).device
+        return HunyuanVideo15ImageToVideoPipeline._get_image_embeds(encoder, processor, images, device)
+
+    def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+        kwargs = dict(extras)
+        kwargs[IMAGE] = kwargs.pop(IMAGE_TOKENS)  # the pipeline's key for a frame's tokens, the model's
+        return kwargs
+
+    def check(self, encoders: Sequence[nn.Module], denoiser: nn.Module) -> None:
+        super().check(encoders, denoiser)
+        if not self.config.index.get("image_encoder") or self.config.index["image_encoder"][0] is None:
+            raise ModelFolderError(
+                "a HunyuanVideo-1.5 image-to-video folder needs image_encoder (SigLIP) and feature_extractor"
             )
