@@ -24,7 +24,14 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
 from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 from torch import nn
-from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+from transformers import (
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    T5Config,
+    T5EncoderModel,
+)
 
 from server.engine.denoisers.blocks import TEXT_MASK
 from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPH_TOKENS, GLYPHS, IMAGE, TEXT_TOKENS
@@ -55,6 +62,14 @@ BYT5_SMALL_ENCODER = {
     "vocab_size": 1510,
     "feed_forward_proj": "gated-gelu",
     "is_encoder_decoder": False,
+}
+SIGLIP_SO400M = {  # google/siglip-so400m-patch14-384's vision tower: 729 tokens of 1152
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "image_size": 384,
+    "patch_size": 14,
 }
 HUNYUAN15_VAE = {
     "latent_channels": 32,
@@ -234,6 +249,10 @@ class HunyuanVideo15I2V(HunyuanVideo15):
     takes_reference: ClassVar[bool] = True
     task: ClassVar[str] = "i2v"
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"hunyuanvideo-1.5-480p-i2v": {}}
+    reference_parts: ClassVar[dict[str, Any]] = {
+        **HunyuanVideo15.reference_parts,
+        "image_encoder": lambda: SiglipVisionModel(SiglipVisionConfig(**SIGLIP_SO400M)),
+    }
 
     def _processor(self) -> HunyuanVideo15ImageProcessor:
         return HunyuanVideo15ImageProcessor(vae_scale_factor=self.vae_scale_factor, do_convert_rgb=True)
