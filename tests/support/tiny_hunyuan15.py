@@ -149,8 +149,9 @@ def _glyph_encoder(tokenizer: ByT5Tokenizer) -> T5EncoderModel:
     return T5EncoderModel(config).eval()
 
 
-def build_hunyuan15_folder(folder: Path) -> Path:
-    HunyuanVideo15Pipeline(**_parts("t2v")).save_pretrained(folder, safe_serialization=True)
+def build_hunyuan15_folder(folder: Path, **transformer: object) -> Path:
+    """`transformer`: other sizes of the transformer (the benchmarks' larger one)."""
+    HunyuanVideo15Pipeline(**_parts("t2v", **transformer)).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
@@ -179,25 +180,27 @@ def build_hunyuan15_i2v_folder(folder: Path) -> Path:
     return folder
 
 
-def _parts(task: str) -> dict[str, Any]:
+def _parts(task: str, **sizes: object) -> dict[str, Any]:
+    """The pipeline's parts; `sizes`: the transformer's other sizes."""
+    config = {
+        "in_channels": 2 * LATENT_CHANNELS + 1,
+        "out_channels": LATENT_CHANNELS,
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "num_layers": 2,
+        "num_refiner_layers": 2,
+        "mlp_ratio": 2.0,
+        "patch_size": 1,
+        "patch_size_t": 1,
+        "text_embed_dim": TEXT_DIM,
+        "text_embed_2_dim": GLYPH_DIM,
+        "image_embed_dim": IMAGE_DIM,
+        "rope_axes_dim": (2, 2, 4),
+        "target_size": SIDE,
+        "task_type": task,
+    }
     torch.manual_seed(0)
-    transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=2 * LATENT_CHANNELS + 1,
-        out_channels=LATENT_CHANNELS,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=2,
-        num_refiner_layers=2,
-        mlp_ratio=2.0,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=TEXT_DIM,
-        text_embed_2_dim=GLYPH_DIM,
-        image_embed_dim=IMAGE_DIM,
-        rope_axes_dim=(2, 2, 4),
-        target_size=SIDE,
-        task_type=task,
-    ).eval()
+    transformer = HunyuanVideo15Transformer3DModel(**(config | sizes)).eval()
     torch.manual_seed(0)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=LATENT_CHANNELS,
