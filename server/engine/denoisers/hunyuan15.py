@@ -50,13 +50,14 @@ GLYPHS = "encoder_hidden_states_2"  # ByT5's tokens of the prompt's quoted text,
 GLYPH_MASK = "encoder_attention_mask_2"
 GLYPH_TOKENS = 256  # tokenizer_2_max_length
 IMAGE = "image_embeds"  # SigLIP's tokens of a first frame, [rows, 729, D3] (image-to-video)
+IMAGE_TOKENS = 729  # siglip-so400m-patch14-384's: 27 × 27 patches
 NATIVE_LATENT = 30  # 480 px / 16 (480p); the planner's square stand-in for 848×480
 NATIVE_FRAMES = 31  # latent frames of 121 video frames (1 + 120 / 4)
 TEXT, GLYPH, PICTURE = 0, 1, 2  # cond_type_embed's rows
 
 
 class HunyuanVideo15TransformerSpec:
-    """`diffusers.HunyuanVideo15Transformer3DModel`: HunyuanVideo-1.5 text-to-video."""
+    """`diffusers.HunyuanVideo15Transformer3DModel`: HunyuanVideo-1.5, text- and image-to-video."""
 
     EMBEDDING = (
         "x_embedder",
@@ -83,11 +84,15 @@ class HunyuanVideo15TransformerSpec:
         sample = torch.randn(size, dtype=dtype, device=device)
         context = torch.randn(batch, TEXT_TOKENS, config.text_embed_dim, dtype=dtype, device=device)
         glyphs = torch.randn(batch, GLYPH_TOKENS, config.text_embed_2_dim, dtype=dtype, device=device)
-        masks = {
+        conditioning = {
+            GLYPHS: glyphs,
             TEXT_MASK: torch.ones(batch, TEXT_TOKENS, dtype=dtype, device=device),
             GLYPH_MASK: torch.ones(batch, GLYPH_TOKENS, dtype=dtype, device=device),
         }
-        return DenoiserInputs(sample, flow_timesteps(batch, device), context, {GLYPHS: glyphs, **masks})
+        if config.task_type == "i2v":  # a first frame's SigLIP tokens join the text
+            image = (batch, IMAGE_TOKENS, config.image_embed_dim)
+            conditioning[IMAGE] = torch.randn(image, dtype=dtype, device=device)
+        return DenoiserInputs(sample, flow_timesteps(batch, device), context, conditioning)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
         rows = token_rows(inputs, (TEXT_MASK, GLYPHS, GLYPH_MASK, IMAGE), "HunyuanVideo-1.5")
