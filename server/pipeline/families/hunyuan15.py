@@ -1,10 +1,11 @@
-"""HunyuanVideo-1.5 text-to-video (`HunyuanVideo15Pipeline`): a double-stream video transformer
-over 1×1×1 patches (`server/engine/denoisers/hunyuan15.py`), a 16× spatial, 4× temporal VAE (a
-video of 1 + 4k frames is 1 + k latent frames, scaled by `scaling_factor` alone), and two prompt
-encoders: Qwen2.5-VL's language model (the prompt in its chat template after the pipeline's
-system message, the hidden states three from the end, the system prefix cropped: 1000 tokens
-with a mask) and ByT5 over the prompt's quoted text (the glyph model: 256 tokens, zeros with an
-empty mask when nothing is quoted). Both come from the pipeline's own encoding functions, so the
+"""HunyuanVideo-1.5 text-to-video (`HunyuanVideo15Pipeline`; its image-to-video, `HunyuanVideo15I2V`
+below, adds a first frame): a double-stream video transformer over 1×1×1 patches
+(`server/engine/denoisers/hunyuan15.py`), a 16× spatial, 4× temporal VAE (a video of 1 + 4k
+frames is 1 + k latent frames, scaled by `scaling_factor` alone), and two prompt encoders:
+Qwen2.5-VL's language model (the prompt in its chat template after the pipeline's system
+message, the hidden states three from the end, the system prefix cropped: 1000 tokens with a
+mask) and ByT5 over the prompt's quoted text (the glyph model: 256 tokens, zeros with an empty
+mask when nothing is quoted). Both come from the pipeline's own encoding functions, so the
 templates, crops and glyph extraction are diffusers' to the byte.
 
 The guider (`guider/guider_config.json`, `ClassifierFreeGuidance`) is classifier-free guidance
@@ -89,7 +90,8 @@ PLAIN_GUIDER = {"guidance_rescale": 0.0, "use_original_formulation": False, "sta
 class HunyuanVideo15(Family):
     name: ClassVar[str] = "hunyuanvideo-1.5"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("HunyuanVideo15Pipeline",)
-    served: ClassVar[str] = "diffshard serves HunyuanVideo-1.5's text-to-video"  # refusals say it
+    # refusals say it
+    served: ClassVar[str] = "diffshard serves HunyuanVideo-1.5's text-to-video and image-to-video"
     denoiser: ClassVar[str] = "transformer"
     denoiser_class: ClassVar[type[nn.Module]] = HunyuanVideo15Transformer3DModel
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
@@ -243,7 +245,6 @@ class HunyuanVideo15I2V(HunyuanVideo15):
     C + 1 channels concatenated to the noise at every step. Every request needs its frame."""
 
     pipeline_classes: ClassVar[tuple[str, ...]] = ("HunyuanVideo15ImageToVideoPipeline",)
-    served: ClassVar[str] = "diffshard serves HunyuanVideo-1.5's text-to-video and image-to-video"
     image_encoders: ClassVar[tuple[str, ...]] = ("image_encoder",)
     processors: ClassVar[tuple[str, ...]] = ("feature_extractor",)
     takes_reference: ClassVar[bool] = True
