@@ -1,5 +1,6 @@
-"""A tiny HunyuanVideo-1.5 text-to-video folder with random weights, built from config under fixed
-seeds and saved as diffusers saves `HunyuanVideo15Pipeline` (safetensors), laid out as
+"""Tiny HunyuanVideo-1.5 folders (text-to-video, and image-to-video: `build_hunyuan15_i2v_folder`)
+with random weights, built from config under fixed seeds and saved as diffusers saves
+`HunyuanVideo15Pipeline` (safetensors), laid out as
 `hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v` is (diffusers'
 scripts/convert_hunyuan_video1_5_to_diffusers.py makes it): the transformer (`in_channels` =
 2 × latent channels + 1: the noise, a first frame's latents and its mask), the 16×-spatial,
