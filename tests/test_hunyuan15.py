@@ -212,3 +212,20 @@ def test_image_to_video_sizes_the_video_by_the_frame_and_crops_it_as_the_pipelin
     with pytest.raises(InvalidRequest) as refused:
         pipeline.resolve(GenerationRequest("a red circle", frames=5))
     assert refused.value.field == "input_reference"
+
+
+def test_a_vae_decode_that_cannot_compile_stays_eager_and_says_why(pipeline, caplog) -> None:
+    """Its VAE branches on its data (dynamo refuses to trace it): the decoder's compile gives up
+    with a warning naming the VAE, decodes eagerly as before, and raises nothing (it failed the
+    whole background compile, the denoiser's graphs with it)."""
+    from server.engine.runtime.compile import CompiledDecoder
+    from server.engine.runtime.graphs import CompileStats, GraphStore
+
+    vae = pipeline.vae
+    latents = torch.randn(1, vae.config.latent_channels, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    decoder = CompiledDecoder(vae, GraphStore(None, ["cpu"], CompileStats("blocks")))
+    with caplog.at_level("WARNING", logger="diffshard"), torch.inference_mode():
+        assert decoder.warm(latents) is None
+        assert decoder.eager_only and "cannot compile AutoencoderKLHunyuanVideo15's decode" in caplog.text
+        assert decoder.warm(latents) is None  # tried once
+        assert torch.equal(decoder(latents), vae.decode(latents, return_dict=False)[0])

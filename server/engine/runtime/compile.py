@@ -36,6 +36,7 @@ graph never calls) run eagerly: the call plan says so.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -54,6 +55,8 @@ from server.engine.denoisers.blocks import (
 )
 from server.engine.runtime.frozen import Freezer
 from server.engine.runtime.graphs import GraphStore
+
+log = logging.getLogger("diffshard")
 
 
 class CompileMode(enum.StrEnum):
@@ -291,16 +294,30 @@ class CompiledDecoder:
         self._counts: list[int] = []
         device = str(next(vae.parameters()).device)
         self._freezer = Freezer(vae, [device], True, store)  # on a CPU: 1 image first, then 2 …
+        self.eager_only: str | None = None  # why this VAE's decode cannot compile, once found
 
     def warm(self, latents: torch.Tensor) -> tuple | None:
-        """The graph for `latents`' shape; its key if added here (`drop` takes it)."""
+        """The graph for `latents`' shape; its key if added here (`drop` takes it). A decode that
+        cannot be traced (HunyuanVideo-1.5's VAE branches on its data) stays eager, and the
+        denoiser's graphs serve regardless."""
         key = signature(latents)
-        if key in self._graphs or decodes_in_tiles(self.vae, latents.shape):
+        if key in self._graphs or self.eager_only or decodes_in_tiles(self.vae, latents.shape):
             return None
         what = {"graph": "decoder", "class": type(self.vae).__name__, "config": self.vae.config, "in": key}
         graph = self._freezer.freeze(what, key, holding_decoder(self.vae), (latents,))
         if graph is None:
-            stored = self.store.get(self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae})
+            try:
+                stored = self.store.get(
+                    self.store.key(what), run_decoder, (self.vae, latents), {"vae": self.vae}
+                )
+            except Exception as err:  # dynamo's refusals have no common class
+                self.eager_only = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                log.warning(
+                    "cannot compile %s's decode (%s): it decodes eagerly",
+                    type(self.vae).__name__,
+                    self.eager_only,
+                )
+                return None
             graph = partial(stored, self.vae)
         self._graphs[key] = graph
         self._counts = sorted({*self._counts, latents.shape[0]})
