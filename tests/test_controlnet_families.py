@@ -300,16 +300,10 @@ def test_controlnets_another_model_cannot_run_are_refused_naming_why(family: Con
 def test_a_flux_sequence_group_cuts_the_residuals_with_the_image_tokens(flux: Controlled) -> None:
     """A group of two (every call: `--parallel sequence`) cuts a ControlNet's residuals with the
     image tokens they add to: the controlled image of one worker, every step a group call."""
-    from server.engine import ParallelPlan, plan_shards
-    from server.pipeline.families import meta_denoiser
-    from server.pipeline.loading.folder import read_family
+    from tests.support.denoisers import sequence_lane
 
     request = flux.pipeline.resolve(replace(FLUX, control=tuple(ASKED["two at once"])))
-    one = plan_shards(meta_denoiser(read_family(flux.folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    lane = Pipeline.load(flux.folder, plan=plan).lanes()[0]
+    lane = sequence_lane(flux.folder)
     for name, net in flux.nets.items():
         lane.controlnets.add(name, copy.deepcopy(net))
     grouped = lane.generate([request])[0]

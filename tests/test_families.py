@@ -39,14 +39,14 @@ from diffusers import (
 from PIL import Image
 from safetensors.torch import save_file
 
-from server.engine import ModelShard, ParallelPlan, plan_shards
+from server.engine import ModelShard, plan_shards
 from server.pipeline import Pipeline
 from server.pipeline.conditioning.lora_keys import read_adapter
-from server.pipeline.families import meta_denoiser
 from server.pipeline.loading.folder import read_family
 from server.pipeline.steps.state import group_states
 from server.requests import Edit, GenerationRequest
 from server.requests.step_cache import StepCache
+from tests.support.denoisers import sequence_lane
 from tests.support.images import left_half_mask, source_image
 from tests.support.live import live_server
 from tests.support.lora import random_pairs
@@ -256,21 +256,12 @@ def test_images_equal_diffusers_alone_batched_and_split_over_two_stages(family) 
         assert torch.equal(torch.from_numpy(split), torch.from_numpy(whole))
 
 
-def grouped(folder: Path) -> Pipeline:
-    """A lane of two CPU workers splitting every call's tokens (a sequence group of two)."""
-    plain = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (plain, plain), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    return Pipeline.load(folder, plan=plan).lanes()[0]
-
-
 def test_a_sequence_group_of_two_gives_the_one_device_images(family) -> None:
     """Rows of prompts of different lengths (their padding masked) split by tokens over two ranks."""
     name, folder, one = family
     requests = [one.resolve(r) for r in CASES[name].requests]
     requests[1] = one.resolve(GenerationRequest(**{**vars(CASES[name].requests[1]), "width": 32}))
-    lane = grouped(folder)
+    lane = sequence_lane(folder)
     for split, alone in zip(lane.generate(requests), one.generate(requests), strict=True):
         assert float(np.abs(split - alone).max()) * 255 <= 2
     assert lane.lane.groups.calls == requests[0].steps
@@ -315,7 +306,7 @@ def test_a_group_whose_heads_do_not_split_gathers_keys_with_their_mask(tmp_path)
     folder = build_qwen_image_folder(tmp_path / "three-heads", heads=3)
     one = Pipeline.load(folder, devices="cpu")
     requests = [one.resolve(replace(r, width=32)) for r in CASES["qwen-image"].requests]
-    for split, alone in zip(grouped(folder).generate(requests), one.generate(requests), strict=True):
+    for split, alone in zip(sequence_lane(folder).generate(requests), one.generate(requests), strict=True):
         assert float(np.abs(split - alone).max()) * 255 <= 2
 
 
@@ -595,7 +586,7 @@ def test_flux2_edits_by_reference_equal_the_pipelines_and_batch_by_layout(flux2_
         if variant == "dev":  # the reference tokens over two stages (bit for bit) and a group of two
             staged = Pipeline.load(flux2_folders[variant], devices="cpu,cpu", strategy="even")
             assert torch.equal(torch.from_numpy(staged.generate(requests[1:])[0]), torch.from_numpy(alone[1]))
-            split = grouped(flux2_folders[variant]).generate(requests[1:])[0]
+            split = sequence_lane(flux2_folders[variant]).generate(requests[1:])[0]
             assert float(np.abs(split - alone[1]).max()) * 255 <= 2
         states = pipeline.start(requests)
         try:
@@ -658,7 +649,7 @@ def test_qwen_image_edits_equal_the_edit_pipelines_alone_and_batched(qwen_edit_f
     if kind == "edit":  # the reference tokens over two stages (bit for bit) and a group of two
         staged = Pipeline.load(folder, devices="cpu,cpu", strategy="even").generate(requests[1:])[0]
         assert torch.equal(torch.from_numpy(staged), torch.from_numpy(alone[1]))
-        assert float(np.abs(grouped(folder).generate(requests[1:])[0] - alone[1]).max()) * 255 <= 2
+        assert float(np.abs(sequence_lane(folder).generate(requests[1:])[0] - alone[1]).max()) * 255 <= 2
 
 
 def test_a_qwen_edit_model_wants_an_image_and_plus_takes_several_over_http(qwen_edit_folders) -> None:

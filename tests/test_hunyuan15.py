@@ -22,14 +22,12 @@ import pytest
 import torch
 from PIL import Image
 
-from server.engine import ParallelPlan, plan_shards
 from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPHS
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import Pipeline
-from server.pipeline.families import meta_denoiser
-from server.pipeline.loading.folder import read_family
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
+from tests.support.denoisers import sequence_lane
 from tests.support.images import source_image
 from tests.support.live import live_server
 from tests.support.tiny_hunyuan15 import GLYPH_DIM, GUIDANCE, SIDE, hunyuan_video
@@ -182,11 +180,7 @@ def test_first_block_caching_and_int8_compose_with_a_plain_video_in_one_call(fol
 def test_a_sequence_group_gives_one_devices_videos_for_prompts_of_other_lengths(folder, degree: int) -> None:
     """Each rank a slice of the video and of the text tokens; the blocks' mask of token pairs
     taken as its keys' (`keys_of`): within 2/255 of one device, the quoted prompt's too."""
-    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    workers = tuple(f"cpu:{i}" for i in range(degree))
-    split = {"splits_lone": True, "sequence": degree, "grouped": True}
-    plan = ParallelPlan((one,) * degree, 1, 1, workers=workers, **split)
-    lane = Pipeline.load(folder, plan=plan).lanes()[0]
+    lane = sequence_lane(folder, degree)
     alone = Pipeline.load(folder, devices="cpu")
     requests = [
         alone.resolve(GenerationRequest(p, seed=s, steps=2, **VIDEO)) for p, s in ((QUOTED, 3), ("a cat", 4))

@@ -33,7 +33,7 @@ from server.pipeline.loading.deployment import Lane
 from server.requests import GenerationRequest
 from server.requests.step_cache import StepCache
 from tests.conftest import Cli
-from tests.support.denoisers import as_request, tiny_transformers
+from tests.support.denoisers import as_request, sequence_lane, tiny_transformers
 from tests.support.images import pixels
 from tests.support.live import LiveServer, live_server
 from tests.support.tiny_pipelines import diffusers_image
@@ -264,10 +264,7 @@ def test_a_helper_killed_mid_request_fails_it_with_503_and_is_replaced(grouped) 
 def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, tmp_path: Path) -> None:
     """One engine path: a request with a LoRA adapter and first-block caching on an int8-dynamic
     base, as a group of two (every call: `--parallel sequence`), gives its one-worker image."""
-    from server.engine import ParallelPlan
     from server.pipeline.conditioning.lora_keys import read_adapter
-    from server.pipeline.families import meta_denoiser
-    from server.pipeline.loading.folder import read_family
     from tests.support.lora import random_lora
 
     style = random_lora(sd3_folder, tmp_path / "style.safetensors", 1, "sd3")
@@ -287,11 +284,7 @@ def test_adapters_step_caching_and_int8_compose_with_a_group(sd3_folder: Path, t
         return pipeline.generate([pipeline.resolve(request)])[0]
 
     alone = image(Pipeline.load(sd3_folder, devices="cpu", quantize="int8-dynamic"))
-    one = plan_shards(meta_denoiser(read_family(sd3_folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    lane = Pipeline.load(sd3_folder, plan=plan, quantize="int8-dynamic").lanes()[0]
+    lane = sequence_lane(sd3_folder, quantize="int8-dynamic")
     assert float(np.abs(image(lane) - alone).max()) * 255 <= 2
     assert lane.lane.groups.calls == request.steps
 

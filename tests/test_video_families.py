@@ -17,11 +17,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server.engine import ParallelPlan, plan_shards
 from server.pipeline import Pipeline
-from server.pipeline.families import meta_denoiser
-from server.pipeline.loading.folder import read_family
 from server.requests import GenerationRequest
+from tests.support.denoisers import sequence_lane
 from tests.support.tiny_hunyuan15 import SIDE as HUNYUAN_SIDE
 from tests.support.tiny_hunyuan15 import hunyuan_video
 from tests.support.tiny_wan22 import TI2V_SIZE, wan_video
@@ -130,11 +128,7 @@ def test_videos_joining_at_later_steps_and_a_sequence_group_give_what_they_give_
             state.close()
     if "sequence" in CASES[name].not_yet:
         return  # its spec splits no tokens yet
-    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
-    plan = ParallelPlan(
-        (one, one), 1, 1, workers=("cpu:0", "cpu:1"), splits_lone=True, sequence=2, grouped=True
-    )
-    lane = Pipeline.load(folder, plan=plan).lanes()[0]
+    lane = sequence_lane(folder)
     assert alike(lane.generate([requests[1]])[0], alone[1]) < 1e-3
     assert lane.lane.groups.calls == requests[1].steps  # every expert's calls (A14B: both) counted
 

@@ -51,6 +51,18 @@ def split_lone(folder: Path, request: list, prepare=lambda pipeline: pipeline, s
         service.close()
 
 
+def sequence_lane(folder: Path, degree: int = 2, **load) -> Pipeline:
+    """A lane of `degree` CPU workers splitting every call's tokens (a sequence group; `load`:
+    more of `Pipeline.load`'s options)."""
+    from server.pipeline.loading.folder import read_family
+
+    one = plan_shards(meta_denoiser(read_family(folder)), "cpu", "memory")
+    workers = tuple(f"cpu:{i}" for i in range(degree))
+    split = {"splits_lone": True, "sequence": degree, "grouped": True}
+    plan = ParallelPlan((one,) * degree, 1, 1, workers=workers, **split)
+    return Pipeline.load(folder, plan=plan, **load).lanes()[0]
+
+
 def tiny_transformers() -> dict[str, tuple[torch.nn.Module, DenoiserInputs]]:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
