@@ -99,6 +99,7 @@ class Pipeline:
         self.denoiser_dtype = compute_dtype(components.denoiser)
         spread = [] if encoder_device else deployment.encoder_spread()  # see loading/parts.py
         self.encoders, self.vae = place_parts(components, self.encoder_device, spread, vae_tiling)
+        self.sound_parts = tuple(part.to(self.encoder_device) for part in components.sound_parts)
         self.defaults = defaults or read_defaults(components.folder, self.family)
         self.family.check(self.encoders, components.denoiser)
         self.family.attach(self.vae)
@@ -231,7 +232,7 @@ class Pipeline:
         zero_unset = self.family.zero_unset_negative
         texts, asking, shown = [], [], []  # each text, its request's adapters and its edit's images
         for r in requests:
-            negative = self.rows(r) == 2 and not (zero_unset and r.negative_prompt is None)
+            negative = self.family.negative_row(r) and not (zero_unset and r.negative_prompt is None)
             for text in [r.negative_prompt or ""] * negative + [r.prompt]:
                 texts.append(text)
                 asking.append(r.lora)
@@ -252,9 +253,9 @@ class Pipeline:
         try:
             row = 0
             for i, r in enumerate(requests):
-                guided, zeros = self.rows(r) == 2, zero_unset and r.negative_prompt is None
+                guided, zeros = self.family.negative_row(r), zero_unset and r.negative_prompt is None
                 take = 1 + (guided and not zeros)
-                own = embeddings.take(row, take, zero_negative=guided and zeros)
+                own = self.family.more_rows(embeddings.take(row, take, zero_negative=guided and zeros), r)
                 row += take
                 references, layout = self.family.references(self.vae, r, own.context.shape[0])
                 extras = {**self.family.extras(own.pooled, r), **own.rows, **references}
@@ -281,7 +282,7 @@ class Pipeline:
         scope = PoolScope(self.pool)
         try:
             family = self.family
-            shape = family.latent_shape(request.width, request.height, request.frames)
+            shape = family.request_shape(request)
             scheduler = make_scheduler(self.components.scheduler, request.scheduler)
             # the schedule on the host, as a GPU pipeline's sigmas are: schedulers index their
             # tables by the timestep and compare it, each a read that waits for the GPU
@@ -307,10 +308,12 @@ class Pipeline:
                 dtype=self.denoiser_dtype,
                 frames=request.frames,
                 reference=request.reference,
+                shape=shape,
             )
             kept = {}
             for name, rows in {"context": context, **extras}.items():
-                kept[name] = scope.rent(rows.shape, self.denoiser_dtype, self.device)
+                dtype = torch.float32 if name in family.precise_rows else self.denoiser_dtype
+                kept[name] = scope.rent(rows.shape, dtype, self.device)
                 kept[name].copy_(rows)
             return RequestState(
                 request,
@@ -359,7 +362,7 @@ class Pipeline:
                 due = [(s, k, x0) for s, k, x0 in previews if any(s is g for g in group)]
                 for start in range(0, len(due), count := per_call(group)):
                     chunk = due[start : start + count]
-                    pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]))
+                    pixels = self._pixels(torch.cat([x0 for _, _, x0 in chunk]), chunk[0][0].request)
                     for (state, index, _), image in zip(chunk, pixels, strict=True):
                         state.preview = (index, state.frames_last(image).float().cpu())
 
@@ -387,14 +390,20 @@ class Pipeline:
             self._decode(states[start : start + count])
         return [s.image for s in states]
 
-    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] in [0, 1], one VAE call
-        latents = self.family.unscale_latents(latents.to(self.encoder_device, self.vae.dtype))
+    def _pixels(self, latents: torch.Tensor, request: GenerationRequest) -> torch.Tensor:
+        """[N, 3, H, W] in [0, 1] (a video's [N, 3, F, H, W]), one VAE call."""
+        latents = self.family.decoded_latents(latents.to(self.encoder_device, self.vae.dtype), request)
         with self.lane.idle_cores(self.lane_threads) as wider:  # alone: the idle cores too, eagerly
             pixels = run_decoder(self.vae, latents) if wider else self.decoder(latents)
         return (pixels / 2 + 0.5).clamp(0, 1)
 
     def _decode(self, states: Sequence[RequestState]) -> None:
-        pixels = self._pixels(torch.cat([s.latents for s in states]))
+        latents, request = torch.cat([s.latents for s in states]), states[0].request
+        pixels = self._pixels(latents, request)
+        if self.sound_parts:  # the sound of a model that makes one, beside its frames
+            waves = self.family.sound(self.sound_parts, latents.to(self.encoder_device), request)
+            for state, wave in zip(states, waves, strict=True):
+                state.sound = wave.float().cpu()
         pinned = self.encoder_device.type == "cuda"
         for state, image in zip(states, pixels, strict=True):
             image = state.frames_last(image)

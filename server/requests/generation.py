@@ -12,6 +12,7 @@ from PIL import Image
 from server.requests.clip import Clip
 from server.requests.control import Control
 from server.requests.edit import Edit
+from server.requests.guidance import AudioVideoGuidance
 from server.requests.step_cache import OFF, StepCache
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any int below this
@@ -43,6 +44,8 @@ class GenerationRequest:
     frames: int | None = None  # a video's frames (video families only); None: an image
     latent_frames: int = 1  # what a video weighs in work: its latent frames (set with the defaults)
     control: tuple[Control, ...] = ()  # ControlNets steering its rows (control.py), summed
+    fps: float | None = None  # a video's frames a second, for models that condition on it (LTX-2)
+    guidance: AudioVideoGuidance | None = None  # a video-and-sound model's other scales (guidance.py)
     # image-to-video's first frame (RGB, resized to the video's size); compared by the others' fields
     reference: Image.Image | None = field(default=None, compare=False)
 

@@ -8,6 +8,7 @@ from diffusers import (
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
     HunyuanVideo15Transformer3DModel,
+    LTX2VideoTransformer3DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
@@ -21,6 +22,7 @@ from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
 from server.engine.denoisers.flux2 import Flux2TransformerSpec
 from server.engine.denoisers.hunyuan15 import HunyuanVideo15TransformerSpec
+from server.engine.denoisers.ltx2 import LTX2TransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
@@ -35,6 +37,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (ZImageTransformer2DModel, ZImageTransformerSpec),
     (Flux2Transformer2DModel, Flux2TransformerSpec),
     (HunyuanVideo15Transformer3DModel, HunyuanVideo15TransformerSpec),
+    (LTX2VideoTransformer3DModel, LTX2TransformerSpec),
 ]
 
 

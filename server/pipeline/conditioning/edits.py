@@ -75,14 +75,16 @@ def first_latents(
     dtype: torch.dtype,
     frames: int | None = None,
     reference: Image.Image | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> Start:
     """Noise for a generation; for an edit, its image noised to `first_t`, the first timestep it
     runs. An inpainting denoiser (9 input channels) sees every request as inpainting: without a
     mask the whole image is repainted, without an image it starts from black, at strength 1.
     Image-to-video (a `reference`): noise, and the first frame's channels beside it. The noise
     is drawn in the dtype its diffusers pipeline draws it in (`family.noise_dtype` of the model's
-    `dtype`), then held in float32."""
-    shape = family.latent_shape(width, height, frames)
+    `dtype`), then held in float32. `shape`: the request's (`Family.request_shape`), if not its
+    VAE's latents'."""
+    shape = shape or family.latent_shape(width, height, frames)
     drawn = family.noise_dtype(dtype, edit is not None)
     if reference is not None:  # as WanImageToVideoPipeline: the noise drawn, the frame resized
         noise = torch.randn(shape, generator=generator, dtype=drawn).to(LATENT_DTYPE)
@@ -97,7 +99,7 @@ def first_latents(
     conditioned = family.inpainting_channels > 0
     if edit is None and not conditioned:
         noise = scope.rent(shape, drawn, "cpu", pinned=device.type == "cuda")
-        torch.randn(shape, generator=generator, dtype=drawn, out=noise)
+        family.draw_noise(noise, generator, shape)
         latents = scope.rent(shape, LATENT_DTYPE, device)
         latents.copy_(noise)
         latents.mul_(family.init_noise_sigma(scheduler))

@@ -15,6 +15,7 @@ from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
 from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
+from server.pipeline.families.ltx2 import LTX2
 from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
@@ -34,6 +35,7 @@ FAMILIES: tuple[type[Family], ...] = (
     WanI2V,
     HunyuanVideo15,
     HunyuanVideo15I2V,
+    LTX2,
     QwenImage,
     QwenImageEdit,
     ZImage,

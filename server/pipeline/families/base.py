@@ -37,6 +37,7 @@ class ModelConfig:
     denoiser: dict[str, Any]
     vae: dict[str, Any] = field(default_factory=dict)
     guider: dict[str, Any] = field(default_factory=dict)  # a pipeline's guider (newer ones have one)
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # its `sound_parts`' configs
 
 
 @dataclass
@@ -69,6 +70,9 @@ class Family:
     tokenizers: ClassVar[tuple[str, ...]] = ("tokenizer",)
     image_encoders: ClassVar[tuple[str, ...]] = ()  # image-to-video's image encoder (weighted)
     processors: ClassVar[tuple[str, ...]] = ()  # and its image processor
+    sound_parts: ClassVar[tuple[str, ...]] = ()  # what turns its audio latents into sound (LTX-2's)
+    # per-row extras kept in float32 whatever the model's dtype: positions, which bfloat16 would move
+    precise_rows: ClassVar[tuple[str, ...]] = ()
     takes_reference: ClassVar[bool] = False  # every request starts from an image (its first frame)
     # an edit's images condition every step (FLUX.2, Qwen-Image-Edit: their tokens join the
     # sequence) instead of starting the latents (img2img, inpainting): no mask, no strength
@@ -104,7 +108,7 @@ class Family:
     @property
     def weighted(self) -> tuple[str, ...]:
         """The folder's parts that hold weights (safetensors only)."""
-        return (*self.experts, "vae", *self.text_encoders, *self.image_encoders)
+        return (*self.experts, "vae", *self.text_encoders, *self.image_encoders, *self.sound_parts)
 
     @property
     def experts(self) -> tuple[str, ...]:
@@ -122,6 +126,15 @@ class Family:
         """Denoiser rows one image takes: classifier-free guidance adds a negative row."""
         return 2 if request.guidance_scale > 1 else 1
 
+    def negative_row(self, request: GenerationRequest) -> bool:
+        """Whether its rows start with a negative prompt's (classifier-free guidance)."""
+        return self.rows(request) == 2
+
+    def more_rows(self, own: TextEmbeddings, request: GenerationRequest) -> TextEmbeddings:
+        """A request's embeddings for all its rows, from its prompts' (negative first): the same
+        for most; LTX-2's guidance passes repeat the prompt's."""
+        return own
+
     lone_rows = 2  # a typical lone image's rows (guided), as the planner predicts it
     vae_float32: ClassVar[bool] = False  # its VAE in float32 whatever --dtype (Wan: as diffusers loads it)
 
@@ -135,6 +148,12 @@ class Family:
     ) -> torch.Tensor:
         """One prediction from a guided request's two rows' (classifier-free guidance)."""
         return negative + self.cfg_scale(request, expert) * (positive - negative)
+
+    def combine(self, prediction: torch.Tensor, state: Any) -> torch.Tensor:
+        """One prediction [1, ...] from a request's rows' (`state`: its RequestState)."""
+        if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
+            return self.guide(*prediction.chunk(2), state.request, state.expert)
+        return prediction
 
     @property
     def zero_unset_negative(self) -> bool:
@@ -250,6 +269,14 @@ class Family:
         scale = self.vae_scale_factor
         return (1, self.latent_channels, height // scale, width // scale)
 
+    def request_shape(self, request: GenerationRequest) -> tuple[int, ...]:
+        """A request's latents (LTX-2's: its video's and its sound's together)."""
+        return self.latent_shape(request.width, request.height, request.frames)
+
+    def draw_noise(self, noise: torch.Tensor, generator: torch.Generator, shape: tuple) -> None:
+        """Fill `noise` (of `request_shape`'s `shape`) as the family's pipeline draws it."""
+        torch.randn(noise.shape, generator=generator, dtype=noise.dtype, out=noise)
+
     def set_timesteps(self, scheduler: Any, steps: int, device: torch.device, latent_shape: tuple) -> None:
         scheduler.set_timesteps(steps, device=device)
 
@@ -276,6 +303,16 @@ class Family:
         """Latents as the VAE decodes them: undo the scaling (and shift) applied at training."""
         vae = self.config.vae
         return latents / vae["scaling_factor"] + (vae.get("shift_factor") or 0.0)
+
+    def decoded_latents(self, latents: torch.Tensor, request: GenerationRequest) -> torch.Tensor:
+        """A request's latents (as many as were stepped together) as its VAE decodes them."""
+        return self.unscale_latents(latents)
+
+    def sound(
+        self, parts: Sequence[nn.Module], latents: torch.Tensor, request: GenerationRequest
+    ) -> torch.Tensor:
+        """The waveforms [N, channels, samples] of finished latents, by `sound_parts`."""
+        raise NotImplementedError(f"a {self.name} model makes no sound")
 
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """Images [N, 3, H, W] as the VAE encodes them (a video VAE's: one-frame videos)."""

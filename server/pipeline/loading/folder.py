@@ -11,6 +11,7 @@ what gets imported, nor load a nested pipeline whose own index could).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
@@ -39,6 +40,8 @@ CLOSED_VOCABULARY = 1000  # tokens: a tokenizer this small knows its words only 
 # the classes each may give: loadable parts, never a pipeline (whose own model_index.json could
 # name any library) nor any other attribute of the package.
 LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
+# diffusers' pipeline packages whose own models a folder names by the package (["ltx2", "LTX2Vocoder"])
+PIPELINE_MODULES = ("ltx2",)
 ALLOWED_BASES: dict[str, tuple[type, ...]] = {
     "diffusers": (diffusers.ModelMixin, diffusers.SchedulerMixin),
     "transformers": (
@@ -85,6 +88,7 @@ class Components:
     image_encoder: torch.nn.Module | None = None  # image-to-video's (families/wan.py: WanI2V)
     image_processor: Any = None
     more_experts: tuple[torch.nn.Module, ...] = ()  # the family's experts after the denoiser (Wan 2.2 A14B)
+    sound_parts: tuple[torch.nn.Module, ...] = ()  # its audio's decoders (`Family.sound_parts`)
     # the parts whose quantization converts them on their device, as each piece is placed
     on_device: Mapping[str, Quantization] = field(default_factory=dict)
 
@@ -136,7 +140,12 @@ def read_family(folder: str | Path) -> Family:
     guider_config = (
         _read_json(guider, "its guider/ needs a guider_config.json") if _present(index, "guider") else {}
     )
-    family = type(family)(ModelConfig(index, config, vae_config, guider_config))
+    parts = {
+        name: _read_json(root / name / "config.json", f"its {name}/ needs a config.json")
+        for name in family.sound_parts
+        if _present(index, name)
+    }
+    family = type(family)(ModelConfig(index, config, vae_config, guider_config, parts))
     family.check_configs(str(root))
     return family
 
@@ -187,6 +196,7 @@ def load_components(
         image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
         image_processor=next(iter(present(family.processors)), None),
         more_experts=tuple(load(name).eval() for name in family.experts[1:]),
+        sound_parts=tuple(m.eval() for m in present(family.sound_parts)),
         on_device={name: q for name, q in (quantize or {}).items() if q.on_device},
     )
 
@@ -260,6 +270,12 @@ def class_of(index: dict[str, Any], name: str) -> type:
         raise ModelFolderError(f"model_index.json's {name} must be [library, class], got {entry!r}")
     library, class_name = entry
     named = f"model_index.json names {library}.{class_name} for {name}"
+    if library in PIPELINE_MODULES:  # a part diffusers keeps beside its pipeline (LTX-2's connectors)
+        module = importlib.import_module(f"diffusers.pipelines.{library}")
+        library, found = "diffusers", getattr(module, class_name, None)
+        if isinstance(found, type) and issubclass(found, diffusers.ModelMixin):
+            return found
+        raise ModelFolderError(f"{named}, which is not a model diffusers' {entry[0]} pipeline has")
     if library not in LIBRARIES:
         raise ModelFolderError(f"{named}; diffshard loads classes from {' and '.join(LIBRARIES)} only")
     if library == "transformers" and (stand_in := stand_in_for(class_name, name)) is not None:

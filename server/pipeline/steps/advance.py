@@ -54,8 +54,7 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     """Step `state` by its rows' `prediction`: classifier-free guidance, its scheduler's step,
     an inpainting's unmasked region back to the image. Returns (partial index, predicted clean
     latents) when a partial image is due at this step."""
-    if state.rows == 2:  # classifier-free guidance: negative row, then prompt row
-        prediction = family.guide(*prediction.chunk(2), state.request, state.expert)
+    prediction = family.combine(prediction, state)  # guidance: the rows' predictions made one
     partial, state.preview = state.previews.get(state.index + 1), None
     scheduler = state.scheduler
     output = scheduler.step(prediction, state.timestep, state.latents, return_dict=True, **state.step_kwargs)

@@ -52,6 +52,7 @@ class RequestState:
     conditioning: torch.Tensor | None = None  # an inpainting denoiser's mask and masked image [1, 5, h, w]
     first_frame: torch.Tensor | None = None  # [1, C, 1, h, w] pasted over the first latent frame
     image: torch.Tensor | None = None  # [H, W, 3] float in [0, 1] once decoded (rented)
+    sound: torch.Tensor | None = None  # [channels, samples] float32 once decoded (a model with sound)
     closed: bool = False  # its buffers went back to the pool: it must not be stepped or decoded
     step_kwargs: dict[str, Any] = field(default_factory=dict)  # what scheduler.step takes beyond the sample
     preview: tuple[int, torch.Tensor] | None = None  # (partial index, [H, W, 3] image) not yet taken
