@@ -127,6 +127,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     import lazily: most runs ask for a few."""
     from tests.support.tiny_flux2 import build_flux2_folder
     from tests.support.tiny_hunyuan15 import build_hunyuan15_folder, build_hunyuan15_i2v_folder
+    from tests.support.tiny_ltx2 import build_ltx2_folder
     from tests.support.tiny_pipelines import build_wan_folder, build_wan_i2v_folder
     from tests.support.tiny_qwenimage import build_qwen_image_folder
     from tests.support.tiny_wan22 import (
@@ -151,6 +152,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "wan2.2-ti2v": build_wan22_ti2v_folder,
         "hunyuanvideo-1.5": build_hunyuan15_folder,
         "hunyuanvideo-1.5-i2v": build_hunyuan15_i2v_folder,
+        "ltx-2": build_ltx2_folder,
     }
 
 

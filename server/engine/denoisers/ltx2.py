@@ -8,7 +8,8 @@ way. Where each row's tokens sit is in its positions (`VIDEO_COORDS` [rows, 3, v
 and `AUDIO_COORDS` [rows, 1, audio tokens, 2], float32: the pipeline's `prepare_*_coords`), so
 their shapes say where the video ends, and rows of different sizes but the same token counts
 share a call. Each row's prompt comes as two streams from the text connectors (`context` for the
-video, `AUDIO_CONTEXT` for the audio) with one mask.
+video, `AUDIO_CONTEXT` for the audio), unmasked: the connectors fill a prompt's padding with their
+learnable registers and attend to every token (their mask is all ones).
 
 forward embeds first (`embed`: the rotary embeddings of the positions, the two input
 projections, the timestep's modulations of both streams, their cross-attention's and the
@@ -35,6 +36,7 @@ from server.engine.denoisers.blocks import (
     DenoiserInputs,
     Flow,
     Layout,
+    SequenceSplit,
     flow_timesteps,
     present,
     stacked_layout,
@@ -44,10 +46,9 @@ from server.engine.denoisers.dit import token_rows
 VIDEO_COORDS = "video_coords"  # [rows, 3, video tokens, 2]: each patch's (frame, y, x) bounds
 AUDIO_COORDS = "audio_coords"  # [rows, 1, audio tokens, 2]: each audio latent's start and end, seconds
 AUDIO_CONTEXT = "audio_encoder_hidden_states"  # the audio connector's prompt tokens [rows, T, D_a]
-PROMPT_MASK = "prompt_mask"  # [rows, T]: 1 on the connectors' valid tokens (Gemma pads on the left)
 STG = "stg_mask"  # [rows, blocks]: 0 where the block's self-attention is perturbed
 ISOLATED = "isolated"  # [rows]: 1 on a modality-isolation row
-TAKES = (AUDIO_CONTEXT, PROMPT_MASK, VIDEO_COORDS, AUDIO_COORDS, STG, ISOLATED)
+TAKES = (AUDIO_CONTEXT, VIDEO_COORDS, AUDIO_COORDS, STG, ISOLATED)
 NATIVE_LATENT = 16  # 512 px / 32: the planner's square stand-in for the default 768×512
 NATIVE_FRAMES = 16  # latent frames of 121 video frames (1 + 120 / 8)
 TEXT_TOKENS = 1024  # LTX2Pipeline's max_sequence_length
@@ -110,7 +111,6 @@ class LTX2TransformerSpec:
         )
         conditioning = {
             AUDIO_CONTEXT: torch.randn(*text, widths[1], dtype=dtype, device=device),
-            PROMPT_MASK: torch.ones(text, dtype=dtype, device=device),
             VIDEO_COORDS: model.rope.prepare_video_coords(
                 batch, NATIVE_FRAMES, latent_size, latent_size, device
             ),
@@ -148,8 +148,15 @@ class LTX2TransformerSpec:
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         return None  # step caching carries one stream's residual; a row here carries two
 
-    def sequence(self, model: nn.Module) -> None:
-        return None  # the audio↔video attention needs every token of the other stream
+    def sequence(self, model: nn.Module) -> SequenceSplit:
+        """Each block on a slice of both streams' tokens, of both prompts' and of their rotary
+        embeddings ([rows, heads, tokens, d] split, [rows, tokens, d] interleaved): every
+        attention, self, the prompt's and audio↔video, gathers its keys from the group."""
+        blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
+        rotary = 2 if model.config.rope_type == "split" else 1
+        tokens = {"video": 1, "audio": 1, "context": 1, "audio_context": 1}
+        tokens |= {f"{k}_rotary": rotary for k in ("video", "audio", "video_cross", "audio_cross")}
+        return SequenceSplit(blocks, tokens)
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as LTX2VideoTransformer3DModel.forward runs them.
@@ -160,7 +167,6 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     batch, dtype, device = video.shape[0], video.dtype, video.device
     video_coords, audio_coords = rows[VIDEO_COORDS], rows[AUDIO_COORDS]
     timestep = sigma = rows["timestep"]  # the pipeline passes its timestep as the sigma too
-    mask = (1 - rows[PROMPT_MASK].to(dtype)) * -10000.0
     flow = {
         "video_rotary": model.rope(video_coords, device=device),
         "audio_rotary": model.audio_rope(audio_coords, device=device),
@@ -168,7 +174,6 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         "audio_cross_rotary": model.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=device),
         "video": model.proj_in(video),
         "audio": model.audio_proj_in(audio),
-        "mask": mask[:, None],
         STG: rows[STG],
         ISOLATED: rows[ISOLATED],
     }
@@ -239,8 +244,8 @@ def _block(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], cross
         audio_rotary_emb=rows["audio_rotary"],
         ca_video_rotary_emb=rows["video_cross_rotary"],
         ca_audio_rotary_emb=rows["audio_cross_rotary"],
-        encoder_attention_mask=rows["mask"],
-        audio_encoder_attention_mask=rows["mask"],
+        encoder_attention_mask=None,  # the connectors' mask is all ones (registers fill the padding)
+        audio_encoder_attention_mask=None,
         use_a2v_cross_attention=cross,
         use_v2a_cross_attention=cross,
         perturbation_mask=mask,

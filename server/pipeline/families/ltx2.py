@@ -4,7 +4,7 @@ audio together (`server/engine/denoisers/ltx2.py`), each row both.
 - **Prompts.** Gemma 3 reads each prompt padded on the left to 1024 tokens; every hidden state
   (the embeddings' and each layer's) is stacked per token and the text connectors
   (`connectors`: learnable registers in place of the padding, one stack for the video and one
-  for the audio) turn them into the two streams' prompt tokens and one mask.
+  for the audio) turn them into the two streams' prompt tokens (their mask all ones).
 - **Latents.** A row's latents are its video's packed tokens (the 32×-spatial, 8×-temporal
   VAE's latents, 1×1×1 patches: a clip of 1 + 8k frames is 1 + k latent frames) followed by
   its audio's (the audio VAE's latent steps, each its channels × mel bins), [1, tokens, C]:
@@ -40,7 +40,6 @@ from server.engine.denoisers.ltx2 import (
     AUDIO_CONTEXT,
     AUDIO_COORDS,
     ISOLATED,
-    PROMPT_MASK,
     STG,
     TEXT_TOKENS,
     VIDEO_COORDS,
@@ -234,7 +233,11 @@ class LTX2(Family):
         states = gemma(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         states = torch.stack(states, dim=-1).flatten(2, 3).to(gemma.dtype)
         video, audio, kept = connectors(states, mask, padding_side="left")
-        return TextEmbeddings(video, rows={AUDIO_CONTEXT: audio, PROMPT_MASK: kept.float()})
+        if not bool(kept.all()):  # diffusers' connectors fill the padding: the blocks take no mask
+            raise ValueError(
+                "LTX-2's text connectors masked tokens: this diffusers release is not one served"
+            )
+        return TextEmbeddings(video, rows={AUDIO_CONTEXT: audio})
 
     def model_kwargs(self, extras: dict[str, torch.Tensor]) -> dict[str, Any]:
         return dict(extras)
@@ -410,6 +413,8 @@ class LTX2(Family):
             )
 
     def check_request(self, request: Any) -> None:
+        if request.steps < 2:  # its scheduler's terminal shift makes one step's sigma 0 / 0
+            raise InvalidRequest("steps", "must be at least 2 for an LTX-2 model")
         g = request.guidance
         blocks = int(self.config.denoiser.get("num_layers", 48))
         if g is not None and g.stg_blocks is not None and any(not 0 <= b < blocks for b in g.stg_blocks):

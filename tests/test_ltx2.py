@@ -1,0 +1,193 @@
+"""LTX-2 (issue 71), on the tiny folder `tests/support/tiny_ltx2.py` builds as published (its
+scheduler's shift and terminal, connectors with learnable registers, an audio VAE and vocoder):
+frames and sound equal to LTX2Pipeline's with every guidance pass (CFG, spatio-temporal,
+modality isolation, rescale) and without; videos started apart stepping together, each as
+alone; two stages and a sequence group as one device; folders and requests it cannot serve
+refused naming why; a video job's MP4 with its sound and the WAV of it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from server.errors import InvalidRequest, ModelFolderError
+from server.pipeline import Pipeline
+from server.requests import GenerationRequest
+from server.requests.guidance import AudioVideoGuidance
+from tests.support.denoisers import sequence_lane
+from tests.support.tiny_ltx2 import FRAME_RATE, FRAMES, SIDE, load_reference, ltx2_reference
+
+VIDEO = {"width": SIDE, "height": SIDE, "frames": FRAMES, "fps": FRAME_RATE}
+# Every pass on, the audio's scales apart from the video's (the pipeline's defaults but block 1:
+# the tiny transformer has two)
+GUIDED = AudioVideoGuidance(
+    audio_scale=7.0,
+    stg_scale=1.0,
+    audio_stg_scale=0.5,
+    modality_scale=3.0,
+    audio_modality_scale=2.0,
+    rescale=0.7,
+    audio_rescale=0.5,
+    stg_blocks=(1,),
+)
+PLAIN = AudioVideoGuidance(
+    audio_scale=1.0,
+    stg_scale=0.0,
+    audio_stg_scale=0.0,
+    modality_scale=1.0,
+    audio_modality_scale=1.0,
+    rescale=0.0,
+    audio_rescale=0.0,
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_folder) -> Path:
+    return tiny_folder("ltx-2")
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder: Path) -> Pipeline:
+    return Pipeline.load(folder, devices="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path):
+    return load_reference(folder)
+
+
+def made(pipeline: Pipeline, requests: list[GenerationRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each request's frames [F, H, W, 3] and waveform [channels, samples], stepped together."""
+    states = pipeline.start([pipeline.resolve(r) for r in requests])
+    try:
+        while active := [s for s in states if not s.done]:
+            pipeline.step(active)
+        pipeline.decode(states)
+        return [(s.image.numpy().copy(), s.sound.numpy().copy()) for s in states]
+    finally:
+        for state in states:
+            state.close()
+
+
+def pipelines_clip(
+    reference, request: GenerationRequest, g: AudioVideoGuidance
+) -> tuple[np.ndarray, np.ndarray]:
+    return ltx2_reference(
+        reference,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=request.seed,
+        steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        stg_scale=g.stg_scale,
+        modality_scale=g.modality_scale,
+        guidance_rescale=g.rescale,
+        audio_guidance_scale=g.audio_scale,
+        audio_stg_scale=g.audio_stg_scale,
+        audio_modality_scale=g.audio_modality_scale,
+        audio_guidance_rescale=g.audio_rescale,
+        stg_blocks=g.stg_blocks or (),
+    )
+
+
+@pytest.mark.parametrize(
+    ("steps", "guidance", "scale"),
+    [(3, GUIDED, 3.0), (20, GUIDED, 3.0), (3, PLAIN, 1.0)],
+    ids=["guided-3", "guided-20", "plain-3"],
+)
+def test_frames_and_sound_equal_ltx2_pipelines(pipeline, reference, steps, guidance, scale) -> None:
+    """Frames within 2/255 and the waveform within 1e-3 (float, ±1) of LTX2Pipeline's, with
+    the four passes (negative, perturbed, isolated beside the prompt's) and with the prompt's alone."""
+    request = GenerationRequest(
+        "a robot dancing",
+        negative_prompt="blurry",
+        seed=3,
+        steps=steps,
+        guidance_scale=scale,
+        guidance=guidance,
+        **VIDEO,
+    )
+    assert pipeline.rows(pipeline.resolve(request)) == (4 if guidance is GUIDED else 1)
+    ((frames, sound),) = made(pipeline, [request])
+    video, audio = pipelines_clip(reference, request, guidance)
+    assert frames.shape == video.shape and sound.shape == audio.shape
+    assert np.abs(frames - video).max() * 255 <= 2
+    assert np.abs(sound - audio).max() <= 1e-3
+    assert audio.std() > 0.01 and video.std() > 0.01  # not a constant a test would pass on
+
+
+def test_videos_started_apart_step_together_each_as_alone(pipeline) -> None:
+    """A guided video and a plain one, the second started two steps after the first, share
+    every call once both run (4 + 1 rows), and each equals its video and sound alone (1e-3)."""
+    first = pipeline.resolve(GenerationRequest("a robot dancing", seed=3, steps=5, guidance=GUIDED, **VIDEO))
+    second = pipeline.resolve(
+        GenerationRequest("a cat on a mat", seed=4, steps=4, guidance_scale=1.0, guidance=PLAIN, **VIDEO)
+    )
+    alone = [made(pipeline, [r])[0] for r in (first, second)]
+    rows: list[int] = []
+    states = pipeline.start([first])
+    try:
+        for _ in range(2):
+            pipeline.step(states)
+            rows.append(4)
+        states += pipeline.start([second])
+        while active := [s for s in states if not s.done]:
+            rows.append(sum(s.rows for s in active))
+            pipeline.step(active)
+        pipeline.decode(states)
+        together = [(s.image.numpy().copy(), s.sound.numpy().copy()) for s in states]
+    finally:
+        for state in states:
+            state.close()
+    assert rows == [4, 4, 5, 5, 5, 1]
+    for (frames, sound), (frames_alone, sound_alone) in zip(together, alone, strict=True):
+        assert np.abs(frames - frames_alone).max() < 1e-3
+        assert np.abs(sound - sound_alone).max() < 1e-3
+
+
+def test_two_stages_and_a_sequence_group_equal_one_device(pipeline, folder) -> None:
+    """Within 2/255 (frames) and 1e-3 (sound) of one device: the blocks over two stages, and
+    every block's tokens of both streams and both prompts split over a sequence group of two."""
+    request = GenerationRequest("a robot dancing", seed=3, steps=3, guidance=GUIDED, **VIDEO)
+    ((frames, sound),) = made(pipeline, [request])
+    two = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
+    assert len(two.shard.plan.stages) == 2
+    for other in (two, sequence_lane(folder)):
+        ((their_frames, their_sound),) = made(other, [request])
+        assert np.abs(their_frames - frames).max() * 255 <= 2
+        assert np.abs(their_sound - sound).max() <= 1e-3
+
+
+def test_a_folder_it_cannot_step_as_one_tensor_is_refused_naming_why(folder: Path, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(folder, tmp_path / "folder"))
+    config = json.loads((copy / "transformer/config.json").read_text())
+    (copy / "transformer/config.json").write_text(json.dumps({**config, "audio_in_channels": 8}))
+    with pytest.raises(ModelFolderError, match="video and audio streams have 4 and 8 channels"):
+        Pipeline.load(copy, devices="cpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"guidance": AudioVideoGuidance(stg_blocks=(2,))}, "guidance.stg_blocks"),
+        ({"steps": 1}, "steps"),
+    ],
+)
+def test_requests_it_cannot_make_are_refused_naming_the_field(pipeline, change, field) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        pipeline.resolve(GenerationRequest("a robot dancing", seed=3, **{**VIDEO, **change}))
+    assert refused.value.field == field
+
+
+def test_guidance_scales_outside_their_range_are_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        AudioVideoGuidance(rescale=1.5)
+    assert refused.value.field == "guidance.rescale"
+    with pytest.raises(InvalidRequest):
+        AudioVideoGuidance(audio_scale=float("nan"))
+    assert torch.isfinite(torch.tensor(GUIDED.audio_scale))
