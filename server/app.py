@@ -236,7 +236,7 @@ def start_videos(
     runtime.videos = VideoRunner(
         store,
         service,
-        fps=jobs.video_fps,
+        fps=jobs.video_fps or service.clip.fps,
         expiry_s=jobs.video_expiry_s,
         max_bytes=jobs.video_store_bytes,
         lease_s=jobs.video_lease_s,

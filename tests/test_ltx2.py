@@ -7,21 +7,31 @@ refused naming why; a video job's MP4 with its sound and the WAV of it."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
+import av
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
+from PIL import Image
 
 from server.errors import InvalidRequest, ModelFolderError
+from server.media.videos import read_wav
 from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.guidance import AudioVideoGuidance
 from tests.support.denoisers import sequence_lane
+from tests.support.live import live_server
 from tests.support.tiny_ltx2 import FRAME_RATE, FRAMES, SIDE, load_reference, ltx2_reference
 
+# openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 VIDEO = {"width": SIDE, "height": SIDE, "frames": FRAMES, "fps": FRAME_RATE}
 # Every pass on, the audio's scales apart from the video's (the pipeline's defaults but block 1:
 # the tiny transformer has two)
@@ -191,3 +201,48 @@ def test_guidance_scales_outside_their_range_are_refused_naming_the_field() -> N
     with pytest.raises(InvalidRequest):
         AudioVideoGuidance(audio_scale=float("nan"))
     assert torch.isfinite(torch.tensor(GUIDED.audio_scale))
+
+
+def test_a_video_job_over_the_sdk_has_its_sound_in_the_mp4_and_as_a_wav(folder, reference) -> None:
+    """/v1/videos on an LTX-2 model: its MP4 holds one H.264 stream of the clip's 9 frames (at the
+    model's 24 fps: 0.375 s) and one AAC stream as long as the track; `variant=audio` is the WAV of
+    the track as generated, within 1e-3 of LTX2Pipeline's at that frame rate; the frames
+    (`variant=frames`, lossless) within 2/255; the guidance object reaches the passes."""
+    body = {
+        "num_frames": FRAMES,
+        "seed": 3,
+        "num_inference_steps": 3,
+        "negative_prompt": "blurry",
+        "guidance": {**vars(GUIDED), "stg_blocks": [1]},
+    }
+    with live_server("--model", str(folder)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        video = client.videos.create_and_poll(
+            prompt="a robot dancing", size=f"{SIDE}x{SIDE}", extra_body=body, poll_interval_ms=50
+        )
+        assert video.status == "completed", video.error
+        mp4 = client.videos.download_content(video.id, variant="video").read()
+        wav = client.videos.download_content(video.id, variant="audio").read()
+        archive = client.videos.download_content(video.id, variant="frames").read()
+        refused = httpx.post(f"{server.url}/v1/videos", json={"prompt": "a cat", "guidance": {"stg": 1}})
+    request = GenerationRequest(
+        "a robot dancing", "blurry", seed=3, steps=3, guidance_scale=3.0, guidance=GUIDED, **VIDEO
+    )
+    frames_ref, sound_ref = pipelines_clip(reference, request, GUIDED)
+    samples, rate = read_wav(wav)
+    assert rate == 16000 and samples.shape == sound_ref.shape
+    assert np.abs(samples - sound_ref).max() <= 1e-3
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(z.read(n)))) for n in sorted(z.namelist())])
+    assert int(np.abs(frames.astype(int) - (frames_ref * 255).round().astype(int)).max()) <= 2
+    with av.open(io.BytesIO(mp4)) as container:
+        (picture,), (track,) = container.streams.video, container.streams.audio
+        assert (picture.codec_context.name, track.codec_context.name) == ("h264", "aac")
+        assert track.rate == 16000 and track.channels == 2
+        # the track as generated: the causal audio VAE's 4L - 3 mel frames (33 hops: 0.33 s) of the
+        # L = round(0.375 s × 100 hops / 4) = 9 latents of the 0.375 s clip
+        assert float(track.duration * track.time_base) == pytest.approx(samples.shape[1] / rate, abs=1e-3)
+        latents = round(FRAMES / FRAME_RATE * rate / 160 / 4)
+        assert samples.shape[1] == (4 * latents - 3) * 160
+        assert picture.frames == FRAMES
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "guidance.stg"

@@ -21,12 +21,13 @@ from server.errors import InvalidRequest
 from server.requests import Edit
 from server.serving import Limits
 
-JSON_FIELDS = ("lora", "step_cache", "control")  # step_cache: a policy's name, or JSON
+JSON_FIELDS = ("lora", "step_cache", "control", "guidance")  # step_cache: a policy's name, or JSON
 MAX_FORM_FIELDS = 64  # text fields: the body's fields, each once
 EXAMPLES = {
     "lora": 'an object, e.g. {"style": 0.8}',
     "step_cache": 'an object, e.g. {"policy": "deep", "interval": 3}',
     "control": 'a list, e.g. [{"model": "edges", "image": "<base64>", "scale": 0.8}]',
+    "guidance": 'an object, e.g. {"audio_scale": 7, "stg_blocks": [28]}',
 }
 DEFAULT_STRENGTH = 0.8  # img2img: diffusers' default; inpainting repaints fully (1.0)
 
@@ -85,9 +86,10 @@ def form_limits(limits: Limits, max_text_bytes: int) -> FormLimits:
 
 
 def form_fields(text: dict[str, str]) -> dict[str, object]:
-    """A form's text fields as a JSON body holds them: `lora`, and `step_cache` as an object, sent
-    either as JSON text or as OpenAI's SDKs send a nested object in a form, a field a key
-    (`lora[style]=0.8`, `step_cache[threshold]=0.2`), whose numbers are read as numbers;
+    """A form's text fields as a JSON body holds them: `lora`, `step_cache` and `guidance` as an
+    object, sent either as JSON text or as OpenAI's SDKs send a nested object in a form, a field a
+    key (`lora[style]=0.8`, `step_cache[threshold]=0.2`; a list, a field an item:
+    `guidance[stg_blocks][]=28`), whose numbers are read as numbers;
     `control`, a list of objects, as JSON text only (a flattened list loses which key is whose)."""
     fields: dict[str, object] = {}
     nested: dict[str, dict[str, object]] = {}
@@ -95,7 +97,11 @@ def form_fields(text: dict[str, str]) -> dict[str, object]:
         outer, bracket, inner = name.partition("[")
         if bracket and outer == "control":  # a list: SDKs flatten it to control[][model]... fields
             raise InvalidRequest("control", f"send it as one field of JSON text: {EXAMPLES['control']}")
-        if bracket and outer in JSON_FIELDS and inner.endswith("]") and "[" not in inner:
+        if bracket and outer in JSON_FIELDS and inner.endswith("][]") and "[" not in inner[:-3]:
+            listed = nested.setdefault(outer, {}).setdefault(inner[:-3], [])  # a list: key[]=…, in order
+            if isinstance(listed, list):
+                listed.append(_number_or_text(value))
+        elif bracket and outer in JSON_FIELDS and inner.endswith("]") and "[" not in inner:
             nested.setdefault(outer, {})[inner[:-1]] = _number_or_text(value)
         elif name in JSON_FIELDS and (name != "step_cache" or value.lstrip().startswith("{")):
             fields[name] = json_field(name, value)  # as the JSON route: too deep is a 400, not a crash

@@ -33,6 +33,7 @@ from server.api.streaming import KEEPALIVE, stamped
 from server.api.uploads import read_image
 from server.errors import InvalidRequest, KeyOverloaded, NotReady, Overloaded
 from server.requests import GenerationRequest, frames_for, parse_step_cache, seconds_of
+from server.requests.guidance import parse_guidance
 from server.serving import Service
 from server.serving.videos import VARIANTS, VideoRunner, new_job_id
 from server.serving.videostore import Content, VideoJob
@@ -65,6 +66,12 @@ class VideoCreateRequest(BaseModel):
     step_cache: object = Field(None, description='"off", "first_block" or its JSON object')
     lora: dict[str, float] | None = Field(
         None, description="LoRA adapters (GET /v1/models lists them) and their scales, as for images"
+    )
+    guidance: object = Field(
+        None,
+        description="a model that makes sound (LTX-2): its other scales, an object of audio_scale, "
+        "stg_scale, audio_stg_scale, modality_scale, audio_modality_scale, rescale, audio_rescale "
+        "and stg_blocks; each unset one the pipeline's default",
     )
 
 
@@ -118,6 +125,8 @@ def video_request(body: VideoCreateRequest, service: Service, fps: int) -> tuple
         step_cache=None if body.step_cache is None else parse_step_cache(body.step_cache),
         lora=checked_lora(body.lora),
         reference=reference,
+        fps=fps,
+        guidance=None if body.guidance is None else parse_guidance(body.guidance),
     )
     return request, seconds_of(frames, fps)
 
@@ -224,7 +233,7 @@ async def video_content(
     video_id: str,
     request: Request,
     runner: RunnerDep,
-    variant: Literal["video", "thumbnail", "spritesheet", "frames"] = "video",
+    variant: Literal["video", "thumbnail", "spritesheet", "frames", "audio"] = "video",
 ) -> Response:
     job = await runner.ask(own_job, runner, request, video_id)
     if job.status != "completed":
@@ -236,7 +245,8 @@ async def video_content(
     name, media = VARIANTS[variant]
     content = await runner.ask(runner.store.content, job.id, name)
     if content is None:
-        raise APIError(404, f"video {video_id!r} has no {variant} any more", code="not_found")
+        gone = "; its model makes none" if variant == "audio" else " any more"
+        raise APIError(404, f"video {video_id!r} has no {variant}{gone}", code="not_found")
     if isinstance(content, Path):
         return FileResponse(content, media_type=media, filename=f"{job.id}-{name}")
     headers = {

@@ -57,6 +57,14 @@ class Soundtrack:
         object.__setattr__(self, "rate", int(self.rate))
 
 
+@dataclass(frozen=True, eq=False)
+class Voiced:
+    """A finished video with its sound, as a model that makes sound returns a video."""
+
+    frames: np.ndarray  # [F, H, W, 3] in [0, 1]
+    sound: Soundtrack
+
+
 def video_files(frames: np.ndarray, fps: int, audio: Soundtrack | None = None) -> dict[str, bytes]:
     """Every variant of `frames` ([F, H, W, 3] in [0, 1]), file name → bytes; with `audio`, the
     MP4 has it as an AAC stream and "audio.wav" holds it as generated."""

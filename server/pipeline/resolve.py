@@ -105,6 +105,8 @@ def _check(request: GenerationRequest, family: Family) -> None:
         )
     if not (math.isfinite(request.true_cfg_scale) and request.true_cfg_scale >= 0):
         raise InvalidRequest("true_cfg_scale", f"must be a finite number ≥ 0, got {request.true_cfg_scale}")
+    if request.guidance is not None and not family.sound_parts:
+        raise InvalidRequest("guidance", "is for a model that makes sound (LTX-2): set guidance_scale")
     if request.scheduler not in family.schedulers:
         names = ", ".join(family.schedulers)
         raise InvalidRequest("scheduler", f"must be one of {names} for this model, got {request.scheduler!r}")

@@ -24,6 +24,7 @@ class Clip:
     size: tuple[int, int]  # the default clip's (width, height)
     frame_multiple: int  # a clip's frames are 1 + a multiple of this (the VAE's temporal compression)
     max_frames: int | None = None  # the longest the denoiser takes (its positions), if it has a limit
+    fps: int = 16  # the frame rate its videos are served at unless --video-fps says (Wan's 16)
 
     def latent(self, frames: int) -> int:
         """The latent frames of a clip of `frames` (1 + (frames - 1) / frame_multiple)."""

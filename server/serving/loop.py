@@ -24,12 +24,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from server.engine.hardware.threads import take_thread
 from server.errors import Draining, KeyOverloaded, NotReady, Overloaded, Rejected, StepFailed
+from server.media.videos import Soundtrack, Voiced
 from server.pipeline import Pipeline
 from server.pipeline.steps.state import RequestState, group_states
 from server.serving.activity import Activity
@@ -318,13 +320,20 @@ class StepLoop:
         for states in alone + group_states([s for s in ready if not s.request.deterministic]):
             self._isolated(self._jobs_of(states), lambda jobs, states=states: self._decode(jobs, states))
         for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
-            images = [s.image.numpy().copy() for s in job.states]  # copied out before the scopes close
+            images = [self._made(s) for s in job.states]  # copied out before the scopes close
             seconds, average = time.monotonic() - job.submitted, self._job_seconds
             self._job_seconds = seconds if average is None else 0.8 * average + 0.2 * seconds
             with self._wake:
                 self._stats.jobs_completed += 1
                 self._stats.images_completed += len(images)
             self._end([job], images)
+
+    def _made(self, state: RequestState) -> Any:
+        """A finished state's image or video ([F, H, W, 3]); a video with its sound: `Voiced`."""
+        frames = state.image.numpy().copy()
+        if state.sound is None or state.request.frames is None:
+            return frames
+        return Voiced(frames, Soundtrack(state.sound.numpy().copy(), self.pipeline.family.sample_rate()))
 
     def _decode(self, jobs: list[Job], states: list[RequestState]) -> None:
         mine = {id(s) for j in jobs for s in j.states}

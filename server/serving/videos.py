@@ -36,8 +36,9 @@ from server.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from server.media.videos import VARIANTS, video_files
+from server.media.videos import VARIANTS, Voiced, video_files
 from server.requests import GenerationRequest
+from server.requests.guidance import parse_guidance
 from server.requests.step_cache import StepCache
 from server.serving.faults import slow_encode
 from server.serving.sqlitestore import SqliteJobStore
@@ -89,6 +90,8 @@ def to_request(job: VideoJob, reference: bytes | None = None) -> GenerationReque
         values["step_cache"] = StepCache(**values["step_cache"])
     if values.get("lora"):
         values["lora"] = tuple(tuple(pair) for pair in values["lora"])
+    if values.get("guidance") is not None:
+        values["guidance"] = parse_guidance(values["guidance"])
     if reference is None and values.get("reference") is not None:  # a job queued before 0.49: inline
         reference = base64.b64decode(values["reference"])
     if reference is not None:
@@ -296,7 +299,10 @@ class VideoRunner:
         """Encoded, kept in the store (room made for it within the byte cap), completed."""
         if self.inject_faults:
             slow_encode(job.prompt)
-        content = video_files(frames, self.fps)
+        sound = None
+        if isinstance(frames, Voiced):  # a model that makes sound: an AAC stream and a WAV beside
+            frames, sound = frames.frames, frames.sound
+        content = video_files(frames, self.fps, sound)
         size = sum(len(data) for data in content.values())
         if size > self.max_bytes:  # made room for, it would push out every other job, and not fit
             self._fail(

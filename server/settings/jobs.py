@@ -22,7 +22,12 @@ class JobSettings(Concern):
     video_lease_s: float = Field(
         30, ge=1, le=3600, description="seconds a running video job's lease lasts unrenewed (Redis store)"
     )
-    video_fps: int = Field(16, ge=1, le=120, description="frames a second of the videos made (Wan: 16)")
+    video_fps: int | None = Field(
+        None,
+        ge=1,
+        le=120,
+        description="frames a second of the videos made; default: the model's (Wan: 16, LTX-2: 24)",
+    )
     video_expiry_s: int = Field(86400, ge=60, description="seconds a finished video stays downloadable")
     video_store_bytes: int = Field(
         10 * 1024**3, ge=1, description="the finished videos' content in all; past it the oldest go"

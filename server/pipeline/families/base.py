@@ -314,6 +314,10 @@ class Family:
         """The waveforms [N, channels, samples] of finished latents, by `sound_parts`."""
         raise NotImplementedError(f"a {self.name} model makes no sound")
 
+    def sample_rate(self) -> int:
+        """The sound's samples a second."""
+        raise NotImplementedError(f"a {self.name} model makes no sound")
+
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """Images [N, 3, H, W] as the VAE encodes them (a video VAE's: one-frame videos)."""
         return pixels

@@ -278,8 +278,8 @@ class LTX2(Family):
 
     @property
     def clip(self) -> Clip:
-        """LTX2Pipeline's default clip: 121 frames of 768×512; 1 + 8k frames (the VAE's 8×)."""
-        return Clip(frames=121, size=(768, 512), frame_multiple=self._temporal)
+        """LTX2Pipeline's default clip: 121 frames of 768×512 at 24 fps; 1 + 8k frames (the VAE's 8×)."""
+        return Clip(frames=121, size=(768, 512), frame_multiple=self._temporal, fps=int(DEFAULT_FPS))
 
     @property
     def default_area(self) -> float:  # type: ignore[override]

@@ -89,9 +89,10 @@ class VaeShape:
     @classmethod
     def of(cls, config: Mapping[str, Any], default_tile: int) -> VaeShape:
         tile = config.get("sample_size") or default_tile
+        layers = config.get("layers_per_block", 1)  # LTX-2's VAE names them block by block: the most
         return cls(
             tuple(config.get("block_out_channels", (64,))),
-            int(config.get("layers_per_block", 1)),
+            max(layers) if isinstance(layers, list | tuple) else int(layers),
             int(config.get("latent_channels", 4)),
             int(config.get("out_channels", 3)),
             bool(config.get("mid_block_add_attention", True)),
