@@ -27,6 +27,7 @@ from server.pipeline import Pipeline
 from server.requests import GenerationRequest
 from server.requests.guidance import AudioVideoGuidance
 from tests.support.denoisers import sequence_lane
+from tests.support.images import first_frame
 from tests.support.live import live_server
 from tests.support.tiny_ltx2 import FRAME_RATE, FRAMES, SIDE, load_reference, ltx2_reference
 
@@ -87,8 +88,12 @@ def made(pipeline: Pipeline, requests: list[GenerationRequest]) -> list[tuple[np
 def pipelines_clip(
     reference, request: GenerationRequest, g: AudioVideoGuidance
 ) -> tuple[np.ndarray, np.ndarray]:
-    return ltx2_reference(
-        reference,
+    return ltx2_reference(reference, **pipelines_clip_args(request, g))
+
+
+def pipelines_clip_args(request: GenerationRequest, g: AudioVideoGuidance) -> dict:
+    """LTX2Pipeline's arguments for `request` at guidance `g`."""
+    return dict(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
         seed=request.seed,
@@ -246,3 +251,21 @@ def test_a_video_job_over_the_sdk_has_its_sound_in_the_mp4_and_as_a_wav(folder, 
         assert samples.shape[1] == (4 * latents - 3) * 160
         assert picture.frames == FRAMES
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "guidance.stg"
+
+
+def test_a_first_frame_makes_ltx2_image_to_videos_video_and_sound(pipeline, reference) -> None:
+    """`reference` (input_reference) on the text-to-video folder: the frame re-compressed at CRF
+    33 and held still as the first latent frame's tokens (timestep 0), as LTX2ImageToVideoPipeline
+    does; frames within 2/255 and the sound within 1e-3, and a plain text-to-video beside it in
+    the same calls equal to its video alone."""
+    image = first_frame()
+    request = GenerationRequest("a robot dancing", seed=3, steps=3, guidance=GUIDED, reference=image, **VIDEO)
+    plain = GenerationRequest("a cat on a mat", seed=4, steps=3, guidance=GUIDED, **VIDEO)
+    (frames, sound), (plain_frames, plain_sound) = made(pipeline, [request, plain])
+    video, audio = ltx2_reference(
+        reference, **pipelines_clip_args(pipeline.resolve(request), GUIDED), image=image
+    )
+    assert np.abs(frames - video).max() * 255 <= 2
+    assert np.abs(sound - audio).max() <= 1e-3
+    ((alone_frames, alone_sound),) = made(pipeline, [plain])
+    assert np.abs(plain_frames - alone_frames).max() < 1e-3 and np.abs(plain_sound - alone_sound).max() < 1e-3

@@ -52,6 +52,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -311,6 +312,7 @@ def ltx2_reference(
     stg_blocks: Sequence[int] = (1,),
     use_cross_timestep: bool = True,
     max_sequence_length: int = TEXT_TOKENS,
+    image: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """LTX2Pipeline's frames [frames, height, width, 3] in [0, 1] and waveform [channels, samples]
     (float32). The video's guidance defaults are the pipeline's; an audio scale that is None *or 0*
@@ -318,11 +320,18 @@ def ltx2_reference(
     on. CFG runs when either guidance scale is over 1 (negative_prompt None: the empty prompt), STG
     (at `stg_blocks`) when either STG scale is over 0, modality isolation when either modality scale
     is over 1. `use_cross_timestep`: True is LTX-2.3's cross-attention modulation (the pipeline's
-    default), False LTX-2.0's. `steps` must be 2 or more: with the scheduler's shift_terminal a single
+    default), False LTX-2.0's; `image`: a first frame, for LTX2ImageToVideoPipeline's video.
+    `steps` must be 2 or more: with the scheduler's shift_terminal a single
     step's sigma is 0 / 0 (NaN frames)."""
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (shift_terminal makes one step's sigma NaN), got {steps}")
+    kwargs: dict[str, Any] = {}
+    if image is not None:  # LTX2ImageToVideoPipeline over the same parts, its CRF the default
+        pipe = LTX2ImageToVideoPipeline(**pipe.components)
+        pipe.set_progress_bar_config(disable=True)
+        kwargs["image"] = image
     video, audio = pipe(
+        **kwargs,
         prompt=prompt,
         negative_prompt=negative_prompt,
         height=height,

@@ -166,7 +166,11 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     config, video, audio = model.config, rows["video"], rows["audio"]
     batch, dtype, device = video.shape[0], video.dtype, video.device
     video_coords, audio_coords = rows[VIDEO_COORDS], rows[AUDIO_COORDS]
-    timestep = sigma = rows["timestep"]  # the pipeline passes its timestep as the sigma too
+    # the pipeline passes its timestep as the sigma too; a still first frame's (image-to-video)
+    # video tokens have their own (0 on the frame), the audio and the sigma the row's
+    timestep = sigma = rows["timestep"]
+    if timestep.ndim == 2:
+        timestep, sigma = timestep[:, : video.shape[1]], timestep[:, -1]
     flow = {
         "video_rotary": model.rope(video_coords, device=device),
         "audio_rotary": model.audio_rope(audio_coords, device=device),
@@ -178,7 +182,7 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         ISOLATED: rows[ISOLATED],
     }
     flow["temb"], flow["video_embedded"] = _modulation(model.time_embed, timestep, batch, dtype)
-    flow["temb_audio"], flow["audio_embedded"] = _modulation(model.audio_time_embed, timestep, batch, dtype)
+    flow["temb_audio"], flow["audio_embedded"] = _modulation(model.audio_time_embed, sigma, batch, dtype)
     flow["temb_prompt"] = flow["temb_prompt_audio"] = None
     if model.prompt_modulation and config.use_prompt_adaln_single:
         flow["temb_prompt"] = _modulation(model.prompt_adaln, sigma, batch, dtype)[0]

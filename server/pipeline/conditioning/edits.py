@@ -42,6 +42,12 @@ class Inpainting:
 
 
 @cache
+def _frame_processor(scale: int, resample: str) -> VaeImageProcessor:
+    """A first frame's processor (image-to-video): its pipeline's resampling (LTX-2's bilinear)."""
+    return VaeImageProcessor(vae_scale_factor=scale, resample=resample)
+
+
+@cache
 def _processors(scale: int) -> tuple[VaeImageProcessor, VaeImageProcessor]:
     image = VaeImageProcessor(vae_scale_factor=scale)
     mask = VaeImageProcessor(
@@ -87,13 +93,18 @@ def first_latents(
     shape = shape or family.latent_shape(width, height, frames)
     drawn = family.noise_dtype(dtype, edit is not None)
     if reference is not None:  # as WanImageToVideoPipeline: the noise drawn, the frame resized
-        noise = torch.randn(shape, generator=generator, dtype=drawn).to(LATENT_DTYPE)
+        noise = torch.empty(shape, dtype=drawn)
+        family.draw_noise(noise, generator, shape)
+        noise = noise.to(LATENT_DTYPE)
         noise.mul_(family.init_noise_sigma(scheduler))
-        frame = reference.convert("RGB")
-        pixels = _processors(family.vae_scale_factor)[0].preprocess(frame, height=height, width=width)
+        frame = family.conditioning_frame(reference.convert("RGB"))
+        processor = _frame_processor(family.vae_scale_factor, family.frame_resample)
+        pixels = processor.preprocess(frame, height=height, width=width)
         condition = family.first_frame(vae, pixels.to(torch.float32), frames or 1)
         latents, condition = _kept(scope, device, noise.to(device), condition.to(device))
         if family.pastes_first_frame:  # the frame's latents stand in for the first latent frame's
+            if family.still_every_step:  # and are the latents' from the start (LTX-2's)
+                family.hold_first_frame(latents, condition)
             return Start(latents, first_frame=condition)
         return Start(latents, conditioning=condition)
     conditioned = family.inpainting_channels > 0

@@ -15,7 +15,7 @@ from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
 from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
-from server.pipeline.families.ltx2 import LTX2
+from server.pipeline.families.ltx2 import LTX2, LTX2I2V
 from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
 from server.pipeline.families.sd import SD
@@ -36,6 +36,7 @@ FAMILIES: tuple[type[Family], ...] = (
     HunyuanVideo15,
     HunyuanVideo15I2V,
     LTX2,
+    LTX2I2V,
     QwenImage,
     QwenImageEdit,
     ZImage,

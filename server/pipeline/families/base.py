@@ -207,6 +207,28 @@ class Family:
         (`first_frame` gives its latents) instead of conditioning beside the noise."""
         return False
 
+    frame_resample: ClassVar[str] = "lanczos"  # how its image-to-video pipeline resizes a first frame
+
+    def conditioning_frame(self, image: Any) -> Any:
+        """A first frame as its pipeline conditions on it, before resizing (as it is, for most)."""
+        return image
+
+    # a still first frame pasted back over the latents after every step (LTX-2's), not at the end only
+    still_every_step: ClassVar[bool] = False
+
+    def still_columns(self, latent_shape: tuple[int, ...]) -> int:
+        """A row's timesteps when its first frame is still: one a latent frame (Wan 2.2 TI2V's)."""
+        return latent_shape[2]
+
+    def hold_first_frame(
+        self, latents: torch.Tensor, first_frame: torch.Tensor, timesteps: torch.Tensor | None = None
+    ) -> None:
+        """`first_frame` over the first latent frame of `latents` [rows, C, F, h, w], and its
+        timesteps (`timesteps` [rows, F], if given) 0: a still frame's tokens are clean."""
+        latents[:, :, :1] = first_frame
+        if timesteps is not None:
+            timesteps[:, 0] = 0.0
+
     def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
         """Image-to-video: the channels beside the noise at every step, from the first frame's
         `pixels` [1, 3, H, W] in [-1, 1]."""

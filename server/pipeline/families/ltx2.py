@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
+from PIL import Image
 from torch import nn
 
 from server.engine.denoisers.ltx2 import (
@@ -348,6 +349,47 @@ class LTX2(Family):
         audio = torch.randn((1, *shape.audio), generator=generator, dtype=noise.dtype)
         noise.copy_(torch.cat([pack_video(video), pack_audio(audio)], dim=1))
 
+    # Image-to-video: a first frame held still (LTX2ImageToVideoPipeline), optional here.
+
+    @property
+    def pastes_first_frame(self) -> bool:
+        return True  # the published folder serves LTX2ImageToVideoPipeline from the same parts
+
+    still_every_step: ClassVar[bool] = True  # the pipeline steps the other frames only, each step
+
+    def still_columns(self, latent_shape: tuple[int, ...]) -> int:
+        return latent_shape[1]  # a timestep a token: the first frame's 0
+
+    def hold_first_frame(
+        self, latents: torch.Tensor, first_frame: torch.Tensor, timesteps: torch.Tensor | None = None
+    ) -> None:
+        """The first latent frame's tokens (the row's first h·w) are the frame's, at timestep 0."""
+        tokens = first_frame.shape[1]
+        latents[:, :tokens] = first_frame
+        if timesteps is not None:
+            timesteps[:, :tokens] = 0.0
+
+    frame_resample: ClassVar[str] = "bilinear"  # LTX2ImageToVideoPipeline's video processor's
+
+    def conditioning_frame(self, image: Any) -> Any:
+        """The frame re-compressed as one H.264 frame at CRF 33, as the pipeline does by default
+        for Gemma-3 models (they trained on compressed frames), at its own size (resized after)."""
+        from diffusers.pipelines.ltx2.utils import DEFAULT_IMAGE_CRF, apply_image_conditioning_crf
+
+        return Image.fromarray(
+            apply_image_conditioning_crf(np.array(image.convert("RGB")), DEFAULT_IMAGE_CRF)
+        )
+
+    def first_frame(self, vae: nn.Module, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """The frame's latents (its posterior's mode), normalized by the VAE's statistics and
+        packed: [1, h·w, C] float32 (the pipeline's prepare_latents)."""
+        vae_device = next(vae.parameters()).device
+        latents = (
+            vae.encode(pixels[:, :, None].to(vae_device, vae.dtype)).latent_dist.mode().to(torch.float32)
+        )
+        mean, std = (t.view(1, -1, 1, 1, 1).to(latents.device) for t in self.statistics)
+        return pack_video((latents - mean) * 1.0 / std)
+
     # Latents → video and sound.
 
     def attach(self, vae: nn.Module) -> None:
@@ -429,3 +471,12 @@ def pack_video(latents: torch.Tensor) -> torch.Tensor:
 def pack_audio(latents: torch.Tensor) -> torch.Tensor:
     """[N, C, L, M] → [N, L, C·M] (LTX2Pipeline._pack_audio_latents)."""
     return latents.transpose(1, 2).flatten(2, 3)
+
+
+class LTX2I2V(LTX2):
+    """A folder saved as `LTX2ImageToVideoPipeline`: LTX-2 whose every request starts from its
+    first frame (`input_reference`), the same parts as text-to-video's."""
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("LTX2ImageToVideoPipeline",)
+    takes_reference: ClassVar[bool] = True
+    reference_configs: ClassVar[dict[str, dict[str, Any]]] = {}

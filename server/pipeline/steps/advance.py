@@ -70,6 +70,6 @@ def advance(state: RequestState, prediction: torch.Tensor, family: Family) -> tu
     if state.inpainting is not None:  # the unmasked region back to the image
         blend(family, scheduler, state.latents, state.inpainting, state.next_timestep)
     state.index += 1
-    if state.done and state.first_frame is not None:  # the still first frame, as the pipeline ends
-        state.latents[:, :, :1] = state.first_frame
+    if state.first_frame is not None and (state.done or family.still_every_step):  # as the pipeline ends
+        family.hold_first_frame(state.latents, state.first_frame)
     return due

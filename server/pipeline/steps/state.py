@@ -158,7 +158,9 @@ def stack_inputs(
     extra = 0 if first.conditioning is None else first.conditioning.shape[1]  # inpainting UNets'
     sample = batch.rent((rows, channels + extra, *first.latents.shape[2:]), dtype, device)
     still = any(s.first_frame is not None for s in states)
-    timesteps = batch.rent((rows, first.latents.shape[2]) if still else (rows,), torch.float32, device)
+    timesteps = batch.rent(
+        (rows, family.still_columns(first.latents.shape)) if still else (rows,), torch.float32, device
+    )
     context = batch.rent((rows, columns, *first.context.shape[2:]), dtype, device)
     shapes = {
         name: (rows, columns, *v.shape[2:]) if name == TEXT_MASK else (rows, *v.shape[1:])
@@ -171,8 +173,7 @@ def stack_inputs(
             sample[span, channels:] = state.conditioning
         timesteps[span] = state.timestep
         if state.first_frame is not None:
-            sample[span, :channels, :1] = state.first_frame
-            timesteps[span, 0] = 0.0
+            family.hold_first_frame(sample[span, :channels], state.first_frame, timesteps[span])
         context[span] = state.context[:, :columns]
         for name, value in extras.items():
             value[span] = state.extras[name][:, :columns] if name == TEXT_MASK else state.extras[name]
