@@ -269,3 +269,20 @@ def test_a_first_frame_makes_ltx2_image_to_videos_video_and_sound(pipeline, refe
     assert np.abs(sound - audio).max() <= 1e-3
     ((alone_frames, alone_sound),) = made(pipeline, [plain])
     assert np.abs(plain_frames - alone_frames).max() < 1e-3 and np.abs(plain_sound - alone_sound).max() < 1e-3
+
+
+def test_the_published_models_plan_on_one_80_gib_gpu_in_bfloat16_beside_gemma(run_cli) -> None:
+    """`plan --config`: LTX-2.3's 48 blocks (35.4 GiB in bfloat16) fit one 80 GiB card beside
+    Gemma 3 12B's language model, the connectors, both VAEs and the vocoder (27.1 GiB); LTX-2's
+    (35.2 GiB) is refused at the default pixel limit, naming what to lower (it fits at
+    --max-pixels 262144: 512²)."""
+    args = ("--devices", "cuda:0", "--max-memory", "cuda:0=80GiB", "--dtype", "bfloat16")
+    done = run_cli("plan", "--config", "ltx-2.3", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    (stage,) = plan["stages"]
+    assert stage["blocks"] == ["embed", *(f"transformer_blocks.{i}" for i in range(48)), "out"]
+    (device,) = plan["devices"]
+    assert 37e9 < device["param_bytes"] < 39e9 and 28e9 < device["other_bytes"] < 30e9
+    refused = run_cli("plan", "--config", "ltx-2", *args)
+    assert refused.returncode != 0 and "--max-pixels" in refused.stderr

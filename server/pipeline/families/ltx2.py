@@ -32,10 +32,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from PIL import Image
 from torch import nn
+from transformers import Gemma3TextConfig, Gemma3TextModel
 
 from server.engine.denoisers.ltx2 import (
     AUDIO_CONTEXT,
@@ -73,7 +76,19 @@ SHIFT_DEFAULTS = {
     "base_shift": 0.95,
     "max_shift": 2.05,
 }
-# For `plan --config`: Lightricks/LTX-2's transformer (the class's defaults: 48 blocks, 19 B) and
+# For `plan --config`, as Lightricks/LTX-2 holds them: Gemma 3 12B's language model (its vision
+# tower, which the pipeline never runs, left out), the connectors, both VAEs and the vocoder (their
+# classes' defaults)
+GEMMA3_12B_TEXT = {
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "vocab_size": 262208,
+}
+# Lightricks/LTX-2's transformer (the class's defaults: 48 blocks, 19 B) and
 # LTX-2.3's (22 B: gated attention, the prompt's modulation, perturbable self-attention).
 LTX23 = {
     "gated_attn": True,
@@ -121,7 +136,13 @@ class LTX2(Family):
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 3.0
     reference_vae: ClassVar[dict[str, Any] | None] = {}  # AutoencoderKLLTX2Video's defaults
-    reference_parts: ClassVar[dict[str, Any]] = {"vae": lambda: AutoencoderKLLTX2Video()}
+    reference_parts: ClassVar[dict[str, Any]] = {  # the published parts beside the transformer
+        "text_encoder": lambda: Gemma3TextModel(Gemma3TextConfig(**GEMMA3_12B_TEXT)),
+        "connectors": lambda: LTX2TextConnectors(),
+        "vae": lambda: AutoencoderKLLTX2Video(),
+        "audio_vae": lambda: AutoencoderKLLTX2Audio(),
+        "vocoder": lambda: LTX2Vocoder(),
+    }
     reference_configs: ClassVar[dict[str, dict[str, Any]]] = {"ltx-2": {}, "ltx-2.3": LTX23}
 
     def noise_dtype(self, dtype: torch.dtype, edit: bool) -> torch.dtype:
