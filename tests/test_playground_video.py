@@ -185,3 +185,32 @@ def test_a_video_model_is_made_in_video_mode_and_plays_in_the_page(
     until(browser, lambda b: error.is_displayed() and error.text == "Out of memory on cpu.", "its error")
     assert progress.text.startswith("Failed after") and browser.find_element(By.ID, "go").is_enabled()
     assert browser.find_element(By.CSS_SELECTOR, ".card .badge").text == "failed"
+
+
+def test_a_video_with_sound_links_its_track_and_says_to_unmute(browser: WebDriver, tiny_folder) -> None:
+    """An LTX-2 server (/v1/models: `sound`): the video plays muted as any (browsers autoplay
+    only muted media), its card says it has sound, and the track as generated (the WAV the API
+    serves, byte for byte) is linked beside the MP4."""
+    store = f"sqlite:///{tiny_folder('ltx-2').parent / 'playground-jobs.sqlite'}"
+    with live_server("--model", str(tiny_folder("ltx-2")), "--job-store", store) as server:
+        browser.get_log("browser")
+        open_page(browser, server.url)
+        until(browser, lambda b: b.find_element(By.ID, "mode-video").is_selected(), "video mode")
+        browser.execute_script(RECORD)
+        fill(browser, prompt="a drum roll", seed="3", size="32x32", num_frames="9", num_inference_steps="2")
+        browser.find_element(By.ID, "go").click()
+        link = until(
+            browser,
+            lambda b: [a for a in b.find_elements(By.CSS_SELECTOR, ".card .sound") if a.is_displayed()],
+            "the sound's link",
+        )[0]
+        [job] = httpx.get(f"{server.url}/v1/videos").json()["data"]
+        wav = httpx.get(f"{server.url}/v1/videos/{job['id']}/content", params={"variant": "audio"}).content
+    href = link.get_attribute("href")
+    [blob] = [b for b in browser.execute_script("return window.blobs") if b["url"] == href]
+    assert (blob["type"], blob["size"]) == ("audio/wav", len(wav)) and wav.startswith(b"RIFF")
+    assert link.get_attribute("download") == "diffshard-3.wav"
+    title = browser.find_element(By.CSS_SELECTOR, ".card .title").text
+    assert title.endswith("with sound (unmute to hear it)"), title
+    assert browser.execute_script("return document.querySelector('.card video').muted")
+    assert not [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]

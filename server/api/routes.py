@@ -185,6 +185,7 @@ async def models(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
             "frame_multiple": clip.frame_multiple,
             "fps": videos.fps,
             "size": f"{width}x{height}",
+            "sound": bool(pipeline.family.sound_parts),  # its MP4 has an audio track (LTX-2)
         }
     model: dict[str, Any] = {
         "id": runtime.model_name,

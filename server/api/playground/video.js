@@ -1,7 +1,8 @@
 // The form's video mode, for a video model's server (OpenAI's Videos API): POST /v1/videos makes
 // a job, GET /v1/videos/{id} is polled until it ends (its progress on the form's bar and the
 // card's badge), then the MP4 from /v1/videos/{id}/content plays in a <video>, with a download
-// link. The job runs on the server whatever this page does: Stop (or leaving) only stops watching.
+// link (and, for a model that makes sound, its track: muted until the viewer unmutes it, as
+// browsers autoplay only muted media, and the WAV linked). The job runs on the server whatever this page does: Stop (or leaving) only stops watching.
 
 import { showDefaultSize } from "./mode.js";
 
@@ -10,6 +11,7 @@ const $ = (id) => document.getElementById(id);
 const POLL_MS = { first: 250, growth: 1.5, most: 1000 };
 
 let page = null; // what playground.js lends (setupVideo): its requests, errors, progress and results
+let sound = false; // whether the model's videos have a sound track (GET /v1/models)
 
 export function setupVideo(helpers) {
   page = helpers;
@@ -17,7 +19,8 @@ export function setupVideo(helpers) {
 
 // The frames the model makes by default, the step they take (the browser checks it), and at how
 // many a second the MP4 plays them.
-export function showVideoDefaults({ num_frames: frames, frame_multiple: every, fps, size }) {
+export function showVideoDefaults({ num_frames: frames, frame_multiple: every, fps, size, sound: voiced }) {
+  sound = Boolean(voiced);
   if (size) showDefaultSize("video", size);
   Object.assign($("num_frames"), { placeholder: String(frames), step: String(every) }); // min 1: 1, 1 + every…
   const seconds = (frames - 1) / fps;
@@ -49,6 +52,7 @@ function card(body) {
         class="badge"></span></div>
       <figcaption>
         <span class="title">Video</span> <span class="seed"></span> <a class="download" hidden>Download</a>
+        <a class="sound" hidden>Sound (WAV)</a>
       </figcaption>
     </figure>`;
   item.querySelector(".seed").textContent = `seed ${body.seed}`;
@@ -83,6 +87,15 @@ async function watch(job, item, signal) {
     job = await response.json();
   }
   return job;
+}
+
+// The track as generated (a WAV), linked beside the MP4 whose player plays it once unmuted.
+function showSound(job, blob, item, body) {
+  const link = item.querySelector(".sound");
+  link.href = page.keepURL(blob);
+  link.download = `diffshard-${body.seed}.wav`;
+  link.hidden = false;
+  item.querySelector(".title").textContent += ", with sound (unmute to hear it)";
 }
 
 function show(job, blob, item, body) {
@@ -132,6 +145,11 @@ export async function makeVideo(body, signal) {
     const content = await page.api(`/v1/videos/${encodeURIComponent(job.id)}/content`, { signal });
     if (!content.ok) throw await page.problem(content);
     show(job, await content.blob(), item, body);
+    if (sound) {
+      const audio = await page.api(`/v1/videos/${encodeURIComponent(job.id)}/content?variant=audio`, { signal });
+      if (!audio.ok) throw await page.problem(audio);
+      showSound(job, await audio.blob(), item, body);
+    }
     page.setProgress(`Done: ${job.seconds} s of video in ${took()}.`, 1);
   } catch (err) {
     if (err.name === "AbortError") {
