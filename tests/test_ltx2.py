@@ -166,16 +166,20 @@ def test_videos_started_apart_step_together_each_as_alone(pipeline) -> None:
 
 
 def test_two_stages_and_a_sequence_group_equal_one_device(pipeline, folder) -> None:
-    """Within 2/255 (frames) and 1e-3 (sound) of one device: the blocks over two stages, and
-    every block's tokens of both streams and both prompts split over a sequence group of two."""
+    """Within 2/255 (frames) and 1e-3 (sound) of one device, a video from text and one from a
+    first frame (its video tokens' own timesteps) in the same calls: the blocks over two stages,
+    and every block's tokens of both streams and both prompts split over a sequence group of two."""
     request = GenerationRequest("a robot dancing", seed=3, steps=3, guidance=GUIDED, **VIDEO)
-    ((frames, sound),) = made(pipeline, [request])
+    from_frame = GenerationRequest("a cat on a mat", seed=4, steps=3, reference=first_frame(), **VIDEO)
+    one = made(pipeline, [request, from_frame])
     two = Pipeline.load(folder, devices="cpu,cpu", strategy="even")
     assert len(two.shard.plan.stages) == 2
     for other in (two, sequence_lane(folder)):
-        ((their_frames, their_sound),) = made(other, [request])
-        assert np.abs(their_frames - frames).max() * 255 <= 2
-        assert np.abs(their_sound - sound).max() <= 1e-3
+        for (frames, sound), (their_frames, their_sound) in zip(
+            one, made(other, [request, from_frame]), strict=True
+        ):
+            assert np.abs(their_frames - frames).max() * 255 <= 2
+            assert np.abs(their_sound - sound).max() <= 1e-3
 
 
 def test_a_folder_it_cannot_step_as_one_tensor_is_refused_naming_why(folder: Path, tmp_path: Path) -> None:

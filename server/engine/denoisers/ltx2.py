@@ -149,12 +149,13 @@ class LTX2TransformerSpec:
         return None  # step caching carries one stream's residual; a row here carries two
 
     def sequence(self, model: nn.Module) -> SequenceSplit:
-        """Each block on a slice of both streams' tokens, of both prompts' and of their rotary
-        embeddings ([rows, heads, tokens, d] split, [rows, tokens, d] interleaved): every
+        """Each block on a slice of both streams' tokens, of both prompts', of their rotary
+        embeddings ([rows, heads, tokens, d] split, [rows, tokens, d] interleaved) and of the
+        video's modulations where they are a token's (image-to-video): every
         attention, self, the prompt's and audio↔video, gathers its keys from the group."""
         blocks = frozenset(f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks)))
         rotary = 2 if model.config.rope_type == "split" else 1
-        tokens = {"video": 1, "audio": 1, "context": 1, "audio_context": 1}
+        tokens = {"video": 1, "audio": 1, "context": 1, "audio_context": 1, "temb_tokens": 1}
         tokens |= {f"{k}_rotary": rotary for k in ("video", "audio", "video_cross", "audio_cross")}
         return SequenceSplit(blocks, tokens)
 
@@ -181,7 +182,9 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
         STG: rows[STG],
         ISOLATED: rows[ISOLATED],
     }
-    flow["temb"], flow["video_embedded"] = _modulation(model.time_embed, timestep, batch, dtype)
+    temb, flow["video_embedded"] = _modulation(model.time_embed, timestep, batch, dtype)
+    # a timestep a video token (a still first frame) makes a modulation a token, split with them
+    flow["temb"], flow["temb_tokens"] = (None, temb) if timestep.ndim == 2 else (temb, None)
     flow["temb_audio"], flow["audio_embedded"] = _modulation(model.audio_time_embed, sigma, batch, dtype)
     flow["temb_prompt"] = flow["temb_prompt_audio"] = None
     if model.prompt_modulation and config.use_prompt_adaln_single:
@@ -236,7 +239,7 @@ def _block(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], cross
         audio_hidden_states=rows["audio"],
         encoder_hidden_states=rows["context"],
         audio_encoder_hidden_states=rows["audio_context"],
-        temb=rows["temb"],
+        temb=rows["temb"] if rows["temb"] is not None else rows["temb_tokens"],
         temb_audio=rows["temb_audio"],
         temb_ca_scale_shift=rows["video_ca"],
         temb_ca_audio_scale_shift=rows["audio_ca"],
