@@ -19,7 +19,8 @@ prompt's cross-attention, audio↔video cross-attention and the MLPs; `out` ends
 The guidance passes are rows too, so a request's passes and other requests' rows share a call:
 per row, `STG` [rows, blocks] is 0 where spatio-temporal guidance replaces a block's
 self-attention by its values (the pipeline's `perturbation_mask`), and `ISOLATED` [rows] is 1 on
-a modality-isolation row (no audio↔video attention: a block runs those rows apart).
+a modality-isolation row (its audio↔video attention gated to exactly 0: every row runs every
+block in one call, so per-row adapters and the compiled blocks see one batch).
 """
 
 from __future__ import annotations
@@ -213,23 +214,14 @@ def _modulation(
 
 
 def joint(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
-    """One block on both streams. A modality-isolation row runs without audio↔video attention:
-    in a call that mixes both kinds, each kind runs the block apart."""
-    if not shared["isolating"]:
-        return _block(block, rows, shared, cross=True)
-    isolated = rows[ISOLATED].to(torch.bool)
-    if bool(isolated.all()):
-        return _block(block, rows, shared, cross=False)
-    video, audio = rows["video"].clone(), rows["audio"].clone()
-    for cross, where in ((True, ~isolated), (False, isolated)):
-        index = where.nonzero().flatten()
-        part = Flow(rows, shared).select(index).rows
-        done = _block(block, part, shared, cross=cross)
-        video[index], audio[index] = done["video"], done["audio"]
-    return {**rows, "video": video, "audio": audio}
-
-
-def _block(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], cross: bool) -> dict[str, Any]:
+    """One block on both streams. A modality-isolation row's audio↔video attention is gated off:
+    its gates' timestep modulation is the block's table negated, so table + modulation is exactly
+    0 and the row's streams get exactly nothing from it (the pipeline's isolated pass skips it)."""
+    video_gate, audio_gate = rows["video_gate"], rows["audio_gate"]
+    if shared["isolating"]:
+        off = rows[ISOLATED].to(torch.bool)[:, None, None]
+        video_gate = _gated_off(off, block.video_a2v_cross_attn_scale_shift_table, video_gate)
+        audio_gate = _gated_off(off, block.audio_a2v_cross_attn_scale_shift_table, audio_gate)
     # spatio-temporal guidance: a row's 0 lerps the block's self-attention to its values (a
     # row's 1, to the attention's output: exact to a rounding)
     column = shared["index"][id(block)]
@@ -243,8 +235,8 @@ def _block(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], cross
         temb_audio=rows["temb_audio"],
         temb_ca_scale_shift=rows["video_ca"],
         temb_ca_audio_scale_shift=rows["audio_ca"],
-        temb_ca_gate=rows["video_gate"],
-        temb_ca_audio_gate=rows["audio_gate"],
+        temb_ca_gate=video_gate,
+        temb_ca_audio_gate=audio_gate,
         temb_prompt=rows["temb_prompt"],
         temb_prompt_audio=rows["temb_prompt_audio"],
         video_rotary_emb=rows["video_rotary"],
@@ -253,12 +245,16 @@ def _block(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], cross
         ca_audio_rotary_emb=rows["audio_cross_rotary"],
         encoder_attention_mask=None,  # the connectors' mask is all ones (registers fill the padding)
         audio_encoder_attention_mask=None,
-        use_a2v_cross_attention=cross,
-        use_v2a_cross_attention=cross,
         perturbation_mask=mask,
         all_perturbed=False,
     )
     return {**rows, "video": video, "audio": audio}
+
+
+def _gated_off(off: torch.Tensor, table: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`gate` [rows, 1, D] with the rows `off` says replaced by minus the block's gate row (the
+    table's last): the block adds them to exactly 0."""
+    return torch.where(off, -table[4:].to(gate)[None], gate)
 
 
 def out(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
