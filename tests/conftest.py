@@ -153,6 +153,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "hunyuanvideo-1.5": build_hunyuan15_folder,
         "hunyuanvideo-1.5-i2v": build_hunyuan15_i2v_folder,
         "ltx-2": build_ltx2_folder,
+        "ltx-2.3": partial(build_ltx2_folder, version="2.3"),
     }
 
 

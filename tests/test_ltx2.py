@@ -326,3 +326,25 @@ def test_a_lora_row_beside_plain_ones_equals_ltx2_pipeline_with_its_lora(folder,
     assert np.abs(frames - video).max() * 255 <= 2
     assert np.abs(sound - audio).max() <= 1e-3
     assert np.abs(frames - made(pipeline, [replace(styled, lora=())])[0][0]).max() * 255 > 2  # it changes it
+
+
+def test_ltx23s_architecture_equals_its_pipeline_from_text_and_from_a_first_frame(tiny_folder) -> None:
+    """LTX-2.3's blocks (gated attention, the prompt modulated by the timestep, the connectors
+    projecting each stream's prompt): a video from text and one from a first frame, stepped in
+    the same calls with every pass, each within 2/255 (frames) and 1e-3 (sound) of its pipeline."""
+    folder = tiny_folder("ltx-2.3")
+    pipeline, reference = Pipeline.load(folder, devices="cpu"), load_reference(folder)
+    assert pipeline.shard.model.config.gated_attn and not pipeline.shard.model.config.use_prompt_embeddings
+    text = GenerationRequest(
+        "a robot dancing", negative_prompt="blurry", seed=3, steps=3, guidance=GUIDED, **VIDEO
+    )
+    framed = GenerationRequest(
+        "a cat on a mat", seed=4, steps=3, guidance=GUIDED, reference=first_frame(), **VIDEO
+    )
+    for (frames, sound), request in zip(made(pipeline, [text, framed]), (text, framed), strict=True):
+        image = {"image": request.reference} if request.reference is not None else {}
+        video, audio = ltx2_reference(
+            reference, **pipelines_clip_args(pipeline.resolve(request), GUIDED), **image
+        )
+        assert np.abs(frames - video).max() * 255 <= 2
+        assert np.abs(sound - audio).max() <= 1e-3

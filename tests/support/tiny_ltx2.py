@@ -155,8 +155,22 @@ def _text_encoder(tokenizer: GemmaTokenizerFast) -> Gemma3ForConditionalGenerati
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def _parts(**sizes: Any) -> dict[str, Any]:
-    """The pipeline's parts, each built under torch.manual_seed(0); `sizes`: other transformer sizes."""
+# LTX-2.3's architecture (what LTX2Pipeline's defaults target): gated attention, the prompt's
+# modulation by the timestep, perturbable self-attention, and the prompt projected per stream in
+# the connectors (each stream's width), not in the transformer
+LTX23_TRANSFORMER = {
+    "gated_attn": True,
+    "cross_attn_mod": True,
+    "audio_gated_attn": True,
+    "audio_cross_attn_mod": True,
+    "use_prompt_embeddings": False,
+    "rope_double_precision": True,
+}
+
+
+def _parts(version: str = "2.0", **sizes: Any) -> dict[str, Any]:
+    """The pipeline's parts, each built under torch.manual_seed(0); `version`: "2.0" (diffusers'
+    dummy's architecture) or "2.3"; `sizes`: other transformer sizes."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     text_encoder = _text_encoder(tokenizer)
@@ -217,16 +231,21 @@ def _parts(**sizes: Any) -> dict[str, Any]:
     ).eval()
     for weight in (p for p in vocoder.parameters() if p.dim() > 1):  # see the module docstring
         torch.nn.init.kaiming_normal_(weight, a=0.1, nonlinearity="leaky_relu")
+    # 2.3: each stream's connector as wide as its blocks (published 32 × 128 and 32 × 64)
+    newer = version == "2.3"
+    video_width, audio_width = (16, 8) if newer else (TEXT_HIDDEN, TEXT_HIDDEN)
+    more = {"per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8} if newer else {}
+    more |= {"video_gated_attn": True, "audio_gated_attn": True, "proj_bias": True} if newer else {}
     torch.manual_seed(0)
     connectors = LTX2TextConnectors(
         caption_channels=TEXT_HIDDEN,
         text_proj_in_factor=TEXT_LAYERS + 1,
         video_connector_num_attention_heads=2,  # 2 × 8 = TEXT_HIDDEN, as 30 × 128 = 3840 published
-        video_connector_attention_head_dim=TEXT_HIDDEN // 2,
+        video_connector_attention_head_dim=video_width // 2,
         video_connector_num_layers=1,
         video_connector_num_learnable_registers=REGISTERS,
         audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=TEXT_HIDDEN // 2,
+        audio_connector_attention_head_dim=audio_width // 2,
         audio_connector_num_layers=1,
         audio_connector_num_learnable_registers=REGISTERS,
         connector_rope_base_seq_len=4096,  # published (the dummy's 32)
@@ -234,6 +253,7 @@ def _parts(**sizes: Any) -> dict[str, Any]:
         rope_double_precision=False,
         causal_temporal_positioning=False,
         rope_type="split",
+        **more,
     ).eval()
     config = {
         "in_channels": LATENT_CHANNELS,
@@ -259,7 +279,9 @@ def _parts(**sizes: Any) -> dict[str, Any]:
         "perturbed_attn": True,  # see the module docstring
     }
     torch.manual_seed(0)
-    transformer = LTX2VideoTransformer3DModel(**(config | sizes)).eval()
+    transformer = LTX2VideoTransformer3DModel(
+        **(config | (LTX23_TRANSFORMER if newer else {}) | sizes)
+    ).eval()
     for block in transformer.transformer_blocks:  # see the module docstring
         for attention in (block.attn2, block.audio_attn2):
             attention.norm_k.weight.data.fill_(PROMPT_KEY_SCALE)
@@ -275,11 +297,11 @@ def _parts(**sizes: Any) -> dict[str, Any]:
     }
 
 
-def build_ltx2_folder(root: Path | None = None, **transformer: Any) -> Path:
+def build_ltx2_folder(root: Path | None = None, version: str = "2.0", **transformer: Any) -> Path:
     """Saves the folder as `root`/ltx2 (under a new temporary directory, the caller's to remove, when
     `root` is None) and returns it; `transformer`: other transformer sizes (e.g. num_layers=4)."""
     folder = Path(tempfile.mkdtemp(prefix="tiny-ltx2-") if root is None else root) / "ltx2"
-    LTX2Pipeline(**_parts(**transformer)).save_pretrained(folder, safe_serialization=True)
+    LTX2Pipeline(**_parts(version, **transformer)).save_pretrained(folder, safe_serialization=True)
     return folder
 
 

@@ -174,12 +174,15 @@ class TensorSplit:
     (`packed`: pattern → the parts' shares of its features, e.g. (1, 4): attention, then MLP;
     each part is cut alike). `rank_heads`: the attention modules' `heads` become a rank's share,
     for processors that reshape by the count (the MMDiT's, Wan's); diffusers' tensor-parallel-ready ones
-    reshape by head size and read the whole count (Qwen-Image's derives the head size from it)."""
+    reshape by head size and read the whole count (Qwen-Image's derives the head size from it).
+    `head_rows`: per-row entries made per head (LTX-2's rotary embeddings, [rows, heads, tokens,
+    d]), key → their heads' dim: each rank takes its heads' share, as its attention modules do."""
 
     blocks: frozenset[str]
     layers: Mapping[str, Cut]
     packed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     rank_heads: bool = True
+    head_rows: Mapping[str, int] = field(default_factory=dict)
 
     def cut_of(self, path: str) -> Cut | None:
         return next((cut for pattern, cut in self.layers.items() if fnmatchcase(path, pattern)), None)

@@ -34,10 +34,12 @@ from torch._subclasses.fake_tensor import is_fake
 from server.engine.denoisers.blocks import (
     BlockCall,
     CacheBoundary,
+    Cut,
     DenoiserInputs,
     Flow,
     Layout,
     SequenceSplit,
+    TensorSplit,
     flow_timesteps,
     present,
     stacked_layout,
@@ -159,6 +161,33 @@ class LTX2TransformerSpec:
         tokens = {"video": 1, "audio": 1, "context": 1, "audio_context": 1, "temb_tokens": 1}
         tokens |= {f"{k}_rotary": rotary for k in ("video", "audio", "video_cross", "audio_cross")}
         return SequenceSplit(blocks, tokens)
+
+    def tensor(self, model: nn.Module) -> TensorSplit:
+        """Each block's six attentions (both streams' self-attention and prompt attention, audio↔
+        video both ways) by heads, their per-head gates with them and their q/k norms over every
+        head's features summed over the ranks, and both streams' feed-forwards; the modulation
+        tables stay whole."""
+        blocks = self.sequence(model).blocks
+        cuts: dict[str, Cut] = {}
+        for attention in ATTENTIONS:
+            at = f"transformer_blocks.*.{attention}"
+            cuts |= {f"{at}.{p}": Cut.COLUMN for p in ("to_q", "to_k", "to_v", "to_gate_logits")}
+            cuts |= {f"{at}.to_out.0": Cut.ROW, f"{at}.norm_q": Cut.NORM, f"{at}.norm_k": Cut.NORM}
+        for ff in ("ff", "audio_ff"):
+            cuts |= {
+                f"transformer_blocks.*.{ff}.net.0.proj": Cut.COLUMN,
+                f"transformer_blocks.*.{ff}.net.2": Cut.ROW,
+            }
+        split_rotary = model.config.rope_type == "split"  # [rows, heads, tokens, d]: a rank's heads
+        rotary = (
+            {f"{k}_rotary": 1 for k in ("video", "audio", "video_cross", "audio_cross")}
+            if split_rotary
+            else {}
+        )
+        return TensorSplit(blocks, cuts, head_rows=rotary)
+
+
+ATTENTIONS = ("attn1", "audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 
 
 # The blocks' calls: fn(owner, rows, shared) → rows, as LTX2VideoTransformer3DModel.forward runs them.

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.denoisers.blocks import PACKED, Cut, Flow, TensorSplit
+from server.engine.denoisers.blocks import PACKED, Cut, Flow, TensorSplit, map_rows
 from server.engine.runtime.call import CallPlan, CallResult
-from server.engine.runtime.sequence import Group, Rank, Submit, run_ranks
+from server.engine.runtime.sequence import Group, Rank, Submit, chunks, run_ranks
 from server.errors import PlanError
 
 
@@ -219,7 +219,15 @@ class TensorRank(Rank):
         return total.to(partial.dtype)
 
     def cut(self, flow: Flow) -> Flow:
-        return flow
+        """The whole flow, but entries made per head (`TensorSplit.head_rows`): this rank's heads."""
+        rows = dict(flow.rows)
+        for key, dim in self.split.head_rows.items():  # type: ignore[attr-defined]
+            first = rows.get(key)
+            first = first[0] if isinstance(first, tuple) else first
+            if first is not None:
+                start, stop = chunks(first.shape[dim], self.size)[self.index]
+                rows[key] = map_rows(rows[key], lambda t, d=dim, s=start, n=stop - start: t.narrow(d, s, n))
+        return Flow(rows, flow.shared)
 
     def join(self, flow: Flow, shared: dict[str, Any]) -> Flow:
         return flow
