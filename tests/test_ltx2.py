@@ -348,3 +348,16 @@ def test_ltx23s_architecture_equals_its_pipeline_from_text_and_from_a_first_fram
         )
         assert np.abs(frames - video).max() * 255 <= 2
         assert np.abs(sound - audio).max() <= 1e-3
+
+
+def test_guidance_is_refused_by_a_model_without_sound(tiny_folder) -> None:
+    from server.pipeline.loading.folder import read_family
+    from server.pipeline.resolve import read_defaults, resolve
+
+    folder = tiny_folder("wan2.1")
+    family = read_family(folder)
+    with pytest.raises(InvalidRequest) as refused:
+        resolve(
+            GenerationRequest("a cat", guidance=AudioVideoGuidance()), read_defaults(folder, family), family
+        )
+    assert refused.value.field == "guidance" and "makes sound" in refused.value.message
