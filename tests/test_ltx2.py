@@ -30,6 +30,7 @@ from server.pipeline import Pipeline
 from server.pipeline.conditioning.lora_keys import read_adapter
 from server.requests import GenerationRequest
 from server.requests.guidance import AudioVideoGuidance
+from server.requests.step_cache import StepCache
 from tests.support.denoisers import sequence_lane
 from tests.support.images import first_frame
 from tests.support.live import live_server
@@ -361,3 +362,29 @@ def test_guidance_is_refused_by_a_model_without_sound(tiny_folder) -> None:
             GenerationRequest("a cat", guidance=AudioVideoGuidance()), read_defaults(folder, family), family
         )
     assert refused.value.field == "guidance" and "makes sound" in refused.value.message
+
+
+def test_first_block_caching_reuses_both_streams_beside_a_plain_video(pipeline) -> None:
+    """A first-block-cached video (its first block's video residual decides; a reusing row adds
+    both streams' kept residuals) and a plain one step together, each as alone (1e-3), the
+    cached one reusing steps, its frames a little (on average under 5/255) off its uncached ones."""
+    plain = pipeline.resolve(GenerationRequest("a cat on a mat", seed=4, steps=8, guidance=GUIDED, **VIDEO))
+    cached = replace(plain, seed=3, step_cache=StepCache("first_block", 3, 0.5))
+    alone = [made(pipeline, [r])[0] for r in (plain, cached)]
+    states = pipeline.start([plain, cached])
+    reused = 0
+    try:
+        while active := [s for s in states if not s.done]:
+            pipeline.step(active)
+            reused += states[1].cache.last == "reused"
+        pipeline.decode(states)
+        together = [(s.image.numpy().copy(), s.sound.numpy().copy()) for s in states]
+    finally:
+        for state in states:
+            state.close()
+    assert reused >= 1
+    for (frames, sound), (frames_alone, sound_alone) in zip(together, alone, strict=True):
+        assert np.abs(frames - frames_alone).max() < 1e-3 and np.abs(sound - sound_alone).max() < 1e-3
+    ((uncached, uncached_sound),) = made(pipeline, [replace(cached, step_cache=StepCache())])
+    drift = np.abs(together[1][0] - uncached).mean() * 255  # reuse's cost: a little, not nothing
+    assert 0 < drift < 5 and np.abs(together[1][1] - uncached_sound).mean() < 0.02, drift

@@ -122,7 +122,9 @@ class CacheBoundary:
     (First-Block-Cache); `keep` is what a refreshing row keeps of `carry` over the deep blocks:
     their "output" (DeepCache) or their "residual" (added to the carry when reused). `stack`
     names a per-row tuple the deep blocks pop (a UNet's skip residuals) and how many entries they
-    leave of it; `after`, the rows the blocks after the deep ones read."""
+    leave of it; `after`, the rows the blocks after the deep ones read. `more`: other streams the
+    deep blocks carry beside `carry` (LTX-2's audio beside its video), kept and reused alike; the
+    change is measured on `carry` alone."""
 
     deep: tuple[str, str]
     carry: str
@@ -130,6 +132,11 @@ class CacheBoundary:
     first: str | None = None  # a boundary with a first block serves `first_block`, else `deep`
     stack: tuple[str, int] | None = None
     after: tuple[str, ...] | None = None  # the rows the blocks after the deep ones read (None: all)
+    more: tuple[str, ...] = ()
+
+    @property
+    def carried(self) -> tuple[str, ...]:
+        return (self.carry, *self.more)
 
 
 @dataclass(frozen=True)

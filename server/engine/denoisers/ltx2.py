@@ -149,7 +149,15 @@ class LTX2TransformerSpec:
         return torch.cat([flow.rows["video"], flow.rows["audio"]], dim=1)
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
-        return None  # step caching carries one stream's residual; a row here carries two
+        """After the first block, as for the other DiTs: the video's change decides, and a reusing
+        row adds what the deep blocks added to both streams when it last ran them."""
+        blocks = len(model.transformer_blocks)
+        if blocks < 2:
+            return None
+        deep = ("transformer_blocks.1", f"transformer_blocks.{blocks - 1}")
+        after = ("video", "audio", "video_embedded", "audio_embedded")
+        first = "transformer_blocks.0"
+        return CacheBoundary(deep, "video", "residual", first=first, after=after, more=("audio",))
 
     def sequence(self, model: nn.Module) -> SequenceSplit:
         """Each block on a slice of both streams' tokens, of both prompts', of their rotary

@@ -255,6 +255,7 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
         r for o, s in zip(outcomes, spans, strict=True) if o.refreshed for r in range(s.start, s.stop)
     ]
     deep = names[names.index(boundary.deep[0]) : names.index(boundary.deep[1]) + 1]
+    carried = boundary.carried
     carry = flow.rows[boundary.carry]
     sub, fresh, made = flow, None, None
     if refreshing:
@@ -262,27 +263,36 @@ def _deep(state: _Walk, flow: Flow, boundary: CacheBoundary, outcomes: list[Outc
         if not everyone:
             sub = flow.select(host_values(refreshing, carry.device))
         rows = state.rows([plan.adapters[r] for r in refreshing])
-        start = sub.rows[boundary.carry]
+        start = {key: sub.rows[key] for key in carried}
         for name in deep:
             sub = state.block(name, sub, rows)
         sub = state.whole(sub)
-        fresh = made = sub.rows[boundary.carry]
+        fresh = made = {key: sub.rows[key] for key in carried}
         if boundary.keep == "residual":
-            fresh = fresh - start.to(fresh.device)
+            fresh = {key: made[key] - start[key].to(made[key].device) for key in carried}
         if everyone:  # every row ran every block: the flow as is (no assembly, bit-exact)
-            _keep(plan, outcomes, spans, fresh, boundary)
+            for key in carried:
+                _keep(plan, outcomes, spans, fresh[key], _kept_name(boundary, key))
             return _after_deep(sub, boundary)
-    device = carry.device if fresh is None else fresh.device
-    pieces = _keep(plan, outcomes, spans, fresh, boundary)
-    if boundary.keep == "residual":
-        pieces = _add_kept(outcomes, spans, pieces, carry.to(device), made)
-    assembled = torch.cat([p.to(device) for p in pieces])
     rows = dict(flow.rows)
+    for key in carried:
+        whole = flow.rows[key]
+        device = whole.device if fresh is None else fresh[key].device
+        pieces = _keep(
+            plan, outcomes, spans, None if fresh is None else fresh[key], _kept_name(boundary, key)
+        )
+        if boundary.keep == "residual":
+            pieces = _add_kept(outcomes, spans, pieces, whole.to(device), None if made is None else made[key])
+        rows[key] = torch.cat([p.to(device) for p in pieces])
     if boundary.stack is not None:  # a stack the deep blocks pop: what they leave of it
         key, left = boundary.stack
         rows[key] = rows[key][:left]
-    rows[boundary.carry] = assembled
     return _after_deep(Flow(rows, flow.shared), boundary)
+
+
+def _kept_name(boundary: CacheBoundary, key: str) -> str:
+    """What a row keeps of carried stream `key`: "deep" for `carry`, "deep.KEY" for the others."""
+    return "deep" if key == boundary.carry else f"deep.{key}"
 
 
 def _after_deep(flow: Flow, boundary: CacheBoundary) -> Flow:
@@ -320,9 +330,9 @@ def _keep(
     outcomes: list[Outcome],
     spans: list[slice],
     fresh: torch.Tensor | None,
-    boundary: CacheBoundary,
+    name: str,
 ) -> list[torch.Tensor]:
-    """Each group's piece of the carry: its slice of `fresh` (kept as "deep") or what it kept."""
+    """Each group's piece of a carried stream: its slice of `fresh` (kept as `name`) or what it kept."""
     pieces, at = [], 0
     for group, outcome, rows in zip(plan.groups, outcomes, spans, strict=True):
         count = rows.stop - rows.start
@@ -330,9 +340,9 @@ def _keep(
             piece = fresh[at : at + count]
             at += count
             if group.cache is not None:
-                outcome.fresh["deep"] = piece
+                outcome.fresh[name] = piece
         else:
-            piece = group.cache.kept["deep"]
+            piece = group.cache.kept[name]
         pieces.append(piece)
     return pieces
 

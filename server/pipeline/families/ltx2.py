@@ -130,7 +130,7 @@ class LTX2(Family):
     sound_parts: ClassVar[tuple[str, ...]] = ("audio_vae", "vocoder")
     schedulers: ClassVar[tuple[str, ...]] = ("default",)  # flow matching: the folder's own
     folder_schedulers: ClassVar[tuple[str, ...]] = FLOW_FOLDER_SCHEDULERS
-    step_caches: ClassVar[tuple[str, ...]] = ("off",)  # the spec has no cache boundary (two streams)
+    step_caches: ClassVar[tuple[str, ...]] = ("off", "first_block")
     keep_precise: ClassVar[tuple[str, ...]] = ("proj_out", "audio_proj_out")
     precise_rows: ClassVar[tuple[str, ...]] = (VIDEO_COORDS, AUDIO_COORDS)  # positions in seconds
     default_steps: ClassVar[int] = 30
