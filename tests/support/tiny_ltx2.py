@@ -35,6 +35,10 @@ L = round(frames / frame_rate × 16000 / 160 / 4): 9 frames at 24 fps last 0.375
 The audio VAE decodes them to a [1, 2, 4L - 3, 8] mel spectrogram (causal: 33 frames) and the vocoder
 to a [1, 2, 160 × (4L - 3)] waveform at 16 kHz ([2, 5280] here).
 
+`build_ltx2_folder(version="2.3")` builds LTX-2.3's architecture instead (what LTX2Pipeline's
+defaults target: gated attention, the prompt modulated by the timestep, the connectors projecting
+each stream's prompt to its blocks' width, `LTX23_TRANSFORMER`).
+
 `python -m tests.support.tiny_ltx2` builds a folder, loads it back and runs the pipeline."""
 
 from __future__ import annotations
