@@ -17,7 +17,12 @@ from diffusers import UNet2DConditionModel
 from tests.support import live
 from tests.support.forking import Forked
 from tests.support.live import MAKE_RUN, LiveServer, free_port, live_server
-from tests.support.tiny_pipelines import BUILDERS, build_flux_folder, build_sd3_folder
+from tests.support.tiny_pipelines import (
+    BUILDERS,
+    build_flux_folder,
+    build_flux_kontext_folder,
+    build_sd3_folder,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -141,6 +146,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "sd3": build_sd3_folder,
         "flux": build_flux_folder,
         "flux-schnell": partial(build_flux_folder, guidance=False),
+        "flux-kontext": build_flux_kontext_folder,
         "flux2": build_flux2_folder,
         "flux2-klein": partial(build_flux2_folder, variant="klein-base"),
         "qwen-image": build_qwen_image_folder,

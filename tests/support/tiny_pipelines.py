@@ -14,6 +14,7 @@ from diffusers import (
     AutoencoderKL,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     PNDMScheduler,
@@ -276,6 +277,36 @@ def build_flux_folder(folder: Path, guidance: bool = True) -> Path:
             **(FLUX_DEV_SCHEDULE if guidance else FLUX_SCHNELL_SCHEDULE)
         ),
         vae=_flow_vae(FLUX_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159),  # FLUX.1's
+        text_encoder=CLIPTextModel(_text_config(tokenizer)),
+        tokenizer=tokenizer,
+        text_encoder_2=_t5(t5_tokenizer),
+        tokenizer_2=t5_tokenizer,
+    ).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_flux_kontext_folder(folder: Path) -> Path:
+    """FLUX.1 Kontext [dev]'s folder (`FluxKontextPipeline`): FLUX.1-dev's tiny parts, but a VAE
+    of six blocks (32× down): the pipeline resizes the edit's image to ~1 MP (its preferred
+    resolutions), which a 2× VAE would make 65,000 tokens; here 1024² is 16×16 tokens."""
+    torch.manual_seed(0)
+    tokenizer, t5_tokenizer = build_tokenizer(), build_t5_tokenizer()
+    vae = AutoencoderKL(
+        block_out_channels=(8,) * 6,
+        down_block_types=("DownEncoderBlock2D",) * 6,
+        up_block_types=("UpDecoderBlock2D",) * 6,
+        latent_channels=FLUX_LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=IMAGE_SIZE,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    )
+    FluxKontextPipeline(
+        transformer=_flux_transformer(True),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULE),
+        vae=vae,
         text_encoder=CLIPTextModel(_text_config(tokenizer)),
         tokenizer=tokenizer,
         text_encoder_2=_t5(t5_tokenizer),

@@ -19,6 +19,9 @@ stream keep one function (and one compiled graph).
 
 Packing the latents and making the position ids are glue outside any module, done here in
 `forward` as FluxPipeline does them, so a request's latents stay [B, 16, h, w] everywhere else.
+FLUX.1 Kontext's edit image comes as tokens of its own (`REFERENCES`, packed as the noise is, at
+positions whose first index is 1: `REFERENCE_IDS`), joined after the noise's; the prediction is
+the noise's tokens alone, as FluxKontextPipeline cuts it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 from torch import nn
 
 from server.engine.denoisers.blocks import (
+    REFERENCE_IDS,
+    REFERENCES,
     BlockCall,
     CacheBoundary,
     Cut,
@@ -105,7 +110,9 @@ class FluxTransformerSpec:
         return DenoiserInputs(sample, timestep, context, conditioning)
 
     def begin(self, model: nn.Module, inputs: DenoiserInputs) -> Flow:
-        rows = token_rows(inputs, ("pooled_projections", "guidance", *CONTROL), "FLUX.1")
+        rows = token_rows(
+            inputs, ("pooled_projections", "guidance", REFERENCES, REFERENCE_IDS, *CONTROL), "FLUX.1"
+        )
         for key, stream in CONTROL.items():
             if key in rows:  # block i takes sample i // ceil(blocks / samples), as forward adds them
                 blocks, samples = len(getattr(model, stream)), rows[key]
@@ -114,9 +121,14 @@ class FluxTransformerSpec:
         _, _, h, w = sample.shape
         # FluxPipeline passes t.to(latents.dtype) / 1000; forward multiplies by 1000 again
         rows["timestep"] = rows["timestep"].to(sample.dtype) / 1000
-        rows["hidden"] = pack(sample)
+        hidden = pack(sample)
         text_ids = torch.zeros(inputs.context.shape[1], 3, device=sample.device, dtype=sample.dtype)
         ids = torch.cat((text_ids, image_ids(h, w, sample.device, sample.dtype)), dim=0)
+        references = rows.pop(REFERENCES, None)
+        if references is not None:  # Kontext: an edit's image after the noise (the rows share its layout)
+            hidden = torch.cat([hidden, references.to(hidden.dtype)], dim=1)
+            ids = torch.cat([ids, rows.pop(REFERENCE_IDS)[0].to(ids.dtype)])
+        rows["hidden"] = hidden
         return Flow(rows, {"size": (h, w), "rotary": model.pos_embed(ids)})  # pos_embed: no weights
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
@@ -127,7 +139,8 @@ class FluxTransformerSpec:
         return calls
 
     def end(self, model: nn.Module, flow: Flow, inputs: DenoiserInputs) -> torch.Tensor:
-        return unpack(flow.rows["hidden"], *flow.shared["size"])
+        h, w = flow.shared["size"]
+        return unpack(flow.rows["hidden"][:, : (h // 2) * (w // 2)], h, w)  # the noise's tokens
 
     def boundary(self, model: nn.Module) -> CacheBoundary | None:
         singles = len(model.single_transformer_blocks)

@@ -15,6 +15,7 @@ from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
 from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
+from server.pipeline.families.kontext import FluxKontext
 from server.pipeline.families.ltx2 import LTX2, LTX2I2V
 from server.pipeline.families.qwenedit import QwenImageEdit
 from server.pipeline.families.qwenimage import QwenImage
@@ -29,6 +30,7 @@ FAMILIES: tuple[type[Family], ...] = (
     SDXL,
     SD3,
     Flux,
+    FluxKontext,
     Flux2,
     Flux2Klein,
     Wan,
