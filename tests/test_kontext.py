@@ -2,24 +2,34 @@
 published (FLUX.1-dev's scheduler and parts, `FluxKontextPipeline`'s index): an edit by
 instruction equal to the pipeline's (the image resized to its preferred resolution, its tokens
 after the noise's at position index 1), with embedded guidance and with true CFG, alone and
-batched with another prompt's row, over two stages and in a sequence group; a request without an
-image, or with a mask, refused naming the field."""
+batched with another prompt's row, over two stages and in a sequence group, over the openai SDK,
+with a LoRA row; a request without an image, with a mask or with too small an image, refused
+naming the field."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
-from diffusers import FluxKontextPipeline
+from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+from PIL import Image
+from safetensors.torch import save_file
 
 from server.errors import InvalidRequest
 from server.pipeline import Pipeline
+from server.pipeline.conditioning.lora_keys import read_adapter
 from server.requests import GenerationRequest
 from server.requests.edit import Edit
 from tests.support.denoisers import sequence_lane
 from tests.support.images import first_frame, left_half_mask
+from tests.support.live import live_server
+from tests.support.lora import UNET_TARGETS, random_pairs
 
 SIZE = 128  # 4×4 latents of the 32× VAE: 2×2 noise tokens beside the image's 19×13
 
@@ -109,3 +119,50 @@ def test_what_kontext_cannot_do_is_refused_naming_the_field(pipeline, request_, 
     with pytest.raises(InvalidRequest) as refused:
         pipeline.resolve(request_)
     assert refused.value.field == field
+
+
+def test_an_edit_over_the_sdk_and_a_lora_row_equal_the_pipelines(folder, reference, tmp_path) -> None:
+    """`client.images.edit` on a Kontext server within 2/255 of FluxKontextPipeline's image (the
+    PNG the API serves); a generation without an image answered 400 naming `image`. A rank-4 LoRA
+    on the transformer's attention, asked by one row beside a plain one: within 2/255 of the
+    pipeline after load_lora_weights at that scale."""
+    data = io.BytesIO()
+    picture().save(data, format="PNG")
+    with live_server("--model", str(folder)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        made = client.images.edit(
+            image=("picture.png", data.getvalue(), "image/png"),
+            prompt="make it red",
+            size=f"{SIZE}x{SIZE}",
+            extra_body={"seed": 3, "num_inference_steps": 3, "guidance_scale": 2.5},
+        )
+        refused = httpx.post(
+            f"{server.url}/v1/images/generations", json={"prompt": "a cat", "size": "128x128"}
+        )
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(made.data[0].b64_json)))).astype(int)
+    theirs = kontexts(reference, edit("make it red", 3, 3, guidance_scale=2.5))
+    assert int(np.abs(served - (theirs * 255).round().astype(int)).max()) <= 2
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "image"
+
+    transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer", local_files_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+    list(
+        random_pairs(
+            (("transformer", transformer, UNET_TARGETS),), torch.Generator().manual_seed(1), 4, tensors
+        )
+    )
+    style = tmp_path / "style.safetensors"
+    save_file(tensors, style)
+    pipeline = Pipeline.load(folder, devices="cpu")
+    pipeline.add_adapter(read_adapter("style", style, pipeline.family))
+    styled = pipeline.resolve(edit("make it red", 3, 3, lora=(("style", 0.8),)))
+    plain = pipeline.resolve(edit("a cat", 4, 3))
+    mine, alone = pipeline.generate([styled, plain])[0], pipeline.generate([plain])[0]
+    assert np.abs(pipeline.generate([styled, plain])[1] - alone).max() < 1e-3
+    reference.load_lora_weights(style, adapter_name="style")
+    reference.set_adapters(["style"], [0.8])
+    try:
+        theirs = kontexts(reference, styled)
+    finally:
+        reference.delete_adapters(["style"])
+    assert np.abs(mine - theirs).max() * 255 <= 2

@@ -297,7 +297,7 @@ def build_flux_kontext_folder(folder: Path) -> Path:
         up_block_types=("UpDecoderBlock2D",) * 6,
         latent_channels=FLUX_LATENT_CHANNELS,
         norm_num_groups=8,
-        sample_size=IMAGE_SIZE,
+        sample_size=1024,  # FLUX.1's (its tiles' size)
         use_quant_conv=False,
         use_post_quant_conv=False,
         scaling_factor=0.3611,

@@ -125,7 +125,7 @@ def decoder_peak(
     latents = vae.latent_channels * h * w
     if not tiled or not tiles(vae, height, width):
         return images * element_bytes * (latents * (1 + vae.post_quant_conv) + _decoder(vae, h, w))
-    size, stride = vae.tile_latent, int(vae.tile_latent * (1 - OVERLAP))
+    size, stride = vae.tile_latent, max(1, int(vae.tile_latent * (1 - OVERLAP)))  # a one-latent tile: 1
     kept = peak = 0  # the decoded tiles, kept until they are blended
     for i in range(0, h, stride):
         for j in range(0, w, stride):
