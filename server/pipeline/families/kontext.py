@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 from torch import nn
 
 from server.engine.denoisers.blocks import REFERENCE_IDS, REFERENCES
@@ -57,6 +56,10 @@ class FluxKontext(Flux):
         """FluxKontextPipeline's image latents: the image at the preferred resolution nearest its
         aspect (its `_auto_resize`), to a multiple of 16, encoded (mode), shifted and scaled,
         packed, at positions (1, row, column); the same on every row."""
+        # imported here: the pipeline's module imports CLIP's image processor, which warns without
+        # torchvision, at every start of every family
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
         if request.edit is None:
             return {}, ()
         multiple = self.vae_scale_factor * 2
