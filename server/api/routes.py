@@ -120,7 +120,7 @@ async def _answer(
             ImageData(b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed)
             for r, data in zip(job.requests, encoded, strict=True)
         ],
-        size=f"{first.width}x{first.height}",
+        size=first.output_size,
         output_format=body.output_format,
     )
 
@@ -141,7 +141,7 @@ def _stream(
     keepalive_s = request.app.state.server_settings.sse_keepalive_s
     first = job.requests[0]
     fields = {
-        "size": f"{first.width}x{first.height}",
+        "size": first.output_size,
         "quality": quality_of(first.steps, service.recommended_steps),
         "background": "opaque",
         "output_format": body.output_format,

@@ -38,6 +38,7 @@ def read_defaults(folder: Path, family: Family) -> Defaults:
         size=int(settings.get("size", family.native_size)),
         true_cfg_scale=float(settings.get("true_cfg_scale", family.default_true_cfg)),
         edit_size=family.edit_size,
+        edit_crop=family.edit_crop,
         size_multiple=family.size_multiple,
         clip=family.clip,
         video_size=video_size,
@@ -65,9 +66,12 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
     width, height = d.size, d.size
     if request.frames is not None and d.video_size is not None:
         width, height = d.video_size
+    crop = request.crop
     if request.edit is not None:  # an edit's size is its image's, as diffusers' edit pipelines
         sized = d.edit_size or (lambda edit: edit_size(edit.image.size, d.size_multiple, None))
         width, height = sized(request.edit)
+        if request.width is None and request.height is None and d.edit_crop is not None:
+            crop = d.edit_crop(request.edit)  # the output cropped back from the size it was made at
     return replace(
         request,
         steps=d.steps if request.steps is None else request.steps,
@@ -78,6 +82,7 @@ def with_defaults(request: GenerationRequest, defaults: Defaults) -> GenerationR
         height=height if request.height is None else request.height,
         step_cache=d.step_cache if request.step_cache is None else request.step_cache,
         latent_frames=1 if request.frames is None or d.clip is None else d.clip.latent(request.frames),
+        crop=crop,
     )
 
 

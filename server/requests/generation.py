@@ -46,8 +46,19 @@ class GenerationRequest:
     control: tuple[Control, ...] = ()  # ControlNets steering its rows (control.py), summed
     fps: float | None = None  # a video's frames a second, for models that condition on it (LTX-2)
     guidance: AudioVideoGuidance | None = None  # a video-and-sound model's other scales (guidance.py)
+    # the box (left, top, right, bottom) of the output its decoded image is cropped to: an edit its
+    # family sizes by a padded canvas, where the request named no size (FLUX.3's lone reference)
+    crop: tuple[int, int, int, int] | None = None
     # image-to-video's first frame (RGB, resized to the video's size); compared by the others' fields
     reference: Image.Image | None = field(default=None, compare=False)
+
+    @property
+    def output_size(self) -> str:
+        """ "WIDTHxHEIGHT" of what it returns: its size, or its crop's."""
+        if self.crop is not None:
+            left, top, right, bottom = self.crop
+            return f"{right - left}x{bottom - top}"
+        return f"{self.width}x{self.height}"
 
     @property
     def kind(self) -> str:
@@ -74,6 +85,7 @@ class Defaults:
     video_size: tuple[int, int] | None = None  # (width, height) of a video that names none; None: size²
     true_cfg_scale: float = 1.0  # the family's (QwenImagePipeline's 4.0): on with a negative prompt
     edit_size: Callable[[Edit], tuple[int, int]] | None = None  # an edit's default size (its family's)
+    edit_crop: Callable[[Edit], tuple[int, int, int, int] | None] | None = None  # and its crop (`crop`)
 
 
 # Past this share of the native area (or under its inverse) a model draws what it never trained on:

@@ -64,6 +64,8 @@ TEXT_BUCKET = 64
 REFERENCES = "reference_tokens"
 REFERENCE_IDS = "reference_ids"
 REFERENCE_SHAPES = "reference_shapes"
+# A flow map's (a step-distilled FLUX.3's) timestep each row's step jumps to: [rows], 0 at the last
+TARGET_TIMESTEP = "target_timestep"
 
 
 @dataclass

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from diffusers import (
     Flux2Transformer2DModel,
+    Flux3Transformer2DModel,
     FluxTransformer2DModel,
     HunyuanVideo15Transformer3DModel,
     LTX2VideoTransformer3DModel,
@@ -21,6 +22,7 @@ from server.engine.denoisers.blocks import DenoiserSpec, Layout, part, tensors_o
 from server.engine.denoisers.dit import SD3TransformerSpec
 from server.engine.denoisers.flux import FluxTransformerSpec
 from server.engine.denoisers.flux2 import Flux2TransformerSpec
+from server.engine.denoisers.flux3 import Flux3TransformerSpec
 from server.engine.denoisers.hunyuan15 import HunyuanVideo15TransformerSpec
 from server.engine.denoisers.ltx2 import LTX2TransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
@@ -36,6 +38,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (QwenImageTransformer2DModel, QwenImageTransformerSpec),
     (ZImageTransformer2DModel, ZImageTransformerSpec),
     (Flux2Transformer2DModel, Flux2TransformerSpec),
+    (Flux3Transformer2DModel, Flux3TransformerSpec),
     (HunyuanVideo15Transformer3DModel, HunyuanVideo15TransformerSpec),
     (LTX2VideoTransformer3DModel, LTX2TransformerSpec),
 ]

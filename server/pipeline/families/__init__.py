@@ -14,6 +14,7 @@ from server.errors import ModelFolderError, PlanError
 from server.pipeline.families.base import Family, ModelConfig, TextEmbeddings
 from server.pipeline.families.flux import Flux
 from server.pipeline.families.flux2 import Flux2, Flux2Klein
+from server.pipeline.families.flux3 import Flux3, Flux3Distilled
 from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
 from server.pipeline.families.kontext import FluxKontext
 from server.pipeline.families.ltx2 import LTX2, LTX2I2V
@@ -33,6 +34,8 @@ FAMILIES: tuple[type[Family], ...] = (
     FluxKontext,
     Flux2,
     Flux2Klein,
+    Flux3,
+    Flux3Distilled,
     Wan,
     WanI2V,
     HunyuanVideo15,

@@ -182,6 +182,11 @@ class Family:
         """An edit's default (width, height): its image's (scaled down to `edit_area`), to a multiple."""
         return edit_size(edit.image.size, self.size_multiple, self.edit_area)
 
+    def edit_crop(self, edit: Any) -> tuple[int, int, int, int] | None:
+        """Where an edit sized by its default is made larger than its output (a padded canvas),
+        the output's box in it (left, top, right, bottom); None: the whole."""
+        return None
+
     def check_request(self, request: Any) -> None:
         """What this family refuses in a resolved request beyond the shared checks (raise InvalidRequest)."""
 
@@ -367,6 +372,17 @@ class Family:
         """The folder's scheduler as the family's pipeline sets it up: as saved, for most."""
         return scheduler
 
+    def default_scheduler(self) -> Any | None:
+        """The scheduler its pipeline makes where the folder ships none (a modular pipeline's
+        blocks make theirs from their own config); None: the folder must ship one."""
+        return None
+
+    @property
+    def flow_map(self) -> bool:
+        """Whether its denoiser also takes the timestep each step jumps to (`TARGET_TIMESTEP`:
+        a step-distilled flow map's)."""
+        return False
+
     def attach(self, vae: nn.Module) -> None:
         """Read what the latents' scaling keeps in the VAE's weights (FLUX.2's batch-norm
         statistics), once loaded; the others' is in its config."""
@@ -448,6 +464,28 @@ def padded_text(states: torch.Tensor, mask: torch.Tensor, drop: int, length: int
         context[row, : own.shape[0]] = own
         kept[row, : own.shape[0]] = 1
     return TextEmbeddings(context, rows={TEXT_MASK: kept})
+
+
+# The guider's settings rows' guidance follows; others (rescale, the original formulation, a window
+# of steps) change the prediction in ways a negative row does not.
+PLAIN_GUIDER = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
+
+
+def plain_guider(guider: dict[str, Any]) -> str | None:
+    """Why a folder's guider (`guider/guider_config.json`) is not served as classifier-free
+    guidance by a negative row, naming the file and what to change; None where it is."""
+    if guider and guider.get("_class_name") != "ClassifierFreeGuidance":
+        return (
+            f"guider is a {guider.get('_class_name')}; diffshard guides as ClassifierFreeGuidance does "
+            "(a negative row)"
+        )
+    changed = sorted(k for k, v in PLAIN_GUIDER.items() if guider.get(k, v) != v)
+    if changed or guider.get("enabled", True) is False:
+        return (
+            f"guider/guider_config.json sets {', '.join(changed) or 'enabled: false'}; diffshard guides "
+            "with the scale alone (set guidance_scale 1.0 to turn guidance off)"
+        )
+    return None
 
 
 def edit_size(size: tuple[int, int], multiple: int, area: int | None) -> tuple[int, int]:

@@ -38,7 +38,7 @@ from server.engine.denoisers.blocks import TEXT_MASK
 from server.engine.denoisers.hunyuan15 import GLYPH_MASK, GLYPH_TOKENS, GLYPHS, IMAGE, TEXT_TOKENS
 from server.engine.denoisers.wan import IMAGE as IMAGE_TOKENS
 from server.errors import ModelFolderError
-from server.pipeline.families.base import Family, TextEmbeddings
+from server.pipeline.families.base import Family, TextEmbeddings, plain_guider
 from server.pipeline.steps.schedulers import FLOW_FOLDER_SCHEDULERS
 from server.requests.clip import Clip
 from server.requests.generation import GenerationRequest
@@ -82,9 +82,6 @@ HUNYUAN15_VAE = {
 }
 PREFIX_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: the system prefix cropped
 DEFAULT_ASPECT = (16, 9)  # the pipeline's default_aspect_ratio (width, height)
-# The guider's settings the steps follow; others (rescale, the original formulation, a window
-# of steps) change the prediction in ways the rows' guidance does not.
-PLAIN_GUIDER = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
 
 
 class HunyuanVideo15(Family):
@@ -210,18 +207,8 @@ class HunyuanVideo15(Family):
 
     def check_configs(self, where: str) -> None:
         super().check_configs(where)
-        guider = self.config.guider
-        if guider and guider.get("_class_name") != "ClassifierFreeGuidance":
-            raise ModelFolderError(
-                f"{where}/guider is a {guider.get('_class_name')}; diffshard guides as "
-                f"ClassifierFreeGuidance does (a negative row); {self.served}"
-            )
-        changed = sorted(k for k, v in PLAIN_GUIDER.items() if guider.get(k, v) != v)
-        if changed or guider.get("enabled", True) is False:
-            raise ModelFolderError(
-                f"{where}/guider/guider_config.json sets {', '.join(changed) or 'enabled: false'}; diffshard "
-                f"guides with the scale alone (set guidance_scale 1.0 to turn guidance off)"
-            )
+        if refusal := plain_guider(self.config.guider):
+            raise ModelFolderError(f"{where}/{refusal}; {self.served}")
         config, pipeline = self.config.denoiser, self.pipeline_classes[0]
         if config.get("use_meanflow"):
             raise ModelFolderError(

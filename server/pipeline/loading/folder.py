@@ -28,6 +28,7 @@ from safetensors import safe_open
 from server.engine.quantize import Quantization
 from server.errors import ModelFolderError
 from server.pipeline.families import Family, ModelConfig, family_class
+from server.pipeline.loading import modular
 from server.pipeline.loading.processors import stand_in_for
 from server.pipeline.steps.schedulers import check_folder_scheduler
 
@@ -101,12 +102,11 @@ class Components:
 def read_family(folder: str | Path) -> Family:
     """The folder's family, with its configs, once every part is known and has safetensors weights."""
     root = Path(folder)
-    index = _read_json(root / "model_index.json", "point it at a diffusers pipeline folder")
+    index, where = read_index(root)
     family = family_class(index)(ModelConfig(index, {}))
-    where = f"{root}/model_index.json"
-    if not _present(index, "scheduler"):
+    if not _present(index, "scheduler") and family.default_scheduler() is None:
         raise ModelFolderError(f"{where} lists no scheduler: a {family.name} folder needs one")
-    scheduler = index["scheduler"]
+    scheduler = index.get("scheduler")
     if isinstance(scheduler, list | tuple) and len(scheduler) == 2:  # else class_of says what is wrong
         check_folder_scheduler(str(scheduler[1]), family.folder_schedulers, family.pipeline_classes[0], where)
     for name in _loaded_parts(family):
@@ -115,13 +115,11 @@ def read_family(folder: str | Path) -> Family:
     for name in family.weighted:
         if not _present(index, name):
             if name in (family.denoiser, "vae"):
-                raise ModelFolderError(
-                    f"{root}/model_index.json lists no {name}: a {family.name} folder needs one"
-                )
+                raise ModelFolderError(f"{where} lists no {name}: a {family.name} folder needs one")
             continue
         part = root / name
         if not part.is_dir():
-            raise ModelFolderError(f"{root} lists {name} in model_index.json but has no {name}/ folder")
+            raise ModelFolderError(f"{where} lists {name} but {root} has no {name}/ folder")
         if not any(part.glob("*.safetensors")):
             pickles = sorted(p.name for p in part.iterdir() if p.suffix in PICKLES)
             found = f"only pickle weights ({', '.join(pickles)})" if pickles else "no weights"
@@ -148,6 +146,16 @@ def read_family(folder: str | Path) -> Family:
     family = type(family)(ModelConfig(index, config, vae_config, guider_config, parts))
     family.check_configs(str(root))
     return family
+
+
+def read_index(root: Path) -> tuple[dict[str, Any], str]:
+    """The folder's index, and the file it was read from: `model_index.json`, else a modular
+    pipeline's `modular_model_index.json` (read as the classic one: `loading/modular.py`)."""
+    if (root / "model_index.json").is_file() or not (root / modular.INDEX).is_file():
+        where = root / "model_index.json"
+        return _read_json(where, "point it at a diffusers pipeline folder"), str(where)
+    where = root / modular.INDEX
+    return modular.classic_index(_read_json(where, "a modular pipeline folder needs one"), root), str(where)
 
 
 def load_components(
@@ -192,7 +200,9 @@ def load_components(
         vae=load("vae").eval(),
         text_encoders=tuple(m.eval() for m in present(family.text_encoders)),
         tokenizers=present(family.tokenizers),
-        scheduler=family.pipeline_scheduler(load("scheduler")),
+        scheduler=family.pipeline_scheduler(
+            load("scheduler") if _present(index, "scheduler") else family.default_scheduler()
+        ),
         image_encoder=next((m.eval() for m in present(family.image_encoders)), None),
         image_processor=next(iter(present(family.processors)), None),
         more_experts=tuple(load(name).eval() for name in family.experts[1:]),

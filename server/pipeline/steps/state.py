@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from server.engine.denoisers.blocks import TEXT_BUCKET, TEXT_MASK, DenoiserInputs
+from server.engine.denoisers.blocks import TARGET_TIMESTEP, TEXT_BUCKET, TEXT_MASK, DenoiserInputs
 from server.engine.runtime.pool import PoolScope
 from server.pipeline.conditioning.controlnets import RowControl
 from server.pipeline.conditioning.edits import Inpainting
@@ -108,7 +108,11 @@ class RequestState:
         """[H, W, 3] (a video's [F, H, W, 3]), as output_type="np", from one VAE output [3, H, W]
         (a video model's [3, F, H, W]: an image of one is its one frame, a partial image's too)."""
         one = self.request.frames is None and image.dim() == 4
-        return (image[:, 0] if one else image).movedim(0, -1)
+        image = (image[:, 0] if one else image).movedim(0, -1)
+        if self.request.crop is not None:  # the output's box in the canvas it was made at
+            left, top, right, bottom = self.request.crop
+            image = image[..., top:bottom, left:right, :]
+        return image
 
     def close(self) -> None:
         """End the request (finished, failed or cancelled); safe to call more than once."""
@@ -167,15 +171,21 @@ def stack_inputs(
         for name, v in first.extras.items()
     }
     extras = {name: batch.rent(shapes[name], v.dtype, device) for name, v in first.extras.items()}
+    if family.flow_map:  # where each row's step jumps to: the next timestep, 0 at the last
+        extras[TARGET_TIMESTEP] = batch.rent((rows,), torch.float32, device)
     for state, span in zip(states, spans(states), strict=True):
         sample[span, :channels] = family.model_input(state.scheduler, state.latents, state.timestep)
         if extra:  # an inpainting UNet's mask and masked image, beside the scaled latents
             sample[span, channels:] = state.conditioning
         timesteps[span] = state.timestep
+        if family.flow_map:
+            target = state.next_timestep
+            extras[TARGET_TIMESTEP][span] = 0.0 if target is None else target
         if state.first_frame is not None:
             family.hold_first_frame(sample[span, :channels], state.first_frame, timesteps[span])
         context[span] = state.context[:, :columns]
-        for name, value in extras.items():
+        for name in state.extras:
+            value = extras[name]
             value[span] = state.extras[name][:, :columns] if name == TEXT_MASK else state.extras[name]
     return DenoiserInputs(sample, timesteps, context, family.model_kwargs(extras))
 
