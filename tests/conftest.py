@@ -131,6 +131,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     """Every family's tiny folder as published (its scheduler and config), by name; the modules
     import lazily: most runs ask for a few."""
     from tests.support.tiny_flux2 import build_flux2_folder
+    from tests.support.tiny_flux3 import build_flux3_folder
     from tests.support.tiny_hunyuan15 import build_hunyuan15_folder, build_hunyuan15_i2v_folder
     from tests.support.tiny_ltx2 import build_ltx2_folder
     from tests.support.tiny_pipelines import build_wan_folder, build_wan_i2v_folder
@@ -149,6 +150,8 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "flux-kontext": build_flux_kontext_folder,
         "flux2": build_flux2_folder,
         "flux2-klein": partial(build_flux2_folder, variant="klein-base"),
+        "flux3": build_flux3_folder,
+        "flux3-distilled": partial(build_flux3_folder, variant="distilled"),
         "qwen-image": build_qwen_image_folder,
         "z-image": build_zimage_folder,
         "wan2.1": build_wan_folder,

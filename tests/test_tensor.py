@@ -219,15 +219,20 @@ def test_a_unets_transformer_blocks_split_its_convolutions_whole(tmp_path_factor
     assert torch.allclose(out, plain, atol=1e-5), float((out - plain).abs().max())
 
 
-@pytest.mark.parametrize("name", ["flux2", "qwen-image", "z-image", "hunyuanvideo-1.5", "ltx-2", "ltx-2.3"])
+NEWER = ("flux2", "qwen-image", "z-image", "hunyuanvideo-1.5", "ltx-2", "ltx-2.3", "flux3", "flux3-distilled")
+
+
+@pytest.mark.parametrize("name", NEWER)
 def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> None:
     """FLUX.2 and Qwen-Image as diffusers' own `_tp_plan` declares them (FLUX.2's fused
     single-block projections as packed parts; Qwen-Image's modulation gathered beside it), Z-Image
     by our declaration (its SwiGLU; a tiny one 48 wide, whose 128 MLP features halve), and
-    HunyuanVideo-1.5 as SD3's MMDiT, LTX-2 its six attentions and two feed-forwards a block: a
-    group of two equals the unsplit call, each rank ≤ 0.55 of the split blocks."""
+    HunyuanVideo-1.5 as SD3's MMDiT, LTX-2 its six attentions and two feed-forwards a block, FLUX.3
+    every mode's blocks and the joint ones by heads and SwiGLU halves: a group of two equals the
+    unsplit call, each rank ≤ 0.55 of the split blocks."""
     from server.pipeline.loading.folder import load_components
     from tests.support.tiny_flux2 import build_flux2_folder
+    from tests.support.tiny_flux3 import build_flux3_folder
     from tests.support.tiny_hunyuan15 import build_hunyuan15_folder
     from tests.support.tiny_ltx2 import build_ltx2_folder
     from tests.support.tiny_qwenimage import build_qwen_image_folder
@@ -242,6 +247,8 @@ def test_the_newer_families_split_as_declared(tmp_path_factory, name: str) -> No
             "hunyuanvideo-1.5": build_hunyuan15_folder,
             "ltx-2": build_ltx2_folder,
             "ltx-2.3": partial(build_ltx2_folder, version="2.3"),  # its gated attention: per head
+            "flux3": build_flux3_folder,
+            "flux3-distilled": partial(build_flux3_folder, variant="distilled"),  # a target timestep too
         }[name]
         model = load_components(build(tmp_path_factory.mktemp("tensor") / name)).denoiser
     inputs = spec_for(model).example_inputs(model, 2, 8, torch.float32, torch.device("cpu"))

@@ -164,7 +164,7 @@ def load_reference(folder: Path) -> Flux3ModularPipeline | Flux3DistilledModular
     blocks = Flux3DistilledAutoBlocks() if distilled else Flux3AutoBlocks()
     blocks.sub_blocks.pop("prompt_upsampler")
     pipe = blocks.init_pipeline(str(folder))
-    pipe.load_components(names=["text_encoder", "transformer", "vae"], torch_dtype=torch.float32)
+    pipe.load_components(names=["text_encoder", "transformer", "vae"])
     pipe.update_components(tokenizer=ImageOnlyQwen3VLProcessor.from_pretrained(folder / "tokenizer"))
     return pipe
 
