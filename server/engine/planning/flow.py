@@ -50,8 +50,19 @@ def meta_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             model = type(model).from_config(model.config)
     else:  # a plain nn.Module: copy it, then drop the copy's weights
         model = copy.deepcopy(model).to("meta")
-    # nn.Module.to, not diffusers' override: a weightless twin has nothing to keep in float32.
-    return nn.Module.to(model, dtype)
+    return as_loaded(model, dtype)
+
+
+def as_loaded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` in `dtype` but for the modules diffusers' from_pretrained keeps in float32
+    (`_keep_in_fp32_modules`: FLUX.3's q/k norms, Wan's time embedder), as a folder loads it.
+    nn.Module.to, not diffusers' override, which warns about the dtypes it keeps."""
+    model = nn.Module.to(model, dtype)
+    kept = getattr(model, "_keep_in_fp32_modules", None) or ()
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in kept):
+            module.float()
+    return model
 
 
 class _CreditProducers(TorchFunctionMode):

@@ -15,6 +15,7 @@ from torch import nn
 
 from server.engine.denoisers.blocks import block_modules, walk_plain
 from server.engine.denoisers.specs import spec_for
+from server.engine.planning.flow import as_loaded
 
 
 def profile_block_costs(
@@ -74,7 +75,7 @@ def random_twin(model: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
     meta device and only then given memory, so a GPU never holds a float32 copy first."""
     with torch.device("meta"):
         twin = type(model).from_config(model.config)
-    twin = nn.Module.to(twin, dtype).to_empty(device=device).eval()
+    twin = as_loaded(twin, dtype).to_empty(device=device).eval()
     generator = torch.Generator(device).manual_seed(0)
     for tensor in (*twin.parameters(), *twin.buffers()):
         if tensor.is_floating_point():  # small values: no overflow, no denormals to slow the timing

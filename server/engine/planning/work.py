@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from server.engine.denoisers.blocks import block_modules, walk_plain
 from server.engine.denoisers.specs import spec_for
+from server.engine.planning.flow import as_loaded
 
 aten = torch.ops.aten
 MATMUL = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
@@ -191,7 +192,7 @@ def count_work(model: nn.Module, rows: int, latent_size: int, dtype: torch.dtype
     counted on a weightless copy of `model` (built from its config on the meta device)."""
     with torch.device("meta"):
         twin = type(model).from_config(model.config)
-    twin = nn.Module.to(twin, dtype).eval()  # diffusers' own .to() warns about dtypes it keeps
+    twin = as_loaded(twin, dtype).eval()
     spec = spec_for(twin)
     counter = _Counter(twin)
 

@@ -4,8 +4,8 @@ image and video halves of Mistral's and Qwen2-VL's need torchvision, which PyPI'
 pair with our CPU torch ("operator torchvision::nms does not exist"). What the pipelines use of
 them needs no torchvision:
 
-- FLUX.2 [dev]'s `PixtralProcessor`, its tokenizer: text prompts only use its tokenizer and chat
-  template (`TextTokenizer`);
+- FLUX.2 [dev]'s `PixtralProcessor` and FLUX.3's `Qwen3VLProcessor`, each its tokenizer: text
+  prompts only use its tokenizer and chat template (`TextTokenizer`);
 - Qwen-Image-Edit's `Qwen2VLProcessor`: its tokenizer and image processor, whose PIL/NumPy
   implementation (`Qwen2VLImageProcessorPil`, what `Qwen2VLImageProcessor` falls back to without
   torchvision) gives the same `pixel_values` and `image_grid_thw`; never its video processor
