@@ -158,11 +158,18 @@ def test_a_first_block_cached_edit_beside_a_plain_row_and_int8_still_draw_the_im
     assert float(drift.mean()) > 0 and float(drift.max()) < 24 / 255, float(drift.max())
 
 
-def test_a_mask_is_refused_naming_the_field(pipeline) -> None:
+def test_a_mask_and_the_distilled_models_guidance_are_refused_naming_the_field(pipeline) -> None:
     request = GenerationRequest("a cat", edit=Edit(first_frame(), left_half_mask(40)))
     with pytest.raises(InvalidRequest) as refused:
         pipeline.resolve(request)
     assert refused.value.field == "mask"
+    guided = GenerationRequest("a cat", guidance_scale=5.0)
+    if pipeline.family.flow_map:  # it samples without guidance
+        with pytest.raises(InvalidRequest) as refused:
+            pipeline.resolve(guided)
+        assert refused.value.field == "guidance_scale" and "leave it unset" in refused.value.message
+    else:
+        assert pipeline.family.rows(pipeline.resolve(guided)) == 2
 
 
 def test_a_part_loaded_from_elsewhere_is_refused_at_load(folder, tmp_path) -> None:

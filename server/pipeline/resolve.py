@@ -101,9 +101,8 @@ def _check(request: GenerationRequest, family: Family) -> None:
     if second is not None and not (math.isfinite(second) and second >= 0):
         raise InvalidRequest("guidance_scale_2", f"must be a finite number ≥ 0, got {second}")
     if request.guidance_scale != family.default_guidance and not family.takes_guidance:
-        raise InvalidRequest(
-            "guidance_scale", "this model has no guidance input: set true_cfg_scale with a negative_prompt"
-        )
+        instead = "set true_cfg_scale with a negative_prompt" if family.takes_true_cfg else "leave it unset"
+        raise InvalidRequest("guidance_scale", f"this model has no guidance input: {instead}")
     if request.true_cfg_scale != family.default_true_cfg and not family.takes_true_cfg:
         raise InvalidRequest(
             "true_cfg_scale", "is for models guided by true CFG (FLUX.1, Qwen-Image): set guidance_scale"
