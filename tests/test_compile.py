@@ -87,6 +87,31 @@ def test_compiled_blocks_over_two_stages_equal_eager_ones(sd3_folder: Path, cach
     compiled_equals_eager(pipeline, CompileMode.BLOCKS, "sd3", cache_dir)
 
 
+def test_flux3s_mode_blocks_compile_apart_and_a_padded_call_or_an_edit_stays_exact(
+    tiny_folder, cache_dir
+) -> None:
+    """FLUX.3's three modes' blocks share a structure but not a call: each compiles its own graph
+    (one graph for all three changed the image). A guided call (2 rows) and an unguided one
+    padded to them run compiled; an edit, whose rows carry references no text warm-up has (and
+    whose reference blocks are never warmed), runs eagerly; each equals eager (1e-5)."""
+    from tests.support.tiny_flux3 import reference_image
+
+    pipeline = Pipeline.load(tiny_folder("flux3"), devices="cpu")
+    guided = pipeline.resolve(replace(GUIDED, width=32, height=32))
+    lone = pipeline.resolve(replace(guided, guidance_scale=1.0))
+    edit = pipeline.resolve(
+        GenerationRequest("make it blue", seed=5, steps=3, edit=Edit(reference_image(32)))
+    )
+    eager = [_images(pipeline, [r])[0] for r in (guided, lone, edit)]
+    stats = compile_pipeline(pipeline, CompileMode.BLOCKS, [32], 2, cache_dir)
+    assert (
+        stats.graphs_ready == stats.graphs_total == 9
+    )  # embed, 2 × 3 mode blocks less the references', 2 joint, out
+    for request, expected in zip((guided, lone, edit), eager, strict=True):
+        assert np.abs(_images(pipeline, [request])[0] - expected).max() < 1e-5
+    assert stats.calls == {"compiled": 3, "padded": 3, "eager": 3}, stats.calls
+
+
 def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adapter_rows(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:

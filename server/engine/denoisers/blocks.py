@@ -115,6 +115,9 @@ class BlockCall:
 
     owner: nn.Module
     fn: BlockFn
+    # a rows entry the block works on: where a call has none (FLUX.3's reference blocks without
+    # references) the block has nothing to do, and the walker passes the flow on untouched
+    needs: str | None = None
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ class Flux3TransformerSpec:
         sample = rows.pop("sample")
         h, w = sample.shape[-2:]
         device = sample.device
-        rows["hidden"] = sample.flatten(2).transpose(1, 2)  # Flux3PrepareLatentsStep's packing
+        # Flux3PrepareLatentsStep's packing, contiguous: compiled graphs take a padded call's strides
+        rows["hidden"] = sample.flatten(2).transpose(1, 2).contiguous()
         # the pipeline passes (t / 1000).to(latents.dtype); forward multiplies by 1000 again
         for key in ("timestep", TARGET_TIMESTEP):
             if key in rows:
@@ -137,9 +138,12 @@ class Flux3TransformerSpec:
 
     def calls(self, model: nn.Module) -> dict[str, BlockCall]:
         calls = {"embed": BlockCall(model, embed)}
-        for stream, key in zip(MODES, ("context", "hidden", "cond"), strict=True):
-            for i, block in enumerate(_stream(model, stream)):
-                calls[f"{stream}.{i}"] = BlockCall(block, _mode(key))
+        for stream, fn, needs in zip(
+            MODES, (text_mode, image_mode, reference_mode), (None, None, "cond"), strict=True
+        ):
+            calls.update(
+                (f"{stream}.{i}", BlockCall(b, fn, needs)) for i, b in enumerate(_stream(model, stream))
+            )
         singles = enumerate(model.single_transformer_blocks)
         calls.update((f"single_transformer_blocks.{i}", BlockCall(b, single)) for i, b in singles)
         calls["out"] = BlockCall(model, out)
@@ -247,24 +251,31 @@ def embed(model: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dic
     return out
 
 
-def _mode(key: str) -> Any:
-    """A per-mode block's call on the rows' `key` tokens (context, hidden or cond); the
-    references' blocks pass rows without references through."""
-    rotary_key = {"context": "text", "hidden": "image", "cond": "cond"}[key]
+def text_mode(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """A prompt block: its tokens, attending among themselves (a masked row's padding left out)."""
+    mask = rows.get(TEXT_MASK)
+    return _mode(block, rows, shared, "context", 0, None if mask is None else mask[:, None, None, :])
 
-    def call(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
-        if key not in rows:
-            return rows
-        mods = rows["cond_mods"][0] if key == "cond" else rows["mods"][0 if key == "context" else 2]
-        rotary = shared["rotary"][rotary_key]
-        mask = rows.get(TEXT_MASK) if key == "context" else None
-        if mask is None:
-            tokens = block(rows[key], mods, rotary)
-        else:
-            tokens = _mode_block(block, rows[key], mods, rotary, mask[:, None, None, :])
-        return {**rows, key: tokens}
 
-    return call
+def image_mode(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    return _mode(block, rows, shared, "hidden", 2)
+
+
+def reference_mode(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """A references' block; rows without references pass through."""
+    return _mode(block, rows, shared, "cond", 0) if "cond" in rows else rows
+
+
+def _mode(
+    block: nn.Module, rows: dict[str, Any], shared: dict[str, Any], key: str, mod: int, mask: Any = None
+) -> dict[str, Any]:
+    """A per-mode block on the rows' `key` tokens with their early modulation (`mods[mod]`, the
+    references' `cond_mods[mod]`) and their mode's rotary embeddings."""
+    modulation = rows["cond_mods" if key == "cond" else "mods"][mod]
+    rotary = shared["rotary"][{"context": "text", "hidden": "image", "cond": "cond"}[key]]
+    if mask is None:
+        return {**rows, key: block(rows[key], modulation, rotary)}
+    return {**rows, key: _mode_block(block, rows[key], modulation, rotary, mask)}
 
 
 def single(block: nn.Module, rows: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:

@@ -76,17 +76,20 @@ def row_buckets(max_rows: int, smallest: int = 1) -> tuple[int, ...]:
 
 
 def signature(args: Any, resized: tuple[int, int] | None = None) -> tuple:
-    """What a compiled graph is specialised to: every tensor's shape, dtype and device, every other
-    input's value, and the nesting. `resized=(rows, bucket)`: as if `pad_rows` had padded `args`
-    to `bucket` rows (nothing is copied)."""
+    """What a compiled graph is specialised to: every tensor's shape, strides, dtype and device,
+    every other input's value, and the nesting. The graphs have no guards and assume the strides
+    they were traced with (a spec's transposed view, a prompt's columns cut from a wider buffer):
+    a call whose strides differ runs eagerly instead. `resized=(rows, bucket)`: as if `pad_rows`
+    had padded `args` to `bucket` rows (nothing is copied; a padded tensor is contiguous)."""
     leaves, spec = tree_flatten(args)
 
     def describe(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape)
-            if resized is not None and shape and shape[0] == resized[0]:
+            shape, strides = tuple(leaf.shape), leaf.stride()
+            if resized is not None and resized[0] != resized[1] and shape and shape[0] == resized[0]:
                 shape = (resized[1], *shape[1:])
-            return (shape, str(leaf.dtype), str(leaf.device))
+                strides = torch.empty(shape, device="meta").stride()
+            return (shape, strides, str(leaf.dtype), str(leaf.device))
         return repr(leaf)
 
     return (str(spec), *(describe(leaf) for leaf in leaves))
@@ -147,7 +150,7 @@ def pad_rows(obj: Any, rows: int, bucket: int) -> Any:
 
     def pad(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
-            return torch.cat([leaf, leaf[-1:].expand(bucket - rows, *leaf.shape[1:])])
+            return torch.cat([leaf, leaf[-1:].expand(bucket - rows, *leaf.shape[1:])]).contiguous()
         return leaf
 
     return tree_map(pad, obj)

@@ -108,10 +108,12 @@ class _Walk:
         if split and self.whole_shared is None:
             self.whole_shared = flow.shared
             flow = self.rank.cut(flow)
+        call: BlockCall = shard.calls[name]
+        if call.needs is not None and call.needs not in flow.rows:
+            return flow  # nothing to do (nothing to compile)
         if self.on_block is not None:
             self.on_block(name, flow)
         shard.slots[stage].rows = rows
-        call: BlockCall = shard.calls[name]
         out = None
         if self.plan.compiled and shard.compiled is not None and rows is None and not split:
             out, path = shard.compiled.block(name, call, flow)

@@ -190,7 +190,10 @@ def _warm(
     # double their work).
     rows = row_buckets(max_rows, smallest=1 if pipeline.splits_lone else min(2, max_rows))
     images = row_buckets(max(1, max_rows // 2), smallest=1)
-    per_bucket = 1 if mode == CompileMode.FULL else len(layout_of(shards[0].model).blocks)
+    # a block with nothing to do for a text prompt (`BlockCall.needs`: FLUX.3's references') is not warmed
+    calls = shards[0].calls
+    blocks = [b for b in layout_of(shards[0].model).blocks if calls[b.name].needs is None]
+    per_bucket = 1 if mode == CompileMode.FULL else len(blocks)
     whole = [s for s in sizes if not decodes_in_tiles(pipeline.vae, pipeline.family.latent_shape(s, s))]
     stats.graphs_total = len(sizes) * len(shards) * len(rows) * per_bucket + len(whole) * len(images)
     states = {}  # each size's warm-up request, resolved
