@@ -88,7 +88,7 @@ def test_compiled_blocks_over_two_stages_equal_eager_ones(sd3_folder: Path, cach
 
 
 def test_flux3s_mode_blocks_compile_apart_and_a_padded_call_or_an_edit_stays_exact(
-    tiny_folder, cache_dir
+    tiny_folder, tmp_path
 ) -> None:
     """FLUX.3's three modes' blocks share a structure but not a call: each compiles its own graph
     (one graph for all three changed the image). A guided call (2 rows) and an unguided one
@@ -103,7 +103,9 @@ def test_flux3s_mode_blocks_compile_apart_and_a_padded_call_or_an_edit_stays_exa
         GenerationRequest("make it blue", seed=5, steps=3, edit=Edit(reference_image(32)))
     )
     eager = [_images(pipeline, [r])[0] for r in (guided, lone, edit)]
-    stats = compile_pipeline(pipeline, CompileMode.BLOCKS, [32], 2, cache_dir)
+    stats = compile_pipeline(
+        pipeline, CompileMode.BLOCKS, [32], 2, tmp_path
+    )  # not the module's: its files are counted
     assert (
         stats.graphs_ready == stats.graphs_total == 9
     )  # embed, 2 × 3 mode blocks less the references', 2 joint, out
