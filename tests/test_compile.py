@@ -103,12 +103,10 @@ def test_flux3s_mode_blocks_compile_apart_and_a_padded_call_or_an_edit_stays_exa
         GenerationRequest("make it blue", seed=5, steps=3, edit=Edit(reference_image(32)))
     )
     eager = [_images(pipeline, [r])[0] for r in (guided, lone, edit)]
-    stats = compile_pipeline(
-        pipeline, CompileMode.BLOCKS, [32], 2, tmp_path
-    )  # not the module's: its files are counted
-    assert (
-        stats.graphs_ready == stats.graphs_total == 9
-    )  # embed, 2 × 3 mode blocks less the references', 2 joint, out
+    # its own cache dir: the tests after it count the module's files
+    stats = compile_pipeline(pipeline, CompileMode.BLOCKS, [32], 2, tmp_path)
+    # the embedding, the prompt's and the image's 2 blocks each, 2 joint blocks, the output; the decoder
+    assert stats.graphs_ready == stats.graphs_total == 9
     for request, expected in zip((guided, lone, edit), eager, strict=True):
         assert np.abs(_images(pipeline, [request])[0] - expected).max() < 1e-5
     assert stats.calls == {"compiled": 3, "padded": 3, "eager": 3}, stats.calls
