@@ -88,11 +88,20 @@ def signature(args: Any, resized: tuple[int, int] | None = None) -> tuple:
             shape, strides = tuple(leaf.shape), leaf.stride()
             if resized is not None and resized[0] != resized[1] and shape and shape[0] == resized[0]:
                 shape = (resized[1], *shape[1:])
-                strides = torch.empty(shape, device="meta").stride()
+                strides = _contiguous_strides(shape)
             return (shape, strides, str(leaf.dtype), str(leaf.device))
         return repr(leaf)
 
     return (str(spec), *(describe(leaf) for leaf in leaves))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides for `shape` (counted: `signature` runs at every block call)."""
+    strides, step = [], 1
+    for side in reversed(shape):
+        strides.append(step)
+        step *= max(side, 1)
+    return tuple(reversed(strides))
 
 
 def find_bucket(args: Any, rows: int, buckets: list[int], graphs: dict[tuple, Any]) -> tuple[int, Any] | None:
