@@ -378,6 +378,12 @@ class Family:
         return None
 
     @property
+    def alpha(self) -> bool:
+        """Whether its VAE decodes an alpha channel beside the colours ([4, H, W]: Qwen-Image
+        2.1's RGBA images); the others' images are opaque."""
+        return False
+
+    @property
     def flow_map(self) -> bool:
         """Whether its denoiser also takes the timestep each step jumps to (`TARGET_TIMESTEP`:
         a step-distilled flow map's)."""
