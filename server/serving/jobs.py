@@ -21,7 +21,8 @@ class Job:
     requests: list[GenerationRequest]  # resolved: every field set
     rows: int  # denoiser rows the job takes at every step
     timeout_s: float  # from arrival (submission): waiting in line and parked count; past it: dropped
-    future: Future = field(default_factory=Future)  # its images (float [H, W, 3] arrays) or a Rejected
+    # its images (float [H, W, 3] arrays; [H, W, 4], RGBA, where the family has alpha) or a Rejected
+    future: Future = field(default_factory=Future)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     submitted: float = field(default_factory=time.monotonic)
     states: list[RequestState] = field(default_factory=list)
@@ -29,7 +30,7 @@ class Job:
     owner: str | None = None  # who sent it (an API key's label): the line is fair between owners
     queue_position: int | None = None  # 1 = the next job of its lane to start; None once running
     # Called on the step loop's thread and must not block: (image index, partial index, [H, W, 3]
-    # image) for each partial image due; and, once a turn, that the job moved (queue, steps).
+    # or RGBA [H, W, 4] image) for each partial image due; and, once a turn, that the job moved.
     on_partial: Callable[[int, int, torch.Tensor], None] | None = None
     on_progress: Callable[[], None] | None = None
     warning: str | None = None  # for the client: a size the model was not trained at

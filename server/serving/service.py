@@ -173,6 +173,12 @@ class Service:
         return self.pipeline.family.edits_by_reference
 
     @property
+    def alpha(self) -> bool:
+        """Whether its images carry an alpha channel ([H, W, 4], RGBA: Qwen-Image 2.1), so that
+        `background: transparent` can be honoured; the others' are [H, W, 3]."""
+        return self.pipeline.family.alpha
+
+    @property
     def clip(self) -> Clip | None:
         """A video model's clip (its default frames, size, frames' rule); None: images only."""
         return self.pipeline.family.clip
@@ -215,6 +221,7 @@ class Service:
                 ),
                 "experts": list(family.experts),  # Wan 2.2 A14B: two, guidance_scale_2 the second's
                 "edits": "by reference" if family.edits_by_reference else "img2img and inpainting",
+                "alpha": family.alpha,  # RGBA images: background transparent (and auto in png, webp)
             },
         }
 
