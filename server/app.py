@@ -425,4 +425,5 @@ def _bounds(settings: Settings, keyed: bool) -> Bounds:
         keyed=keyed,
         step_caches=tuple(family.step_caches),
         step_cache=settings.step_cache.wire(),
+        alpha=family.alpha,
     )

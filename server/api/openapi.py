@@ -26,6 +26,7 @@ from server.api.schemas import (
     RANDOM_SEED,
     SIZE_PATTERN,
     ImageEditRequest,
+    backgrounds,
 )
 from server.api.videos import VideoCreateRequest
 from server.media.images import FORMATS
@@ -124,6 +125,7 @@ class Bounds:
     keyed: bool
     step_caches: tuple[str, ...] = ("off",)  # the family's step-caching policies
     step_cache: str | dict[str, Any] = "off"  # the server's --step-cache, as a request sends it
+    alpha: bool = False  # its images carry an alpha channel: background transparent is served
 
 
 def install_openapi(app: FastAPI, bounds: Bounds) -> None:
@@ -203,6 +205,14 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     _nullable(props["output_compression"], minimum=0, maximum=100)
     for field, allowed in HONOURED.items():
         _nullable(props[field], enum=list(allowed))
+    _nullable(
+        props["background"],
+        enum=list(backgrounds(b.alpha)),
+        description="transparent: RGBA png or webp (jpeg: 400); opaque: over white; auto: transparent "
+        "where the format keeps alpha"
+        if b.alpha
+        else "this model makes opaque images: auto and opaque are the same, transparent answers 400",
+    )
     _nullable(props["partial_images"], minimum=0, maximum=MAX_PARTIAL_IMAGES, description="with stream: true")
     props["stream_progress"]["description"] = (
         "with stream: true, diffshard.progress events (status, queue_position, step of steps)"
@@ -225,8 +235,8 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
         f"OpenAI's image generation body plus diffshard's extensions. One request's work, "
         f"n x num_inference_steps x width x height / {b.native_size}², is at most {b.max_work:g} "
         f"(DIFFSHARD_MAX_WORK); beyond it, 400. OpenAI fields that would change the images but "
-        f"cannot be honoured (background transparent, style, other qualities) answer 400; fields "
-        f"nobody defines are ignored."
+        f"cannot be honoured (background transparent in jpeg or on a model without alpha, style, "
+        f"other qualities) answer 400; fields nobody defines are ignored."
     )
 
 

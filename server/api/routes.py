@@ -18,10 +18,12 @@ from server.api.deps import RuntimeDep, ServiceDep
 from server.api.editing import read_edit_form
 from server.api.errors import APIError
 from server.api.schemas import (
+    Background,
     ImageData,
     ImageGenerationRequest,
     ImagesResponse,
     generation_requests,
+    image_background,
     quality_of,
     read_controls,
 )
@@ -103,14 +105,16 @@ async def _answer(
     kind: str,
 ) -> ImagesResponse | StreamingResponse:
     request_id = request.state.request_id  # one id in every log line
+    background = image_background(body, service.alpha)  # checked against the model before any work
     if body.stream:
-        return _stream(body, requests, request, service, kind)
+        return _stream(body, requests, background, request, service, kind)
     job = service.submit(requests, request_id=request_id, owner=request.state.owner)
     if job.warning is not None:
         response.headers[WARNING_HEADER] = job.warning
     images = await _outcome(job, request, service)
+    opaque = background == "opaque"  # an RGBA image over white
     encoded = await asyncio.gather(
-        *(encode_async(image, body.output_format, body.output_compression) for image in images)
+        *(encode_async(image, body.output_format, body.output_compression, opaque) for image in images)
     )
     first = job.requests[0]
     return ImagesResponse(
@@ -122,11 +126,17 @@ async def _answer(
         ],
         size=first.output_size,
         output_format=body.output_format,
+        background=background,
     )
 
 
 def _stream(
-    body: ImageGenerationRequest, requests: list, request: Request, service: Service, kind: str
+    body: ImageGenerationRequest,
+    requests: list,
+    background: Background,
+    request: Request,
+    service: Service,
+    kind: str,
 ) -> StreamingResponse:
     """Server-sent events (streaming.py); refusals (limits, a full queue) answer before it starts."""
     feed, request_id = Feed(), request.state.request_id
@@ -143,7 +153,7 @@ def _stream(
     fields = {
         "size": first.output_size,
         "quality": quality_of(first.steps, service.recommended_steps),
-        "background": "opaque",
+        "background": background,  # image_events composites partial and finished images by it
         "output_format": body.output_format,
     }
 

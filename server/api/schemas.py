@@ -6,13 +6,13 @@ the files, `POST /v1/images/edits`: `ImageEditRequest`); diffshard's extensions
 deterministic, lora, step_cache) sit beside the standard fields, where the SDKs put `extra_body`. Types are
 checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
 can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
-the model's own settings; `background` auto or opaque; `moderation` low: none is done;
-`complexity` low: no planning is done) and refused with a 400 naming the field where honouring
-them would change the images (`background: transparent`, `style`, other qualities, gif and svg
-output); `user` and `safety_identifier` are accepted and unused. Any other field is refused
-with a 400 naming it: a typo (`num_inference_step`) must not run silently with defaults.
-What the wire format decides is checked here; the service's limits and the model's invariants
-are checked by the serving layer when the job is submitted.
+the model's own settings; `background` as `image_background` says; `moderation` low: none is
+done; `complexity` low: no planning is done) and refused with a 400 naming the field where
+honouring them would change the images (`background: transparent` in jpeg or on a model without
+alpha, `style`, other qualities, gif and svg output); `user` and `safety_identifier` are accepted
+and unused. Any other field is refused with a 400 naming it: a typo (`num_inference_step`) must
+not run silently with defaults. What the wire format decides is checked here; the service's
+limits and the model's invariants are checked by the serving layer when the job is submitted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.api.uploads import read_base64_image
 from server.errors import InvalidRequest
-from server.media.images import FORMATS
+from server.media.images import ALPHA_FORMATS, FORMATS
 from server.requests import MAX_CONTROLS, SEED_LIMIT, Control, Edit, GenerationRequest, parse_step_cache
 from server.serving import Limits
 
@@ -41,16 +41,18 @@ SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 # OpenAI fields and the values honoured: each means what this service does anyway.
 HONOURED = {
     "quality": ("auto", "standard", "high"),  # the model's own steps and guidance (its high)
-    "background": ("auto", "opaque"),  # every image is opaque
     "moderation": ("low",),  # no moderation is done
     "complexity": ("low",),  # no computation is spent planning the image
 }
 WHY_NOT = {
     "quality": "set num_inference_steps for more or fewer steps",
-    "background": "images have no alpha channel",
     "moderation": "diffshard does no content moderation",
     "complexity": "diffshard spends no computation planning images; set num_inference_steps",
 }
+# OpenAI's `background`: what a model with an alpha channel honours, and one without
+BACKGROUNDS = ("transparent", "opaque", "auto")
+OPAQUE_BACKGROUNDS = ("opaque", "auto")
+Background = Literal["transparent", "opaque"]  # what an image is: with its alpha, or without
 # OpenAI fields for output this service does not make: null or absent only.
 UNSERVED = {
     "style": "describe the style in the prompt",
@@ -194,7 +196,7 @@ class ImagesResponse(BaseModel):
     size: str
     output_format: Literal["png", "jpeg", "webp"] = "png"
     quality: Quality = Field(description="the quality used: quality_of(steps run)")
-    background: Literal["opaque"] = "opaque"
+    background: Background = Field("opaque", description="transparent: the image has an alpha channel")
     usage: Usage = Usage()
 
 
@@ -261,6 +263,30 @@ def check_output(body: ImageGenerationRequest) -> None:
         value = getattr(body, field)
         if value is not None and value not in allowed:
             raise InvalidRequest(field, f"must be {' or '.join(allowed)}, got {value!r}: {WHY_NOT[field]}")
+
+
+def backgrounds(alpha: bool) -> tuple[str, ...]:
+    """The `background` values a model takes: transparent only where it decodes an alpha channel."""
+    return BACKGROUNDS if alpha else OPAQUE_BACKGROUNDS
+
+
+def image_background(body: ImageGenerationRequest, alpha: bool) -> Background:
+    """What the images will be (the response's `background`), for a model with or without an
+    alpha channel; InvalidRequest naming `background` where it cannot be honoured. Transparent
+    keeps the alpha (png, webp); opaque composites over white; auto keeps it where the format
+    can. A model without alpha makes opaque images whatever is asked short of transparent."""
+    asked = body.background or "auto"
+    if asked not in BACKGROUNDS:
+        raise InvalidRequest("background", f"must be {' or '.join(backgrounds(alpha))}, got {asked!r}")
+    if asked == "transparent" and body.output_format not in ALPHA_FORMATS:
+        why = f"{body.output_format.upper()} has no alpha channel; use png or webp"
+        raise InvalidRequest("background", f"cannot be transparent in {body.output_format}: {why}")
+    if asked == "transparent" and not alpha:
+        allowed = " or ".join(OPAQUE_BACKGROUNDS)
+        why = "this model makes opaque images"
+        raise InvalidRequest("background", f"must be {allowed}, got 'transparent': {why}")
+    keeps = asked == "transparent" or (asked == "auto" and body.output_format in ALPHA_FORMATS)
+    return "transparent" if alpha and keeps else "opaque"
 
 
 def generation_requests(

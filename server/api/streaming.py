@@ -8,7 +8,9 @@
 
 then one `image_generation.completed` per image (the same fields and `usage`, no partial index).
 Every event about an image carries its `seed` (an extension), so any image can be made again.
-`quality` is the quality used (`quality_of` the steps run).
+`quality` is the quality used (`quality_of` the steps run); `background` what every image of
+the stream is, partial or finished: "transparent" (RGBA, a model with an alpha channel) or
+"opaque" (an RGBA image composited over white first).
 A partial image is the model's own prediction of the finished image at evenly spaced steps.
 With n > 1, `image_index` (diffshard's extension, like `seed`; the SDK keeps unknown fields)
 says which image an event is about. An error after the stream began is an `error` event with OpenAI's
@@ -126,11 +128,13 @@ async def image_events(
     kind: str = "image_generation",
 ) -> AsyncIterator[str]:
     """The events of `job`: its progress if asked for and its partial images as they come (a
-    keep-alive comment when nothing came for `keepalive_s`), then each finished image."""
+    keep-alive comment when nothing came for `keepalive_s`), then each finished image. `fields`
+    are said with every image; its `output_format` and `background` say how each is encoded."""
     output_format = fields["output_format"]
+    opaque = fields.get("background", "opaque") == "opaque"  # an RGBA image over white
 
     async def encoded(pixels: Any) -> str:
-        return base64.b64encode(await encode_async(pixels, output_format, compression)).decode()
+        return base64.b64encode(await encode_async(pixels, output_format, compression, opaque)).decode()
 
     done = asyncio.wrap_future(job.future)
     done.add_done_callback(consumed)  # a stream that ends early leaves its outcome to nobody
