@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from server.api.editing import edited
 from server.api.schemas import ImageGenerationRequest, image_background
 from server.api.streaming import Feed, image_events
 from server.errors import InvalidRequest
@@ -120,6 +121,18 @@ def test_a_background_that_cannot_be_honoured_is_refused_by_name(alpha: bool, fi
     with pytest.raises(InvalidRequest) as refused:
         image_background(body, alpha)
     assert refused.value.field == "background" and words in refused.value.message
+
+
+def test_an_edits_transparency_reaches_a_model_with_alpha_only() -> None:
+    """A model whose VAE takes alpha gets an uploaded RGBA image as sent; the others (and any
+    image without transparency) get RGB, as before."""
+    pixels = (rgba() * 255).round().astype(np.uint8)
+    upload = Image.fromarray(pixels, "RGBA")
+    kept = edited(upload, alpha=True)
+    assert kept.mode == "RGBA"
+    np.testing.assert_array_equal(np.asarray(kept), pixels)
+    assert edited(upload, alpha=False).mode == "RGB"
+    assert edited(upload.convert("RGB"), alpha=True).mode == "RGB"
 
 
 # A stream of a model with alpha: each event's image as its `background` says.

@@ -11,6 +11,7 @@ import json
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from PIL import Image
 from pydantic import ValidationError
 
 from server.api.errors import APIError
@@ -33,10 +34,11 @@ DEFAULT_STRENGTH = 0.8  # img2img: diffusers' default; inpainting repaints fully
 
 
 async def read_edit_form(
-    request: Request, limits: Limits, together: bool = False
+    request: Request, limits: Limits, together: bool = False, alpha: bool = False
 ) -> tuple[ImageEditRequest, list[Edit]]:
     """The edit's fields and one Edit per image (the mask, if any, on the first, as OpenAI's);
-    `together`: one Edit of every image, for a model that edits by reference (FLUX.2)."""
+    `together`: one Edit of every image, for a model that edits by reference (FLUX.2); `alpha`:
+    the model's VAE takes an alpha channel, so an image with transparency stays RGBA."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         message = f"send an edit as multipart/form-data (image, mask, prompt, ...), not {content_type!r}"
@@ -62,14 +64,20 @@ async def read_edit_form(
         mask = mask_to_repaint(read, images[0].size)
     if together:
         strength = 1.0 if body.strength is None else body.strength  # unused: nothing starts from them
-        rgb = [image.convert("RGB") for image in images]
-        return body, [Edit(rgb[0], mask, strength, body.keep_unmasked, more=tuple(rgb[1:]))]
+        pixels = [edited(image, alpha) for image in images]
+        return body, [Edit(pixels[0], mask, strength, body.keep_unmasked, more=tuple(pixels[1:]))]
     edits = []
     for i, image in enumerate(images):
         masked = mask if i == 0 else None
         strength = body.strength if body.strength is not None else (1.0 if masked else DEFAULT_STRENGTH)
-        edits.append(Edit(image.convert("RGB"), masked, strength, body.keep_unmasked))
+        edits.append(Edit(edited(image, alpha), masked, strength, body.keep_unmasked))
     return body, edits
+
+
+def edited(image: Image.Image, alpha: bool) -> Image.Image:
+    """An uploaded image as the model takes it: RGBA where its VAE takes alpha and the image has
+    transparency (dropping it would show the colours under transparent pixels), else RGB."""
+    return image.convert("RGBA") if alpha and image.has_transparency_data else image.convert("RGB")
 
 
 def form_limits(limits: Limits, max_text_bytes: int) -> FormLimits:

@@ -90,7 +90,8 @@ async def edit_images(
     """OpenAI's image edits: `image` (or several, `image[]`) and an optional `mask` whose fully
     transparent pixels mark what to repaint, as multipart/form-data; img2img without a mask.
     `control` (JSON text) steers the edit as it steers a generation."""
-    body, edits = await read_edit_form(request, service.limits, together=service.edits_by_reference)
+    together, alpha = service.edits_by_reference, service.alpha
+    body, edits = await read_edit_form(request, service.limits, together=together, alpha=alpha)
     controls = read_controls(body.control, service.limits)
     requests = generation_requests(body, service.name, service.limits.max_n, edits, controls)
     return await _answer(body, requests, request, response, service, "image_edit")

@@ -13,7 +13,7 @@ class Edit:
     """What an edit starts from. `mask` is diffusers' `mask_image`: white (255) marks the region
     to repaint (the API turns OpenAI's transparent pixels into it)."""
 
-    image: Image.Image  # RGB
+    image: Image.Image  # RGB; RGBA for a model with alpha, if the upload had transparency
     mask: Image.Image | None = None  # L, the image's size
     strength: float = 0.8
     keep_unmasked: bool = True  # with a mask: the decoded image composited over the image (below)
