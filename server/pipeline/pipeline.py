@@ -236,7 +236,7 @@ class Pipeline:
             for text in [r.negative_prompt or ""] * negative + [r.prompt]:
                 texts.append(text)
                 asking.append(r.lora)
-                shown.append(r.edit and r.edit.images)
+                shown.append(self.family.images_seen(r))
         with self._encoding, CHANGES.reading():  # reading: held, a compile's warm-up never pauses here
             rows = AdapterRows(tuple(asking)) if any(asking) else None
             for slot in self.encoder_slots:

@@ -66,6 +66,10 @@ REFERENCE_IDS = "reference_ids"
 REFERENCE_SHAPES = "reference_shapes"
 # A flow map's (a step-distilled FLUX.3's) timestep each row's step jumps to: [rows], 0 at the last
 TARGET_TIMESTEP = "target_timestep"
+# Qwen-Image 2.1's [rows, text tokens]: 1 where a prompt's token is a slot of an edit's image; cut
+# with the context as TEXT_MASK is
+IMAGE_SLOTS = "image_slots"
+TEXT_ALIGNED = (TEXT_MASK, IMAGE_SLOTS)
 
 
 @dataclass
@@ -150,11 +154,17 @@ class SequenceSplit:
     the `blocks` that run on a slice of the tokens (a DiT's transformer blocks: everything they
     do is per token except attention, which the group exchanges), the per-row entries cut along
     their token dimension (`tokens`: key → dim), and `shared(shared, cuts)`, the shared values of
-    a rank's slice (FLUX.1's rotary embeddings; `cuts`: key → (start, stop, length))."""
+    a rank's slice (FLUX.1's rotary embeddings; `cuts`: key → (start, stop, length)). `splits`:
+    whether a call's inputs may be split at all (None: always; Qwen-Image 2.1's first calls, whose
+    attention masks pairs of tokens, run whole)."""
 
     blocks: frozenset[str]
     tokens: dict[str, int]
     shared: Callable[[dict[str, Any], dict[str, tuple[int, int, int]]], dict[str, Any]] | None = None
+    splits: Callable[[DenoiserInputs], bool] | None = None
+
+    def takes(self, inputs: DenoiserInputs) -> bool:
+        return self.splits is None or self.splits(inputs)
 
 
 # What a tensor group splits (`runtime/tensor.py`): how each Linear layer of the split blocks is cut.

@@ -10,6 +10,7 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Transformer3DModel,
     LTX2VideoTransformer3DModel,
+    QwenImage21Transformer2DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
@@ -26,6 +27,7 @@ from server.engine.denoisers.flux3 import Flux3TransformerSpec
 from server.engine.denoisers.hunyuan15 import HunyuanVideo15TransformerSpec
 from server.engine.denoisers.ltx2 import LTX2TransformerSpec
 from server.engine.denoisers.qwenimage import QwenImageTransformerSpec
+from server.engine.denoisers.qwenimage21 import QwenImage21TransformerSpec
 from server.engine.denoisers.unet import UNetSpec
 from server.engine.denoisers.wan import WanTransformerSpec
 from server.engine.denoisers.zimage import ZImageTransformerSpec
@@ -36,6 +38,7 @@ _SPECS: list[tuple[type[nn.Module], Callable[[], DenoiserSpec]]] = [
     (FluxTransformer2DModel, FluxTransformerSpec),
     (WanTransformer3DModel, WanTransformerSpec),
     (QwenImageTransformer2DModel, QwenImageTransformerSpec),
+    (QwenImage21Transformer2DModel, QwenImage21TransformerSpec),
     (ZImageTransformer2DModel, ZImageTransformerSpec),
     (Flux2Transformer2DModel, Flux2TransformerSpec),
     (Flux3Transformer2DModel, Flux3TransformerSpec),

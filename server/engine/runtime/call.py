@@ -112,6 +112,9 @@ class Outcome:
 
     refreshed: bool = True
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)
+    # what the denoiser's spec hands its rows to keep beside their inputs (`held`: Qwen-Image
+    # 2.1's prefix keys and values after a request's first call)
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,8 +147,24 @@ class CallResult:
                 if len(taken) > 1
                 else taken[0].fresh
             )
-            outcomes.append(Outcome(taken[0].refreshed, fresh))
+            held = (
+                {name: _padded_cat([o.held[name].to(device) for o in taken]) for name in taken[0].held}
+                if len(taken) > 1
+                else taken[0].held
+            )
+            outcomes.append(Outcome(taken[0].refreshed, fresh, held))
         return CallResult(out, outcomes, fences={d: e for _, r in parts for d, e in r.fences.items()})
+
+
+def _padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of a group cut over micro-batches, joined: what each held, zero-padded to the largest
+    (a held prefix is padded per call; its zeros are masked out)."""
+    shape = [max(sizes) for sizes in zip(*(p.shape for p in parts), strict=True)]
+    padded = []
+    for p in parts:
+        pairs = zip(reversed(p.shape[1:]), reversed(shape[1:]), strict=True)
+        padded.append(torch.nn.functional.pad(p, [w for have, want in pairs for w in (0, want - have)]))
+    return torch.cat(padded)
 
 
 class AdapterRows:

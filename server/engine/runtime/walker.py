@@ -217,7 +217,12 @@ def _blocks(state: _Walk, inputs: DenoiserInputs) -> tuple[torch.Tensor, list[Ou
         if shard.boundary is not None and name == shard.boundary.deep[1]:  # as a cached walk leaves it
             flow = _after_deep(flow, shard.boundary)
         index += 1
-    return shard.spec.end(shard.model, state.whole(flow), moved), outcomes
+    flow = state.whole(flow)
+    if hasattr(shard.spec, "held"):  # what the rows keep beside their inputs (Qwen-Image 2.1's prefix)
+        held = shard.spec.held(shard.model, flow)
+        for outcome, rows in zip(outcomes, plan.spans, strict=True):
+            outcome.held = {name: value[rows] for name, value in held.items()}
+    return shard.spec.end(shard.model, flow, moved), outcomes
 
 
 def _change(now: torch.Tensor, before: torch.Tensor) -> float:
@@ -302,7 +307,7 @@ def _after_deep(flow: Flow, boundary: CacheBoundary) -> Flow:
     whichever way it got there: so those blocks see one signature (one compiled graph)."""
     if boundary.after is None:
         return flow
-    return Flow({key: flow.rows[key] for key in boundary.after}, flow.shared)
+    return Flow({key: flow.rows[key] for key in boundary.after if key in flow.rows}, flow.shared)
 
 
 def _add_kept(

@@ -18,8 +18,8 @@ from server.pipeline.families.flux3 import Flux3, Flux3Distilled
 from server.pipeline.families.hunyuan15 import HunyuanVideo15, HunyuanVideo15I2V
 from server.pipeline.families.kontext import FluxKontext
 from server.pipeline.families.ltx2 import LTX2, LTX2I2V
-from server.pipeline.families.qwenedit import QwenImageEdit
-from server.pipeline.families.qwenimage import QwenImage
+from server.pipeline.families.qwenimage import QwenImage, QwenImageEdit
+from server.pipeline.families.qwenimage21 import QwenImage21, QwenImage21Turbo
 from server.pipeline.families.sd import SD
 from server.pipeline.families.sd3 import SD3
 from server.pipeline.families.sdxl import SDXL
@@ -44,6 +44,8 @@ FAMILIES: tuple[type[Family], ...] = (
     LTX2I2V,
     QwenImage,
     QwenImageEdit,
+    QwenImage21,
+    QwenImage21Turbo,
     ZImage,
 )
 SD_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}  # every reference's 8x VAE

@@ -190,6 +190,10 @@ class Family:
     def check_request(self, request: Any) -> None:
         """What this family refuses in a resolved request beyond the shared checks (raise InvalidRequest)."""
 
+    def images_seen(self, request: Any) -> tuple[Any, ...]:
+        """An edit's images as its text encoder reads them beside the prompt (`sees_images`)."""
+        return request.edit.images if request.edit is not None else ()
+
     def references(self, vae: nn.Module, request: Any, rows: int) -> tuple[dict[str, torch.Tensor], tuple]:
         """A request's conditioning from its edit's images, for families that edit by reference:
         per-row tensors ([rows, ...] each) and the layout their positions depend on (requests of

@@ -151,7 +151,13 @@ class Lane:
             return self.shard.run(inputs, plan)
         spare = self.spare()
         split = self.shard.sequence
-        if spare and split is not None and self.sequence > 1 and self.workers is not None:
+        if (
+            spare
+            and split is not None
+            and split.takes(inputs)
+            and self.sequence > 1
+            and self.workers is not None
+        ):
             rows = inputs.sample.shape[0]
             groups = groups_for([self.shard, *spare][: self.sequence], rows, self.every_call)
             if len(groups) == 1:

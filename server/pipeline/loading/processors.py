@@ -6,10 +6,10 @@ them needs no torchvision:
 
 - FLUX.2 [dev]'s `PixtralProcessor` and FLUX.3's `Qwen3VLProcessor`, each its tokenizer: text
   prompts only use its tokenizer and chat template (`TextTokenizer`);
-- Qwen-Image-Edit's `Qwen2VLProcessor`: its tokenizer and image processor, whose PIL/NumPy
-  implementation (`Qwen2VLImageProcessorPil`, what `Qwen2VLImageProcessor` falls back to without
-  torchvision) gives the same `pixel_values` and `image_grid_thw`; never its video processor
-  (`ImageQwen2VLProcessor`).
+- Qwen-Image-Edit's `Qwen2VLProcessor` and Qwen-Image 2.1's `Qwen3VLProcessor`: their tokenizer
+  and image processor, whose PIL/NumPy implementation (`Qwen2VLImageProcessorPil`, what
+  `Qwen2VLImageProcessor` falls back to without torchvision) gives the same `pixel_values` and
+  `image_grid_thw`; never their video processor (`ImageQwen2VLProcessor`, `ImageQwen3VLProcessor`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers import Qwen2VLProcessor
+from transformers import Qwen2VLProcessor, Qwen3VLProcessor
 
 
 class TextTokenizer:
@@ -45,10 +45,22 @@ class ImageQwen2VLProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
+class ImageQwen3VLProcessor(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` without its video processor, as `ImageQwen2VLProcessor`."""
+
+    def __init__(
+        self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+    ):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+IMAGE_STAND_INS = {"Qwen2VLProcessor": ImageQwen2VLProcessor, "Qwen3VLProcessor": ImageQwen3VLProcessor}
+
+
 def stand_in_for(class_name: str, part: str) -> type | None:
     """What loads in place of the processor class `class_name` named for `part`, if anything."""
-    if class_name == "Qwen2VLProcessor" and not part.startswith("tokenizer"):
-        return ImageQwen2VLProcessor
+    if class_name in IMAGE_STAND_INS and not part.startswith("tokenizer"):
+        return IMAGE_STAND_INS[class_name]
     if class_name.endswith("Processor") and part.startswith("tokenizer"):
         return TextTokenizer
     return None

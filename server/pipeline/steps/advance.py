@@ -13,7 +13,7 @@ from server.pipeline.conditioning.edits import blend
 from server.pipeline.conditioning.live_changes import CHANGES
 from server.pipeline.families import Family
 from server.pipeline.loading.deployment import Lane
-from server.pipeline.steps.caching import cache_ask, keep
+from server.pipeline.steps.caching import cache_ask, hold, keep
 from server.pipeline.steps.schedulers import predicted_clean
 from server.pipeline.steps.state import RequestState, spans
 
@@ -45,6 +45,7 @@ def expert_calls(
             result = lane.forward(stack(group), call_plan(group))
         for state, outcome, span in zip(group, result.outcomes, spans(group), strict=True):
             keep(state, outcome)
+            hold(state, outcome)
             # an expert placed apart predicts on its own GPU; the scheduler steps on the latents'
             outs[id(state)] = result.out[span].to(state.latents.device)
     return by_expert, outs

@@ -40,3 +40,13 @@ def keep(state: RequestState, outcome: Outcome) -> None:
         if name not in cache.kept:
             cache.kept[name] = state.scope.rent(fresh.shape, fresh.dtype, fresh.device)
         cache.kept[name].copy_(fresh)
+
+
+def hold(state: RequestState, outcome: Outcome) -> None:
+    """What the denoiser handed a request's rows to keep (`Outcome.held`) joins their inputs, in
+    buffers its scope rents: Qwen-Image 2.1's prefix keys and values, from its first call on."""
+    for name, value in outcome.held.items():
+        kept = state.extras.get(name)
+        if kept is None or kept.shape != value.shape:
+            kept = state.extras[name] = state.scope.rent(value.shape, value.dtype, state.latents.device)
+        kept.copy_(value)

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from server.engine.denoisers.blocks import TARGET_TIMESTEP, TEXT_BUCKET, TEXT_MASK, DenoiserInputs
+from server.engine.denoisers.blocks import (
+    TARGET_TIMESTEP,
+    TEXT_ALIGNED,
+    TEXT_BUCKET,
+    TEXT_MASK,
+    DenoiserInputs,
+)
 from server.engine.runtime.pool import PoolScope
 from server.pipeline.conditioning.controlnets import RowControl
 from server.pipeline.conditioning.edits import Inpainting
@@ -167,7 +173,7 @@ def stack_inputs(
     )
     context = batch.rent((rows, columns, *first.context.shape[2:]), dtype, device)
     shapes = {
-        name: (rows, columns, *v.shape[2:]) if name == TEXT_MASK else (rows, *v.shape[1:])
+        name: (rows, columns, *v.shape[2:]) if name in TEXT_ALIGNED else (rows, *v.shape[1:])
         for name, v in first.extras.items()
     }
     extras = {name: batch.rent(shapes[name], v.dtype, device) for name, v in first.extras.items()}
@@ -186,7 +192,7 @@ def stack_inputs(
         context[span] = state.context[:, :columns]
         for name in state.extras:
             value = extras[name]
-            value[span] = state.extras[name][:, :columns] if name == TEXT_MASK else state.extras[name]
+            value[span] = state.extras[name][:, :columns] if name in TEXT_ALIGNED else state.extras[name]
     return DenoiserInputs(sample, timesteps, context, family.model_kwargs(extras))
 
 
