@@ -135,6 +135,7 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
     from tests.support.tiny_hunyuan15 import build_hunyuan15_folder, build_hunyuan15_i2v_folder
     from tests.support.tiny_ltx2 import build_ltx2_folder
     from tests.support.tiny_pipelines import build_wan_folder, build_wan_i2v_folder
+    from tests.support.tiny_qwen21 import build_qwen21_folder
     from tests.support.tiny_qwenimage import build_qwen_image_folder
     from tests.support.tiny_wan22 import (
         build_wan22_i2v_two_expert_folder,
@@ -153,6 +154,8 @@ def _tiny_builders() -> dict[str, Callable[[Path], Path]]:
         "flux3": build_flux3_folder,
         "flux3-distilled": partial(build_flux3_folder, variant="distilled"),
         "qwen-image": build_qwen_image_folder,
+        "qwen-image-2.1": build_qwen21_folder,
+        "qwen-image-2.1-turbo": partial(build_qwen21_folder, variant="turbo"),
         "z-image": build_zimage_folder,
         "wan2.1": build_wan_folder,
         "wan2.1-i2v": build_wan_i2v_folder,

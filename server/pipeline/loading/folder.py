@@ -69,7 +69,9 @@ def quiet_libraries() -> None:
 def closed_vocabulary(tokenizers: tuple[Any, ...]) -> tuple[str, ...] | None:
     """The whole words a small, closed vocabulary knows (the built-in model's), in token order, to
     show users; None for a real tokenizer, which spells any word."""
-    vocab = tokenizers[0].get_vocab() if tokenizers and tokenizers[0] is not None else {}
+    first = tokenizers[0] if tokenizers else None
+    first = getattr(first, "tokenizer", first)  # a processor's (Qwen-Image 2.1's) tokenizer
+    vocab = first.get_vocab() if first is not None else {}
     if not vocab or len(vocab) > CLOSED_VOCABULARY:
         return None
     tokens = sorted(vocab, key=vocab.__getitem__)  # by id: in the order the vocabulary was made
