@@ -112,6 +112,22 @@ def test_flux3s_mode_blocks_compile_apart_and_a_padded_call_or_an_edit_stays_exa
     assert stats.calls == {"compiled": 3, "padded": 3, "eager": 3}, stats.calls
 
 
+@pytest.mark.parametrize("mode", [CompileMode.BLOCKS, CompileMode.FULL])
+def test_qwen_image_21_compiles_the_calls_on_a_kept_prefix_and_runs_its_first_eagerly(
+    tiny_folder, tmp_path, mode
+) -> None:
+    """Qwen-Image 2.1 warms from a request's later calls (on its kept prefix keys and values):
+    those run compiled, a request's first call (its prefix laid out on the host) eagerly, and
+    the image equals eager (1e-5). The warm-up's own first call is not counted."""
+    pipeline = Pipeline.load(tiny_folder("qwen-image-2.1"), devices="cpu")
+    request = pipeline.resolve(replace(GUIDED, width=32, height=32))
+    (eager,) = _images(pipeline, [request])
+    stats = compile_pipeline(pipeline, mode, [32], 2, tmp_path / mode.value)
+    assert stats.graphs_ready == stats.graphs_total
+    assert np.abs(_images(pipeline, [request])[0] - eager).max() < 1e-5
+    assert stats.calls["compiled"] == 2 and stats.calls["eager"] == 1, stats.calls
+
+
 def test_a_background_compile_serves_eagerly_meanwhile_then_compiled_beside_adapter_rows(
     folders: dict[str, Path], cache_dir: Path
 ) -> None:

@@ -297,7 +297,7 @@ def _stream(
     normed = block.img_norm1(hidden) * (1 + scale1[:, None])
     query, key, value = (_heads(attn, layer(normed)) for layer in (attn.to_q, attn.to_k, attn.to_v))
     query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
-    frequencies = torch.view_as_complex(rotary.float().contiguous())[:, :, None]
+    frequencies = rotary.float()[:, :, None]  # [rows, S, 1, d / 2, (cos, sin)]
     query, key = _rotated(query, frequencies), _rotated(key, frequencies)
     keys, values = key, value
     if prefix_keys is not None:
@@ -321,6 +321,9 @@ def _heads(attn: nn.Module, projected: torch.Tensor) -> torch.Tensor:
 
 
 def _rotated(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
-    """apply_rotary_emb_qwen(use_real=False) with a row's own frequencies [rows, S, 1, d/2]."""
-    turned = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * frequencies
-    return torch.view_as_real(turned).flatten(3).type_as(x)
+    """apply_rotary_emb_qwen(use_real=False) with a row's own frequencies [rows, S, 1, d/2, 2]:
+    its complex product in float32, written out in reals (inductor compiles no complex ops)."""
+    real, imaginary = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    cos, sin = frequencies.unbind(-1)
+    turned = torch.stack([real * cos - imaginary * sin, real * sin + imaginary * cos], dim=-1)
+    return turned.flatten(3).type_as(x)

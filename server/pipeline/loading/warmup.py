@@ -41,6 +41,8 @@ from server.engine.runtime.graphs import CompileRoute, CompileStats, GraphStore
 from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import CompileStopped, GiveWay, compiling_on_this_thread, trace_gate
 from server.pipeline.pipeline import Pipeline
+from server.pipeline.steps.caching import hold
+from server.pipeline.steps.state import RequestState
 from server.requests.generation import GenerationRequest
 
 log = logging.getLogger("diffshard")
@@ -226,6 +228,8 @@ def _warm(
             frame = Image.new("RGB", (size, size)) if pipeline.family.takes_reference else None  # i2v
             warm = GenerationRequest("warm", width=size, height=size, reference=frame)
             (states[size],) = pipeline.start([pipeline.resolve(pipeline.with_defaults(warm))])
+            if hasattr(shards[0].spec, "held"):
+                _hold_first_call(pipeline, states[size])
         for built, bucket in enumerate(buckets):
             if built and budget_s is not None and time.perf_counter() - started > budget_s:
                 log.warning(
@@ -327,6 +331,14 @@ def _faster(
         "compile: %s %s (%.1f ms compiled, %.1f ms eager)", what, verdict, compiled_s * 1e3, eager_s * 1e3
     )
     return kept
+
+
+def _hold_first_call(pipeline: Pipeline, state: RequestState) -> None:
+    """A denoiser whose rows keep what their first call made (Qwen-Image 2.1's prefix keys and
+    values) warms from the calls that repeat, on what they keep: the first call runs (uncounted)."""
+    with pipeline.pool.scope() as batch, torch.inference_mode():
+        plan = replace(pipeline.call_plan([state]), counted=False)
+        hold(state, pipeline.forward(pipeline.stacked([state], batch), plan).outcomes[0])
 
 
 def _rows_of(one: DenoiserInputs, count: int) -> DenoiserInputs:
