@@ -265,12 +265,16 @@ def _png(response) -> np.ndarray:
 
 
 def test_refusals(pipeline, folder, turbo, tmp_path) -> None:
-    """A mask (edits by reference), the Turbo's other step counts, and a transformer without
-    `causal_condition` (no prefix to keep) at load."""
+    """A mask (edits by reference), more image tokens than the prompt holds, the Turbo's other
+    step counts, and a transformer without `causal_condition` (no prefix to keep) at load."""
     disc, _ = condition_images()
     with pytest.raises(InvalidRequest) as masked:
         pipeline.resolve(ask("x", 1, 3, turbo, edit=Edit(disc, mask=Image.new("L", disc.size, 255))))
     assert masked.value.field == "mask"
+    many = GenerationRequest("x", width=1024, height=1024, edit=Edit(disc, more=(disc,) * 3))
+    with pytest.raises(InvalidRequest, match="3584") as crowded:  # 4 × 1024 vision tokens at 1024²
+        pipeline.resolve(replace(many, steps=len(TURBO_SIGMAS) if turbo else 3))
+    assert crowded.value.field == "image"
     if turbo:
         with pytest.raises(InvalidRequest) as steps:
             pipeline.resolve(replace(ask("x", 1, 3, turbo), steps=len(TURBO_SIGMAS) + 1))

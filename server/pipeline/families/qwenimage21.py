@@ -43,6 +43,7 @@ IMAGE_PROMPT = "<image{}><|vision_start|><|image_pad|><|vision_end|>"  # QWENIMA
 IMAGE_PAD = "<|image_pad|>"
 OUTPUT_RESOLUTION = 1024  # the pipeline's default: the output's side, and the area its images fit
 TEXT_TOKENS = 4096  # a prompt's Qwen3-VL tokens kept, an edit's image slots among them
+IMAGE_TOKENS = TEXT_TOKENS - 512  # an edit's image slots at most (3 images at 1024²): the rest, the prompt's
 # Qwen/Qwen3-VL-8B-Instruct: the 4096-wide text encoder the transformer's context_in_dim reads
 QWEN3_VL_8B = {
     "text_config": {
@@ -198,15 +199,19 @@ class QwenImage21(QwenImage):
 
     # Edits.
 
-    def _resized(self, request: GenerationRequest) -> tuple[Image.Image, ...]:
-        """QwenImage21ResizeStep: each image, RGBA, at the output's area (`output_resolution`²)."""
+    def _sizes(self, request: GenerationRequest) -> list[tuple[int, int]]:
+        """QwenImage21ResizeStep's (width, height) of each image: the output's area
+        (`output_resolution`²: 1024², or the size named) at the image's own aspect."""
         sized = (request.width, request.height) != self.edit_size(request.edit)
         side = math.sqrt(request.width * request.height) if sized else OUTPUT_RESOLUTION
+        return [area_size(side * side, image.width / image.height) for image in request.edit.images]
+
+    def _resized(self, request: GenerationRequest) -> tuple[Image.Image, ...]:
+        """Each image, RGBA, at its size (`_sizes`)."""
         processor = VaeImageProcessor(vae_scale_factor=16)
         resized = []
-        for image in request.edit.images:
+        for image, (width, height) in zip(request.edit.images, self._sizes(request), strict=True):
             image = image if image.mode == "RGBA" else image.convert("RGBA")
-            width, height = area_size(side * side, image.width / image.height)
             resized.append(processor.resize(image, height=height, width=width))
         return tuple(resized)
 
@@ -218,8 +223,20 @@ class QwenImage21(QwenImage):
         return width // multiple * multiple, height // multiple * multiple
 
     def check_request(self, request: Any) -> None:
-        if request.edit is not None and request.edit.mask is not None:
+        """No mask; an edit's images within the prompt's tokens (each takes a vision token per
+        32×32 pixels of its size, and 4 latent tokens of the sequence the first step attends)."""
+        if request.edit is None:
+            return
+        if request.edit.mask is not None:
             raise InvalidRequest("mask", f"a {self.name} model edits by reference: it takes no mask")
+        slots = sum(width * height // 32**2 for width, height in self._sizes(request))
+        if slots > IMAGE_TOKENS:
+            count = len(request.edit.images)
+            raise InvalidRequest(
+                "image",
+                f"{count} image(s) at {request.width}x{request.height}'s area take {slots} vision tokens; "
+                f"this model reads at most {IMAGE_TOKENS}: send fewer images or a smaller size",
+            )
 
     def references(self, vae: nn.Module, request: Any, rows: int) -> tuple[dict[str, torch.Tensor], tuple]:
         """QwenImage21VaeEncoderStep: each resized image's latents (the posterior's mode),
