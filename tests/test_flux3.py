@@ -21,7 +21,6 @@ import pytest
 import torch
 from diffusers import Flux3Transformer2DModel
 from PIL import Image
-from safetensors.torch import save_file
 
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline import Pipeline
@@ -33,7 +32,7 @@ from server.requests.step_cache import StepCache
 from tests.support.denoisers import sequence_lane
 from tests.support.images import first_frame, left_half_mask
 from tests.support.live import live_server
-from tests.support.lora import UNET_TARGETS, random_pairs
+from tests.support.lora import random_transformer_lora
 from tests.support.tiny_flux3 import load_reference, reference_image
 
 SIZE = 32  # 8×8 noise tokens
@@ -206,16 +205,7 @@ def test_an_edit_over_the_sdk_and_a_lora_row_equal_the_pipelines(folder, referen
     assert made.size == "48x48" and served.shape == expected.shape
     assert int(np.abs(served - (expected * 255).round().astype(int)).max()) <= 2
 
-    transformer = Flux3Transformer2DModel.from_pretrained(folder / "transformer", local_files_only=True)
-    tensors: dict[str, torch.Tensor] = {}
-    list(
-        random_pairs(
-            (("transformer", transformer, UNET_TARGETS),), torch.Generator().manual_seed(1), 4, tensors
-        )
-    )
-    style = tmp_path / "style.safetensors"
-    assert tensors  # every block's attention
-    save_file(tensors, style)
+    style = random_transformer_lora(Flux3Transformer2DModel, folder, tmp_path / "style.safetensors")
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     styled = pipeline.resolve(
         GenerationRequest("a red circle", seed=3, steps=3, width=SIZE, height=SIZE, lora=(("style", 0.8),))

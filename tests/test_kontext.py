@@ -19,7 +19,6 @@ import pytest
 import torch
 from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 from PIL import Image
-from safetensors.torch import save_file
 
 from server.errors import InvalidRequest
 from server.pipeline import Pipeline
@@ -29,7 +28,7 @@ from server.requests.edit import Edit
 from tests.support.denoisers import sequence_lane
 from tests.support.images import first_frame, left_half_mask
 from tests.support.live import live_server
-from tests.support.lora import UNET_TARGETS, random_pairs
+from tests.support.lora import random_transformer_lora
 
 SIZE = 128  # 4×4 latents of the 32× VAE: 2×2 noise tokens beside the image's 19×13
 
@@ -144,15 +143,7 @@ def test_an_edit_over_the_sdk_and_a_lora_row_equal_the_pipelines(folder, referen
     assert int(np.abs(served - (theirs * 255).round().astype(int)).max()) <= 2
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "image"
 
-    transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer", local_files_only=True)
-    tensors: dict[str, torch.Tensor] = {}
-    list(
-        random_pairs(
-            (("transformer", transformer, UNET_TARGETS),), torch.Generator().manual_seed(1), 4, tensors
-        )
-    )
-    style = tmp_path / "style.safetensors"
-    save_file(tensors, style)
+    style = random_transformer_lora(FluxTransformer2DModel, folder, tmp_path / "style.safetensors")
     pipeline = Pipeline.load(folder, devices="cpu")
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     styled = pipeline.resolve(edit("make it red", 3, 3, lora=(("style", 0.8),)))

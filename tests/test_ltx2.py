@@ -22,7 +22,6 @@ import pytest
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 from PIL import Image
-from safetensors.torch import save_file
 
 from server.errors import InvalidRequest, ModelFolderError
 from server.media.videos import read_wav
@@ -34,7 +33,7 @@ from server.requests.step_cache import StepCache
 from tests.support.denoisers import sequence_lane
 from tests.support.images import first_frame
 from tests.support.live import live_server
-from tests.support.lora import UNET_TARGETS, random_pairs
+from tests.support.lora import random_transformer_lora
 from tests.support.tiny_ltx2 import FRAME_RATE, FRAMES, SIDE, load_reference, ltx2_reference
 
 # openai 3.x warns on every videos call that OpenAI's own (Sora) service is scheduled to close
@@ -300,15 +299,7 @@ def test_a_lora_row_beside_plain_ones_equals_ltx2_pipeline_with_its_lora(folder,
     passes, the isolated one gated off in the same call) and a plain one in the same calls; the
     LoRA one within 2/255 (frames) and 1e-3 (sound) of LTX2Pipeline after load_lora_weights at
     that scale, the plain one of its video alone."""
-    transformer = LTX2VideoTransformer3DModel.from_pretrained(folder / "transformer", local_files_only=True)
-    tensors: dict[str, torch.Tensor] = {}
-    list(
-        random_pairs(
-            (("transformer", transformer, UNET_TARGETS),), torch.Generator().manual_seed(1), 4, tensors
-        )
-    )
-    style = tmp_path / "style.safetensors"
-    save_file(tensors, style)
+    style = random_transformer_lora(LTX2VideoTransformer3DModel, folder, tmp_path / "style.safetensors")
     pipeline = Pipeline.load(folder, devices="cpu")
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     styled = GenerationRequest(

@@ -20,7 +20,6 @@ import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel
 from PIL import Image
-from safetensors.torch import save_file
 
 from server.engine.denoisers.qwenimage21 import HELD, PREFIX_KV, PREFIX_MASK
 from server.errors import InvalidRequest, ModelFolderError
@@ -33,7 +32,7 @@ from server.requests.edit import Edit
 from server.requests.step_cache import StepCache
 from tests.support.denoisers import sequence_lane
 from tests.support.live import live_server
-from tests.support.lora import UNET_TARGETS, random_pairs
+from tests.support.lora import random_transformer_lora
 from tests.support.tiny_qwen21 import TURBO_SIGMAS, condition_images, load_reference, reference_image
 
 WIDE, TALL = 64, 32  # 4×2 tokens a side... 8 target tokens
@@ -176,15 +175,7 @@ def test_a_lora_row_and_a_first_block_cached_row_beside_plain_ones(
     """A rank-4 LoRA on every block's attention (its prefix keys and values made with it), asked by
     one row beside a plain one, within 2/255 of the pipeline after load_lora_weights; a
     first-block-cached row steps beside a plain one as alone, reusing steps."""
-    transformer = QwenImage21Transformer2DModel.from_pretrained(folder / "transformer", local_files_only=True)
-    tensors: dict[str, torch.Tensor] = {}
-    list(
-        random_pairs(
-            (("transformer", transformer, UNET_TARGETS),), torch.Generator().manual_seed(1), 4, tensors
-        )
-    )
-    style = tmp_path / "style.safetensors"
-    save_file(tensors, style)
+    style = random_transformer_lora(QwenImage21Transformer2DModel, folder, tmp_path / "style.safetensors")
     pipeline.add_adapter(read_adapter("style", style, pipeline.family))
     styled = pipeline.resolve(ask("a red circle", 3, 3, turbo, lora=(("style", 0.8),)))
     plain = pipeline.resolve(ask(LONG, 4, 3, turbo))

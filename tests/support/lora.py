@@ -64,16 +64,18 @@ def random_pairs(parts, generator: torch.Generator, rank: int, tensors: dict[str
                 yield part, name, module
 
 
-def random_wan_lora(folder, out, seed: int):
-    """A rank-4 LoRA on every attention projection of the transformer (what Wan's LoRA loader
-    takes: no text-encoder part), in the diffusers/PEFT file format."""
-    from safetensors.torch import save_file
-
-    from tests.support.lora import UNET_TARGETS, random_pairs
-
-    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer", local_files_only=True)
+def random_transformer_lora(model_class: type[nn.Module], folder: Path, out: Path, seed: int = 1) -> Path:
+    """A rank-4 LoRA on every attention projection of the folder's transformer (a `model_class`),
+    in the diffusers/PEFT file format: what the DiT families' LoRA loaders take."""
+    transformer = model_class.from_pretrained(folder / "transformer", local_files_only=True)
     tensors: dict[str, torch.Tensor] = {}
     parts = (("transformer", transformer, UNET_TARGETS),)
     list(random_pairs(parts, torch.Generator().manual_seed(seed), 4, tensors))
+    assert tensors, f"no attention projection in {folder}/transformer"
     save_file(tensors, out)
     return out
+
+
+def random_wan_lora(folder: Path, out: Path, seed: int) -> Path:
+    """Wan's (its loader takes no text-encoder part)."""
+    return random_transformer_lora(WanTransformer3DModel, folder, out, seed)

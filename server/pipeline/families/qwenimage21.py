@@ -35,7 +35,7 @@ from server.engine.denoisers.qwenimage21 import IMAGE_ROTARY
 from server.errors import InvalidRequest, ModelFolderError
 from server.pipeline.families.base import TextEmbeddings, plain_guider
 from server.pipeline.families.flow import shift_mu
-from server.pipeline.families.qwenimage import QwenImage
+from server.pipeline.families.qwenimage import QwenImage, calculate_dimensions
 from server.requests.generation import GenerationRequest
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."  # QWENIMAGE21_SYSTEM_PROMPT
@@ -64,13 +64,6 @@ QWEN3_VL_8B = {
         "out_hidden_size": 4096,
     },
 }
-
-
-def area_size(area: int, ratio: float) -> tuple[int, int]:
-    """The pipeline's `calculate_dimensions`: (width, height) of `area` pixels at `ratio`, each a
-    multiple of 32."""
-    width = math.sqrt(area * ratio)
-    return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
 class QwenImage21(QwenImage):
@@ -204,7 +197,9 @@ class QwenImage21(QwenImage):
         (`output_resolution`²: 1024², or the size named) at the image's own aspect."""
         sized = (request.width, request.height) != self.edit_size(request.edit)
         side = math.sqrt(request.width * request.height) if sized else OUTPUT_RESOLUTION
-        return [area_size(side * side, image.width / image.height) for image in request.edit.images]
+        return [
+            calculate_dimensions(side * side, image.width / image.height) for image in request.edit.images
+        ]
 
     def _resized(self, request: GenerationRequest) -> tuple[Image.Image, ...]:
         """Each image, RGBA, at its size (`_sizes`)."""
@@ -218,7 +213,7 @@ class QwenImage21(QwenImage):
     def edit_size(self, edit: Any) -> tuple[int, int]:
         """The last image's size at 1024² (QwenImage21AdditionalInputsStep), to the grid."""
         image = edit.images[-1]
-        width, height = area_size(OUTPUT_RESOLUTION**2, image.width / image.height)
+        width, height = calculate_dimensions(OUTPUT_RESOLUTION**2, image.width / image.height)
         multiple = self.size_multiple
         return width // multiple * multiple, height // multiple * multiple
 
