@@ -10,6 +10,7 @@ One module per concern, each a pydantic model of its fields and their validators
     model.py    ModelSettings     the model, devices, placement, dtype, quantization, adapters, memory
     limits.py   LimitSettings     what a request may ask and gets by default; the step loop
     jobs.py     JobSettings       video jobs and their store
+    batches.py  BatchSettings     the Batch API: its files, lines and bounds
     compile.py  CompileSettings   compiling, attention, the cache folder
     values.py   the typed values they parse into, and `Concern`, their base
 
@@ -27,6 +28,7 @@ from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.pipeline.loading.folder import read_family
+from server.settings.batches import BatchSettings
 from server.settings.compile import CompileSettings
 from server.settings.jobs import JobSettings
 from server.settings.limits import LimitSettings
@@ -36,6 +38,7 @@ from server.settings.values import Concern
 
 __all__ = [
     "CONCERNS",
+    "BatchSettings",
     "CompileSettings",
     "Concern",
     "JobSettings",
@@ -51,11 +54,14 @@ CONCERNS: tuple[type[Concern], ...] = (
     ModelSettings,
     LimitSettings,
     JobSettings,
+    BatchSettings,
     CompileSettings,
 )
 
 
-class Settings(ServerSettings, ModelSettings, LimitSettings, JobSettings, CompileSettings, BaseSettings):
+class Settings(
+    ServerSettings, ModelSettings, LimitSettings, JobSettings, BatchSettings, CompileSettings, BaseSettings
+):
     model_config = SettingsConfigDict(
         env_prefix="DIFFSHARD_", frozen=True, protected_namespaces=(), validate_default=True
     )
