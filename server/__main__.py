@@ -71,9 +71,13 @@ def _add_setting(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name
     default = "the built-in model" if name == "model" else info.default
     default = getattr(default, "value", default)  # enums print as their value
     flag, env = f"--{name.replace('_', '-')}", f"env DIFFSHARD_{name.upper()}"
-    if (info.json_schema_extra or {}).get("repeatable"):
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    if extra.get("env_only"):  # a secret: a flag would show it in the process list
+        return
+    if extra.get("repeatable"):
+        metavar = str(extra.get("metavar", "NAME=PATH"))
         parser.add_argument(
-            flag, dest=name, action="append", metavar="NAME=PATH", help=f"{info.description} ({env})"
+            flag, dest=name, action="append", metavar=metavar, help=f"{info.description} ({env})"
         )
         return
     if info.annotation is bool:

@@ -11,6 +11,7 @@ One module per concern, each a pydantic model of its fields and their validators
     limits.py   LimitSettings     what a request may ask and gets by default; the step loop
     jobs.py     JobSettings       video jobs and their store
     batches.py  BatchSettings     the Batch API: its files, lines and bounds
+    webhooks.py WebhookSettings   webhooks: endpoints, their secret, retries
     compile.py  CompileSettings   compiling, attention, the cache folder
     values.py   the typed values they parse into, and `Concern`, their base
 
@@ -35,6 +36,7 @@ from server.settings.limits import LimitSettings
 from server.settings.model import ModelSettings
 from server.settings.server import ServerSettings
 from server.settings.values import Concern
+from server.settings.webhooks import WebhookSettings
 
 __all__ = [
     "CONCERNS",
@@ -46,6 +48,7 @@ __all__ = [
     "ModelSettings",
     "ServerSettings",
     "Settings",
+    "WebhookSettings",
 ]
 
 # In the order `serve --help` lists their flags.
@@ -55,15 +58,28 @@ CONCERNS: tuple[type[Concern], ...] = (
     LimitSettings,
     JobSettings,
     BatchSettings,
+    WebhookSettings,
     CompileSettings,
 )
 
 
 class Settings(
-    ServerSettings, ModelSettings, LimitSettings, JobSettings, BatchSettings, CompileSettings, BaseSettings
+    ServerSettings,
+    ModelSettings,
+    LimitSettings,
+    JobSettings,
+    BatchSettings,
+    WebhookSettings,
+    CompileSettings,
+    BaseSettings,
 ):
+    # hide_input_in_errors: an error shows no input, which may hold the webhooks' secret
     model_config = SettingsConfigDict(
-        env_prefix="DIFFSHARD_", frozen=True, protected_namespaces=(), validate_default=True
+        env_prefix="DIFFSHARD_",
+        frozen=True,
+        protected_namespaces=(),
+        validate_default=True,
+        hide_input_in_errors=True,
     )
 
     @model_validator(mode="after")
