@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.serving.outbox import ENDINGS
 from server.serving.stats import REASONS
 
 PREFIX = "diffshard"
@@ -98,6 +99,26 @@ CATALOG = (
     MetricSpec("video_jobs", "gauge", "jobs", ("state",), "video jobs in the job store, by state"),
     MetricSpec("video_seconds_total", "counter", "seconds", (), "seconds of video this replica made"),
     MetricSpec("video_runs_total", "counter", "runs", (), "video job runs this replica started (reruns too)"),
+    MetricSpec(
+        "webhook_requests_total",
+        "counter",
+        "requests",
+        ("result",),
+        "webhook POSTs this replica sent, by result: acknowledged (a 2xx) or failed",
+    ),
+    MetricSpec(
+        "webhook_events_total",
+        "counter",
+        "events",
+        ("outcome",),
+        f"webhook events this replica ended, by outcome: {', '.join(ENDINGS)}",
+    ),
+    MetricSpec(
+        "webhook_pending_events", "gauge", "events", (), "webhook events in the outbox, not yet delivered"
+    ),
+    MetricSpec(
+        "webhook_lag_seconds", "gauge", "seconds", (), "age of the oldest webhook event not yet delivered"
+    ),
     MetricSpec(
         "slow_steps_total",
         "counter",

@@ -22,20 +22,29 @@ from server.engine.hardware.memory import resident_bytes
 from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.requests import KINDS
+from server.serving.outbox import ENDINGS
 from server.serving.stats import CACHE_OUTCOMES, CALLS, DeviceView, Distribution, LoopStats, Snapshot
 from server.serving.videostore import STATUSES
+from server.serving.webhooks import RESULTS, WebhookFigures
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
-    """Every diffshard family on `registry`, reading `snapshot()` at scrape time."""
+    """Every diffshard family on `registry`, reading `snapshot()` (and `webhooks()`: the webhook
+    deliverer's figures, None without one) at scrape time."""
 
     def __init__(
-        self, registry: CollectorRegistry, snapshot: Callable[[], Snapshot], *, inject_faults: bool = False
+        self,
+        registry: CollectorRegistry,
+        snapshot: Callable[[], Snapshot],
+        *,
+        inject_faults: bool = False,
+        webhooks: Callable[[], WebhookFigures | None] = lambda: None,
     ) -> None:
         self.registry = registry
         self.snapshot = snapshot
+        self.webhooks = webhooks
         self.inject_faults = inject_faults  # shown in build_info: a server failing on purpose says so
         self.http_requests = PromCounter(
             f"{PREFIX}_http_requests",
@@ -67,6 +76,7 @@ class _Collector:
         yield from self._devices(snapshot.devices)
         yield from self._pool(snapshot.pool)
         yield from self._process()
+        yield from self._webhooks(self.metrics.webhooks() or WebhookFigures())
 
     def _build(self, snapshot: Snapshot) -> Iterator[Metric]:
         info = InfoMetricFamily(f"{PREFIX}_build", help_of("build"))
@@ -167,6 +177,30 @@ class _Collector:
             for state in STATUSES:
                 jobs.add_metric([state], snapshot.video_jobs.get(state, 0))
             yield jobs
+
+    def _webhooks(self, figures: WebhookFigures) -> Iterator[Metric]:
+        """This replica's POSTs and ended events (zeros without --webhook); the outbox's backlog
+        (shared by the replicas of a Redis store; absent while it does not answer)."""
+        posts = CounterMetricFamily(
+            f"{PREFIX}_webhook_requests", help_of("webhook_requests_total"), labels=["result"]
+        )
+        for result in RESULTS:
+            posts.add_metric([result], figures.posts.get(result, 0))
+        yield posts
+        events = CounterMetricFamily(
+            f"{PREFIX}_webhook_events", help_of("webhook_events_total"), labels=["outcome"]
+        )
+        for outcome in ENDINGS:
+            events.add_metric([outcome], figures.events.get(outcome, 0))
+        yield events
+        if figures.pending is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_webhook_pending_events", help_of("webhook_pending_events"), figures.pending
+            )
+        if figures.lag_s is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_webhook_lag_seconds", help_of("webhook_lag_seconds"), figures.lag_s
+            )
 
     def _adapters(self, snapshot: Snapshot, stats: LoopStats) -> Iterator[Metric]:
         """Per LoRA adapter served (labels bounded to them: requests name only loaded ones)."""
