@@ -24,7 +24,7 @@ from server.errors import Draining, StepFailed
 from server.serving.jobs import Job, leaving_outcome
 from server.serving.limits import Limits
 from server.serving.videos import VideoRunner, open_job_store
-from server.serving.videostore import JobStore, VideoJob, read_whole
+from server.serving.videostore import CANCELLED, JobStore, VideoJob, read_whole
 from tests.support.live import LiveServer, free_port, live_server
 from tests.support.redis_server import redis_server
 from tests.support.waiting import wait_until
@@ -542,3 +542,66 @@ def test_the_runner_runs_its_bound_at_once_each_job_on_its_own(tmp_path: Path) -
         runner.stop()
         runner.join(10)
         store.close()
+
+
+def test_a_cancelled_job_ends_failed_and_nothing_runs_it_after(job_store: JobStore) -> None:
+    """Cancelled queued, it is out of the queue; cancelled running, its runner's renewal, release
+    and finish are all refused (another replica's cancel needs nothing of it), and recovery does
+    not queue it again; a finished job is answered as it is."""
+    for index in range(2):
+        job_store.add(queued(f"video_{index}", "key", index))
+    running = job_store.claim("runner")
+    assert running is not None and running.id == "video_0"
+    cancelled = job_store.cancel("video_1", 500)
+    assert cancelled is not None and (cancelled.status, cancelled.error) == ("failed", CANCELLED)
+    assert cancelled.expires_at == 500 and job_store.claim("another") is None  # it never starts
+    assert job_store.cancel("video_0", 600).status == "failed"
+    assert not job_store.progress(running, "runner")
+    done = replace(running, status="completed", progress=100, expires_at=2**40, bytes=3)
+    assert not job_store.finish(done, "runner", {"video.mp4": b"mp4"})
+    assert not job_store.release(replace(running), "runner") and job_store.recover() == 0
+    now = job_store.get("video_0")
+    assert (now.status, now.error, now.expires_at) == ("failed", CANCELLED, 600)
+    assert job_store.content("video_0", "video.mp4") is None and job_store.claim("another") is None
+    assert job_store.unfinished() == 0 and job_store.counts()["failed"] == 2
+    assert job_store.cancel("video_0", 700).expires_at == 600 and job_store.cancel("video_9", 0) is None
+
+
+def steps_and_progress(url: str) -> tuple[int, dict]:
+    """The replica's steps in all and its running jobs' progress, read together."""
+    engine = httpx.get(f"{url}/v1/stats").json()["engine"]
+    return engine["steps"], engine["progress"]
+
+
+def test_a_video_cancelled_on_another_replica_leaves_its_batch_within_a_step(
+    wan_folder: Path, tmp_path: Path
+) -> None:
+    """Replica a runs a long job; replica b, sharing the Redis store, is asked to cancel it: a
+    drops it at the end of the step in flight (told on the store's channel), it ends
+    failed/cancelled and no replica runs it again; a job queued behind it never starts once
+    cancelled, and another key's job then takes a's rows and completes."""
+    # ~0.1 s a step (the cancel's path is a few milliseconds), long enough for b to start meanwhile
+    long = {**FAST, "size": "256x256", "num_frames": 33, "num_inference_steps": 1000}
+    with redis_server(tmp_path) as redis:
+        flags = ("--model", str(wan_folder), "--job-store", redis.url, "--max-running-videos", "1")
+        flags += ("--max-steps", "1000")
+        with live_server(*flags) as a:
+            first = httpx.post(f"{a.url}/v1/videos", json={"prompt": "a red circle", **long}).json()["id"]
+            queued_behind = httpx.post(f"{a.url}/v1/videos", json={"prompt": "a cat", **FAST}).json()["id"]
+            wait_until(lambda: first in steps_and_progress(a.url)[1], 60, "the long job running on a")
+            gone = httpx.post(f"{a.url}/v1/videos/{queued_behind}/cancel").json()
+            assert (gone["status"], gone["error"]["code"]) == ("failed", "cancelled")
+            with live_server(*flags) as b:  # takes nothing yet: a's one job holds a, b's queue is empty
+                at, progress = steps_and_progress(a.url)
+                assert first in progress, "the long job ended before its cancel: make it longer"
+                answer = httpx.delete(f"{b.url}/v1/videos/{first}")
+                assert answer.json() == {"id": first, "object": "video.deleted", "deleted": False}
+                wait_until(lambda: first not in steps_and_progress(a.url)[1], 30, "a dropping the job")
+                # the step in flight at the read above, and the one in flight as the cancel lands
+                assert steps_and_progress(a.url)[0] - at <= 2
+                after = httpx.post(f"{b.url}/v1/videos", json={"prompt": "a dog", **FAST}).json()["id"]
+                assert wait_until(ended(a.url, after), 60, "another job made")["status"] == "completed"
+                for job in (first, queued_behind):
+                    record = httpx.get(f"{b.url}/v1/videos/{job}").json()
+                    assert (record["status"], record["error"]["code"]) == ("failed", "cancelled"), record
+                    assert httpx.delete(f"{b.url}/v1/videos/{job}").json()["deleted"] is True

@@ -333,12 +333,25 @@ async def list_videos(
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
 
-@router.delete("/videos/{video_id}")
-async def delete_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
+@router.post("/videos/{video_id}/cancel")
+async def cancel_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
+    """A queued job never starts; a running one leaves its batch at the next step, on whichever
+    replica runs it. Either ends `failed`, its error's code `cancelled`, kept until it expires
+    (pollers learn why it ended). A finished job is answered as it is."""
     job = await runner.ask(own_job, runner, request, video_id)
     if not job.finished:
-        raise APIError(
-            409, f"video {video_id!r} is {job.status}: delete it once it ends", code="video_not_ready"
-        )
+        job = await runner.ask(runner.cancel, job.id) or job
+    return job.public()
+
+
+@router.delete("/videos/{video_id}")
+async def delete_video(video_id: str, request: Request, runner: RunnerDep) -> dict:
+    """A finished job and its content, deleted. An unfinished one is cancelled instead (as by
+    `POST /v1/videos/{id}/cancel`) and kept, failed, until it expires: `deleted: false` says so,
+    and a second DELETE deletes it."""
+    job = await runner.ask(own_job, runner, request, video_id)
+    if not job.finished:
+        await runner.ask(runner.cancel, job.id)
+        return {"id": job.id, "object": "video.deleted", "deleted": False}
     await runner.ask(runner.store.delete, job.id)
     return {"id": job.id, "object": "video.deleted", "deleted": True}

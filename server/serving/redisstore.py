@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import redis
@@ -28,7 +31,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from server.errors import ConfigError, StoreRefused, StoreUnavailable
-from server.serving.videostore import PIECE, Content, VideoJob, shown
+from server.serving.videostore import CANCELLED, PIECE, Content, VideoJob, shown
+
+log = logging.getLogger("diffshard")
 
 FIELDS = [f.name for f in fields(VideoJob)]
 RETRIES = 5
@@ -148,6 +153,26 @@ end
 return again
 """
 
+# ARGV: prefix, id, expires_at, then field, value pairs (status, error, expires_at). A queued or
+# running job failed as cancelled, out of the queue or from its runner (whose next renewal and
+# whose finish are refused: `running` no longer names it), said on the `cancels` channel so that
+# its runner stops it now rather than at its next renewal; 1 if it was unfinished.
+CANCEL = """
+local p, id = ARGV[1], ARGV[2]
+local key = p .. 'job:' .. id
+if redis.call('SISMEMBER', p .. 'unfinished', id) == 0 then return 0 end
+redis.call('ZREM', p .. 'queue', id)
+redis.call('HDEL', p .. 'running', id)
+redis.call('DEL', p .. 'lease:' .. id)
+redis.call('HSET', key, unpack(ARGV, 4))
+redis.call('SREM', p .. 'unfinished', id)
+redis.call('SREM', p .. 'unfinished:' .. cjson.decode(redis.call('HGET', key, 'owner')), id)
+redis.call('ZADD', p .. 'finished', ARGV[3], id)
+redis.call('SADD', p .. 'failed', id)
+redis.call('PUBLISH', p .. 'cancels', id)
+return 1
+"""
+
 # ARGV: prefix, id. A finished job and its content gone; 1 if it was there.
 DELETE = """
 local p, id = ARGV[1], ARGV[2]
@@ -178,6 +203,7 @@ class RedisJobStore:
         self.prefix = f"diffshard:{model}:"
         self.lease_ms = max(1, round(lease_s * 1000))
         self.upload_lapse_ms = max(UPLOAD_LAPSE_MS, 2 * self.lease_ms)
+        self._closed = threading.Event()
         # A refused connection (Redis restarting, a failover) is tried again for ~1.5 s before a
         # call fails: every command here may be sent twice (uploads write at an offset, not append)
         again = Retry(ExponentialBackoff(cap=0.8, base=0.05), RETRIES, (redis.ConnectionError,))
@@ -197,6 +223,7 @@ class RedisJobStore:
                 ("release", RELEASE),
                 ("finish", FINISH),
                 ("recover", RECOVER),
+                ("cancel", CANCEL),
                 ("delete", DELETE),
             ]
         }
@@ -320,6 +347,11 @@ class RedisJobStore:
         """Running jobs whose replica stopped renewing their lease, queued again; how many."""
         return int(self._run("recover"))  # type: ignore[call-overload]
 
+    def cancel(self, job_id: str, expires_at: int) -> VideoJob | None:
+        changed = ["status", '"failed"', "error", json.dumps(CANCELLED), "expires_at", str(expires_at)]
+        self._run("cancel", job_id, expires_at, *changed)
+        return self.get(job_id)
+
     def delete(self, job_id: str) -> bool:
         return bool(self._run("delete", job_id))
 
@@ -357,7 +389,29 @@ class RedisJobStore:
             gone += self.delete(first[0].decode())  # type: ignore[index]
         return gone
 
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        """`stop(job_id)` called, on a thread of its own, for each job any replica cancels: a
+        message (a job cancelled while this replica does not hear it is still stopped, at its
+        runner's next renewal, which the store refuses)."""
+        thread = threading.Thread(target=self._hear, args=(stop,), name="diffshard-cancels", daemon=True)
+        thread.start()
+
+    def _hear(self, stop: Callable[[str], None]) -> None:
+        while not self._closed.is_set():
+            try:
+                with self._redis.pubsub(ignore_subscribe_messages=True) as channel:
+                    channel.subscribe(f"{self.prefix}cancels")
+                    while not self._closed.is_set():
+                        if (message := channel.get_message(timeout=1.0)) is not None:
+                            stop(message["data"].decode())
+            except redis.RedisError:  # Redis restarting: listen again once it answers
+                self._closed.wait(1.0)
+            except Exception:  # a bug here must not end the listening
+                log.exception("video jobs: hearing cancels failed")
+                self._closed.wait(1.0)
+
     def close(self) -> None:
+        self._closed.set()
         self._redis.close()
 
 

@@ -16,12 +16,13 @@ import json
 import shutil
 import sqlite3
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
 from server.errors import ConfigError, StoreRefused
-from server.serving.videostore import VideoJob, parse_job_store
+from server.serving.videostore import CANCELLED, VideoJob, parse_job_store
 
 UNFINISHED = "status IN ('queued', 'in_progress')"
 MINE = "json_extract(job, '$.model') = ?"  # this store's model's jobs (others' may share the file)
@@ -30,7 +31,7 @@ MINE = "json_extract(job, '$.model') = ?"  # this store's model's jobs (others' 
 class SqliteJobStore:
     """Jobs in one SQLite file (thread-safe: one connection under a lock), content in folders
     beside it. Leases are not needed with one server a file: `progress`, `release` and `finish`
-    always hold."""
+    hold while the job is `in_progress` (not once it was cancelled)."""
 
     def __init__(self, url: str, model: str, *, runs: bool = False) -> None:
         self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
@@ -107,11 +108,15 @@ class SqliteJobStore:
             row = self._db.execute("SELECT job FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else VideoJob(**json.loads(row[0]))
 
-    def _save(self, job: VideoJob) -> None:
+    def _save(self, job: VideoJob, running: bool = False) -> bool:
+        """`job` written (`running`: only while it is still in progress); whether it was."""
+        held = " AND status = 'in_progress'" if running else ""
         with self._lock:
-            self._db.execute(
-                "UPDATE jobs SET status = ?, job = ? WHERE id = ?",
-                (job.status, json.dumps(asdict(job)), job.id),
+            return bool(
+                self._db.execute(
+                    f"UPDATE jobs SET status = ?, job = ? WHERE id = ?{held}",
+                    (job.status, json.dumps(asdict(job)), job.id),
+                ).rowcount
             )
 
     def page(
@@ -172,8 +177,7 @@ class SqliteJobStore:
 
     def release(self, job: VideoJob, worker: str) -> bool:
         job.status, job.progress, job.step = "queued", 0, 0
-        self._save(job)
-        return True
+        return self._save(job, running=True)
 
     def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
         if content:
@@ -186,8 +190,11 @@ class SqliteJobStore:
                     f"the video's content ({job.bytes / 2**20:.1f} MiB) does not fit on the job store's "
                     "disk: ask for fewer frames or a smaller size, or ask the operator for room"
                 ) from err
-        self._save(job)
-        return True
+        if self._save(job, running=True):
+            return True
+        for name in content or ():  # cancelled meanwhile: nobody downloads it
+            (self.folder(job.id) / name).unlink(missing_ok=True)
+        return False
 
     def _write(self, job_id: str, files: dict[str, bytes]) -> None:
         """`files` into the job's folder, each written beside it and then moved in: a download
@@ -217,6 +224,19 @@ class SqliteJobStore:
             job.status, job.progress, job.step = "queued", 0, 0
             self._save(job)
         return len(rows)
+
+    def cancel(self, job_id: str, expires_at: int) -> VideoJob | None:
+        with self._lock:
+            row = self._db.execute(
+                "UPDATE jobs SET status = 'failed', job = json_set(job, '$.status', 'failed', "
+                "'$.error', json(?), '$.expires_at', ?) "
+                f"WHERE id = ? AND {UNFINISHED} RETURNING job",
+                (json.dumps(CANCELLED), expires_at, job_id),
+            ).fetchone()
+        return VideoJob(**json.loads(row[0])) if row is not None else self.get(job_id)
+
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        """One server a file: every cancel is its own, stopped where it is made."""
 
     def delete(self, job_id: str) -> bool:
         with self._lock:

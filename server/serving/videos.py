@@ -41,9 +41,10 @@ from server.requests import GenerationRequest
 from server.requests.guidance import parse_guidance
 from server.requests.step_cache import StepCache
 from server.serving.faults import slow_encode
+from server.serving.jobs import Job
 from server.serving.sqlitestore import SqliteJobStore
 from server.serving.videolease import Lease
-from server.serving.videostore import JobStore, VideoJob, read_whole
+from server.serving.videostore import CANCELLED, JobStore, VideoJob, read_whole
 
 log = logging.getLogger("diffshard")
 
@@ -119,22 +120,27 @@ class VideoRunner:
         max_running: int = RUNNING_VIDEOS,
         inject_faults: bool = False,
         clock: Callable[[], float] = time.time,
+        notify: Callable[[str, str], None] | None = None,
     ) -> None:
         self.store, self.service, self.fps, self.expiry_s = store, service, fps, expiry_s
         self.max_bytes = max_bytes  # the finished videos' content, in all
         self.lease_s, self.takes_work, self.clock = lease_s, takes_work, clock
         self.max_running = max_running  # jobs made at once
         self.inject_faults = inject_faults  # [[slow-encode]] (serving/faults.py): tests only
+        # (event type, job id) into the webhooks' outbox, before the move it announces is stored:
+        # a crash between the two leaves an event its deliverer confirms against the store
+        self.notify = notify or (lambda kind, job_id: None)
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.seconds_made, self.runs = 0.0, 0  # of video, and runs started, by this replica (metrics)
         # guards the counts above and the jobs being made (their ids), written by the jobs'
         # threads; notified as a job ends (`join` waits for the last)
         self._lock = threading.Condition()
-        self._running: set[str] = set()
+        self._running: dict[str, Job | None] = {}  # job id → its step-loop job, once submitted
         self._wake, self._stopped, self._kept = threading.Event(), threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffshard-videos", daemon=True)
         self._keeper = threading.Thread(target=self._keep, name="diffshard-video-store", daemon=True)
         self._asks = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="diffshard-store")
+        store.on_cancel(self._stop_job)  # cancelled by another replica: stopped here at once
         self._keeper.start()
         self._thread.start()
 
@@ -155,6 +161,28 @@ class VideoRunner:
             return refused
         self._wake.set()
         return None
+
+    def cancel(self, job_id: str) -> VideoJob | None:
+        """A queued or running job cancelled (`JobStore.cancel`): one this replica runs leaves its
+        batch at the next step boundary, its rows and buffers freed then; one another replica
+        runs, at that replica's next renewal (each step). The job as it is now; None if none."""
+        job = self.store.get(job_id)
+        if job is None or job.finished:
+            return job
+        self.notify("video.failed", job_id)
+        job = self.store.cancel(job_id, int(self.clock()) + self.expiry_s)
+        self._stop_job(job_id)
+        if job is not None and job.error == CANCELLED:
+            log.info("video job %s: cancelled", job_id)
+        return job
+
+    def _stop_job(self, job_id: str) -> None:
+        """A job cancelled in the store, dropped from the step loop at its next step boundary if
+        this replica runs it (its rows and buffers freed then)."""
+        with self._lock:
+            running = self._running.get(job_id)
+        if running is not None:
+            self.service.cancel(running)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -222,7 +250,7 @@ class VideoRunner:
             return
         with self._lock:
             self.runs += 1
-            self._running.add(job.id)
+            self._running[job.id] = None
         log.info("video job %s: running (%s)", job.id, self.worker)
         # a thread a job, daemonic as this one: a pool's threads are joined at exit, so an encode
         # would hold the process past `join`'s bound (a job cut short runs again, as after a crash)
@@ -252,7 +280,7 @@ class VideoRunner:
 
     def _ended_job(self, job_id: str) -> None:
         with self._lock:
-            self._running.discard(job_id)
+            self._running.pop(job_id, None)
             self._lock.notify_all()
         self._wake.set()  # room for another
 
@@ -270,6 +298,11 @@ class VideoRunner:
             self._give_back(job, err)
             return
         running.future.add_done_callback(lambda _: moved.set())
+        with self._lock:
+            self._running[job.id] = running
+        if (now := self.store.get(job.id)) is not None and now.status != "in_progress":
+            running.cancel()  # cancelled between its claim and here: `cancel` found nothing to stop
+            return
         while not running.future.done():
             moved.wait(lease.every_s)
             moved.clear()
@@ -280,9 +313,9 @@ class VideoRunner:
             except StoreUnavailable:
                 running.cancel()  # its lease has lapsed: a replica that reaches the store runs it
                 raise
-            if not held:
-                log.warning("video job %s: taken over by another replica; this run stops", job.id)
+            if not held:  # cancelled, or (its lease lapsed) taken over by another replica
                 running.cancel()
+                self._let_go(job)
                 return
         try:
             frames = running.future.result()[0]
@@ -322,6 +355,7 @@ class VideoRunner:
             expires_at=now + self.expiry_s,
             bytes=size,
         )
+        self.notify("video.completed", job.id)
         try:
             kept = self.store.finish(made, self.worker, content)
         except StoreRefused as err:  # for its size: made again, it would be refused again
@@ -332,7 +366,15 @@ class VideoRunner:
                 self.seconds_made += float(job.seconds)
             log.info("video job %s: made (%.1f MiB)", job.id, size / 2**20)
         else:
-            log.warning("video job %s: another replica took it over and made it too", job.id)
+            self._let_go(job)
+
+    def _let_go(self, job: VideoJob) -> None:
+        """Said of a job this runner no longer holds: why (cancelled, or taken over)."""
+        now = self.store.get(job.id)
+        if now is not None and now.error == CANCELLED:
+            log.info("video job %s: cancelled; its run stops", job.id)
+        else:
+            log.warning("video job %s: taken over by another replica; this run stops", job.id)
 
     def _give_back(self, job: VideoJob, why: Exception) -> None:
         """Back in the store's queue as it was, for whichever replica can take work next; its place
@@ -349,6 +391,7 @@ class VideoRunner:
             error={"code": "video_failed", "message": message},
             expires_at=int(self.clock()) + self.expiry_s,
         )
+        self.notify("video.failed", job.id)
         try:
             self.store.finish(failed, self.worker, None)
         except StoreRefused:  # a store that takes no write at all (Redis at maxmemory, noeviction)

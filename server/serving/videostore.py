@@ -25,6 +25,8 @@ from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
+# What a cancelled job's `error` says (OpenAI's Video has no cancelled status: it ends failed).
+CANCELLED = {"code": "cancelled", "message": "the video was cancelled before it finished"}
 PIECE = 1 << 18  # content is written to and read from a store in pieces of this many bytes (256 KiB)
 
 
@@ -125,6 +127,18 @@ class JobStore(Protocol):
     def finish(self, job: VideoJob, worker: str, content: dict[str, bytes] | None) -> bool:
         """Completed (with `content`) or failed, if `worker` holds it; StoreRefused when the store
         will not keep the content (its size), StoreUnavailable when it does not answer."""
+        ...
+
+    def cancel(self, job_id: str, expires_at: int) -> VideoJob | None:
+        """A queued or running job ended `failed` with error `CANCELLED`, in one step: taken out
+        of the queue, or from its runner (whose next renewal finds it no longer held, and whose
+        `finish` is refused), never run by any replica after. The job as it is now (a finished
+        one unchanged); None if there is none."""
+        ...
+
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        """Call `stop(job_id)` soon after any process sharing the store cancels a job, so that its
+        runner stops it at once (a store only this process uses need not: `cancel` runs here)."""
         ...
 
     def recover(self) -> int: ...
