@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, start_http_server
 
 from server import __version__
-from server.api import admin, docs, health, playground, routes, videos
+from server.api import admin, batches, docs, files, health, playground, routes, videos
+from server.api.batches import endpoints as batch_endpoints
 from server.api.errors import install_error_handlers
 from server.api.hosts import TrustedHosts
 from server.api.limits import BodyLimit
@@ -51,9 +52,12 @@ from server.pipeline.loading.vae_tiling import VaeTiling
 from server.pipeline.loading.warmup import compile_pipeline
 from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
+from server.serving.batches import BatchRunner
+from server.serving.batchstore import open_batch_store
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
 from server.settings import (
+    BatchSettings,
     CompileSettings,
     JobSettings,
     LimitSettings,
@@ -247,6 +251,26 @@ def start_videos(
     return runtime.videos
 
 
+def start_batches(
+    batch: BatchSettings, job_store: str, service: Service, runtime: Runtime, max_batch: int
+) -> BatchRunner:
+    """The Batch API's store opened in the job store (ConfigError if it cannot be) and the runner
+    taking its lines, at background priority, while the step loops can take work."""
+    store = open_batch_store(job_store, service.name)
+    translate, refusal = batch_endpoints(service)
+    return BatchRunner(
+        store,
+        service,
+        translate,
+        refusal,
+        rows_in_flight=batch.batch_rows_in_flight or 2 * max_batch,
+        lease_s=batch.batch_lease_s,
+        file_expiry_s=batch.batch_file_expiry_s,
+        max_bytes=batch.batch_store_bytes,
+        takes_work=lambda: runtime.takes_work,
+    )
+
+
 async def _load(app: FastAPI) -> None:
     runtime: Runtime = app.state.runtime
     settings: Settings = app.state.settings
@@ -260,6 +284,15 @@ async def _load(app: FastAPI) -> None:
             app.state.videos = await asyncio.to_thread(
                 start_videos, jobs, service, runtime, inject_faults=settings.inject_faults
             )
+        # the Batch API's lines, from the job store, in the rows interactive requests leave
+        app.state.batches = await asyncio.to_thread(
+            start_batches,
+            BatchSettings.of(settings),
+            settings.job_store,
+            service,
+            runtime,
+            settings.max_batch,
+        )
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         # the cause is in the log (here, and as serve's last line); its traceback only with --debug
@@ -316,10 +349,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         videos = getattr(app.state, "videos", None)
         if videos is not None:
             videos.stop()  # takes no more jobs; those the close below cuts short go back to the queue
+        batch_runner = getattr(app.state, "batches", None)
+        if batch_runner is not None:
+            batch_runner.stop()  # claims no more; its running lines are cancelled, back to their batches
         if runtime.service is not None:
             await asyncio.to_thread(runtime.service.close)
         if videos is not None:  # a video being encoded and written is waited for, as a request is
             await asyncio.to_thread(videos.join, max(RUNNER_STOP_S, settings.drain_timeout_s))
+        if batch_runner is not None:  # the lines ending now keep their results, a while
+            await asyncio.to_thread(batch_runner.join, RUNNER_STOP_S)
 
 
 def create_app(
@@ -348,6 +386,7 @@ def create_app(
         LimitSettings.of(settings),
     )
     app.state.serve_metrics, app.state.components = serve_metrics, components
+    app.state.batch_settings = BatchSettings.of(settings)
     app.state.makes_videos = read_family(settings.model).clip is not None  # configs only
     # an edit form's text fields: a JSON body's bytes, and its controls' images in base64
     app.state.form_text_bytes = settings.max_body_bytes + _control_bytes(settings)
@@ -365,6 +404,8 @@ def create_app(
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(videos.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(playground.router)
     app.include_router(docs.router)
     install_openapi(
@@ -378,6 +419,8 @@ def create_app(
         whole=_control_bodies(settings),
         by_path={
             "/v1/images/edits": (settings.edit_body_bytes + _control_bytes(settings), image_settings),
+            # a batch's JSONL input beside the form's fields
+            "/v1/files": (settings.batch_file_bytes + settings.max_body_bytes, "DIFFSHARD_BATCH_FILE_BYTES"),
             # a video's first frame (input_reference) beside its fields
             "/v1/videos": (
                 settings.max_image_bytes + settings.max_body_bytes,

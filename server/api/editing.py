@@ -62,16 +62,29 @@ async def read_edit_form(
     if masks:
         read = await asyncio.to_thread(read_image, masks[0], "mask", formats=MASK_FORMATS, **bounds)
         mask = mask_to_repaint(read, images[0].size)
+    return body, edits_of(body, images, mask, together=together, alpha=alpha)
+
+
+def edits_of(
+    body: ImageEditRequest,
+    images: list[Image.Image],
+    mask: Image.Image | None,
+    *,
+    together: bool,
+    alpha: bool,
+) -> list[Edit]:
+    """The Edits of decoded images (the mask, in diffusers' sense, on the first): one per image,
+    or one of them all for a model that edits by reference (`together`)."""
     if together:
         strength = 1.0 if body.strength is None else body.strength  # unused: nothing starts from them
         pixels = [edited(image, alpha) for image in images]
-        return body, [Edit(pixels[0], mask, strength, body.keep_unmasked, more=tuple(pixels[1:]))]
+        return [Edit(pixels[0], mask, strength, body.keep_unmasked, more=tuple(pixels[1:]))]
     edits = []
     for i, image in enumerate(images):
         masked = mask if i == 0 else None
         strength = body.strength if body.strength is not None else (1.0 if masked else DEFAULT_STRENGTH)
         edits.append(Edit(edited(image, alpha), masked, strength, body.keep_unmasked))
-    return body, edits
+    return edits
 
 
 def edited(image: Image.Image, alpha: bool) -> Image.Image:

@@ -102,6 +102,7 @@ class Batch:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
     stopped: str | None = None
+    output_expires_s: int | None = None  # its output and error files' keeping (output_expires_after)
 
     def public(self) -> dict[str, Any]:
         """The batch as OpenAI's Batch object."""
