@@ -68,10 +68,12 @@ def test_a_full_queue_answers_503_with_retry_after(busy: LiveServer, background)
     assert busy.stats()["engine"]["rejected"]["queue_full"] >= 1
 
 
-def test_a_disconnected_client_is_cancelled_and_its_buffers_returned(busy: LiveServer) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_disconnected_client_is_cancelled_and_its_buffers_returned(busy: LiveServer, stream: bool) -> None:
+    """A plain request's client, or a stream's (`stream: true`: the event stream's end cancels it)."""
     before = busy.stats()["engine"]["rejected"].get("cancelled", 0)
     address = urlparse(busy.url)
-    body = json.dumps(LONG).encode()
+    body = json.dumps({**LONG, "stream": stream}).encode()
     with socket.create_connection((address.hostname, address.port)) as client:
         client.sendall(
             b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
