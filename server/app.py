@@ -54,8 +54,10 @@ from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
 from server.serving.batches import BatchRunner
 from server.serving.batchstore import open_batch_store
+from server.serving.outbox import open_outbox
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown
+from server.serving.webhooks import Webhooks, video_confirm
 from server.settings import (
     BatchSettings,
     CompileSettings,
@@ -64,8 +66,10 @@ from server.settings import (
     ModelSettings,
     ServerSettings,
     Settings,
+    WebhookSettings,
 )
 from server.settings.values import read_api_keys
+from server.settings.webhooks import signing_secret
 from server.startup import (
     check_runs_here,
     decide_dtype,
@@ -232,9 +236,15 @@ RUNNER_STOP_S = 5.0  # for the video runner to give its jobs back before the pro
 
 
 def start_videos(
-    jobs: JobSettings, service: Service, runtime: Runtime, *, inject_faults: bool = False
+    jobs: JobSettings,
+    service: Service,
+    runtime: Runtime,
+    *,
+    inject_faults: bool = False,
+    notify: Callable[[str, str], None] | None = None,
 ) -> VideoRunner:
-    """The job store opened (ConfigError if it cannot be) and the runner taking its jobs."""
+    """The job store opened (ConfigError if it cannot be) and the runner taking its jobs (`notify`:
+    a job's event, before its end is stored)."""
     store = open_job_store(jobs.job_store, service.name, jobs.video_lease_s, runs=True)
     log.info("video jobs in %s", shown(jobs.job_store))
     runtime.videos = VideoRunner(
@@ -247,8 +257,22 @@ def start_videos(
         takes_work=lambda: runtime.takes_work,
         max_running=jobs.max_running_videos,
         inject_faults=inject_faults,
+        notify=notify,
     )
     return runtime.videos
+
+
+def start_webhooks(hooks: WebhookSettings, job_store: str, model: str) -> Webhooks:
+    """The outbox opened beside `model`'s jobs (ConfigError if it cannot be) and its deliverer,
+    which the app starts once it has given it a confirm per producer."""
+    return Webhooks(
+        open_outbox(job_store, model),
+        hooks.webhook,
+        signing_secret(hooks) or "",
+        first_retry_s=hooks.webhook_retry_s,
+        retry_for_s=hooks.webhook_retry_for_s,
+        timeout_s=hooks.webhook_timeout_s,
+    )
 
 
 def start_batches(
@@ -279,11 +303,19 @@ async def _load(app: FastAPI) -> None:
         service = await asyncio.to_thread(
             load_service, settings, app.state.plan, runtime.compiling, app.state.components
         )
+        webhooks = None
+        if settings.webhook:  # the producers' events, from the outbox to the operator's endpoints
+            webhooks = app.state.webhooks = await asyncio.to_thread(
+                start_webhooks, WebhookSettings.of(settings), settings.job_store, service.name
+            )
         if service.clip is not None:  # a video model: /v1/videos' jobs, from the job store
             jobs = JobSettings.of(settings)
+            notify = webhooks.notify if webhooks is not None else None
             app.state.videos = await asyncio.to_thread(
-                start_videos, jobs, service, runtime, inject_faults=settings.inject_faults
+                start_videos, jobs, service, runtime, inject_faults=settings.inject_faults, notify=notify
             )
+            if webhooks is not None:
+                webhooks.confirms["video."] = video_confirm(app.state.videos.store)
         # the Batch API's lines, from the job store, in the rows interactive requests leave
         app.state.batches = await asyncio.to_thread(
             start_batches,
@@ -293,6 +325,8 @@ async def _load(app: FastAPI) -> None:
             runtime,
             settings.max_batch,
         )
+        if webhooks is not None:
+            webhooks.start()
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
         # the cause is in the log (here, and as serve's last line); its traceback only with --debug
@@ -349,6 +383,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         videos = getattr(app.state, "videos", None)
         if videos is not None:
             videos.stop()  # takes no more jobs; those the close below cuts short go back to the queue
+        webhooks = getattr(app.state, "webhooks", None)
+        if webhooks is not None:
+            webhooks.stop()  # what it has not delivered stays in the outbox, for the next start
         batch_runner = getattr(app.state, "batches", None)
         if batch_runner is not None:
             batch_runner.stop()  # claims no more; its running lines are cancelled, back to their batches
@@ -358,6 +395,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.to_thread(videos.join, max(RUNNER_STOP_S, settings.drain_timeout_s))
         if batch_runner is not None:  # the lines ending now keep their results, a while
             await asyncio.to_thread(batch_runner.join, RUNNER_STOP_S)
+        if webhooks is not None:  # a POST in flight, a while (its event comes due again elsewhere)
+            await asyncio.to_thread(webhooks.join, RUNNER_STOP_S)
 
 
 def create_app(
@@ -397,7 +436,10 @@ def create_app(
     app.state.runtime = runtime
     runtime.compiling = CompileStats(str(settings.compile))
     app.state.metrics = metrics = Metrics(
-        registry or CollectorRegistry(), runtime.snapshot, inject_faults=settings.inject_faults
+        registry or CollectorRegistry(),
+        runtime.snapshot,
+        inject_faults=settings.inject_faults,
+        webhooks=lambda: hooks.figures() if (hooks := getattr(app.state, "webhooks", None)) else None,
     )
     install_error_handlers(app)
     app.include_router(health.router)
