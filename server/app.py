@@ -52,7 +52,7 @@ from server.pipeline.loading.vae_tiling import VaeTiling
 from server.pipeline.loading.warmup import compile_pipeline
 from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
-from server.serving.batches import BatchRunner
+from server.serving.batches import BatchRunner, confirm_batch
 from server.serving.batchstore import open_batch_store
 from server.serving.outbox import open_outbox
 from server.serving.videos import VideoRunner, open_job_store
@@ -276,10 +276,16 @@ def start_webhooks(hooks: WebhookSettings, job_store: str, model: str) -> Webhoo
 
 
 def start_batches(
-    batch: BatchSettings, job_store: str, service: Service, runtime: Runtime, max_batch: int
+    batch: BatchSettings,
+    job_store: str,
+    service: Service,
+    runtime: Runtime,
+    max_batch: int,
+    notify: Callable[[str, str], None] | None = None,
 ) -> BatchRunner:
     """The Batch API's store opened in the job store (ConfigError if it cannot be) and the runner
-    taking its lines, at background priority, while the step loops can take work."""
+    taking its lines, at background priority, while the step loops can take work (`notify`: a
+    batch's webhook event, before its end is stored)."""
     store = open_batch_store(job_store, service.name)
     translate, refusal = batch_endpoints(service)
     return BatchRunner(
@@ -292,6 +298,7 @@ def start_batches(
         file_expiry_s=batch.batch_file_expiry_s,
         max_bytes=batch.batch_store_bytes,
         takes_work=lambda: runtime.takes_work,
+        notify=notify,
     )
 
 
@@ -324,8 +331,10 @@ async def _load(app: FastAPI) -> None:
             service,
             runtime,
             settings.max_batch,
+            webhooks.notify if webhooks is not None else None,
         )
         if webhooks is not None:
+            webhooks.confirms["batch."] = confirm_batch(app.state.batches.store)
             webhooks.start()
     except Exception as err:
         runtime.status, runtime.error = "failed", f"{type(err).__name__}: {err}"
