@@ -52,8 +52,7 @@ from server.pipeline.loading.vae_tiling import VaeTiling
 from server.pipeline.loading.warmup import compile_pipeline
 from server.requests.control import MAX_CONTROLS
 from server.serving import Runtime, Service
-from server.serving.batches import BatchRunner, confirm_batch
-from server.serving.batchstore import open_batch_store
+from server.serving.batches import BatchRunner, confirm_batch, open_batch_store
 from server.serving.outbox import open_outbox
 from server.serving.videos import VideoRunner, open_job_store
 from server.serving.videostore import shown

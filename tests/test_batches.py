@@ -8,14 +8,21 @@ after it, no line twice."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
+from openai.types import Batch as SdkBatch
+from PIL import Image, ImageDraw
 
-from server.serving.batchstore import Batch, BatchStore, LineInput, StoredFile, new_id, open_batch_store
+from server.serving.batches import open_batch_store
+from server.serving.batchstore import Batch, BatchStore, LineInput, StoredFile, new_id
+from tests.support.live import LiveServer, live_server
 from tests.support.redis_server import redis_server
 from tests.support.waiting import wait_until
 
@@ -127,3 +134,259 @@ def test_cancel_drops_the_queued_lines_and_stops_the_running_ones(store: BatchSt
     closing = store.take_close(batch.id, "w", 0, LEASE_S)
     assert closing is not None and closing.status == "cancelling"
     assert [r.text for r in store.results(batch.id)] == [None, None, None]
+
+
+# The built-in model over HTTP, driven by the openai SDK.
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+FAST = {"size": "64x64", "num_inference_steps": 3, "deterministic": True}
+KEYS = ("sk-first", "sk-second")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server for the module's SDK tests: two keys, a job store of its own, and room for one
+    line at a time beside interactive requests (2 rows: a guided line), so a batch is seen running."""
+    folder = tmp_path_factory.mktemp("batches")
+    keys = folder / "keys"
+    keys.write_text("\n".join(KEYS) + "\n")
+    store = f"sqlite:///{folder / 'jobs.sqlite'}"
+    args = ("--job-store", store, "--api-key-file", str(keys), "--batch-rows-in-flight", "2")
+    with live_server(*args) as running:
+        yield running
+
+
+def client_of(server: LiveServer, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def jsonl(*lines: dict) -> bytes:
+    return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+
+
+def request_line(custom_id: str, body: dict, url: str = "/v1/images/generations") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def ended(client: openai.OpenAI, batch_id: str, timeout_s: float = 120) -> SdkBatch:
+    return wait_until(
+        lambda: b if (b := client.batches.retrieve(batch_id)).status in ENDED else None,
+        timeout_s,
+        f"batch {batch_id} ending",
+    )
+
+
+def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).read().decode().splitlines()]
+
+
+def test_the_sdk_runs_a_batch_each_line_as_sent_alone_and_a_bad_line_names_its_field(
+    server: LiveServer,
+) -> None:
+    client = client_of(server)
+    bodies = {f"circle-{i}": {"prompt": "a red circle", "seed": 40 + i, **FAST} for i in range(20)}
+    lines = [request_line(custom_id, body) for custom_id, body in bodies.items()]
+    lines.insert(7, request_line("bad", {"prompt": "a red circle", "num_inference_steps": "3"}))
+    uploaded = client.files.create(file=("requests.jsonl", jsonl(*lines)), purpose="batch")
+    assert (uploaded.purpose, uploaded.bytes, uploaded.status) == ("batch", len(jsonl(*lines)), "processed")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/generations", completion_window="24h"
+    )
+    assert batch.status == "in_progress" and batch.request_counts.total == 21
+    done = ended(client, batch.id)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (
+        20,
+        1,
+    )
+    assert done.completed_at is not None and done.finalizing_at is not None
+    output = file_lines(client, done.output_file_id)
+    assert [line["custom_id"] for line in output] == list(bodies)  # the input's order, each once
+    for line in output:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"] == line["id"]
+        sent = dict(bodies[line["custom_id"]])
+        alone = client.images.generate(prompt=sent.pop("prompt"), size=sent.pop("size"), extra_body=sent)
+        assert response["body"]["data"][0]["b64_json"] == alone.data[0].b64_json  # bit-identical
+        assert response["body"]["data"][0]["seed"] == bodies[line["custom_id"]]["seed"]
+    (bad,) = file_lines(client, done.error_file_id)
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
+    error = bad["response"]["body"]["error"]
+    assert error["param"] == "num_inference_steps" and error["message"].startswith("num_inference_steps:")
+    assert done.id in [b.id for b in client.batches.list()]
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_an_edit_line_equals_the_multipart_edit(server: LiveServer) -> None:
+    client = client_of(server)
+    image, mask = Image.new("RGB", (64, 64), "white"), Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill="red")
+    ImageDraw.Draw(mask).rectangle((0, 0, 31, 63), fill=(0, 0, 0, 0))  # the left half: repainted
+    image_png, mask_png = png_bytes(image), png_bytes(mask)
+    extra = {"seed": 3, "num_inference_steps": 4, "deterministic": True}
+    body = {
+        "prompt": "a blue circle",
+        "images": [{"image_url": "data:image/png;base64," + base64.b64encode(image_png).decode()}],
+        "mask": {"image_url": "data:image/png;base64," + base64.b64encode(mask_png).decode()},
+        **extra,
+    }
+    uploaded = client.files.create(
+        file=("edit.jsonl", jsonl(request_line("e", body, "/v1/images/edits"))), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/edits", completion_window="24h"
+    )
+    (line,) = file_lines(client, ended(client, batch.id).output_file_id)
+    alone = client.images.edit(
+        image=("a.png", image_png), mask=("m.png", mask_png), prompt="a blue circle", extra_body=extra
+    )
+    assert line["response"]["body"]["data"][0]["b64_json"] == alone.data[0].b64_json
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_malformed_file_and_a_window_other_than_24h_are_refused_naming_them(server: LiveServer) -> None:
+    client = client_of(server)
+    good = request_line("a", {"prompt": "a red circle"})
+    for bad, words in [
+        ({"method": "POST", "url": "/v1/images/generations", "body": {}}, "line 2: custom_id"),
+        ({**good, "custom_id": "b", "url": "/v1/chat/completions"}, "line 2: url must be one of"),
+        (good, "line 2: custom_id 'a' is on line 1 too"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words) as refused:
+            client.files.create(file=("bad.jsonl", jsonl(good, bad)), purpose="batch")
+        assert refused.value.body["param"] == "file"
+    with pytest.raises(openai.BadRequestError, match="line 1: is not valid JSON"):
+        client.files.create(file=("bad.jsonl", b"{not json\n"), purpose="batch")
+    uploaded = client.files.create(file=("ok.jsonl", jsonl(good)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="completion_window: must be 24h") as refused:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/images/generations",
+            completion_window="1h",  # type: ignore[arg-type]
+        )
+    assert refused.value.body["param"] == "completion_window"
+    mixed = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/edits", completion_window="24h"
+    )
+    assert mixed.status == "failed" and mixed.errors.data[0].line == 1 and mixed.errors.data[0].param == "url"
+
+
+def test_another_keys_batch_and_files_are_a_404(server: LiveServer) -> None:
+    mine, theirs = client_of(server, KEYS[0]), client_of(server, KEYS[1])
+    uploaded = mine.files.create(
+        file=("a.jsonl", jsonl(request_line("a", {"prompt": "a red circle", **FAST}))), purpose="batch"
+    )
+    batch = mine.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/generations", completion_window="24h"
+    )
+    for call in (
+        lambda: theirs.batches.retrieve(batch.id),
+        lambda: theirs.batches.cancel(batch.id),
+        lambda: theirs.files.retrieve(uploaded.id),
+        lambda: theirs.files.content(uploaded.id),
+        lambda: theirs.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/images/generations", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in theirs.batches.list()]
+    assert uploaded.id not in [f.id for f in theirs.files.list()]
+    assert ended(mine, batch.id).status == "completed"
+
+
+def test_cancel_stops_queued_lines_and_keeps_what_completed(server: LiveServer) -> None:
+    client = client_of(server)
+    lines = [
+        request_line(f"c{i}", {"prompt": "a red circle", "seed": i, **FAST, "num_inference_steps": 8})
+        for i in range(30)
+    ]
+    uploaded = client.files.create(file=("many.jsonl", jsonl(*lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/generations", completion_window="24h"
+    )
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 60, "two lines done")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = ended(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    output = file_lines(client, done.output_file_id)
+    assert len(output) == done.request_counts.completed < 30  # one line at a time: most never started
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def generate_lines(count: int, steps: int) -> dict[str, dict]:
+    return {
+        f"r{i}": {"prompt": "a red circle", "seed": 70 + i, **FAST, "num_inference_steps": steps}
+        for i in range(count)
+    }
+
+
+def create(client: openai.OpenAI, bodies: dict[str, dict]) -> SdkBatch:
+    lines = [request_line(custom_id, body) for custom_id, body in bodies.items()]
+    uploaded = client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/images/generations", completion_window="24h"
+    )
+
+
+def test_a_batch_a_restart_cut_short_completes_after_it_each_line_once(tmp_path: Path) -> None:
+    """A SIGTERM while the batch runs: its running line goes back to its batch; the next server on
+    the store runs what is left, and the output holds every line once, each as sent alone."""
+    store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    args = ("--job-store", store, "--batch-rows-in-flight", "2", "--drain-timeout-s", "0.5")
+    bodies = generate_lines(16, steps=8)
+    with live_server(*args) as first:
+        client = client_of(first)
+        batch = create(client, bodies)
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 60, "two lines done"
+        )
+    reader = open_batch_store(store, "diffshard-shapes")
+    cut = reader.get_batch(batch.id)
+    assert cut is not None and cut.status == "in_progress" and 2 <= cut.completed < 16
+    reader.close_store()
+    with live_server(*args) as second:
+        client = client_of(second)
+        done = ended(client, batch.id)
+        output = file_lines(client, done.output_file_id)
+        alone = {}
+        for custom_id in ("r0", "r15"):  # one made before the restart, one after
+            sent = dict(bodies[custom_id])
+            made = client.images.generate(prompt=sent.pop("prompt"), size=sent.pop("size"), extra_body=sent)
+            alone[custom_id] = made.data[0].b64_json
+    assert done.status == "completed" and done.request_counts.completed == 16
+    assert [line["custom_id"] for line in output] == list(bodies)  # each once, in order
+    made = {line["custom_id"]: line["response"]["body"]["data"][0]["b64_json"] for line in output}
+    assert all(made[custom_id] == image for custom_id, image in alone.items())
+
+
+def test_lines_left_at_the_windows_end_expire(tmp_path: Path) -> None:
+    """A 2 s window (DIFFSHARD_BATCH_WINDOW_S): the first line completes, the second's slow step
+    (`[[slow]]`: twice --step-timeout-s) outlasts the window, the third never starts: both are
+    error lines with code batch_expired, and the batch is expired."""
+    store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
+    args = ("--job-store", store, "--batch-rows-in-flight", "2", "--batch-window-s", "2")
+    slow = ("--inject-faults", "--step-timeout-s", "1")
+    bodies = generate_lines(3, steps=4)
+    bodies["r1"]["prompt"] = "a red circle [[slow]]"
+    with live_server(*args, *slow) as running:
+        client = client_of(running)
+        done = ended(client, create(client, bodies).id)
+        output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
+    assert done.status == "expired" and done.expired_at is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 2)
+    assert [line["custom_id"] for line in output] == ["r0"]
+    assert [(line["custom_id"], line["error"]["code"], line["response"]) for line in errors] == [
+        ("r1", "batch_expired", None),
+        ("r2", "batch_expired", None),
+    ]

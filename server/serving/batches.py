@@ -376,6 +376,18 @@ class BatchRunner:
             yield b"".join(held)
 
 
+def open_batch_store(url: str, model: str) -> BatchStore:
+    """The batch store in the job store `url` names, holding `model`'s batches (others may share
+    it). Fails fast (ConfigError) when it cannot be opened or reached."""
+    if url.startswith(("redis://", "rediss://")):
+        from server.serving.batchredis import RedisBatchStore  # the client only where Redis is used
+
+        return RedisBatchStore(url, model)
+    from server.serving.batchsqlite import SqliteBatchStore
+
+    return SqliteBatchStore(url, model)
+
+
 def confirm_batch(store: BatchStore) -> Callable[[Any], bool | None]:
     """A batch event against the batch now (the webhooks' deliverer asks before it sends):
     True while it has that final status, None while it is unfinished (its move is in flight),
@@ -392,4 +404,4 @@ def confirm_batch(store: BatchStore) -> Callable[[Any], bool | None]:
     return confirm
 
 
-__all__ = ["BatchRunner", "confirm_batch", "expired_line", "response_line"]
+__all__ = ["BatchRunner", "confirm_batch", "expired_line", "open_batch_store", "response_line"]

@@ -266,15 +266,3 @@ class BatchStore(Protocol):
         ...
 
     def close_store(self) -> None: ...
-
-
-def open_batch_store(url: str, model: str) -> BatchStore:
-    """The batch store in the job store `url` names, holding `model`'s batches (others may share
-    it). Fails fast (ConfigError) when it cannot be opened or reached."""
-    if url.startswith(("redis://", "rediss://")):
-        from server.serving.batchredis import RedisBatchStore  # the client only where Redis is used
-
-        return RedisBatchStore(url, model)
-    from server.serving.batchsqlite import SqliteBatchStore
-
-    return SqliteBatchStore(url, model)
