@@ -390,3 +390,13 @@ def test_lines_left_at_the_windows_end_expire(tmp_path: Path) -> None:
         ("r1", "batch_expired", None),
         ("r2", "batch_expired", None),
     ]
+
+
+def test_a_batch_on_a_redis_store_runs_and_its_output_streams_from_it(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as redis, live_server("--job-store", redis.url) as running:
+        client = client_of(running)
+        bodies = generate_lines(2, steps=2)
+        done = ended(client, create(client, bodies).id)
+        output = file_lines(client, done.output_file_id)
+        assert [f.id for f in client.files.list(purpose="batch_output")] == [done.output_file_id]
+    assert done.status == "completed" and [line["custom_id"] for line in output] == list(bodies)
