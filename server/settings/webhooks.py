@@ -84,6 +84,13 @@ def signing_secret(settings: WebhookSettings) -> str | None:
         return settings.webhook_secret.get_secret_value().strip()
     if settings.webhook_secret_file is None:
         return None
+    if settings.webhook_secret_file.name.startswith("whsec_") or str(settings.webhook_secret_file).startswith(
+        "whsec_"
+    ):  # the secret itself (`--webhook-secret`, taken for this flag): never shown, not even as a path
+        raise ValueError(
+            "--webhook-secret-file (DIFFSHARD_WEBHOOK_SECRET_FILE) names a secret, not a file: write the "
+            "secret into a file, or set DIFFSHARD_WEBHOOK_SECRET"
+        )
     try:
         return settings.webhook_secret_file.read_text().strip()
     except OSError as err:
