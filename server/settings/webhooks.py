@@ -15,7 +15,7 @@ from typing import Annotated, Self
 from pydantic import BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import NoDecode
 
-from server.serving.webhooks import check_secret, check_url
+from server.serving.webhooks import SECRET_PREFIX, check_secret, check_url
 from server.settings.values import Concern
 
 SECRET_SETTINGS = "--webhook-secret-file (DIFFSHARD_WEBHOOK_SECRET_FILE) or DIFFSHARD_WEBHOOK_SECRET"
@@ -84,9 +84,8 @@ def signing_secret(settings: WebhookSettings) -> str | None:
         return settings.webhook_secret.get_secret_value().strip()
     if settings.webhook_secret_file is None:
         return None
-    if settings.webhook_secret_file.name.startswith("whsec_") or str(settings.webhook_secret_file).startswith(
-        "whsec_"
-    ):  # the secret itself (`--webhook-secret`, taken for this flag): never shown, not even as a path
+    if str(settings.webhook_secret_file).startswith(SECRET_PREFIX):
+        # the secret itself (`--webhook-secret` abbreviates this flag): never shown, not even as a path
         raise ValueError(
             "--webhook-secret-file (DIFFSHARD_WEBHOOK_SECRET_FILE) names a secret, not a file: write the "
             "secret into a file, or set DIFFSHARD_WEBHOOK_SECRET"
