@@ -24,6 +24,7 @@ FILES = {  # what /playground/{name} serves: nothing else can be asked for
     "edit.js": "text/javascript",
     "mode.js": "text/javascript",
     "video.js": "text/javascript",
+    "batches.js": "text/javascript",
     "playground.css": "text/css",
 }
 HEADERS = {

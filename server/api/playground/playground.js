@@ -3,6 +3,7 @@
 // video model's server makes videos (video.js), and a panel of the devices' memory.
 // Plain JavaScript, no build step, nothing fetched from elsewhere: it works offline.
 
+import { refreshBatches, setupBatches } from "./batches.js";
 import { addControlImage, chosenControl, controlProblem, setupControl, showControlNets } from "./control.js";
 import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
@@ -601,6 +602,7 @@ function start() {
     },
   });
   setupVideo({ api, problem, explain, showError, setProgress, refused, lostServer, clearResults, keepURL: imageURL });
+  setupBatches({ api, problem, showError });
   document.addEventListener("visibilitychange", refreshDevices);
   readLimits();
   readModel();
@@ -611,6 +613,7 @@ function start() {
     if (!modelRead) readModel();
     readStatus();
     refreshDevices();
+    refreshBatches();
   }, REFRESH_MS);
 }
 
