@@ -20,8 +20,9 @@ import pytest
 from openai.types import Batch as SdkBatch
 from PIL import Image, ImageDraw
 
-from server.serving.batches import open_batch_store
+from server.serving.batches import confirm_batch, open_batch_store
 from server.serving.batchstore import Batch, BatchStore, LineInput, StoredFile, new_id
+from server.serving.outbox import event_for
 from tests.support.live import LiveServer, live_server
 from tests.support.redis_server import redis_server
 from tests.support.waiting import wait_until
@@ -400,3 +401,41 @@ def test_a_batch_on_a_redis_store_runs_and_its_output_streams_from_it(tmp_path: 
         output = file_lines(client, done.output_file_id)
         assert [f.id for f in client.files.list(purpose="batch_output")] == [done.output_file_id]
     assert done.status == "completed" and [line["custom_id"] for line in output] == list(bodies)
+
+
+def test_two_replicas_share_a_batch_and_one_killed_leaves_its_lines_to_the_other(tmp_path: Path) -> None:
+    """Replicas on one Redis take the batch's lines between them; one killed mid-batch (SIGKILL:
+    no release) lets its held line lapse to the other (DIFFSHARD_BATCH_LEASE_S 2): every line once."""
+    args = ("--batch-rows-in-flight", "2", "--batch-lease-s", "2")
+    bodies = generate_lines(12, steps=8)
+    with (
+        redis_server(tmp_path) as redis,
+        live_server("--job-store", redis.url, *args) as one,
+        live_server("--job-store", redis.url, *args) as two,
+    ):
+        batch = create(client_of(one), bodies)
+        survivor = client_of(two)
+        wait_until(
+            lambda: survivor.batches.retrieve(batch.id).request_counts.completed >= 2, 60, "two lines done"
+        )
+        one.process.kill()
+        done = ended(survivor, batch.id)
+        output = file_lines(survivor, done.output_file_id)
+    assert done.status == "completed" and done.request_counts.completed == 12
+    assert [line["custom_id"] for line in output] == list(bodies)
+
+
+def test_a_batch_event_is_confirmed_once_the_batch_has_that_end(store: BatchStore) -> None:
+    batch, lines = a_batch("a", 1)
+    store.add_batch(batch, lines, per_owner=None)
+    confirm = confirm_batch(store)
+    assert confirm(event_for("batch.completed", batch.id, 0)) is None  # its move is still to come
+    line = store.claim("w", 0, LEASE_S)
+    assert line is not None and store.finish("w", line.key, b"made", failed=False)
+    closing = store.take_close(batch.id, "w", 0, LEASE_S)
+    assert closing is not None
+    closing.status, closing.completed_at = "completed", 1
+    assert store.close(closing, "w", [])
+    assert confirm(event_for("batch.completed", batch.id, 1)) is True
+    assert confirm(event_for("batch.cancelled", batch.id, 1)) is False
+    assert confirm(event_for("batch.completed", "batch_gone", 1)) is False

@@ -239,10 +239,18 @@ class BatchRunner:
                 self._forget(running)
             except Exception:  # a bug ending this line: it fails, others run
                 log.exception("batch line %s", running.line.input.id)
-                status, body = self.refusal(
-                    RuntimeError("the line could not be ended"), running.line.input.id
-                )
-                self._keep_result(running, response_line(running.line.input, status, body), failed=True)
+                self._failed(running)
+
+    def _failed(self, running: Running) -> None:
+        """An error line for a line a bug ended (the details in the log); if even that cannot be
+        kept, its lease lapses and it runs again elsewhere."""
+        line = running.line.input
+        try:
+            status, body = self.refusal(RuntimeError("the line could not be ended"), line.id)
+            self._keep_result(running, response_line(line, status, body), failed=True)
+        except Exception:
+            log.exception("batch line %s: its error could not be kept", line.id)
+            self._forget(running)
 
     def _end(self, running: Running) -> None:
         line, job = running.line, running.job
