@@ -48,6 +48,7 @@ from server.serving.videostore import PIECE
 log = logging.getLogger("diffshard")
 
 POLL_S = 1.0  # how often an idle runner looks for lines another replica queued, and tidies
+TIDY_S = 60.0  # how often expired files are looked for (a write to the store each time)
 FINISHERS = 4  # threads encoding lines' images and keeping their results, off the step loops
 STORE_THREADS = 8  # the API's calls to the store, on threads of their own (a hung store holds these)
 # How a line ends that the line itself caused: an error line. Any other end (the replica
@@ -299,7 +300,7 @@ class BatchRunner:
     # Keeping: leases, expiry, closing, tidying.
 
     def _keep(self) -> None:
-        every_s = min(POLL_S, self.lease_s / 3)
+        every_s, tidied_at = min(POLL_S, self.lease_s / 3), 0.0
         while not self._stopped.wait(every_s):
             try:
                 self._renew()
@@ -311,8 +312,10 @@ class BatchRunner:
                         log.info("batch %s: its completion window ended; its queued lines expire", batch.id)
                         self.store.stop(batch.id, "expire", int(now))
                     self._close(batch.id)
-                if gone := self.store.tidy(int(now), self.max_bytes, self.file_expiry_s):
-                    log.info("batches: %d expired files or ended batches deleted", gone)
+                if now >= tidied_at + TIDY_S:
+                    tidied_at = now
+                    if gone := self.store.tidy(int(now), self.max_bytes, self.file_expiry_s):
+                        log.info("batches: %d expired files or ended batches deleted", gone)
             except StoreUnavailable:
                 log.warning("batches: the job store does not answer; trying again in %g s", every_s)
             except Exception:  # a bug here must not end the keeper
