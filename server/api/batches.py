@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.api.auth import require_key
 from server.api.editing import check_fidelity, edits_of
-from server.api.errors import APIError, _validation_message, domain_response, envelope, internal_message
+from server.api.errors import APIError, domain_response, envelope, internal_message, validation_message
 from server.api.files import ENDPOINTS, RunnerDep, batch_lines, not_found, own_file
 from server.api.schemas import (
     ImageData,
@@ -220,7 +220,7 @@ def endpoints(service: Service) -> tuple[Any, Any]:
         if isinstance(err, ValidationError):
             edit = any(e.get("loc", ())[:1] == ("images",) for e in err.errors())
             fields = (ImageEditRequest if edit else ImageGenerationRequest).model_fields
-            message, param, code = _validation_message(list(err.errors()), "application/json", fields)
+            message, param, code = validation_message(list(err.errors()), "application/json", fields)
             answer = envelope(400, message, param, code)
         elif isinstance(err, DiffshardError):
             answer = domain_response(err, request_id)

@@ -153,7 +153,7 @@ KINDS = {
 }
 
 
-def _validation_message(
+def validation_message(
     errors: list[dict[str, Any]], content_type: str, fields: Iterable[str]
 ) -> tuple[str, str | None, str]:
     """FastAPI's validation errors as one (message, param, code), in the API's words. A field the
@@ -233,7 +233,7 @@ def install_error_handlers(app: FastAPI) -> None:
         fields = getattr(request.state, "body_fields", None)  # a route validating its own body says whose
         fields = fields or (ImageEditRequest if edit else ImageGenerationRequest).model_fields
         content_type = request.headers.get("content-type", "")
-        message, param, code = _validation_message(list(err.errors()), content_type, fields)
+        message, param, code = validation_message(list(err.errors()), content_type, fields)
         return envelope(400, message, param, code)
 
     @app.exception_handler(HTTPException)
