@@ -15,6 +15,12 @@ from server.pipeline.steps.state import RequestState
 from server.requests.generation import GenerationRequest
 from server.serving.health import is_out_of_memory
 
+# Priority classes, the default first. Interactive work is someone waiting on an answer now;
+# background work (Batch API lines, requests that ask for it) takes only the room interactive
+# work leaves (`Lineup.pick`) and has its own queue bound.
+PRIORITIES = ("interactive", "background")
+INTERACTIVE, BACKGROUND = PRIORITIES
+
 
 @dataclass(eq=False)
 class Job:
@@ -28,6 +34,7 @@ class Job:
     states: list[RequestState] = field(default_factory=list)
     cancel_requested: bool = False
     owner: str | None = None  # who sent it (an API key's label): the line is fair between owners
+    priority: str = INTERACTIVE  # one of PRIORITIES: background work takes only the rows left over
     queue_position: int | None = None  # 1 = the next job of its lane to start; None once running
     # Called on the step loop's thread and must not block: (image index, partial index, [H, W, 3]
     # or RGBA [H, W, 4] image) for each partial image due; and, once a turn, that the job moved.

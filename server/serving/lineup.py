@@ -15,22 +15,55 @@ first, so only a key's own later jobs are parked.
 Parked jobs keep their deadline honest: a job's deadline counts from its arrival
 (`Job.submitted`), so its time waiting in line and its time parked both count against
 `--request-timeout-s`, and the loop drops a parked job past it like any other (504).
+
+Two priority classes share a step, decided here and nowhere else. Interactive jobs take their
+rows first, by the round robin above. Background jobs (Batch API lines, requests that ask for it)
+have lines and credit of their own (a key's background work costs nothing of its interactive
+share) and take only the room interactive work leaves, where room means time as well as rows: a
+background job joins an interactive step only while the step's predicted seconds (`StepCosts`,
+measured by the loop) grow by at most `BACKGROUND_MARGIN`, so on a CPU, where every row costs,
+interactive steps run alone, and on a GPU, where rows under the knee are nearly free, they are
+filled. With no interactive work, background work runs: held to short steps (as long, within the
+margin, as its first job's call) while interactive work was seen lately, so a request arriving
+mid-call waits little; the whole step once it has been away a while (`Room.calm`). Admitted
+background jobs left out are parked like any other, their state kept.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from server.serving.jobs import Job, place_in_line
+from server.serving.jobs import BACKGROUND, INTERACTIVE, PRIORITIES, Job, place_in_line
+from server.serving.stepcosts import StepCosts
+
+# How much slower background rows may make an interactive step (its predicted seconds), and a
+# held background step than its first job alone: a small price for rows that would idle.
+BACKGROUND_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the loop measured for `Lineup.pick` to place background work by: its calls' costs
+    (None: nothing measured, so no background row joins interactive work) and whether interactive
+    work has been away long enough (`calm`) for background work to take a whole step."""
+
+    costs: StepCosts | None = None
+    calm: bool = True
+
+
+Fits = Callable[[list[Job], Job], bool]  # (the class's jobs picked so far, the next) → may it join
 
 
 class Lineup:
     def __init__(self) -> None:
-        self._lines: dict[str | None, deque[Job]] = {}  # owner → its waiting jobs, oldest first
+        # (priority, owner) → its waiting jobs, oldest first
+        self._lines: dict[tuple[str, str | None], deque[Job]] = {}
         self._turn = 0  # which owner goes first this turn: turns rotate
-        self._credit: dict[str | None, float] = {}  # owner → DRR credit carried between steps, in steps
+        # (priority, owner) → DRR credit carried between steps, in steps
+        self._credit: dict[tuple[str, str | None], float] = {}
 
     def __len__(self) -> int:
         return sum(len(line) for line in self._lines.values())
@@ -39,25 +72,31 @@ class Lineup:
         return bool(self._lines)
 
     def __iter__(self) -> Iterator[Job]:
-        """The waiting jobs in the order they would be admitted: owners in turn."""
-        lines = [list(line) for line in self._rotated()]
-        for depth in range(max(map(len, lines), default=0)):
-            yield from (line[depth] for line in lines if depth < len(line))
+        """The waiting jobs in the order they would be admitted: interactive first, then
+        background; within each, owners in turn."""
+        for priority in PRIORITIES:
+            lines = [list(self._lines[(priority, o)]) for o in self._rotation(priority)]
+            for depth in range(max(map(len, lines), default=0)):
+                yield from (line[depth] for line in lines if depth < len(line))
 
-    def waiting(self, owner: str | None) -> int:
-        return len(self._lines.get(owner, ()))
+    def waiting(self, owner: str | None, priority: str = INTERACTIVE) -> int:
+        return len(self._lines.get((priority, owner), ()))
+
+    def count(self, priority: str) -> int:
+        """Jobs of the class waiting."""
+        return sum(len(line) for (p, _), line in self._lines.items() if p == priority)
 
     def append(self, job: Job) -> None:
-        self._lines.setdefault(job.owner, deque()).append(job)
+        self._lines.setdefault((job.priority, job.owner), deque()).append(job)
         job.queue_position = len(self)
         self.renumber()
 
     def remove(self, jobs: Sequence[Job]) -> None:
         for job in jobs:
-            line = self._lines[job.owner]
-            line.remove(job)
-            if not line:
-                del self._lines[job.owner]
+            key = (job.priority, job.owner)
+            self._lines[key].remove(job)
+            if not self._lines[key]:
+                del self._lines[key]
         if jobs:
             self.renumber()
 
@@ -71,27 +110,78 @@ class Lineup:
         return jobs
 
     def pick(
-        self, active: Sequence[Job], max_rows: int, max_work: float = math.inf
+        self, active: Sequence[Job], max_rows: int, max_work: float = math.inf, room: Room = Room()
     ) -> tuple[list[Job], list[Job]]:
         """The admitted jobs to step this turn and the waiting jobs to admit now: at most
         `max_rows` rows and `max_work` pixel-rows (rows × their images' pixels) in all (a job
         bigger than either runs alone), shared between owners by deficit round robin and filled
-        while any job fits. Each owner's admitted jobs come before its waiting ones, in order; an
-        owner whose next job does not fit stops there for this step."""
-        owners = list(dict.fromkeys([*(j.owner for j in active), *self._lines]))
+        while any job fits; background jobs only in the room interactive ones leave (`room`).
+        Each owner's admitted jobs come before its waiting ones, in order; an owner whose next
+        job does not fit stops there for this step."""
+        # 1. Interactive work: every row it can take.
+        run, admit = self._deal(INTERACTIVE, active, [], max_rows, max_work, lambda picked, job: True)
+        # 2. Background work: the rows, and the time, it leaves.
+        interactive = run + admit
+        fits = self._background_fits(interactive, room, max_rows)
+        more_run, more_admit = self._deal(BACKGROUND, active, interactive, max_rows, max_work, fits)
+        run, admit = run + more_run, admit + more_admit
+        self.remove(admit)
+        self._turn += 1
+        return run, admit
+
+    @staticmethod
+    def _background_fits(interactive: list[Job], room: Room, max_rows: int) -> Fits:
+        """Whether a background job may join the step (its first always may, when the step has
+        no interactive job): freely when there is nobody to slow down (no interactive work, and
+        none lately); else while the step's predicted seconds stay within the margin of what
+        they would be without it (the interactive jobs', or the first background job's alone)."""
+        if not interactive and room.calm:
+            return lambda picked, job: True
+        costs = room.costs
+
+        def fits(picked: list[Job], job: Job) -> bool:
+            if costs is None:
+                return False
+            base = costs.step_seconds(interactive or picked[:1], max_rows)
+            after = costs.step_seconds([*interactive, *picked, job], max_rows)
+            return bool(base) and after is not None and after <= (1 + BACKGROUND_MARGIN) * base
+
+        return fits
+
+    def _deal(
+        self,
+        priority: str,
+        active: Sequence[Job],
+        taken: list[Job],
+        max_rows: int,
+        max_work: float,
+        fits: Fits,
+    ) -> tuple[list[Job], list[Job]]:
+        """One class's share of the step beside the jobs already `taken`: its admitted jobs to
+        step and its waiting jobs to admit, by deficit round robin between its owners, each job
+        also passing `fits`. The class's owners earn credit only in a step they get rows of."""
+        lines = {o: line for (p, o), line in self._lines.items() if p == priority}
+        mine = [j for j in active if j.priority == priority]
+        owners = list(dict.fromkeys([*(j.owner for j in mine), *lines]))
         start = self._turn % max(1, len(owners))
         owners = owners[start:] + owners[:start]  # who goes first among equals rotates
-        pending = {o: deque(j for j in active if j.owner == o) for o in owners}
-        for owner, line in self._lines.items():
+        pending = {o: deque(j for j in mine if j.owner == o) for o in owners}
+        for owner, line in lines.items():
             pending[owner].extend(line)
         # A round is a step: each owner with work earns an equal part of it (the quantum).
-        credit = {o: self._credit.get(o, 0.0) + 1 / len(owners) for o in owners}
+        carried = {o: self._credit.get((priority, o), 0.0) for o in owners}
+        credit = {o: carried[o] + 1 / len(owners) for o in owners}
 
         def share(job: Job) -> float:  # the part of a step a job takes: rows or work, the larger
             return max(job.rows / max_rows, job.pixel_rows / max_work if max_work < math.inf else 0.0)
 
-        running = {id(j) for j in active}
-        run, admit, rows, work = [], [], 0, 0
+        def cost(job: Job) -> int:
+            return job.pixel_rows if max_work < math.inf else 0
+
+        running = {id(j) for j in mine}
+        run: list[Job] = []
+        admit: list[Job] = []
+        rows, work = sum(j.rows for j in taken), sum(map(cost, taken))
         # First what each owner's credit pays for, then (work-conserving) whatever still fits,
         # charged to it; a job at a time per owner in turn, so the rows come out even.
         for paid in (True, False):
@@ -100,32 +190,34 @@ class Lineup:
             while turn:
                 for owner in list(turn):
                     job = pending[owner][0]
-                    cost = job.pixel_rows if max_work < math.inf else 0
-                    too_big = rows and (rows + job.rows > max_rows or work + cost > max_work)
+                    too_big = rows and (
+                        rows + job.rows > max_rows
+                        or work + cost(job) > max_work
+                        or not fits(run + admit, job)
+                    )
                     if too_big or (paid and share(job) > credit[owner]):
                         turn.remove(owner)  # done for this pass: its jobs keep their order
                         continue
                     (run if id(job) in running else admit).append(job)
-                    rows, work, credit[owner] = rows + job.rows, work + cost, credit[owner] - share(job)
+                    rows, work, credit[owner] = rows + job.rows, work + cost(job), credit[owner] - share(job)
                     pending[owner].popleft()
                     if not pending[owner]:
                         turn.remove(owner)
+        if not run and not admit:  # no room for the class this step: nothing earned
+            credit = carried
         # Carried only by owners left with jobs that did not run (DRR: a line served to its end
         # banks nothing), within bounds: a step's worth owed (or, for a job bigger than a step,
         # that job's) and a step's worth borrowed.
-        self._credit = {
-            o: min(max(1.0, share(pending[o][0])), max(-1.0, credit[o])) for o in owners if pending[o]
+        self._credit = {k: c for k, c in self._credit.items() if k[0] != priority} | {
+            (priority, o): min(max(1.0, share(pending[o][0])), max(-1.0, credit[o]))
+            for o in owners
+            if pending[o]
         }
-        self.remove(admit)
-        self._turn += 1
         return run, admit
 
-    def _rotation(self) -> list[str | None]:
-        owners = list(self._lines)
+    def _rotation(self, priority: str) -> list[str | None]:
+        owners = [o for p, o in self._lines if p == priority]
         if not owners:
             return owners
         start = self._turn % len(owners)
         return owners[start:] + owners[:start]
-
-    def _rotated(self) -> list[deque[Job]]:
-        return [self._lines[o] for o in self._rotation()]

@@ -4,7 +4,9 @@ Every turn of the loop (`_turn`)
 1. drops jobs whose client left, whose deadline passed or the watchdog answered (their buffers back);
 2. picks the jobs to step (`Lineup.pick`: owners by deficit round robin, every row of
    `max_batch` and the step budget taken while any owner has work; a job bigger than that runs
-   alone, its rows split across calls), admitting waiting ones, and encodes their prompts;
+   alone, its rows split across calls; background jobs only where they slow interactive ones by
+   little, as this loop's measured calls predict: `StepCosts`), admitting waiting ones, and
+   encodes their prompts;
 3. runs one batched denoiser step per group of same-size requests, each row at its own timestep
    (a `deterministic` request's rows in a call of their own), and hands out the partial images due;
 4. decodes finished requests (in bounded VAE calls) and resolves jobs whose images are done.
@@ -23,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,11 +40,16 @@ from server.pipeline.steps.state import RequestState, group_states
 from server.serving.activity import Activity
 from server.serving.calls import WatchedCalls
 from server.serving.health import is_out_of_memory
-from server.serving.jobs import Job, failure_outcome, leaving_outcome
-from server.serving.lineup import Lineup
+from server.serving.jobs import BACKGROUND, INTERACTIVE, PRIORITIES, Job, failure_outcome, leaving_outcome
+from server.serving.lineup import Lineup, Room
 from server.serving.stats import LoopStats
+from server.serving.stepcosts import StepCosts, work_of
 
 log = logging.getLogger("diffshard")
+
+# Background jobs a loop may hold, as a multiple of its interactive bounds (when not given): they
+# wait for rows nobody else wants, so a batch's lines wait here rather than at its runner.
+BACKGROUND_QUEUE_FACTOR = 4
 
 
 class StepLoop:
@@ -51,6 +59,7 @@ class StepLoop:
         *,
         max_queue: int = 64,
         max_queue_per_key: int | None = None,
+        max_background_queue: int | None = None,
         max_batch: int = 16,
         step_budget: float | None = None,
         step_timeout_s: float = 120.0,
@@ -63,6 +72,11 @@ class StepLoop:
         self.threads = threads  # torch intra-op threads of this loop's thread (None: torch's)
         self.max_queue = max_queue
         self.max_queue_per_key = max_queue_per_key or max_queue  # jobs one API key may have waiting
+        # Background jobs count against bounds of their own, never the interactive ones.
+        self.max_background_queue = max_background_queue or BACKGROUND_QUEUE_FACTOR * max_queue
+        self.max_background_queue_per_key = math.ceil(
+            self.max_background_queue * self.max_queue_per_key / max(1, max_queue)
+        )
         self.max_batch = max_batch
         # Work a step may take, in pixel-rows: `step_budget` rows of the native size (None: no bound).
         self.max_work = step_budget * native_pixels if step_budget is not None else math.inf
@@ -74,8 +88,12 @@ class StepLoop:
         self._stopping = False
         self._closed = threading.Event()
         self._clear_caches = False  # after an out-of-memory error, once its frames are gone
-        self._job_seconds: float | None = None  # moving average, for Retry-After
+        # An interactive job's seconds, moving average: for Retry-After, and how long interactive
+        # work may pause between requests (a background job's wait says nothing of either).
+        self._job_seconds: float | None = None
         self._stats = LoopStats()
+        self._costs = StepCosts()  # this loop's denoiser calls, timed: where background rows fit
+        self._interactive_at: float | None = None  # time.monotonic() interactive work was last here
         self._call = WatchedCalls(
             pipeline,
             step_timeout_s=step_timeout_s,
@@ -99,24 +117,29 @@ class StepLoop:
                 raise Draining("the server is shutting down")
             if problem := self.problem():
                 raise NotReady("unhealthy", problem)
-            if len(self._lineup) >= self.max_queue:
+            background = job.priority == BACKGROUND
+            bound = self.max_background_queue if background else self.max_queue
+            per_key = self.max_background_queue_per_key if background else self.max_queue_per_key
+            if self._lineup.count(job.priority) >= bound:
                 self._stats.rejected["queue_full"] += 1
                 raise Overloaded(self.retry_after())
-            if job.owner is not None and self._lineup.waiting(job.owner) >= self.max_queue_per_key:
+            if job.owner is not None and self._lineup.waiting(job.owner, job.priority) >= per_key:
                 self._stats.rejected["key_queue_full"] += 1
-                raise KeyOverloaded(self.retry_after(), self.max_queue_per_key)
+                raise KeyOverloaded(self.retry_after(), per_key)
             self._lineup.append(job)
             self.activity.working(True)
             self._wake.notify()
         return job
 
-    def load(self) -> int:
-        """Rows queued or running: where the next job waits least."""
+    def load(self, priority: str = BACKGROUND) -> int:
+        """Rows queued or running of `priority` and the classes before it: where the next job of
+        that class waits least (background rows give way to an interactive job)."""
+        classes = PRIORITIES[: PRIORITIES.index(priority) + 1]
         with self._wake:
-            return sum(j.rows for j in self._lineup) + sum(j.rows for j in self._active)
+            return sum(j.rows for j in [*self._lineup, *self._active] if j.priority in classes)
 
     def retry_after(self) -> int:
-        """Seconds until a queued job would likely get a place: one job's recent duration."""
+        """Seconds until a queued job would likely get a place: an interactive job's recent duration."""
         return min(120, max(1, math.ceil(self._job_seconds or 5)))
 
     def cancel(self, job: Job) -> None:
@@ -133,6 +156,10 @@ class StepLoop:
             stats.active_rows = sum(j.rows for j in self._active)
             stats.progress = {j.id: j.progress() for j in self._active}
             stats.owners = {j.id: j.owner for j in [*self._active, *self._lineup]}
+            stats.queue_depth_by_priority = Counter(j.priority for j in self._lineup)
+            stats.active_rows_by_priority = Counter()
+            for job in self._active:
+                stats.active_rows_by_priority[job.priority] += job.rows
             self._call.count_into(stats)
             stats.cached_bytes = sum(s.cache.nbytes for j in self._active for s in j.states if not s.closed)
             return stats.copy()
@@ -207,7 +234,7 @@ class StepLoop:
             # 1. Leavers first: they take no place and no encoding.
             self._drop_leavers()
             # 2. Who steps this turn, and who is admitted to (the rest of the admitted are parked).
-            running, admitted = self._lineup.pick(self._active, self.max_batch, self.max_work)
+            running, admitted = self._lineup.pick(self._active, self.max_batch, self.max_work, self._room())
             self._admitted(admitted)
         if self._clear_caches:
             self._free_device_memory()
@@ -238,6 +265,16 @@ class StepLoop:
         self._end(self._lineup.drain(), Draining("the server shut down before this request started"))
         self._end(list(self._active), Draining("the server shut down before this request finished"))
         self._wake.notify_all()
+
+    def _room(self) -> Room:
+        """What background work may take this turn: this loop's measured calls, and whether
+        interactive work has been away longer than an interactive job takes (its clients have
+        stopped sending, not paused between two requests); called with the lock held."""
+        now = time.monotonic()
+        if self._lineup.count(INTERACTIVE) or any(j.priority == INTERACTIVE for j in self._active):
+            self._interactive_at = now
+        away = math.inf if self._interactive_at is None else now - self._interactive_at
+        return Room(self._costs, calm=away > (self._job_seconds or 0.0))
 
     def _admitted(self, jobs: list[Job]) -> None:
         """Jobs that leave the line: they count as active (for stats and drains) from here,
@@ -302,10 +339,14 @@ class StepLoop:
             self._call(self.pipeline.step, states)
             seconds, rows = time.perf_counter() - started, sum(s.rows for s in states)
             with self._wake:
+                self._costs.observe(sum(work_of(s.request, s.rows) for s in states), seconds)
                 self._stats.step_seconds.observe(seconds)
                 self._stats.batch_rows[rows] += 1
                 self._stats.rows_per_step.observe(rows)
                 self._stats.count_rows(states)
+                priority = {id(s): j.priority for j in jobs for s in j.states}
+                for state in states:
+                    self._stats.rows_by_priority[priority[id(state)]] += state.rows
 
         self._isolated(self._jobs_of(chunk), step)
 
@@ -322,7 +363,8 @@ class StepLoop:
         for job in [j for j in self._active if j.states and all(s.image is not None for s in j.states)]:
             images = [self._made(s) for s in job.states]  # copied out before the scopes close
             seconds, average = time.monotonic() - job.submitted, self._job_seconds
-            self._job_seconds = seconds if average is None else 0.8 * average + 0.2 * seconds
+            if job.priority == INTERACTIVE:
+                self._job_seconds = seconds if average is None else 0.8 * average + 0.2 * seconds
             with self._wake:
                 self._stats.jobs_completed += 1
                 self._stats.images_completed += len(images)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from server.errors import InvalidRequest
 from server.pipeline import Pipeline
 from server.pipeline.loading.folder import closed_vocabulary
 from server.requests import GenerationRequest
@@ -23,7 +24,7 @@ from server.requests.clip import Clip
 from server.requests.generation import size_warning
 from server.serving.attached import Attached
 from server.serving.housekeeping import IDLE_S, Housekeeper
-from server.serving.jobs import Job
+from server.serving.jobs import INTERACTIVE, PRIORITIES, Job
 from server.serving.limits import Limits, check_limits, fit_defaults
 from server.serving.loop import StepLoop
 from server.serving.stats import DeviceView, LoopStats
@@ -60,6 +61,7 @@ class Service:
         *,
         max_queue: int = 64,
         max_queue_per_key: int | None = None,
+        max_background_queue: int | None = None,
         max_batch: int = 16,
         step_budget: float | None = None,
         step_timeout_s: float = 120.0,
@@ -91,11 +93,13 @@ class Service:
         lane_budget = (
             step_budget / pipeline.lanes_per_replica if step_budget and len(lanes) > 1 else step_budget
         )
+        background_queue = math.ceil(max_background_queue / len(lanes)) if max_background_queue else None
         self.loops = [
             StepLoop(
                 lane,
                 max_queue=math.ceil(max_queue / len(lanes)),
                 max_queue_per_key=math.ceil((max_queue_per_key or max_queue) / len(lanes)),
+                max_background_queue=background_queue,
                 max_batch=lane_batch,
                 step_budget=lane_budget,
                 step_timeout_s=step_timeout_s,
@@ -141,16 +145,27 @@ class Service:
         on_progress: Callable[[], None] | None = None,
         owner: str | None = None,
         video: bool = False,
+        priority: str = INTERACTIVE,
+        timeout_s: float | None = None,
     ) -> Job:
         """Resolve and check the requests (InvalidRequest), then queue them as one job of `owner`
         (Overloaded, KeyOverloaded or Draining when the loop cannot take it). On the step loop's
         thread, `on_partial` receives the partial images the requests ask for, and `on_progress`
         hears each turn that the job moved (`Job.queue_position`, `Job.progress`). A `video`
-        job (the video runner's) has a video's deadline, not an image request's."""
+        job (the video runner's) has a video's deadline, not an image request's; `timeout_s`,
+        the caller's own (a batch line's: its batch's completion window), overrides either.
+        `priority` is one of PRIORITIES: a background job takes only the room interactive work
+        leaves, and waits within bounds of its own."""
+        if priority not in PRIORITIES:
+            raise InvalidRequest("priority", f"must be {' or '.join(PRIORITIES)}, got {priority!r}")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise InvalidRequest("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
         resolved = self.checked(requests)
         rows = sum(self.pipeline.rows(r) for r in resolved)
-        timeout_s, setting = self.limits.deadline(video)
-        job = Job(resolved, rows, timeout_s, owner=owner, timeout_setting=setting)
+        deadline_s, setting = self.limits.deadline(video)
+        if timeout_s is not None:
+            deadline_s, setting = timeout_s, "the deadline its submitter set"
+        job = Job(resolved, rows, deadline_s, owner=owner, timeout_setting=setting, priority=priority)
         job.on_partial, job.on_progress = on_partial, on_progress
         release = self.attached.hold(resolved)  # an adapter or ControlNet unloading: InvalidRequest
         try:
@@ -189,7 +204,7 @@ class Service:
             taken = request_id in self.stats().owners
             job.id = f"{request_id}.{secrets.token_hex(3)}" if taken else request_id
         job.warning = size_warning(job.requests[0], self.pipeline.defaults)
-        queued = min(self.loops, key=StepLoop.load).submit(job)
+        queued = min(self.loops, key=lambda loop: loop.load(job.priority)).submit(job)
         if job.warning is not None:
             log.warning("job %s: %s", job.id, job.warning)
         return queued

@@ -12,6 +12,7 @@ from typing import Any
 
 from server.engine import DeviceMemory
 from server.engine.runtime.pool import PoolStats
+from server.serving.jobs import PRIORITIES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -97,6 +98,11 @@ class LoopStats:
     slow_calls: int = 0  # calls that ran past their deadline
     stuck_calls: int = 0  # calls that ran far past it
     call_seconds: Counter = field(default_factory=Counter)  # CALLS → seconds, each to its device work's end
+    # By priority class (PRIORITIES): jobs waiting, rows admitted (stepping or parked), and a
+    # counter of the denoiser rows stepped; /v1/stats shows every class, 0 until it has work.
+    queue_depth_by_priority: Counter = field(default_factory=Counter)
+    active_rows_by_priority: Counter = field(default_factory=Counter)
+    rows_by_priority: Counter = field(default_factory=Counter)
 
     @property
     def steps(self) -> int:
@@ -143,6 +149,14 @@ class LoopStats:
             "stuck_calls": self.stuck_calls,
             "call_seconds_total": {call: round(self.call_seconds[call], 6) for call in CALLS},
             "progress": {job: [list(p) for p in steps] for job, steps in self.progress.items()},
+            "priorities": {
+                priority: {
+                    "queue_depth": self.queue_depth_by_priority[priority],
+                    "active_rows": self.active_rows_by_priority[priority],
+                    "rows_total": self.rows_by_priority[priority],
+                }
+                for priority in PRIORITIES
+            },
         }
 
     def count_rows(self, states: Any) -> None:
