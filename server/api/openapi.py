@@ -31,6 +31,7 @@ from server.api.schemas import (
 from server.api.videos import VideoCreateRequest
 from server.media.images import FORMATS
 from server.requests import DEFAULT_INTERVAL, DEFAULT_THRESHOLD, MAX_INTERVAL, MAX_MODEL_STEPS, SEED_LIMIT
+from server.serving.jobs import PRIORITIES
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -231,6 +232,7 @@ def _bound_body(schema: dict[str, Any], b: Bounds) -> None:
     _nullable(props["seed"], minimum=RANDOM_SEED, maximum=SEED_LIMIT - 1)
     _nullable(props["scheduler"], enum=list(b.schedulers))
     props["step_cache"] = _step_cache(b)
+    props["priority"].update(enum=list(PRIORITIES))
     schema["description"] = (
         f"OpenAI's image generation body plus diffshard's extensions. One request's work, "
         f"n x num_inference_steps x width x height / {b.native_size}², is at most {b.max_work:g} "

@@ -109,7 +109,7 @@ async def _answer(
     background = image_background(body, service.alpha)  # checked against the model before any work
     if body.stream:
         return _stream(body, requests, background, request, service, kind)
-    job = service.submit(requests, request_id=request_id, owner=request.state.owner)
+    job = service.submit(requests, request_id=request_id, owner=request.state.owner, priority=body.priority)
     if job.warning is not None:
         response.headers[WARNING_HEADER] = job.warning
     images = await _outcome(job, request, service)
@@ -148,6 +148,7 @@ def _stream(
         on_partial=feed.on_partial,
         on_progress=on_progress,
         owner=request.state.owner,
+        priority=body.priority,
     )
     keepalive_s = request.app.state.server_settings.sse_keepalive_s
     first = job.requests[0]

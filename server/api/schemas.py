@@ -2,17 +2,18 @@
 
 The body follows OpenAI's `POST /v1/images/generations` (and, as multipart form fields beside
 the files, `POST /v1/images/edits`: `ImageEditRequest`); diffshard's extensions
-(negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, scheduler, stream_progress,
-deterministic, lora, step_cache) sit beside the standard fields, where the SDKs put `extra_body`. Types are
-checked strictly ("2" is not an integer). OpenAI's other fields are honoured where this service
-can (`output_format` png, jpeg or webp with `output_compression`; `quality` auto or standard:
-the model's own settings; `background` as `image_background` says; `moderation` low: none is
-done; `complexity` low: no planning is done) and refused with a 400 naming the field where
-honouring them would change the images (`background: transparent` in jpeg or on a model without
-alpha, `style`, other qualities, gif and svg output); `user` and `safety_identifier` are accepted
-and unused. Any other field is refused with a 400 naming it: a typo (`num_inference_step`) must
-not run silently with defaults. What the wire format decides is checked here; the service's
-limits and the model's invariants are checked by the serving layer when the job is submitted.
+(negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, scheduler,
+stream_progress, deterministic, lora, step_cache, priority) sit beside the standard fields,
+where the SDKs put `extra_body`. Types are checked strictly ("2" is not an integer). OpenAI's
+other fields are honoured where this service can (`output_format` png, jpeg or webp with
+`output_compression`; `quality` auto or standard: the model's own settings; `background` as
+`image_background` says; `moderation` low: none is done; `complexity` low: no planning is done)
+and refused with a 400 naming the field where honouring them would change the images
+(`background: transparent` in jpeg or on a model without alpha, `style`, other qualities, gif
+and svg output); `user` and `safety_identifier` are accepted and unused. Any other field is
+refused with a 400 naming it: a typo (`num_inference_step`) must not run silently with defaults.
+What the wire format decides is checked here; the service's limits and the model's invariants
+are checked by the serving layer when the job is submitted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from server.errors import InvalidRequest
 from server.media.images import ALPHA_FORMATS, FORMATS
 from server.requests import MAX_CONTROLS, SEED_LIMIT, Control, Edit, GenerationRequest, parse_step_cache
 from server.serving import Limits
+from server.serving.jobs import INTERACTIVE
 
 MAX_GUIDANCE = 100.0
 RANDOM_SEED = -1  # as A1111's: the server draws one (and answers it with each image)
@@ -127,6 +129,12 @@ class ImageGenerationRequest(BaseModel):
         '(MMDiTs) at their defaults, or {"policy": "deep", "interval": 1-10} / {"policy": '
         '"first_block", "threshold": 0-1}; faster, images change a little; default: the server\'s '
         "--step-cache",
+    )
+    # checked where the service takes it (Service.submit), so every caller gets its one message
+    priority: str = Field(
+        INTERACTIVE,
+        description="interactive, or background: the request takes only the rows and time interactive "
+        "requests leave, so it may wait longer; any key may lower its own",
     )
 
 
