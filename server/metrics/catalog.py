@@ -93,6 +93,27 @@ CATALOG = (
     MetricSpec("running_requests", "gauge", "requests", (), "requests being denoised"),
     MetricSpec("running_rows", "gauge", "rows", (), "denoiser rows of the running requests"),
     MetricSpec(
+        "queue_depth_by_priority",
+        "gauge",
+        "requests",
+        ("priority",),
+        "requests waiting for a place, by priority class: interactive, background (Batch API lines)",
+    ),
+    MetricSpec(
+        "running_rows_by_priority",
+        "gauge",
+        "rows",
+        ("priority",),
+        "denoiser rows of the admitted requests (stepping or parked), by priority class",
+    ),
+    MetricSpec(
+        "rows_stepped_total",
+        "counter",
+        "rows",
+        ("priority",),
+        "denoiser rows stepped, by priority class: background rows fill what interactive ones leave",
+    ),
+    MetricSpec(
         "rejections_total", "counter", "requests", ("reason",), f"requests refused or ended early: {REASONS}"
     ),
     MetricSpec("images_generated_total", "counter", "images", (), "images returned"),

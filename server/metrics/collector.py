@@ -22,6 +22,7 @@ from server.engine.hardware.memory import resident_bytes
 from server.engine.runtime.pool import PoolStats
 from server.metrics.catalog import CATALOG, DEVICE_LABELS, PREFIX, help_of
 from server.requests import KINDS
+from server.serving.jobs import PRIORITIES
 from server.serving.outbox import ENDINGS
 from server.serving.stats import CACHE_OUTCOMES, CALLS, DeviceView, Distribution, LoopStats, Snapshot
 from server.serving.videostore import STATUSES
@@ -118,6 +119,7 @@ class _Collector:
         }
         for name, value in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", help_of(name), value)
+        yield from self._priorities(stats)
         rejections = CounterMetricFamily(
             f"{PREFIX}_rejections", help_of("rejections_total"), labels=["reason"]
         )
@@ -160,6 +162,19 @@ class _Collector:
             yield _histogram("queue_wait_seconds", stats.queue_wait_seconds)
             yield _histogram("step_duration_seconds", stats.step_seconds)
             yield _histogram("batch_rows", stats.rows_per_step)
+
+    def _priorities(self, stats: LoopStats) -> Iterator[Metric]:
+        """Each priority class's waiting requests, admitted rows and rows stepped (every class
+        always, 0 until it has work)."""
+        for name, counts, kind in (
+            ("queue_depth_by_priority", stats.queue_depth_by_priority, GaugeMetricFamily),
+            ("running_rows_by_priority", stats.active_rows_by_priority, GaugeMetricFamily),
+            ("rows_stepped_total", stats.rows_by_priority, CounterMetricFamily),
+        ):
+            family = kind(f"{PREFIX}_{name.removesuffix('_total')}", help_of(name), labels=["priority"])
+            for priority in PRIORITIES:
+                family.add_metric([priority], counts[priority])
+            yield family
 
     def _videos(self, snapshot: Snapshot) -> Iterator[Metric]:
         """A video model's: its jobs by state (the store's, so equal on replicas sharing one), the
