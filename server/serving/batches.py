@@ -18,7 +18,6 @@ result is kept only while this runner still holds it: each line once in the outp
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import os
@@ -119,8 +118,6 @@ class BatchRunner:
         self.file_expiry_s, self.max_bytes = file_expiry_s, max_bytes
         self.notify = notify  # a webhook event before a batch's final move: (type, batch id)
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        # A service taking priorities runs lines at background priority, their deadline the window's
-        self._prioritised = "priority" in inspect.signature(service.submit).parameters
         self._lock = threading.Condition()  # the lines held (and their rows): claim, end and renew threads
         self._running: dict[tuple[str, int], Running] = {}
         self._ends: queue.Queue[tuple[str, int] | None] = queue.Queue()
@@ -208,8 +205,10 @@ class BatchRunner:
             return
         try:
             requests, running.respond = self.translate(line.input.url, line.input.body)
-            kwargs = {"priority": "background", "timeout_s": left_s} if self._prioritised else {}
-            job = self.service.submit(requests, request_id=line.input.id, owner=line.owner, **kwargs)
+            # background rows: only the room interactive work leaves; the deadline is the window's
+            job = self.service.submit(
+                requests, request_id=line.input.id, owner=line.owner, priority="background", timeout_s=left_s
+            )
         except Unavailable as err:  # the line is full, the loops cannot take work: not the line's doing
             self._give_back(running, err)
             self._stopped.wait(POLL_S)  # what this replica cannot run now, another may
