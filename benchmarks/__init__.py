@@ -4,9 +4,9 @@ found, with its date and host, is in docs/benchmarks.md.
 
 - `serving/`: a real server over HTTP: throughput and latency (`throughput`), soaks of images
   (`soak`) and video jobs (`video_soak`), memory held and given back (`idle_memory`,
-  `host_memory`), admission and fairness (`step_budget`, `fairness`, `deterministic`), a fresh
-  server's first requests (`first_request`); the clients they share (`clients`) and what they
-  read of a server's process and pool (`probes`).
+  `host_memory`), admission, fairness and priority (`step_budget`, `fairness`, `deterministic`,
+  `priority`), a fresh server's first requests (`first_request`); the clients they share
+  (`clients`) and what they read of a server's process and pool (`probes`).
 - `speed/`: what a feature costs or gains in time: `compile`, `quantize`, `step_cache`, `lora`
   (adapters mixed in a batch), `video` (videos batched step by step), `unet_rows` (the bound on
   step batching).
