@@ -372,12 +372,12 @@ def test_a_batch_a_restart_cut_short_completes_after_it_each_line_once(tmp_path:
 
 
 def test_lines_left_at_the_windows_end_expire(tmp_path: Path) -> None:
-    """A 2 s window (DIFFSHARD_BATCH_WINDOW_S): the first line completes, the second's slow step
-    (`[[slow]]`: twice --step-timeout-s) outlasts the window, the third never starts: both are
-    error lines with code batch_expired, and the batch is expired."""
+    """A 6 s window (DIFFSHARD_BATCH_WINDOW_S; room for the first line on a busy host): the first
+    line completes, the second's slow step (`[[slow]]`: twice --step-timeout-s) outlasts the window,
+    the third never starts: both are error lines with code batch_expired, and the batch is expired."""
     store = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
-    args = ("--job-store", store, "--batch-rows-in-flight", "2", "--batch-window-s", "2")
-    slow = ("--inject-faults", "--step-timeout-s", "1")
+    args = ("--job-store", store, "--batch-rows-in-flight", "2", "--batch-window-s", "6")
+    slow = ("--inject-faults", "--step-timeout-s", "4")
     bodies = generate_lines(3, steps=4)
     bodies["r1"]["prompt"] = "a red circle [[slow]]"
     with live_server(*args, *slow) as running:
