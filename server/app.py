@@ -143,6 +143,7 @@ def load_service(
         per_request,
         max_queue=limits.max_queue,
         max_queue_per_key=limits.key_queue_limit,
+        max_background_queue=limits.max_background_queue,
         max_batch=limits.max_batch,
         step_budget=budget,
         step_timeout_s=limits.step_timeout_s,

@@ -76,6 +76,12 @@ class LimitSettings(Concern):
         ge=1,
         description="requests one API key may have waiting; beyond it: 429 (default: half of max_queue)",
     )
+    max_background_queue: int | None = Field(
+        None,
+        ge=1,
+        description="background requests (Batch API lines, priority background) waiting for a place, "
+        "apart from max_queue; beyond it: 503 (default: 4 x max_queue)",
+    )
     request_timeout_s: float = Field(300, gt=0, description="a request's deadline from arrival; past it: 504")
     video_timeout_s: float = Field(
         3600,
