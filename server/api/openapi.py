@@ -53,14 +53,17 @@ ERRORS = {
     400: "invalid input: the message names the field (`param`) and the limit or setting",
     401: "a missing or wrong API key (`WWW-Authenticate: Bearer`)",
     408: "the body did not arrive within DIFFSHARD_READ_TIMEOUT_S; the connection is closed",
-    404: "no such video job (or not this key's), or this server's model makes images, not videos",
-    409: "the video job has not completed (content) or has not ended (delete)",
+    404: "no such video job, batch or file (or not this key's), or this server's model makes images, "
+    "not videos",
+    409: "the video job has not completed (content), or the batch has ended (cancel)",
     413: "the body is over DIFFSHARD_MAX_BODY_BYTES (edits: over their images' limits beside it)",
-    429: "this API key has DIFFSHARD_MAX_QUEUE_PER_KEY video jobs unfinished (Retry-After)",
+    429: "this API key has DIFFSHARD_MAX_QUEUE_PER_KEY video jobs, or DIFFSHARD_BATCH_MAX_PER_KEY "
+    "batches, unfinished (Retry-After)",
     500: "the generation failed; the message carries the request id the server log names",
     503: "not ready (code: loading, draining, failed, unhealthy), the queue is full (Retry-After), "
     "out of device memory (x-should-retry: false), or too many connections",
     504: "the request ran past DIFFSHARD_REQUEST_TIMEOUT_S",
+    507: "the upload does not fit the batch files' room (DIFFSHARD_BATCH_STORE_BYTES)",
 }
 # Statuses each operation answers besides 200 (and 401 on /v1/* when the server has keys).
 # 499 (the client left) is never sent: nobody is listening.
@@ -71,7 +74,17 @@ OPERATION_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/videos"): (400, 404, 503),
     ("get", "/v1/videos/{video_id}"): (404, 503),
     ("get", "/v1/videos/{video_id}/content"): (400, 404, 409, 503),
-    ("delete", "/v1/videos/{video_id}"): (404, 409, 503),
+    ("delete", "/v1/videos/{video_id}"): (404, 503),
+    ("post", "/v1/videos/{video_id}/cancel"): (404, 503),
+    ("post", "/v1/files"): (400, 408, 413, 503, 507),
+    ("get", "/v1/files"): (400, 503),
+    ("get", "/v1/files/{file_id}"): (404, 503),
+    ("get", "/v1/files/{file_id}/content"): (404, 503),
+    ("delete", "/v1/files/{file_id}"): (404, 503),
+    ("post", "/v1/batches"): (400, 404, 429, 503),
+    ("get", "/v1/batches"): (400, 503),
+    ("get", "/v1/batches/{batch_id}"): (404, 503),
+    ("post", "/v1/batches/{batch_id}/cancel"): (404, 409, 503),
     ("get", "/v1/models"): (503,),
     ("get", "/v1/shards"): (503,),
     ("get", "/v1/stats"): (503,),
