@@ -26,13 +26,11 @@ from server.api.editing import check_fidelity, edits_of
 from server.api.errors import APIError, domain_response, envelope, internal_message, validation_message
 from server.api.files import ENDPOINTS, RunnerDep, batch_lines, not_found, own_file
 from server.api.schemas import (
-    ImageData,
     ImageEditRequest,
     ImageGenerationRequest,
-    ImagesResponse,
     generation_requests,
     image_background,
-    quality_of,
+    images_response,
     read_controls,
 )
 from server.api.uploads import DATA_URL, MASK_FORMATS, mask_to_repaint, read_image
@@ -199,20 +197,8 @@ def endpoints(service: Service) -> tuple[Any, Any]:
                 encode(image, body.output_format, body.output_compression, background == "opaque")
                 for image in images
             ]
-            first = resolved[0]
-            return ImagesResponse(
-                created=int(time.time()),
-                quality=quality_of(first.steps, service.recommended_steps),
-                data=[
-                    ImageData(
-                        b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed
-                    )
-                    for r, data in zip(resolved, encoded, strict=True)
-                ],
-                size=first.output_size,
-                output_format=body.output_format,  # type: ignore[arg-type]
-                background=background,
-            ).model_dump(mode="json")
+            steps = service.recommended_steps
+            return images_response(body, resolved, encoded, steps, background).model_dump(mode="json")
 
         return requests, respond
 

@@ -5,9 +5,7 @@ and generation the serving layer's, errors errors.py's."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -19,11 +17,11 @@ from server.api.editing import read_edit_form
 from server.api.errors import APIError
 from server.api.schemas import (
     Background,
-    ImageData,
     ImageGenerationRequest,
     ImagesResponse,
     generation_requests,
     image_background,
+    images_response,
     quality_of,
     read_controls,
 )
@@ -117,18 +115,7 @@ async def _answer(
     encoded = await asyncio.gather(
         *(encode_async(image, body.output_format, body.output_compression, opaque) for image in images)
     )
-    first = job.requests[0]
-    return ImagesResponse(
-        created=int(time.time()),
-        quality=quality_of(first.steps, service.recommended_steps),
-        data=[
-            ImageData(b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed)
-            for r, data in zip(job.requests, encoded, strict=True)
-        ],
-        size=first.output_size,
-        output_format=body.output_format,
-        background=background,
-    )
+    return images_response(body, job.requests, encoded, service.recommended_steps, background)
 
 
 def _stream(

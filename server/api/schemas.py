@@ -18,10 +18,12 @@ are checked by the serving layer when the job is submitted.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
 import secrets
+import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -206,6 +208,29 @@ class ImagesResponse(BaseModel):
     quality: Quality = Field(description="the quality used: quality_of(steps run)")
     background: Background = Field("opaque", description="transparent: the image has an alpha channel")
     usage: Usage = Usage()
+
+
+def images_response(
+    body: ImageGenerationRequest,
+    requests: list[GenerationRequest],
+    encoded: list[bytes],
+    recommended_steps: int,
+    background: Background,
+) -> ImagesResponse:
+    """The Images API's answer: each request's encoded image with its seed (a route's, or a batch
+    line's output)."""
+    first = requests[0]
+    return ImagesResponse(
+        created=int(time.time()),
+        quality=quality_of(first.steps, recommended_steps),
+        data=[
+            ImageData(b64_json=base64.b64encode(data).decode(), revised_prompt=body.prompt, seed=r.seed)
+            for r, data in zip(requests, encoded, strict=True)
+        ],
+        size=first.output_size,
+        output_format=body.output_format,
+        background=background,
+    )
 
 
 def quality_of(steps: int, recommended: int) -> Quality:
