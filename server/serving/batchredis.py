@@ -25,13 +25,11 @@ from dataclasses import asdict, fields
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
-from server.errors import ConfigError, StoreUnavailable
+from server.errors import StoreUnavailable
 from server.serving.batchstore import UNFINISHED, Batch, Line, LineInput, Result, StoredFile
-from server.serving.redisstore import RETRIES, UPLOAD_LAPSE_MS
-from server.serving.videostore import PIECE, Content, shown
+from server.serving.redisstore import UPLOAD_LAPSE_MS, connect
+from server.serving.videostore import PIECE, Content
 
 BATCH_FIELDS = [f.name for f in fields(Batch)]
 LINES_AT_ONCE = 64  # lines read or written in one round trip
@@ -293,14 +291,7 @@ def pairs(batch: Batch) -> list[str]:
 class RedisBatchStore:
     def __init__(self, url: str, model: str) -> None:
         self.prefix = f"diffshard:{model}:batches:"
-        again = Retry(ExponentialBackoff(cap=0.8, base=0.05), RETRIES, (redis.ConnectionError,))
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, retry=again)
-        try:
-            self._redis.ping()
-        except redis.RedisError as err:
-            raise ConfigError(
-                f"--job-store (DIFFSHARD_JOB_STORE): cannot reach Redis at {shown(url)}: {err}"
-            ) from None
+        self._redis = connect(url)
         self._scripts = {name: self._redis.register_script(text) for name, text in SCRIPTS.items()}
 
     def _run(self, script: str, *args: object) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from server.errors import ConfigError
 from server.serving.batchstore import UNFINISHED, Batch, Line, LineInput, Result, StoredFile
-from server.serving.videostore import parse_job_store
+from server.serving.sqlitestore import open_file
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS batch_files (id TEXT PRIMARY KEY, model TEXT, owner TEXT, purpose TEXT, "
@@ -45,17 +45,13 @@ AGAIN = f"state = CASE WHEN {NOT_STOPPED} THEN 'queued' ELSE 'dropped' END, hold
 
 class SqliteBatchStore:
     def __init__(self, url: str, model: str) -> None:
-        self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
         self.model = model
+        self.path, self._db = open_file(url, SCHEMA)
         self.folder = self.path.parent / "batchfiles"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            for statement in SCHEMA:
-                self._db.execute(statement)
-        except (OSError, sqlite3.Error) as err:
-            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
+        except OSError as err:
+            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot make {self.folder}: {err}") from err
         self._lock = threading.Lock()
 
     @contextlib.contextmanager

@@ -23,11 +23,10 @@ import json
 import sqlite3
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from server.errors import ConfigError, StoreUnavailable
-from server.serving.videostore import parse_job_store, shown
+from server.errors import StoreUnavailable
+from server.serving.sqlitestore import open_file
 
 ENDINGS = ("delivered", "expired", "unconfirmed")  # how an event leaves the outbox
 KEEP_ENDED_S = 7 * 86400  # an ended event is kept this long: adding it again adds nothing
@@ -99,26 +98,20 @@ def open_outbox(job_store_url: str, model: str) -> Outbox:
     return SqliteOutbox(job_store_url, model)
 
 
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS webhook_events (model TEXT, id TEXT, type TEXT, subject TEXT, "
+    "created_at INTEGER, ended TEXT, ended_at REAL, due_at REAL, holder TEXT, tries INTEGER, "
+    "acked TEXT, PRIMARY KEY (model, id))",
+    "CREATE INDEX IF NOT EXISTS webhook_events_due ON webhook_events (model, ended, due_at)",
+)
+
+
 class SqliteOutbox:
     """A table in the job store's SQLite file (one connection under a lock, as the store's)."""
 
     def __init__(self, url: str, model: str) -> None:
-        self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
         self.model = model
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS webhook_events (model TEXT, id TEXT, type TEXT, subject TEXT, "
-                "created_at INTEGER, ended TEXT, ended_at REAL, due_at REAL, holder TEXT, tries INTEGER, "
-                "acked TEXT, PRIMARY KEY (model, id))"
-            )
-            self._db.execute(
-                "CREATE INDEX IF NOT EXISTS webhook_events_due ON webhook_events (model, ended, due_at)"
-            )
-        except (OSError, sqlite3.Error) as err:
-            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
+        self.path, self._db = open_file(url, SCHEMA)
         self._lock = threading.Lock()
 
     def _run(self, query: str, args: tuple) -> sqlite3.Cursor:
@@ -231,21 +224,13 @@ class RedisOutbox:
 
     def __init__(self, url: str, model: str) -> None:
         import redis  # the client only where Redis is used
-        from redis.backoff import ExponentialBackoff
-        from redis.retry import Retry
+
+        from server.serving.redisstore import connect
 
         self.prefix = f"diffshard:{model}:webhooks:"
         self._errors = redis.RedisError
-        # as the job store's: a refused connection is tried again for ~1.5 s (each script here
-        # may run twice: add is idempotent, a move checks its holder)
-        again = Retry(ExponentialBackoff(cap=0.8, base=0.05), 5, (redis.ConnectionError,))
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, retry=again)
-        try:
-            self._redis.ping()
-        except redis.RedisError as err:
-            raise ConfigError(
-                f"--job-store (DIFFSHARD_JOB_STORE): cannot reach Redis at {shown(url)}: {err}"
-            ) from None
+        # as the job store's (each script here may run twice: add is idempotent, a move checks its holder)
+        self._redis = connect(url)
         self._scripts = {
             name: self._redis.register_script(text)
             for name, text in [("add", ADD), ("take", TAKE), ("later", LATER), ("end", END)]

@@ -192,6 +192,22 @@ return 1
 """
 
 
+def connect(url: str) -> redis.Redis:
+    """A client of the job store's Redis (the job store, the batch store and the webhooks' outbox
+    each hold one): a refused connection (Redis restarting, a failover) tried again for ~1.5 s
+    before a call fails, so each caller's commands must be safe to send twice; ConfigError naming
+    the setting when it does not answer now."""
+    again = Retry(ExponentialBackoff(cap=0.8, base=0.05), RETRIES, (redis.ConnectionError,))
+    client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, retry=again)
+    try:
+        client.ping()
+    except redis.RedisError as err:
+        raise ConfigError(
+            f"--job-store (DIFFSHARD_JOB_STORE): cannot reach Redis at {shown(url)}: {err}"
+        ) from None
+    return client
+
+
 def encoded(job: VideoJob, *names: str) -> list[str]:
     """Field, JSON value pairs of `job` (of `names`; none: every field)."""
     values = asdict(job)
@@ -204,16 +220,8 @@ class RedisJobStore:
         self.lease_ms = max(1, round(lease_s * 1000))
         self.upload_lapse_ms = max(UPLOAD_LAPSE_MS, 2 * self.lease_ms)
         self._closed = threading.Event()
-        # A refused connection (Redis restarting, a failover) is tried again for ~1.5 s before a
-        # call fails: every command here may be sent twice (uploads write at an offset, not append)
-        again = Retry(ExponentialBackoff(cap=0.8, base=0.05), RETRIES, (redis.ConnectionError,))
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, retry=again)
-        try:
-            self._redis.ping()
-        except redis.RedisError as err:
-            raise ConfigError(
-                f"--job-store (DIFFSHARD_JOB_STORE): cannot reach Redis at {shown(url)}: {err}"
-            ) from None
+        # every command here may be sent twice (`connect`'s retries): uploads write at an offset
+        self._redis = connect(url)
         self._scripts = {
             name: self._redis.register_script(text)
             for name, text in [

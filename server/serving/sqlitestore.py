@@ -16,7 +16,7 @@ import json
 import shutil
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO
@@ -26,6 +26,28 @@ from server.serving.videostore import CANCELLED, VideoJob, parse_job_store
 
 UNFINISHED = "status IN ('queued', 'in_progress')"
 MINE = "json_extract(job, '$.model') = ?"  # this store's model's jobs (others' may share the file)
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT, status TEXT, created_at INTEGER, "
+    "job TEXT)",
+    # each owner's last turn at a claim (one row an API key): claims go round the owners
+    "CREATE TABLE IF NOT EXISTS turns (model TEXT, owner TEXT, turn INTEGER, PRIMARY KEY (model, owner))",
+)
+
+
+def open_file(url: str, schema: Iterable[str]) -> tuple[Path, sqlite3.Connection]:
+    """The job store's SQLite file (`sqlite:///PATH`), made if missing, in WAL mode (readers beside a
+    writer), with `schema`'s statements run; ConfigError naming the setting when it cannot be opened.
+    The job store, the batch store and the webhooks' outbox each open it so: tables of their own."""
+    path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        for statement in schema:
+            db.execute(statement)
+    except (OSError, sqlite3.Error) as err:
+        raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {path}: {err}") from err
+    return path, db
 
 
 class SqliteJobStore:
@@ -34,23 +56,8 @@ class SqliteJobStore:
     hold while the job is `in_progress` (not once it was cancelled)."""
 
     def __init__(self, url: str, model: str, *, runs: bool = False) -> None:
-        self.path = Path(parse_job_store(url).removeprefix("sqlite:///")).expanduser()
         self.model = model
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT, status TEXT, "
-                "created_at INTEGER, job TEXT)"
-            )
-            # each owner's last turn at a claim (one row an API key): claims go round the owners
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS turns (model TEXT, owner TEXT, turn INTEGER, "
-                "PRIMARY KEY (model, owner))"
-            )
-        except (OSError, sqlite3.Error) as err:
-            raise ConfigError(f"--job-store (DIFFSHARD_JOB_STORE): cannot open {self.path}: {err}") from err
+        self.path, self._db = open_file(url, SCHEMA)
         self._lock = threading.Lock()
         self._recovered = False
         self.content_folder = self.path.parent / "videos"
