@@ -157,8 +157,8 @@ def _plan(args: argparse.Namespace) -> None:
     if args.device_map and not explicit:
         raise PlanError("--device-map is the explicit strategy's map: add --strategy explicit")
     settings = _settings(args, **({"strategy": Strategy.MEMORY} if explicit else {}))
-    settings = decide_dtype(settings)  # auto: measured here, once; the plan prints what it chose
     family = reference_family(args.config) if args.config else read_family(settings.model)
+    settings = decide_dtype(settings, family)  # auto: measured here, once; the plan prints what it chose
     options: dict = (
         {"strategy": Strategy.EXPLICIT, "device_map": _device_map(args.device_map)} if explicit else {}
     )
@@ -281,10 +281,10 @@ def serve_command(args: argparse.Namespace) -> int:
     registry, probes = CollectorRegistry(), ProbeTarget()
     exporter = serve_metrics(ServerSettings.of(settings), registry, probes) if settings.metrics_port else None
     try:
-        settings = decide_dtype(settings)  # --dtype auto, on a CPU: measured (cached), once
+        family = read_family(settings.model)
+        settings = decide_dtype(settings, family)  # --dtype auto, on a CPU: measured (cached), once
         # Plan once, on the meta device: a split that cannot fit fails here, before any weight
         # loads; the server then loads the model with this very plan.
-        family = read_family(settings.model)
         settings, plan = fitted_plan(settings, family, folder=settings.model)
         log.info("%s", plan.headline)
         log.info("%s", decoder_for(settings, family, plan))

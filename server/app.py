@@ -442,6 +442,7 @@ def create_app(
     app.state.admin_keys = read_api_keys(settings.admin_key_file) if settings.admin_key_file else None
     quantization = describe(settings.quantize, settings.denoiser_file)
     runtime = Runtime(settings.served_name, settings.dtype, settings.max_queue, quantization)
+    runtime.dtype_choice = settings.dtype_choice or {"dtype": settings.dtype, "reason": "--dtype"}
     app.state.runtime = runtime
     runtime.compiling = CompileStats(str(settings.compile))
     app.state.metrics = metrics = Metrics(

@@ -16,14 +16,15 @@ import torch
 from server.engine import ParallelPlan
 from server.engine.hardware.devices import auto_dtype
 from server.engine.hardware.threads import cpu_quota
-from server.engine.planning.calibrate import cpu_serves_bf16
+from server.engine.planning.precision import DtypeChoice, choose_cpu_dtype
 from server.engine.quantize import refusal
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import compile_route
 from server.engine.runtime.pool import ANY_DEVICE, default_pool_budgets
 from server.engine.runtime.sdpa_backend import AttentionSetting
 from server.errors import ConfigError, PlanError
-from server.pipeline.families import Family
+from server.pipeline.families import Family, meta_denoiser
+from server.pipeline.loading.folder import read_family
 from server.pipeline.loading.model_plan import largest_side, plan_model
 from server.pipeline.loading.vae_tiling import DecoderMemory, decoder_memory
 from server.requests.clip import work_limit
@@ -36,28 +37,43 @@ log = logging.getLogger("diffshard")
 
 
 def served_dtype(settings: Settings) -> torch.dtype:
-    """`--dtype`; auto: the GPUs' best (`auto_dtype`), and with a CPU stage bfloat16 only where
-    the CPU runs it natively and measures it faster (`cpu_serves_bf16`: a calibration, cached on
-    disk), else float32. A lookup once `decide_dtype` has named it."""
+    """`--dtype`, as `decide_dtype` named it (auto, still undecided: `dtype_choice`)."""
     if settings.dtype != "auto":
         return DTYPES[settings.dtype]
+    return DTYPES[dtype_choice(settings).dtype]
+
+
+def dtype_choice(settings: Settings, family: Family | None = None) -> DtypeChoice:
+    """What `--dtype auto` serves, and why: the GPUs' best (`auto_dtype`); with a CPU stage,
+    bfloat16 only where the CPU runs the model's heaviest ops natively and measurably faster in it
+    (`choose_cpu_dtype`: timed once per host and model, cached), else float32."""
     gpus = [d for d in settings.devices if d.startswith("cuda")]
     best = auto_dtype(gpus, settings.device_profile) if gpus else torch.bfloat16
+    name = str(best).removeprefix("torch.")
     if len(gpus) == len(settings.devices):
-        return best
-    cpu_bf16 = cpu_serves_bf16(settings.threads or cpu_quota(), settings.cache_dir)
-    return torch.bfloat16 if cpu_bf16 and best == torch.bfloat16 else torch.float32
+        return DtypeChoice(name, "the GPUs' best")
+    family = family or read_family(settings.model)
+    latent = family.native_size // family.vae_scale_factor
+    threads = settings.threads or cpu_quota()
+    cpu = choose_cpu_dtype(meta_denoiser(family), latent, threads, settings.cache_dir, settings.max_batch)
+    if cpu.dtype == "bfloat16" and best != torch.bfloat16:
+        reason = f"{cpu.reason}; but the GPUs beside it serve {name}, which the CPU does not run natively"
+        return replace(cpu, dtype="float32", reason=reason)
+    return cpu
 
 
-def decide_dtype(settings: Settings) -> Settings:
-    """The settings with `--dtype auto` decided (`served_dtype`) and said in the log: where
-    `serve`, `plan` and an app start, once, so what runs after reads a dtype already named. Not
-    a validator: deciding may time matmuls, and settings validate in a blink."""
+def decide_dtype(settings: Settings, family: Family | None = None) -> Settings:
+    """The settings with `--dtype auto` decided (`dtype_choice`) and said in the log with its
+    figures: where `serve`, `plan` and an app start, once, so what runs after reads a dtype
+    already named, and /v1/stats why. Not a validator: deciding may time the model's ops, and
+    settings validate in a blink."""
     if settings.dtype != "auto":
         return settings
-    name = str(served_dtype(settings)).removeprefix("torch.")
-    log.info("--dtype auto: %s on %s", name, ",".join(settings.devices))
-    return settings.model_copy(update={"dtype": name})
+    choice = dtype_choice(settings, family)
+    log.info("--dtype auto: %s on %s: %s", choice.dtype, ",".join(settings.devices), choice.reason)
+    decided = settings.model_copy(update={"dtype": choice.dtype})
+    decided._dtype_choice = choice.view()
+    return decided
 
 
 def plan_for(

@@ -148,6 +148,7 @@ def test_stats_show_the_attention_of_a_service_loaded_on_cpus() -> None:
     finally:
         runtime.service.close()
     assert stats.status_code == 200 and stats.json()["attention"] == {"cpu": "as compiled graphs choose"}
+    assert stats.json()["dtype"] == {"dtype": "float32", "reason": "--dtype"}  # named (conftest.py)
 
 
 def _get(app, path: str) -> httpx.Response:

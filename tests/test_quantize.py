@@ -26,8 +26,7 @@ from PIL import Image
 from server.demo import MODEL_DIR
 from server.demo.dataset import all_prompts
 from server.demo.evaluate import classify
-from server.engine.hardware.devices import cpu_dtype, planning_absent_devices
-from server.engine.planning import calibrate
+from server.engine.hardware.devices import planning_absent_devices
 from server.engine.quantize import Quantization, QuantMode, refusal, stored_bytes, torchao_config
 from server.pipeline import Pipeline
 from server.pipeline.conditioning.lora_keys import read_adapter
@@ -35,8 +34,6 @@ from server.pipeline.families import Family, Flux, reference_family
 from server.pipeline.loading.model_plan import fits_by_mode, largest_side, plan_model
 from server.pipeline.loading.quantized_parts import float8_speed, parse_quantize, part_quantizations
 from server.requests import Edit, GenerationRequest
-from server.settings import Settings
-from server.startup import served_dtype
 from tests.support.denoisers import split_lone
 from tests.support.images import left_half_mask, source_image
 from tests.support.live import live_server
@@ -263,29 +260,6 @@ def test_the_built_in_model_in_int8_still_draws_what_it_is_asked() -> None:
     color = np.mean([v.color == c for v, (c, _, _) in zip(verdicts, prompts, strict=True)])
     shape = np.mean([v.shape == s for v, (_, s, _) in zip(verdicts, prompts, strict=True)])
     assert color >= 0.9 and shape >= 0.8, (color, shape)
-
-
-@pytest.mark.parametrize(
-    ("gain", "served"),
-    [
-        ({"matmul": 2.1, "conv": 1.6}, torch.bfloat16),  # an AVX-512 bf16 / AMX host
-        ({"matmul": 0.93, "conv": 0.85}, torch.float32),  # native, yet measured slower (this host, loaded)
-        (None, torch.float32),  # emulated (AVX2 only): never measured, never served
-    ],
-)
-def test_dtype_auto_on_a_cpu_serves_bfloat16_only_where_it_measures_faster(
-    monkeypatch: pytest.MonkeyPatch, gain, served: torch.dtype
-) -> None:
-    """The measurement is the host's (a true boundary): its result is given here."""
-    monkeypatch.setattr(calibrate, "cpu_bf16_gain", lambda _threads, _cache: gain)
-    assert served_dtype(Settings(devices="cpu", dtype="auto")) == served
-    assert served_dtype(Settings(devices="cpu", dtype="float32")) == torch.float32
-
-
-def test_the_bf16_measurement_runs_only_where_bf16_is_native(tmp_path: Path) -> None:
-    gain = calibrate.cpu_bf16_gain(1, tmp_path)
-    assert (gain is None) == (cpu_dtype() == torch.float32)
-    assert gain is None or all(ratio > 0 for ratio in gain.values())
 
 
 def test_a_quantized_flux_server_says_what_it_serves_and_serves_it(flux_folder: Path) -> None:

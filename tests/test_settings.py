@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from server import startup
-from server.engine.planning import calibrate
+from server.engine.planning.precision import DtypeChoice
 from server.settings import CONCERNS, LimitSettings, ModelSettings, Settings
 from server.startup import decide_dtype, served_dtype
 
@@ -21,8 +21,7 @@ def measured(*_args: object) -> None:
 def test_building_the_settings_measures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dtype auto` with a CPU stage is the one setting a measurement decides: building the
     settings, reading every property and taking every slice never calls it; startup does."""
-    monkeypatch.setattr(calibrate, "cpu_bf16_gain", measured)
-    monkeypatch.setattr(startup, "cpu_serves_bf16", measured)
+    monkeypatch.setattr(startup, "choose_cpu_dtype", measured)
     settings = Settings(devices="cpu", dtype="auto")
     ours = [
         name
@@ -41,10 +40,13 @@ def test_building_the_settings_measures_nothing(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_dtype_auto_is_decided_once_and_then_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(calibrate, "cpu_bf16_gain", lambda _threads, _cache: {"matmul": 2.0, "conv": 1.5})
+    """The measurement is the host's (a true boundary): its result is given here."""
+    timed = DtypeChoice("bfloat16", "timed faster", 1.5)
+    monkeypatch.setattr(startup, "choose_cpu_dtype", lambda *_args: timed)
     decided = decide_dtype(Settings(devices="cpu", dtype="auto"))
-    assert decided.dtype == "bfloat16"
-    monkeypatch.setattr(calibrate, "cpu_bf16_gain", measured)
+    assert decided.dtype == "bfloat16" and decided.dtype_choice == timed.view()
+    assert decided.model_copy(update={"max_batch": 3}).dtype_choice == timed.view()  # carried along
+    monkeypatch.setattr(startup, "choose_cpu_dtype", measured)
     assert decide_dtype(decided) is decided and served_dtype(decided) == torch.bfloat16
     assert served_dtype(Settings(devices="cpu", dtype="float16")) == torch.float16
 

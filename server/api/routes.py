@@ -219,7 +219,8 @@ async def shards(service: ServiceDep) -> dict[str, Any]:
 async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
     """The step loop's counters and the progress of the caller's running requests (an admin key,
     or any caller without keys: everyone's), the pool's per device, the compiled graphs
-    (while loading: only their progress), and the attention backend chosen at startup."""
+    (while loading: only their progress), and the attention backend and dtype chosen at startup
+    (with `--dtype auto` on a CPU, the model's ops timed in both dtypes)."""
     compiled = runtime.compiling.view() if runtime.compiling is not None else None
     if runtime.service is None and runtime.status == "loading":
         return {"status": "loading", "compile": compiled}
@@ -232,4 +233,5 @@ async def stats(request: Request, runtime: RuntimeDep) -> dict[str, Any]:
         "threads": service.threads,
         "compile": compiled,
         "attention": service.attention,
+        "dtype": runtime.dtype_choice,
     }

@@ -29,6 +29,7 @@ class Runtime:
     dtype: str
     queue_capacity: int
     quantization: str = "off"  # --quantize as written (server.app.quantization_of)
+    dtype_choice: dict[str, Any] | None = None  # what --dtype auto chose and why (precision.py)
     service: Service | None = None
     status: str = "loading"  # loading → ready → draining, or loading → failed
     error: str | None = None

@@ -25,7 +25,9 @@ fields alone (not validated again), so what it may read is what its type says.
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from typing import Any
+
+from pydantic import PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.pipeline.loading.folder import read_family
@@ -81,6 +83,12 @@ class Settings(
         validate_default=True,
         hide_input_in_errors=True,
     )
+    # what `--dtype auto` chose and why (server.startup.decide_dtype): carried to /v1/stats, not a flag
+    _dtype_choice: dict[str, Any] | None = PrivateAttr(None)
+
+    @property
+    def dtype_choice(self) -> dict[str, Any] | None:
+        return self._dtype_choice
 
     @model_validator(mode="after")
     def _step_cache_fits(self) -> Settings:

@@ -88,7 +88,8 @@ class ModelSettings(Concern):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="weights' dtype; auto: bfloat16 on GPUs that have it, float16 on older GPUs; with a "
-        "CPU stage, bfloat16 where the CPU runs it natively and measures it faster at startup, else float32",
+        "CPU stage, bfloat16 where the CPU runs it natively and the model's heaviest ops time faster in it "
+        "at startup (cached; /v1/stats says why), else float32",
     )
     quantize: QuantizeValue = Field(
         "off",

@@ -14,7 +14,6 @@ in the cache directory, keyed by the host's processor, the torch version and the
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import statistics
@@ -30,7 +29,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
-from server.engine.hardware.devices import cpu_dtype, device_kind
+from server.engine.hardware.devices import device_kind
 from server.engine.hardware.threads import set_intra_op_threads
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.work import count_ops
@@ -277,25 +276,3 @@ def _small_blocks(dtype: torch.dtype, device: torch.device, side: int) -> Callab
     temb = torch.randn(2, 32, dtype=dtype, device=device)
     context = torch.randn(2, 8, 32, dtype=dtype, device=device)
     return lambda: attention(resnet(x, temb), encoder_hidden_states=context, return_dict=False)
-
-
-BF16_GAIN = 1.2  # bfloat16 must run both matmuls and convolutions this much faster to be served
-
-
-@functools.cache
-def cpu_bf16_gain(threads: int, cache_dir: Path | None) -> dict[str, float] | None:
-    """How much faster this CPU runs bfloat16 than float32 (matmul and convolution FLOP/s at
-    2048 rows, `threads` threads), from its calibrations (cached on disk); None where bfloat16 is
-    not native (no avx512_bf16 or AMX: emulated, ~180× slower on an AVX2 host), unmeasured."""
-    if cpu_dtype() != torch.bfloat16:
-        return None
-    full, half = (
-        cached_calibration("cpu", dtype, threads, cache_dir) for dtype in (torch.float32, torch.bfloat16)
-    )
-    return {kind: half.rate(kind, 2048) / full.rate(kind, 2048) for kind in ("matmul", "conv")}
-
-
-def cpu_serves_bf16(threads: int, cache_dir: Path | None) -> bool:
-    """`--dtype auto` on a CPU: bfloat16 where it is native and measures `BF16_GAIN` faster."""
-    gain = cpu_bf16_gain(threads, cache_dir)
-    return gain is not None and min(gain.values()) >= BF16_GAIN
