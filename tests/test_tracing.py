@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from server.engine.runtime.call import AdapterRows, RowsSlot
+from server.engine.runtime.gates import StageGates
 from server.engine.runtime.tracing import (
     CompileStopped,
     GiveWay,
@@ -227,6 +228,42 @@ def test_a_compile_holding_a_lock_the_step_loops_take_never_pauses() -> None:
     assert encoding.acquire(timeout=DEADLINE_S)  # the step loop's request takes the lock it held
     encoding.release()
     wait_until(lambda: give_way.pauses == 1, DEADLINE_S, "the compile to pause once it let go")
+    assert steps[0] != -1
+    give_way.serving(False)
+    thread.join(DEADLINE_S)
+    assert steps[0] == -1
+
+
+def test_a_compile_inside_a_stage_gate_never_pauses() -> None:
+    """The warm-up's first call on a model that keeps a prefix (Qwen-Image 2.1) walks the served
+    shard: paused while it held a stage's gate, the step loop's call waited at that gate and the
+    compile for the loop to have no work (a request stuck 481 s). It pauses once it leaves."""
+    give_way, steps, done, holding = GiveWay(), [0], threading.Event(), threading.Event()
+    gates = StageGates(["cpu"])
+
+    def run() -> None:
+        with give_way.paused_while_serving():
+            gates.enter(0)
+            holding.set()
+            while not done.is_set():
+                torch.nn.functional.relu(torch.ones(1))
+                steps[0] += 1
+            gates.leave(0)
+            torch.nn.functional.relu(torch.ones(1))  # left: here it pauses
+            steps[0] = -1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    holding.wait(DEADLINE_S)
+    give_way.serving(True)
+    before = steps[0]
+    wait_until(lambda: steps[0] > before + 100, DEADLINE_S, "the warm-up's call to go on")
+    done.set()
+    loop = threading.Thread(target=lambda: (gates.enter(0), gates.leave(0)), daemon=True)
+    loop.start()
+    loop.join(DEADLINE_S)
+    assert not loop.is_alive()  # the step loop's call passed the gate
+    wait_until(lambda: give_way.pauses == 1, DEADLINE_S, "the compile to pause once it left")
     assert steps[0] != -1
     give_way.serving(False)
     thread.join(DEADLINE_S)

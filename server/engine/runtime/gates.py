@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from server.engine.runtime.tracing import hold_shared, release_shared
+
 
 @dataclass(frozen=True)
 class GateStats:
@@ -49,8 +51,10 @@ class StageGates:
             self._in_flight += 1
 
     def enter(self, stage: int) -> None:
-        """A call reaches `stage`: wait for the call holding it to leave."""
+        """A call reaches `stage`: wait for the call holding it to leave. Held, the gate is a lock
+        the step loops take: a background compile's call (a warm-up's) never pauses inside."""
         self._locks[stage].acquire()
+        hold_shared()
         with self._books:
             self._held_since[stage] = time.perf_counter()
 
@@ -59,6 +63,7 @@ class StageGates:
         with self._books:
             since, self._held_since[stage] = self._held_since[stage], None
             self._busy[stage] += time.perf_counter() - since
+        release_shared()
         self._locks[stage].release()
 
     def end(self) -> None:

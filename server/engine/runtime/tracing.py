@@ -185,11 +185,20 @@ _holding = threading.local()
 def holding_shared() -> Iterator[None]:
     """What runs inside holds a lock the step loops take too: a compile giving way must not pause
     there, or the loops would wait for it while it waits for them to have no work (a deadlock)."""
-    _holding.depth = getattr(_holding, "depth", 0) + 1
+    hold_shared()
     try:
         yield
     finally:
-        _holding.depth -= 1
+        release_shared()
+
+
+def hold_shared() -> None:
+    """`holding_shared` for a lock taken and let go apart (a stage gate: `gates.py`)."""
+    _holding.depth = getattr(_holding, "depth", 0) + 1
+
+
+def release_shared() -> None:
+    _holding.depth -= 1
 
 
 def holds_shared() -> bool:
