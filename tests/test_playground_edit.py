@@ -44,7 +44,7 @@ from tests.support.browser import (
     shown_pixels,
     until,
 )
-from tests.support.live import LiveServer
+from tests.support.live import LiveServer, live_server
 
 SIDE = 64  # the built-in model's images
 BRUSH = 8  # the page's first brush for them: an eighth of the side, in image pixels
@@ -265,3 +265,32 @@ def test_an_unreadable_upload_and_a_refused_one_are_explained(
     until(browser, lambda b: "DIFFSHARD_MAX_PIXELS" in error.text, "the server's refusal")
     assert browser.find_element(By.ID, "progress-text").text == "Not started."
     assert browser.find_element(By.ID, "go").is_enabled()
+
+
+def test_a_model_that_edits_by_reference_gets_the_image_alone(
+    browser: WebDriver, tiny_folder, tmp_path: Path
+) -> None:
+    """FLUX.3 [distilled] (edits by reference, as FLUX.1 Kontext and Qwen-Image 2.1): no mask to
+    paint, no strength; the Size field in edit mode, empty by default. The edit sends the image
+    and the prompt, no mask, strength or size, and its image is the one the API answers."""
+    picture = tmp_path / "picture.png"
+    Image.new("RGB", (40, 24), "red").save(picture)
+    with live_server("--model", str(tiny_folder("flux3-distilled"))) as flux3:
+        open_page(browser, flux3.url)
+        until(browser, lambda b: not b.find_element(By.ID, "strength").is_displayed(), "no strength")
+        browser.execute_script(RECORD_SENT)
+        browser.find_element(By.CSS_SELECTOR, 'label[for="mode-edit"]').click()
+        browser.find_element(By.ID, "upload").send_keys(str(picture))
+        until(browser, lambda b: b.find_element(By.ID, "canvas-frame").is_displayed(), "the upload")
+        assert not browser.find_element(By.ID, "mask").is_displayed()
+        assert not browser.find_element(By.ID, "brush").is_displayed()
+        assert browser.find_element(By.ID, "size").is_displayed()
+        assert "edits by reference" in browser.find_element(By.ID, "edit-help").text
+        fill(browser, prompt="make it blue", seed="5", num_inference_steps="2")
+        browser.find_element(By.ID, "go").click()
+        [edited] = final_images(browser, 1)
+        [request] = sent(browser)
+        assert set(form_files(request)) == {"image"}
+        assert not {"mask", "strength", "size"} & set(form_fields(request))
+        expected = api_edit(flux3, request)
+        assert np.array_equal(shown_pixels(browser, edited), expected)

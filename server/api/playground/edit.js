@@ -1,7 +1,8 @@
 // The form's edit mode (POST /v1/images/edits): a source image, from this session's images or
 // uploaded, and a mask painted over it on a canvas at the image's own pixel size. Painted pixels
 // are sent transparent (alpha 0: repaint them), all others opaque; nothing painted sends no mask,
-// so the whole image is reworked as far as the strength says (img2img).
+// so the whole image is reworked as far as the strength says (img2img). A model that edits by
+// reference gets the image alone (`editByReference`).
 
 import { mode, setMode } from "./mode.js";
 
@@ -20,8 +21,24 @@ let nextId = 0;
 let chosen = null; // {id, width, height, painted: Uint8Array (1 = repaint), pixels: ImageData}
 let stroke = null; // the pointer's last point while painting
 let onProblem = () => {};
+let byReference = false; // the model edits by reference (FLUX.1 Kontext, FLUX.3, Qwen-Image 2.1): no mask
 
 export const editing = () => mode() === "edit";
+
+// A model that edits by reference takes the image beside the prompt: no mask to paint, no
+// strength, and its own output size (the Size field, empty: the model's rule), not the image's.
+export function editByReference() {
+  if (byReference) return;
+  byReference = true;
+  for (const part of [$("mask"), document.querySelector("#edit .brush"), $("strength").closest(".field")]) {
+    part.hidden = true;
+  }
+  $("edit-help").textContent =
+    "This model edits by reference: it reads the image beside your prompt (say what to change); no mask.";
+  const size = $("size").closest(".field");
+  size.dataset.modes = `${size.dataset.modes} edit`;
+  setMode(mode());
+}
 
 // The fields the server's OpenAPI document lists for /v1/images/edits' multipart body.
 export function readEditFields(openapi) {
@@ -145,6 +162,7 @@ function draw(x = 0, y = 0, w = chosen.width, h = chosen.height) {
 }
 
 function describeMask() {
+  if (byReference) return;
   const count = chosen.painted.reduce((sum, p) => sum + p, 0);
   const share = (100 * count) / chosen.painted.length;
   $("mask-status").textContent = count
@@ -175,9 +193,12 @@ export async function editForm(body) {
   const { blob } = sources.get(chosen.id);
   const form = new FormData();
   form.append("image", blob, blob.name || `image.${blob.type.split("/")[1] || "png"}`);
-  if (chosen.painted.includes(1)) form.append("mask", await maskBlob(), "mask.png");
-  const size = `${chosen.width}x${chosen.height}`; // the image's own
-  for (const [name, value] of Object.entries({ ...body, size, strength: $("strength").valueAsNumber })) {
+  if (!byReference && chosen.painted.includes(1)) form.append("mask", await maskBlob(), "mask.png");
+  // the image's own size and the strength; by reference, the Size field's (in body), if any
+  const more = byReference
+    ? {}
+    : { size: `${chosen.width}x${chosen.height}`, strength: $("strength").valueAsNumber };
+  for (const [name, value] of Object.entries({ ...body, ...more })) {
     if (fields.has(name)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   }
   return { form };

@@ -5,7 +5,7 @@
 
 import { refreshBatches, setupBatches } from "./batches.js";
 import { addControlImage, chosenControl, controlProblem, setupControl, showControlNets } from "./control.js";
-import { addSource, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
+import { addSource, editByReference, editForm, editSource, editing, readEditFields, setupEdit } from "./edit.js";
 import { chosenAdapters, showAdapters } from "./lora.js";
 import { mode, offerVideo, setupModes, showDefaultSize } from "./mode.js";
 import { makeVideo, setupVideo, showVideoDefaults } from "./video.js";
@@ -540,6 +540,7 @@ async function readModel() {
   showControlNets(model.controlnets ?? []);
   showVocabulary(model.vocabulary, model.adapters ?? []);
   showGuidance(model.family);
+  if (model.family?.supports.edits === "by reference") editByReference();
   if (model.video) {
     showVideoDefaults(model.video);
     offerVideo({ take: !running && !$("results-empty").hidden }); // only while nothing was made yet
