@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import logging
 import math
 import time
 from collections import Counter
@@ -44,8 +43,6 @@ from server.engine.denoisers.blocks import walk_plain
 from server.engine.denoisers.specs import spec_for
 from server.engine.planning.cache import lookup, store
 from server.engine.planning.flow import as_loaded
-
-log = logging.getLogger("diffshard")
 
 BF16_GAIN = 1.2  # bfloat16 must run the model's heaviest ops this much faster to be served
 BF16_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")  # what runs bfloat16 natively, as /proc/cpuinfo names it
