@@ -90,6 +90,24 @@ def test_emulated_bfloat16_is_never_timed(monkeypatch: pytest.MonkeyPatch, unet,
     assert choice.dtype == "float32" and "emulated" in choice.reason
 
 
+def test_an_op_that_will_not_run_serves_float32_and_is_tried_again_next_start(
+    monkeypatch: pytest.MonkeyPatch, unet, tmp_path: Path
+) -> None:
+    """A kernel missing in one dtype (the host's torch is the boundary: given here) is no crash at
+    startup: float32, said why, and not kept."""
+    monkeypatch.setattr(CpuFacts, "of_this_host", classmethod(lambda _cls, _threads: AMX))
+
+    def missing(*_args):
+        raise RuntimeError("\"slow_conv2d_cpu\" not implemented for 'BFloat16'")
+
+    monkeypatch.setattr(precision, "time_heaviest", missing)
+    choice = choose_cpu_dtype(unet, 16, 2, tmp_path, 2)
+    assert choice.dtype == "float32" and "not implemented for 'BFloat16'" in choice.reason
+    monkeypatch.undo()
+    monkeypatch.setattr(CpuFacts, "of_this_host", classmethod(lambda _cls, _threads: AMX))
+    assert choose_cpu_dtype(unet, 16, 2, tmp_path, 2).ops  # timed this time
+
+
 def test_the_choice_is_kept_under_the_cpus_flags_not_its_name(
     monkeypatch: pytest.MonkeyPatch, unet, tmp_path: Path
 ) -> None:

@@ -207,7 +207,11 @@ def choose_cpu_dtype(
     if isinstance(stored := lookup(path, key), dict):
         with contextlib.suppress(TypeError, KeyError):  # written by another version: time again
             return DtypeChoice.read(stored)
-    timings = time_heaviest(ops, threads)
+    try:
+        timings = time_heaviest(ops, threads)
+    except RuntimeError as err:  # a kernel this CPU's torch lacks in one dtype: not kept, tried next start
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        return DtypeChoice("float32", f"timing the model's ops failed ({first})", facts=facts, rows=rows)
     gain = model_gain(timings)
     served = "bfloat16" if gain >= BF16_GAIN else "float32"
     reason = (
