@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -162,3 +163,19 @@ def test_a_stored_choice_reads_back_whole() -> None:
         "bfloat16_ms": 1000.0,
         "rounds": 3,
     }
+
+
+def test_a_large_attention_is_timed_by_pairs_of_row_and_head_in_little_memory() -> None:
+    """FLUX.1's joint attention at 16 rows of 1024² (q, k and v 16 × 24 × 4608 × 128: 2.7 GiB in
+    float32) is timed on a few (row, head) pairs, 4-D as CPU flash attention takes it, and its
+    seconds scaled back to all of them; a masked one is timed whole, or not at all past the cap."""
+    q = precision.TensorShape((16, 24, 4608, 128), (0, 2, 1, 3), True)
+    attention = precision.RecordedOp("aten.scaled_dot_product_attention", (q, q, q), (), 1.0)
+    scale = precision._scales(attention)[-1]
+    assert scale == 256 and precision._op_bytes(attention, scale) < 8 * 2**20  # 384 pairs: 1 left
+    (timing,) = precision.time_heaviest(Counter({attention: 1}), 2)
+    assert timing.bfloat16_s > 0 and timing.float32_s > 0
+    mask = precision.TensorShape((16, 1, 4608, 4608), (0, 1, 2, 3), False)
+    masked = precision.RecordedOp("aten.scaled_dot_product_attention", (q, q, q, mask), (), 1.0)
+    assert precision._scales(masked) == [1] and precision._op_bytes(masked, 1) > precision.MAX_OP_BYTES
+    assert precision.time_heaviest(Counter({masked: 1}), 2) == ()

@@ -73,8 +73,9 @@ ROWS: dict[Any, Rows] = {
     aten.mm: Rows(0, 0, 1),
     aten.addmm: Rows(1, 0, 1),
     aten.bmm: Rows(0, 1, 2),
-    SDPA: Rows(0, 2, 3),  # the queries
+    SDPA: Rows(0, 1, 3),  # q, k and v as [1, rows × heads, tokens, head dim]: cut by pairs
 }
+MAX_OP_BYTES = 1 << 30  # an op whose tensors take more at its most cut is not timed
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,8 @@ def time_heaviest(ops: Counter[RecordedOp], threads: int) -> tuple[OpTiming, ...
             for op, count in heaviest[:MOST_OPS]:
                 if covered >= COVERAGE:
                     break
+                if _op_bytes(op, _scales(op)[-1]) > MAX_OP_BYTES:
+                    continue  # its share is left out of the gain
                 full, half, taken = settle(_rounds(op))
                 share = op.flops * count / total
                 timings.append(OpTiming(op.describe(), count, share, full, half, taken))
@@ -308,17 +311,20 @@ def _timed(run: Callable[[], object], repeats: int = 1) -> float:
 
 def _scales(op: RecordedOp) -> list[int]:
     """What `op`'s rows may be divided by: 1, 2, 4, … while MIN_ROWS GEMM rows are left, its
-    other tensors keeping their shapes."""
+    other tensors keeping their shapes (an attention's q, k and v cut together, by pairs of row
+    and head: `_runnable`)."""
     func = getattr(aten, op.name.removeprefix("aten."))
     rows = ROWS.get(func)
     others: list[Any] = []  # tensors whose rows would have to be cut with the halved one's
     if func is SDPA:
         others = [*op.args[3:], *(v for _, v in op.kwargs)]  # an attention mask
+        if not _flattens(op):
+            return [1]  # grouped-query attention (k and v have fewer heads), or a mask
     elif func is aten.addmm:
         others = [op.args[0]]  # the bias
     if rows is None or any(isinstance(a, TensorShape) and len(a.shape) > 1 for a in others):
         return [1]
-    shape = op.args[rows.arg].shape
+    shape = _shape_at(op, rows.arg, 1)
     gemm_rows = math.prod(shape) // shape[rows.features]
     scales = [1]
     while gemm_rows // (scales[-1] * 2) >= MIN_ROWS and shape[rows.halved] // (scales[-1] * 2) >= 1:
@@ -326,19 +332,46 @@ def _scales(op: RecordedOp) -> list[int]:
     return scales
 
 
+def _flattens(op: RecordedOp) -> bool:
+    """Whether an attention's q, k and v may be cut by (row, head) pairs: the same pairs in all
+    three, and no mask beside them."""
+    q, k, v = op.args[:3]
+    masked = any(isinstance(a, TensorShape) for a in [*op.args[3:], *(v for _, v in op.kwargs)])
+    return not masked and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+
+
+def _shape_at(op: RecordedOp, index: int, scale: int) -> list[int]:
+    """Argument `index`'s shape as timed at `scale`: an attention's q, k and v as [1, rows × heads,
+    tokens, head dim], pairs divided by `scale`; else the op's `halved` dimension."""
+    func = getattr(aten, op.name.removeprefix("aten."))
+    rows, arg = ROWS.get(func), op.args[index]
+    shape = list(arg.shape)
+    if func is SDPA and index < 3 and _flattens(op):
+        return [1, max(1, math.prod(shape[:-2]) // scale), *shape[-2:]]  # 4-D: CPU flash attention's
+    if rows is not None and index == rows.arg:
+        shape[rows.halved] = max(1, shape[rows.halved] // scale)
+    return shape
+
+
+def _op_bytes(op: RecordedOp, scale: int) -> int:
+    """Bytes of `op`'s tensors at `scale`, in float32."""
+    shapes = [_shape_at(op, i, scale) for i, a in enumerate(op.args) if isinstance(a, TensorShape)]
+    shapes += [list(v.shape) for _, v in op.kwargs if isinstance(v, TensorShape)]
+    return 4 * sum(math.prod(shape) for shape in shapes)
+
+
 def _runnable(op: RecordedOp, dtype: torch.dtype, scale: int) -> Callable[[], object]:
     """`op` on random tensors of its shapes and layouts in `dtype`, its rows divided by `scale`."""
     func = getattr(aten, op.name.removeprefix("aten."))
-    rows = ROWS.get(func)
     generator = torch.Generator().manual_seed(0)
 
     def make(index: int, arg: Any) -> Any:
         if not isinstance(arg, TensorShape):
             return arg
-        shape = list(arg.shape)
-        if rows is not None and index == rows.arg:
-            shape[rows.halved] = max(1, shape[rows.halved] // scale)
         kind = dtype if arg.floating else torch.float32
+        shape = _shape_at(op, index, scale) if index >= 0 else list(arg.shape)
+        if shape[:-2] != list(arg.shape[:-2]) and func is SDPA:  # q, k or v by pairs: laid out anew
+            return torch.randn(shape, generator=generator, dtype=kind)
         inner = torch.randn([shape[d] for d in arg.order], generator=generator, dtype=kind)
         tensor = inner.permute([arg.order.index(d) for d in range(len(shape))])
         return tensor if arg.floating else tensor.bool()
