@@ -179,3 +179,15 @@ def test_a_large_attention_is_timed_by_pairs_of_row_and_head_in_little_memory() 
     masked = precision.RecordedOp("aten.scaled_dot_product_attention", (q, q, q, mask), (), 1.0)
     assert precision._scales(masked) == [1] and precision._op_bytes(masked, 1) > precision.MAX_OP_BYTES
     assert precision.time_heaviest(Counter({masked: 1}), 2) == ()
+
+
+def test_a_model_whose_heavy_ops_are_all_too_large_serves_float32(
+    monkeypatch: pytest.MonkeyPatch, unet, tmp_path: Path
+) -> None:
+    q = precision.TensorShape((16, 24, 4608, 128), (0, 1, 2, 3), True)
+    mask = precision.TensorShape((16, 1, 4608, 4608), (0, 1, 2, 3), False)
+    masked = precision.RecordedOp("aten.scaled_dot_product_attention", (q, q, q, mask), (), 1.0)
+    monkeypatch.setattr(CpuFacts, "of_this_host", classmethod(lambda _cls, _threads: AMX))
+    monkeypatch.setattr(precision, "record_ops", lambda *_args: Counter({masked: 1}))
+    choice = choose_cpu_dtype(unet, 16, 2, tmp_path, 2)
+    assert choice.dtype == "float32" and "too large to time" in choice.reason

@@ -213,6 +213,8 @@ def choose_cpu_dtype(
     except RuntimeError as err:  # a kernel this CPU's torch lacks in one dtype: not kept, tried next start
         first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         return DtypeChoice("float32", f"timing the model's ops failed ({first})", facts=facts, rows=rows)
+    if not timings:  # every heavy op over MAX_OP_BYTES: nothing to decide by
+        return DtypeChoice("float32", "the heaviest ops are too large to time", facts=facts, rows=rows)
     gain = model_gain(timings)
     served = "bfloat16" if gain >= BF16_GAIN else "float32"
     reason = (
