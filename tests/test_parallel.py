@@ -4,6 +4,7 @@ proposes, predicts and explains."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 
 import pytest
@@ -307,10 +308,12 @@ def test_the_planner_counts_block_costs_when_none_are_given() -> None:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_counted_and_measured_costs_rank_blocks_alike(name: str) -> None:
     """The counted cost model orders a tiny model's blocks as timing them does: Spearman's rank
-    correlation well above chance (0), not 1, since sub-millisecond blocks jitter when timed."""
+    correlation well above chance (0), not 1, since sub-millisecond blocks jitter when timed
+    (each block's median of three timings: one alone ranked SD3's at 0.675 once)."""
     model = MODELS[name]()
     counted = CostModel(model, 2, 16, torch.float32).costs("cpu", 1)
-    measured = CostModel(model, 2, 16, torch.float32, Costs.MEASURED).costs("cpu", 1)
+    timings = [CostModel(model, 2, 16, torch.float32, Costs.MEASURED).costs("cpu", 1) for _ in range(3)]
+    measured = {block: statistics.median(t[block] for t in timings) for block in timings[0]}
     assert _spearman(counted, measured) >= 0.7
     dearest = max(counted, key=counted.get)  # measured near the top: equal blocks jitter apart when timed
     assert measured[dearest] >= 0.75 * max(measured.values()), (dearest, measured)
