@@ -23,9 +23,8 @@ compiling it takes ~60 s. A precompiled file that cannot be read or no longer fi
 ignored with a warning and compiled again.
 
 Frozen graphs (`frozen.py`). On a CPU, a whole call's graph and the decoder's fold their
-weights in (inductor's freezing), within a budget of copies, and are rebuilt at every start in
-the background (the built-in model's 12 graphs, all frozen: ready 257 s after a cold start and
-147 s after a warm one, where unfrozen they loaded in 3 s).
+weights in (inductor's freezing), within a budget of copies, kept as AOTInductor libraries that
+the next start loads (`packages.py`; frozen just in time at every start on the jit route).
 
 The loaded functions run without dynamo's guards: this module checks the exact signature (the
 shape, dtype and device of every input tensor, every other input's value) before it calls one,

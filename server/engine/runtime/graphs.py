@@ -25,11 +25,13 @@ from types import CodeType
 from typing import Any
 
 import torch
+from torch import nn
 from torch._C._dynamo.eval_frame import reset_code
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.engine.hardware.devices import device_kind
+from server.engine.runtime import packages
 
 log = logging.getLogger("diffshard")
 
@@ -213,24 +215,45 @@ class GraphStore:
                 "cannot keep the compile cache artifacts %s (%s): the next start compiles more", path, err
             )
 
-    def frozen(self, key: str, fn: Callable, example: tuple) -> Callable:
-        """`fn` (a function holding its model: `frozen.Freezer`) compiled with inductor's
-        freezing for `example`'s shapes, just in time, at every start: its kernels' C++ builds
-        come from inductor's cache under the cache directory, but the graph is never kept whole
-        (`aot_compile` cannot freeze in torch 2.13, and inductor's graph cache cannot keep the
-        prepacked weights: oneDNN's tensors do not pickle)."""
+    @property
+    def keeps_frozen(self) -> bool:
+        """Whether frozen graphs are kept on disk (`packages.py`): the aot route, a cache directory."""
+        return self.route == CompileRoute.AOT and self.folder is not None
+
+    def frozen(
+        self,
+        key: str,
+        trace: Callable[[], tuple[Callable, list[str]]],
+        example: tuple,
+        model: nn.Module,
+        kept: str | None = None,
+    ) -> tuple[Callable, list[str]]:
+        """A graph of `model`'s call with its weights folded in (inductor's freezing) for `example`'s
+        shapes, and the attention kernels it routes; `trace()` gives the function to freeze (holding
+        `model`) and those kernels. Kept by `kept` (a key naming the weights' content) where
+        `keeps_frozen`: an AOTInductor package loaded at the next start; else frozen just in time,
+        at every start (its kernels' C++ builds come from inductor's cache)."""
         with self._lock:
             if key in self._loaded:
                 return self._loaded[key]
-            compiled = unguarded(fn)  # each frozen graph's code is its own
-            # freezing is read from inductor's config while the graph is traced: in `options` it
-            # is not (the SD-1.5 UNet ran 1.0 s a call that way against 0.54 s frozen)
-            with torch.inference_mode(), inductor_config.patch(freezing=True):
-                compiled(*example)
-            self.stats.compiled += 1
-            self._loaded[key] = compiled
-            self._frozen_code[key] = fn.__code__
-            return compiled
+            path = None if kept is None or not self.keeps_frozen else self._path(kept, packages.SUFFIX)
+            frozen = None if path is None else packages.load(path)
+            if frozen is not None:
+                self.stats.loaded += 1
+            else:
+                fn, kernels = trace()
+                frozen = None if path is None else packages.build(path, fn, model, example, kernels)
+                if frozen is None:
+                    compiled = unguarded(fn)  # each frozen graph's code is its own
+                    # freezing is read from inductor's config while the graph is traced: in `options`
+                    # it is not (the SD-1.5 UNet ran 1.0 s a call that way against 0.54 s frozen)
+                    with torch.inference_mode(), inductor_config.patch(freezing=True):
+                        compiled(*example)
+                    self._frozen_code[key] = fn.__code__
+                    frozen = (compiled, kernels)
+                self.stats.compiled += 1
+            self._loaded[key] = frozen
+            return frozen
 
     def release(self, key: str) -> None:
         """Forget a frozen graph (measured slower, or failed): dynamo's entries for its code go
@@ -240,8 +263,8 @@ class GraphStore:
             if (code := self._frozen_code.pop(key, None)) is not None:
                 reset_code(code)
 
-    def _path(self, key: str) -> Path | None:
-        return None if self.folder is None else self.folder / "compiled" / f"{key}.bin"
+    def _path(self, key: str, suffix: str = ".bin") -> Path | None:
+        return None if self.folder is None else self.folder / "compiled" / f"{key}{suffix}"
 
     def _artifacts_path(self) -> Path | None:
         if self.route != CompileRoute.JIT or self.folder is None:
