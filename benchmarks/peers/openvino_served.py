@@ -23,7 +23,11 @@ weights computing in fp32, OpenVINO's own choice there. The loop around them is 
 classifier-free guidance, decode) and runs the same 10 steps; its image is PNG-encoded too.
 
 Rounds are interleaved (every variant once a round at each size, the order rotating); medians.
-Target (`meets_target`): our served image ≤ 1.0× OpenVINO's best at 256², ≤ 1.1× at 512².
+Then the server stops and starts again on the same cache directory: how soon a restart's graphs
+are ready (its frozen graphs load from their libraries, `server/engine/runtime/packages.py`).
+
+Target (`meets_target`): our served image ≤ 1.0× OpenVINO's best at 256², ≤ 1.1× at 512²; the
+background compile ready within 10 minutes of a cold start, and within 60 s of a warm restart.
 Printed too: the CPU's flags (AMX or not: OpenVINO's bf16 runs on AMX tiles where present), and
 what the server chose (dtype, compile mode, the buckets frozen).
 
@@ -65,6 +69,8 @@ GUIDANCE = 7.5
 PROMPT = "a red circle"
 SEED = 7
 TARGETS = {256: 1.0, 512: 1.1}  # ours / OpenVINO's best, at most
+COLD_READY_S = 600  # from start to the background compile's end, an empty cache directory
+WARM_READY_S = 60  # ... a restart on the cache directory the first start filled
 OPENVINO = {  # name: (weights, inference precision)
     "openvino_fp32": ("fp32", "f32"),
     "openvino_bf16": ("fp32", "bf16"),
@@ -244,6 +250,23 @@ def measure(size: int, runs: dict[str, Callable[[int], bytes]], rounds: int) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def start_ours(
+    stack: ExitStack, folder: Path, sizes: list[int], cache: Path, stop: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """Our server on `folder` (kept open on `stack`), once its background compile has ended: the
+    seconds to ready and to graphs ready, the compile's view and what the server chose."""
+    started = time.perf_counter()
+    args = ["--model", str(folder), "--compile-sizes", ",".join(map(str, sizes)), "--max-batch", "2"]
+    server = stack.enter_context(live_server(*args, "--cache-dir", str(cache), startup_deadline_s=600))
+    ready_s = time.perf_counter() - started
+    compiled = compiled_after(server, started)
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+    dtype = httpx.get(f"{server.url}/v1/stats", timeout=30).json().get("dtype")
+    if stop:
+        stack.close()
+    return server, {"ready_s": round(ready_s, 1), "compile": compiled, "dtype": dtype, "model": model}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -268,28 +291,23 @@ def main(argv: list[str] | None = None) -> int:
             name: OpenVinoImage(folder, paths[weights], precision)
             for name, (weights, precision) in variants.items()
         }
-        started = time.perf_counter()
-        server = stack.enter_context(
-            live_server(
-                "--model",
-                str(folder),
-                "--compile-sizes",
-                ",".join(map(str, sizes)),
-                "--max-batch",
-                "2",
-                "--cache-dir",
-                str(Path(tmp) / "cache"),
-                startup_deadline_s=600,
-            )
-        )
-        ready_s = time.perf_counter() - started
-        compiled = compiled_after(server, started)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
-        emit({"ours": True, "ready_s": round(ready_s, 1), "compile": compiled, "model": model})
+        cache = Path(tmp) / "cache"
+        server, compiled = start_ours(stack, folder, sizes, cache)
+        emit({"ours": True, "start": "cold", **compiled})
         runs = {"ours_served": served_image(server.url), **runs}
         medians = {size: measure(size, runs, rounds) for size in sizes}
+        stack.close()  # the server stops; the same cache directory again: a restart's graphs
+        _, restarted = start_ours(ExitStack(), folder, sizes, cache, stop=True)
+        emit({"ours": True, "start": "warm", **restarted})
+    starts = {
+        "compile_ready_cold_s": compiled["compile"]["ready_after_s"],
+        "compile_ready_warm_s": restarted["compile"]["ready_after_s"],
+        "graphs_loaded_warm": restarted["compile"]["loaded"],
+        "graphs_compiled_warm": restarted["compile"]["compiled"],
+        "targets_s": {"cold": COLD_READY_S, "warm": WARM_READY_S},
+    }
     summary: dict[str, Any] = {}
-    meets = True
+    meets = starts["compile_ready_cold_s"] <= COLD_READY_S and starts["compile_ready_warm_s"] <= WARM_READY_S
     for size, seconds in medians.items():
         peers = {n: s for n, s in seconds.items() if n.startswith("openvino_")}
         best = min(peers, key=peers.get)
@@ -308,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": True,
             "meets_target": meets,
             **summary,
+            "starts": starts,
             "steps": STEPS,
             "rounds": rounds,
             "threads": THREADS,
