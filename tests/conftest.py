@@ -204,7 +204,13 @@ BROWSER_MODULES = (
     "test_playground_video.py",
 )
 FUZZ_MODULES = ("test_openapi_fuzz.py",)
-COMPILE_MODULES = ("test_compile.py", "test_gpu_check.py", "test_tracing.py", "test_attention.py")
+COMPILE_MODULES = (
+    "test_compile.py",
+    "test_gpu_check.py",
+    "test_tracing.py",
+    "test_attention.py",
+    "test_packages.py",
+)
 TIERS = {"browser": BROWSER_MODULES, "fuzz": FUZZ_MODULES, "compile": COMPILE_MODULES}
 LIVE_FIXTURES = {"served", "keyed_server", "fuzzed"}  # session and module servers
 
