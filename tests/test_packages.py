@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -88,3 +89,24 @@ def test_the_key_is_what_the_weights_are_and_a_damaged_library_is_never_opened(
         assert packages.load(damaged) is None
     assert "is unusable (ValueError: its bytes are not those built)" in caplog.text
     assert packages.load(tmp_path / "absent.so") is None
+
+
+def test_a_cache_directory_keeps_its_most_recently_used_libraries_within_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `KEPT_BYTES`, the least recently used libraries go (with their JSON), never one this
+    process has open; a build's folder left by a dead start goes after an hour."""
+    monkeypatch.setattr(packages, "KEPT_BYTES", 2500)
+    libraries = {}
+    for age, name in enumerate(("newest", "open", "older", "oldest")):
+        libraries[name] = tmp_path / f"{name}{packages.SUFFIX}"
+        libraries[name].write_bytes(bytes(1000))
+        libraries[name].with_suffix(".json").write_text("{}")
+        os.utime(libraries[name], (time.time() - 60 * age,) * 2)
+    left, fresh = tmp_path / ".building-left", tmp_path / ".building-now"
+    left.mkdir(), fresh.mkdir()
+    os.utime(left, (time.time() - 2 * packages.STALE_BUILD_S,) * 2)
+    packages.prune(tmp_path, {libraries["open"], libraries["oldest"]})
+    assert [name for name, path in libraries.items() if path.exists()] == ["newest", "open", "oldest"]
+    assert not libraries["older"].with_suffix(".json").exists()
+    assert fresh.exists() and not left.exists()

@@ -157,6 +157,7 @@ class GraphStore:
         self.stats = stats
         self._loaded: dict[str, Any] = {}
         self._frozen_code: dict[str, CodeType] = {}  # a frozen graph's function's code (`release`)
+        self._libraries: set[Path] = set()  # frozen graphs' libraries this store has open
         self._lock = threading.Lock()
         # Compiled kernels beside the graphs (one volume keeps both), unless the operator chose a
         # writable place: inductor writes its default into the environment when first imported.
@@ -231,8 +232,8 @@ class GraphStore:
         """A graph of `model`'s call with its weights folded in (inductor's freezing) for `example`'s
         shapes, and the attention kernels it routes; `trace()` gives the function to freeze (holding
         `model`) and those kernels. Kept by `kept` (a key naming the weights' content) where
-        `keeps_frozen`: an AOTInductor package loaded at the next start; else frozen just in time,
-        at every start (its kernels' C++ builds come from inductor's cache)."""
+        `keeps_frozen`: an AOTInductor library loaded at the next start (`packages.py`); else frozen
+        just in time, at every start (its kernels' C++ builds come from inductor's cache)."""
         with self._lock:
             if key in self._loaded:
                 return self._loaded[key]
@@ -252,6 +253,9 @@ class GraphStore:
                     self._frozen_code[key] = fn.__code__
                     frozen = (compiled, kernels)
                 self.stats.compiled += 1
+            if path is not None and isinstance(frozen[0], packages.Library):
+                self._libraries.add(path)
+                packages.prune(path.parent, self._libraries)
             self._loaded[key] = frozen
             return frozen
 

@@ -24,7 +24,9 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +42,10 @@ from server.engine.runtime.tracing import trace_gate
 log = logging.getLogger("diffshard")
 
 SUFFIX = ".so"
-_opens = itertools.count()
 CALLERS = 4  # calls one library runs at once (each its own activations; the weights are shared)
+KEPT_BYTES = 16 * 2**30  # of libraries in one cache directory: the least recently used beyond go
+STALE_BUILD_S = 3600  # a build's folder older than this was left by a start that died
+_opens = itertools.count()
 
 _pointer_of = ctypes.pythonapi.PyCapsule_GetPointer
 _pointer_of.restype, _pointer_of.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
@@ -184,6 +188,28 @@ def build(
     return load(path)
 
 
+def prune(folder: Path, in_use: set[Path]) -> None:
+    """Bound the libraries kept in `folder` (`KEPT_BYTES`): those used least recently go first,
+    never one this process has open (another process that has one open keeps it until it exits);
+    and the folders of builds a dead start left behind."""
+    kept = 0
+    for library in sorted(folder.glob(f"*{SUFFIX}"), key=_last_used, reverse=True):
+        size = library.stat().st_size
+        if kept + size <= KEPT_BYTES or library in in_use:
+            kept += size
+            continue
+        log.info("frozen graph %s removed: a cache directory keeps %d GiB of them", library, KEPT_BYTES >> 30)
+        library.unlink(missing_ok=True)
+        library.with_suffix(".json").unlink(missing_ok=True)
+    for building in folder.glob(".building-*"):
+        if time.time() - building.stat().st_mtime > STALE_BUILD_S:
+            shutil.rmtree(building, ignore_errors=True)
+
+
+def _last_used(path: Path) -> float:
+    return path.stat().st_mtime  # `load` touches it
+
+
 def load(path: Path) -> tuple[Library, list[str]] | None:
     """The library at `path` and its attention kernels, or None where there is none or it cannot
     be loaded (another torch, a truncated file: said, and built again)."""
@@ -194,7 +220,9 @@ def load(path: Path) -> tuple[Library, list[str]] | None:
         # a damaged library must never be opened: loading one cut short crashed the process
         if _digest(path) != about["sha256"]:
             raise ValueError("its bytes are not those built")
-        return Library(path, treespec_loads(about["out_spec"])), list(about["attention"])
+        library = Library(path, treespec_loads(about["out_spec"])), list(about["attention"])
+        os.utime(path)  # used now: the last to go when the folder is pruned
+        return library
     except Exception as err:
         log.warning("frozen graph %s is unusable (%s: %s); compiling again", path, type(err).__name__, err)
         return None
