@@ -6,7 +6,7 @@ its weights as graph inputs, on a 2-core AVX-512 host).
 Each frozen graph holds its own prepacked copy of the weights, so a model's frozen graphs are
 bounded (`freeze_budget`); the buckets warmed first freeze first, the rest compile unfrozen. A
 frozen graph is a function holding its model (`own_code`), kept in the cache directory as an
-AOTInductor package that the next start loads (`packages.py`), or, on the jit route or without a
+AOTInductor library that the next start loads (`packages.py`), or, on the jit route or without a
 cache directory, compiled just in time at every start. Its attention runs by the kernel measured
 faster for each of its shapes (`cpu_attention.py`). Adapters' hooks never reach it: rows with
 adapters run eagerly on the model's own weights, which nothing here changes in place."""
