@@ -206,6 +206,7 @@ def start_compiling(
         budget_s=compiling.compile_budget_s,
         give_way=give_way,
         route=compiling.compile_route,
+        kept_bytes=compiling.compiled_bytes,
     )
 
 

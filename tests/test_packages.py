@@ -92,11 +92,10 @@ def test_the_key_is_what_the_weights_are_and_a_damaged_library_is_never_opened(
 
 
 def test_a_cache_directory_keeps_its_most_recently_used_libraries_within_its_bound(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    """Past `KEPT_BYTES`, the least recently used libraries go (with their JSON), never one this
+    """Past `--compiled-bytes`, the least recently used libraries go (with their JSON), never one this
     process has open; a build's folder left by a dead start goes after an hour."""
-    monkeypatch.setattr(packages, "KEPT_BYTES", 2500)
     libraries = {}
     for age, name in enumerate(("newest", "open", "older", "oldest")):
         libraries[name] = tmp_path / f"{name}{packages.SUFFIX}"
@@ -106,7 +105,7 @@ def test_a_cache_directory_keeps_its_most_recently_used_libraries_within_its_bou
     left, fresh = tmp_path / ".building-left", tmp_path / ".building-now"
     left.mkdir(), fresh.mkdir()
     os.utime(left, (time.time() - 2 * packages.STALE_BUILD_S,) * 2)
-    packages.prune(tmp_path, {libraries["open"], libraries["oldest"]})
+    packages.prune(tmp_path, {libraries["open"], libraries["oldest"]}, kept_bytes=2500)
     assert [name for name, path in libraries.items() if path.exists()] == ["newest", "open", "oldest"]
     assert not libraries["older"].with_suffix(".json").exists()
     assert fresh.exists() and not left.exists()

@@ -47,6 +47,13 @@ class CompileSettings(Concern):
         "(PyTorch's order) | cudnn | flash | efficient | math (first; a call it cannot run falls to the "
         "next); CPU devices: unchanged",
     )
+    compiled_bytes: int = Field(
+        16 * 1024**3,
+        ge=0,
+        description="bytes of frozen CPU graphs kept in cache_dir as libraries for the next start (each "
+        "holds its model's weights, prepacked: an SD-1.5 UNet's bucket 1.6 GiB); past it the least "
+        "recently used go; 0: none kept, frozen again at every start",
+    )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
         description="where calibrations and measured costs are kept ($XDG_CACHE_HOME/diffshard); "

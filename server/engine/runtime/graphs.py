@@ -145,8 +145,10 @@ class GraphStore:
         stats: CompileStats,
         threads: int | None = None,
         route: CompileRoute | str = CompileRoute.AUTO,
+        kept_bytes: int = packages.KEPT_BYTES,
     ) -> None:
         self.route = compile_route(route)
+        self.kept_bytes = kept_bytes  # of frozen graphs' libraries in the folder
         stats.route = str(self.route)
         self.folder = folder if folder is None else _writable(folder / "compiled")
         # every device the compiled code runs on: a cuda:0 + cpu split holds kernels for both
@@ -218,8 +220,9 @@ class GraphStore:
 
     @property
     def keeps_frozen(self) -> bool:
-        """Whether frozen graphs are kept on disk (`packages.py`): the aot route, a cache directory."""
-        return self.route == CompileRoute.AOT and self.folder is not None
+        """Whether frozen graphs are kept on disk (`packages.py`): the aot route, a cache directory
+        and room for them."""
+        return self.route == CompileRoute.AOT and self.folder is not None and self.kept_bytes > 0
 
     def frozen(
         self,
@@ -255,7 +258,7 @@ class GraphStore:
                 self.stats.compiled += 1
             if path is not None and isinstance(frozen[0], packages.Library):
                 self._libraries.add(path)
-                packages.prune(path.parent, self._libraries)
+                packages.prune(path.parent, self._libraries, self.kept_bytes)
             self._loaded[key] = frozen
             return frozen
 

@@ -43,7 +43,7 @@ log = logging.getLogger("diffshard")
 
 SUFFIX = ".so"
 CALLERS = 4  # calls one library runs at once (each its own activations; the weights are shared)
-KEPT_BYTES = 16 * 2**30  # of libraries in one cache directory: the least recently used beyond go
+KEPT_BYTES = 16 * 2**30  # of libraries in one cache directory (`--compiled-bytes`'s default)
 STALE_BUILD_S = 3600  # a build's folder older than this was left by a start that died
 _opens = itertools.count()
 
@@ -188,17 +188,17 @@ def build(
     return load(path)
 
 
-def prune(folder: Path, in_use: set[Path]) -> None:
-    """Bound the libraries kept in `folder` (`KEPT_BYTES`): those used least recently go first,
+def prune(folder: Path, in_use: set[Path], kept_bytes: int = KEPT_BYTES) -> None:
+    """Bound the libraries kept in `folder` to `kept_bytes`: those used least recently go first,
     never one this process has open (another process that has one open keeps it until it exits);
     and the folders of builds a dead start left behind."""
     kept = 0
     for library in sorted(folder.glob(f"*{SUFFIX}"), key=_last_used, reverse=True):
         size = library.stat().st_size
-        if kept + size <= KEPT_BYTES or library in in_use:
+        if kept + size <= kept_bytes or library in in_use:
             kept += size
             continue
-        log.info("frozen graph %s removed: a cache directory keeps %d GiB of them", library, KEPT_BYTES >> 30)
+        log.info("frozen graph %s removed: --compiled-bytes %d keeps no more", library, kept_bytes)
         library.unlink(missing_ok=True)
         library.with_suffix(".json").unlink(missing_ok=True)
     for building in folder.glob(".building-*"):

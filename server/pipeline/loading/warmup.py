@@ -38,6 +38,7 @@ from server.engine.runtime.compile import (
     run_decoder,
 )
 from server.engine.runtime.graphs import CompileRoute, CompileStats, GraphStore
+from server.engine.runtime.packages import KEPT_BYTES
 from server.engine.runtime.pool import ActivationPool
 from server.engine.runtime.tracing import CompileStopped, GiveWay, compiling_on_this_thread, trace_gate
 from server.pipeline.pipeline import Pipeline
@@ -67,6 +68,7 @@ def compile_pipeline(
     budget_s: float | None = None,
     give_way: GiveWay | None = None,
     route: CompileRoute | str = CompileRoute.AUTO,
+    kept_bytes: int = KEPT_BYTES,
 ) -> CompileStats:
     """Compile (or load from `cache_dir`) the denoiser for every image side in `sizes` at every
     row bucket up to `max_rows`, and the VAE's decoder for up to half as many images (at the sizes
@@ -81,7 +83,8 @@ def compile_pipeline(
 
     `budget_s`: once a bucket ends past it, no other is begun (`stats.state` "stopped"): the
     buckets not built run eagerly. Buckets are taken most useful first (a lone image's at each
-    size), and the first is always built. `route`: `--compile-route` (`graphs.py`).
+    size), and the first is always built. `route`: `--compile-route` (`graphs.py`); `kept_bytes`:
+    frozen graphs' libraries kept in `cache_dir` (`packages.py`).
 
     Adapters may be attached before or during it: their hooks add nothing while a graph is
     traced (`conditioning/adapters.py`), and rows with adapters run eagerly."""
@@ -96,7 +99,7 @@ def compile_pipeline(
         return stats
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
-    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads, route)
+    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads, route, kept_bytes)
     # each its own, every expert's too; replicas (and experts: the module is an argument) share the graphs
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
