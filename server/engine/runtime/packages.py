@@ -18,6 +18,7 @@ was built) and its output's structure."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import itertools
@@ -189,12 +190,17 @@ def build(
 
 
 def prune(folder: Path, in_use: set[Path], kept_bytes: int = KEPT_BYTES) -> None:
-    """Bound the libraries kept in `folder` to `kept_bytes`: those used least recently go first,
-    never one this process has open (another process that has one open keeps it until it exits);
-    and the folders of builds a dead start left behind."""
+    """Bound the libraries kept in `folder` to `kept_bytes`: those used least recently go first
+    (`load` touches a library), never one this process has open (another process that has one
+    open keeps it until it exits); and the folders of builds a dead start left behind. Files
+    another process removes meanwhile are passed over."""
+    found = []
+    for library in folder.glob(f"[!.]*{SUFFIX}"):  # not a library being opened (`_opened`)
+        with contextlib.suppress(OSError):
+            stat = library.stat()
+            found.append((stat.st_mtime, stat.st_size, library))
     kept = 0
-    for library in sorted(folder.glob(f"*{SUFFIX}"), key=_last_used, reverse=True):
-        size = library.stat().st_size
+    for _, size, library in sorted(found, key=lambda each: each[0], reverse=True):
         if kept + size <= kept_bytes or library in in_use:
             kept += size
             continue
@@ -202,12 +208,9 @@ def prune(folder: Path, in_use: set[Path], kept_bytes: int = KEPT_BYTES) -> None
         library.unlink(missing_ok=True)
         library.with_suffix(".json").unlink(missing_ok=True)
     for building in folder.glob(".building-*"):
-        if time.time() - building.stat().st_mtime > STALE_BUILD_S:
-            shutil.rmtree(building, ignore_errors=True)
-
-
-def _last_used(path: Path) -> float:
-    return path.stat().st_mtime  # `load` touches it
+        with contextlib.suppress(OSError):
+            if time.time() - building.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(building, ignore_errors=True)
 
 
 def load(path: Path) -> tuple[Library, list[str]] | None:
