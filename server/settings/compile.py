@@ -11,6 +11,7 @@ from pydantic import Field
 from server.engine.planning.cache import default_cache_dir
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileRoute
+from server.engine.runtime.packages import KEPT_BYTES
 from server.engine.runtime.sdpa_backend import AttentionSetting
 from server.settings.values import CompileSizes, Concern
 
@@ -48,7 +49,7 @@ class CompileSettings(Concern):
         "next); CPU devices: unchanged",
     )
     compiled_bytes: int = Field(
-        16 * 1024**3,
+        KEPT_BYTES,
         ge=0,
         description="bytes of frozen CPU graphs kept in cache_dir as libraries for the next start (each "
         "holds its model's weights, prepacked: an SD-1.5 UNet's bucket 1.6 GiB); past it the least "
