@@ -250,9 +250,7 @@ def measure(size: int, runs: dict[str, Callable[[int], bytes]], rounds: int) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def start_ours(
-    stack: ExitStack, folder: Path, sizes: list[int], cache: Path, stop: bool = False
-) -> tuple[Any, dict[str, Any]]:
+def start_ours(stack: ExitStack, folder: Path, sizes: list[int], cache: Path) -> tuple[Any, dict[str, Any]]:
     """Our server on `folder` (kept open on `stack`), once its background compile has ended: the
     seconds to ready and to graphs ready, the compile's view and what the server chose."""
     started = time.perf_counter()
@@ -262,8 +260,6 @@ def start_ours(
     compiled = compiled_after(server, started)
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     dtype = httpx.get(f"{server.url}/v1/stats", timeout=30).json().get("dtype")
-    if stop:
-        stack.close()
     return server, {"ready_s": round(ready_s, 1), "compile": compiled, "dtype": dtype, "model": model}
 
 
@@ -297,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"ours_served": served_image(server.url), **runs}
         medians = {size: measure(size, runs, rounds) for size in sizes}
         stack.close()  # the server stops; the same cache directory again: a restart's graphs
-        _, restarted = start_ours(ExitStack(), folder, sizes, cache, stop=True)
+        with ExitStack() as again:
+            _, restarted = start_ours(again, folder, sizes, cache)
         emit({"ours": True, "start": "warm", **restarted})
     starts = {
         "compile_ready_cold_s": compiled["compile"]["ready_after_s"],

@@ -178,6 +178,7 @@ def build(
             }
             path.with_suffix(".json").write_text(json.dumps(about))
             built.replace(path)  # last: a library on disk always has its JSON
+        return _opened_library(path, about)
     except Exception as err:  # export's and inductor's refusals have no common class
         log.warning(
             "cannot keep %s's frozen graph (%s: %s): it is frozen just in time, at every start",
@@ -186,7 +187,6 @@ def build(
             str(err).splitlines()[0] if str(err) else "",
         )
         return None
-    return load(path)
 
 
 def prune(folder: Path, in_use: set[Path], kept_bytes: int = KEPT_BYTES) -> None:
@@ -223,9 +223,14 @@ def load(path: Path) -> tuple[Library, list[str]] | None:
         # a damaged library must never be opened: loading one cut short crashed the process
         if _digest(path) != about["sha256"]:
             raise ValueError("its bytes are not those built")
-        library = Library(path, treespec_loads(about["out_spec"])), list(about["attention"])
-        os.utime(path)  # used now: the last to go when the folder is pruned
-        return library
+        return _opened_library(path, about)
     except Exception as err:
         log.warning("frozen graph %s is unusable (%s: %s); compiling again", path, type(err).__name__, err)
         return None
+
+
+def _opened_library(path: Path, about: dict[str, Any]) -> tuple[Library, list[str]]:
+    """The library at `path`, its bytes those `about` (its JSON) describes, and its kernels."""
+    library = Library(path, treespec_loads(about["out_spec"]))
+    os.utime(path)  # used now: the last to go when the folder is pruned
+    return library, list(about["attention"])
