@@ -1,15 +1,18 @@
 """Frozen graphs kept whole (`server/engine/runtime/packages.py`): a library built from a small
-convolution network (as a UNet's, float32, seeded) answers as the eager network does, lets go of
-the GIL while it runs, is keyed by what its weights are, and one whose bytes are not those built
-is never opened."""
+convolution network (as a UNet's, float32, seeded) in a process of its own answers as the eager
+network does, lets go of the GIL while it runs, is keyed by what its weights are, and one whose
+bytes are not those built is never opened. A build that dies, or is told to stop, leaves this
+process as it was; one begun beside a call in flight, or while the step loops have work, ends."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from server.engine.runtime import packages
+from server.engine.runtime.tracing import CompileStopped, GiveWay, trace_gate
 
 
 def _network() -> nn.Module:
@@ -25,32 +29,119 @@ def _network() -> nn.Module:
     return nn.Sequential(*layers).eval()
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module, torch.Tensor]:
-    network, sample = _network(), torch.randn(4, 128, 128, 128)  # ~0.2 s a call
-    path = tmp_path_factory.mktemp("compiled") / f"graph{packages.SUFFIX}"
+def _traced_by(network: nn.Module, processes: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`network`'s call, noting the process that runs it (export traces it by running it)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        processes.append(os.getpid())
         return network(x)
 
+    return run
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module, torch.Tensor, list[int]]:
+    network, sample, traced_here = _network(), torch.randn(4, 128, 128, 128), []  # ~0.2 s a call
+    path = tmp_path_factory.mktemp("compiled") / f"graph{packages.SUFFIX}"
     with torch.inference_mode():  # as the warm-up builds it
-        assert packages.build(path, run, network, (sample,), ["flash"]) is not None
-    return path, network, sample
+        assert packages.build(path, _traced_by(network, traced_here), network, (sample,), ["flash"])
+    return path, network, sample, traced_here
 
 
-def test_a_library_answers_as_its_network_and_keeps_its_attention_kernels(built) -> None:
-    path, network, sample = built
+def test_a_library_built_in_a_process_of_its_own_answers_as_its_network(built) -> None:
+    """Traced and compiled in a forked child: nothing of it ran here, the library answers as the
+    network does, and the attention kernels it was built with come back with it."""
+    path, network, sample, traced_here = built
+    assert traced_here == []
     library, kernels = packages.load(path)
     with torch.inference_mode():
         assert torch.allclose(library(sample), network(sample), atol=1e-4)
     assert kernels == ["flash"]
 
 
+def test_a_build_begun_beside_a_call_in_flight_and_busy_step_loops_ends(tmp_path: Path) -> None:
+    """The build forks once the call in flight has ended (a child forked mid-call waited forever
+    for its copy of the gate to clear), and the child builds while the step loops have work, the
+    compile that waits for it paused meanwhile."""
+    network, sample, path = _network(), torch.randn(1, 128, 16, 16), tmp_path / f"graph{packages.SUFFIX}"
+    gate, give_way, result = trace_gate(), GiveWay(), []
+    calling, call_ends = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with gate.call():
+            calling.set()
+            call_ends.wait(60)
+
+    def build() -> None:
+        with torch.inference_mode(), give_way.paused_while_serving():
+            result.append(packages.build(path, network, network, (sample,), [], give_way.wait))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert calling.wait(60)
+    give_way.serving(True)
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    _until(lambda: gate.traces_waiting == 1, "the build waits for the call")
+    call_ends.set()
+    _until(path.exists, "the library is built while the step loops have work")
+    assert builder.is_alive()  # this thread waits for them: it loads the library once they have none
+    give_way.serving(False)
+    builder.join(timeout=60)
+    caller.join(timeout=60)
+    assert result and result[0] is not None
+
+
+def test_a_build_that_dies_leaves_this_process_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    network, sample, here = _network(), torch.randn(1, 128, 16, 16), os.getpid()
+
+    def dies(x: torch.Tensor) -> torch.Tensor:
+        if os.getpid() != here:  # the build's process, as a crash in a compiler would end it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return network(x)
+
+    with caplog.at_level(logging.WARNING, logger="diffshard"), torch.inference_mode():
+        assert packages.build(tmp_path / f"graph{packages.SUFFIX}", dies, network, (sample,), []) is None
+    assert (
+        "cannot keep Sequential's frozen graph (RuntimeError: its build was ended by signal 9)" in caplog.text
+    )
+    assert not list(tmp_path.glob(f"*{packages.SUFFIX}"))
+
+
+def test_a_build_told_to_stop_is_ended_and_its_process_reaped(tmp_path: Path) -> None:
+    network, sample, processes = _network(), torch.randn(1, 128, 16, 16), tmp_path / "processes"
+
+    def noted(x: torch.Tensor) -> torch.Tensor:
+        with processes.open("a") as file:
+            file.write(f"{os.getpid()}\n")
+        return network(x)
+
+    def stop_once_begun() -> None:
+        if processes.exists():
+            raise CompileStopped
+
+    with pytest.raises(CompileStopped), torch.inference_mode():
+        packages.build(tmp_path / f"graph{packages.SUFFIX}", noted, network, (sample,), [], stop_once_begun)
+    (child,) = set(processes.read_text().split())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no zombie left
+        os.kill(int(child), 0)
+
+
+def _until(condition: Callable[[], bool], what: str, deadline_s: float = 120) -> None:
+    deadline, pause = time.monotonic() + deadline_s, 0.01
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {deadline_s} s: {what}"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
 def test_a_call_lets_go_of_the_gil(built) -> None:
     """This thread keeps running Python while another's call is in the library. torch's own
     runner holds the GIL nearly throughout: a thread beside it ran at 0.3% of its pace alone,
     replicas' calls ran one after another, and the event loop stalled."""
-    path, _, sample = built
+    path, _, sample, _ = built
     library, _ = packages.load(path)
     spans: list[tuple[float, float]] = []
     done = threading.Event()
@@ -77,7 +168,7 @@ def test_a_call_lets_go_of_the_gil(built) -> None:
 def test_the_key_is_what_the_weights_are_and_a_damaged_library_is_never_opened(
     built, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path, network, _ = built
+    path, network, _, _ = built
     same, changed = _network(), _network()
     with torch.no_grad():
         changed[0].weight[0, 0, 0, 0] += 1e-3

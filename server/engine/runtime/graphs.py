@@ -146,9 +146,11 @@ class GraphStore:
         threads: int | None = None,
         route: CompileRoute | str = CompileRoute.AUTO,
         kept_bytes: int = packages.KEPT_BYTES,
+        checkpoint: Callable[[], None] = lambda: None,
     ) -> None:
         self.route = compile_route(route)
         self.kept_bytes = kept_bytes  # of frozen graphs' libraries in the folder
+        self.checkpoint = checkpoint  # called while a library builds in its own process (`packages.build`)
         stats.route = str(self.route)
         self.folder = folder if folder is None else _writable(folder / "compiled")
         # every device the compiled code runs on: a cuda:0 + cpu split holds kernels for both
@@ -246,7 +248,9 @@ class GraphStore:
                 self.stats.loaded += 1
             else:
                 fn, kernels = trace()
-                frozen = None if path is None else packages.build(path, fn, model, example, kernels)
+                frozen = None
+                if path is not None:
+                    frozen = packages.build(path, fn, model, example, kernels, self.checkpoint)
                 if frozen is None:
                     compiled = unguarded(fn)  # each frozen graph's code is its own
                     # freezing is read from inductor's config while the graph is traced: in `options`

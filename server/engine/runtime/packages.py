@@ -4,7 +4,8 @@ A frozen graph folds its model's weights in, prepacked for oneDNN; inductor's gr
 keep those (oneDNN's tensors do not pickle) and torch 2.13's `aot_compile` cannot freeze.
 AOTInductor can: the function is exported (`torch.export`, the model's weights lifted from the
 module holding it), compiled with freezing, and its prepacked weights written into a shared
-library. An SD-1.5-width UNet's bf16 2-row bucket at a 32² latent, on a 2-core AVX-512 host:
+library, in a process forked for it (`_forked`: the server keeps its GIL). An SD-1.5-width
+UNet's bf16 2-row bucket at a 32² latent, on a 2-core AVX-512 host:
 compiled in 74 s, loaded in 1.6 s, 0.55 s a call (frozen just in time: 0.53 s a call, and
 45–80 s to compile again at every start).
 
@@ -26,16 +27,20 @@ import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
-import zipfile
+import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch._inductor import aoti_compile_and_package
+from torch._inductor import aot_compile
+from torch._inductor import config as inductor_config
 from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten, treespec_dumps, treespec_loads
 
 from server.engine.runtime.tracing import trace_gate
@@ -46,8 +51,11 @@ SUFFIX = ".so"
 CALLERS = 4  # calls one library runs at once (each its own activations; the weights are shared)
 KEPT_BYTES = 16 * 2**30  # of libraries in one cache directory (`--compiled-bytes`'s default)
 STALE_BUILD_S = 3600  # a build's folder older than this was left by a start that died
+BUILD_LIMIT_S = 1800  # a build's process running longer is killed (the graph is frozen just in time)
+POLL_S = 0.1  # how often a build's end is looked for
 _opens = itertools.count()
 
+_PR_SET_PDEATHSIG = 1  # prctl's: a signal this process gets when its parent dies
 _pointer_of = ctypes.pythonapi.PyCapsule_GetPointer
 _pointer_of.restype, _pointer_of.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 _capsule_of = ctypes.pythonapi.PyCapsule_New
@@ -149,28 +157,48 @@ def fingerprint(model: nn.Module) -> str | None:
 
 
 def build(
-    path: Path, fn: Callable[..., Any], model: nn.Module, example: tuple, kernels: list[str]
+    path: Path,
+    fn: Callable[..., Any],
+    model: nn.Module,
+    example: tuple,
+    kernels: list[str],
+    checkpoint: Callable[[], None] = lambda: None,
 ) -> tuple[Library, list[str]] | None:
     """`fn(*example)` (holding `model`) compiled with freezing into a library at `path`, loaded;
-    None where export or AOTInductor refuses it (said: the caller freezes just in time)."""
+    None where export or AOTInductor refuses it, or its build dies (said: the caller freezes just
+    in time). Built in a process forked from this one (`_forked`); `checkpoint` is called while
+    this thread waits for it, and what it raises (a compile told to stop) ends the build."""
+    try:
+        code = _forked(partial(_write, path, fn, model, example, kernels), checkpoint)
+        if code == 0:
+            return _opened_library(path, json.loads(path.with_suffix(".json").read_text()))
+        if code < 0:  # else the build said why itself
+            raise RuntimeError(f"its build was ended by signal {-code}")
+    except Exception as err:
+        _cannot_keep(model, err)
+    return None
+
+
+def _write(path: Path, fn: Callable[..., Any], model: nn.Module, example: tuple, kernels: list[str]) -> bool:
+    """`build`'s work: the library and its JSON written at `path`; False where refused (said)."""
     try:
         with tempfile.TemporaryDirectory(prefix=".building-", dir=path.parent) as work:
             # Export runs outside inference mode (it refuses inference tensors: the warm-up's are
             # cloned), and under the trace gate: it swaps the model's weights for traced ones
-            # while it traces, which a step loop's eager call must never see. Freezing applies
-            # only where gradients are off (inductor's compile_fx reads it).
+            # while it traces, which a step loop's eager call must never see (where this runs in
+            # the serving process). Freezing applies only where gradients are off (inductor's
+            # compile_fx reads it).
             with torch.inference_mode(False), torch.no_grad():
                 with trace_gate().trace():
                     program = torch.export.export(
                         _Holding(fn, model), tree_map(_cloned, example), strict=False
                     )
-                options = {"freezing": True}
-                package = aoti_compile_and_package(
-                    program, package_path=f"{work}/graph.pt2", inductor_configs=options
-                )
-            with zipfile.ZipFile(package) as archive:
-                (library,) = (name for name in archive.namelist() if name.endswith(SUFFIX))
-                built = Path(archive.extract(library, work))
+                # the shared library alone, where this build's folder is: a package (.pt2) copied
+                # its bytes into an archive, then out again
+                built = Path(work) / f"graph{SUFFIX}"
+                options = {"freezing": True, "aot_inductor.output_path": str(built)}
+                args, kwargs = program.example_inputs
+                aot_compile(program.module(check_guards=False), args, kwargs, options=options)
             about = {
                 "attention": kernels,
                 "out_spec": treespec_dumps(program.call_spec.out_spec),
@@ -178,15 +206,70 @@ def build(
             }
             path.with_suffix(".json").write_text(json.dumps(about))
             built.replace(path)  # last: a library on disk always has its JSON
-        return _opened_library(path, about)
+        return True
     except Exception as err:  # export's and inductor's refusals have no common class
-        log.warning(
-            "cannot keep %s's frozen graph (%s: %s): it is frozen just in time, at every start",
-            type(model).__name__,
-            type(err).__name__,
-            str(err).splitlines()[0] if str(err) else "",
-        )
-        return None
+        _cannot_keep(model, err)
+        return False
+
+
+def _cannot_keep(model: nn.Module, err: Exception) -> None:
+    log.warning(
+        "cannot keep %s's frozen graph (%s: %s): it is frozen just in time, at every start",
+        type(model).__name__,
+        type(err).__name__,
+        str(err).splitlines()[0] if str(err) else "",
+    )
+
+
+def _forked(work: Callable[[], bool], checkpoint: Callable[[], None]) -> int:
+    """`work()` in a child process forked from this one: its exit code (0 where it returned True;
+    negative: the signal that ended it). Where there is no fork (not Linux), here.
+
+    A build in this process held the GIL for seconds at a time while inductor copied the frozen
+    weights (an SD-1.5-width UNet's 1.7 GB: three stalls of 3.4-4.7 s each, the API's event loop
+    and the step loops stopped, a keep-alive connection reset), and its tracing slowed the step
+    loops throughout. The child shares the model's pages (copied only where written) and leaves
+    this process the GIL: the longest stall beside a build became 56 ms."""
+    if sys.platform != "linux":
+        return 0 if work() else 1
+    parent = os.getpid()
+    with trace_gate().held_whole(), warnings.catch_warnings():
+        # Python 3.12 warns of any fork beside threads: the child runs `work` alone and exits
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+        if pid == 0:
+            _child(work, parent)
+    deadline = time.monotonic() + BUILD_LIMIT_S
+    try:
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"its build ran past {BUILD_LIMIT_S} s")
+            checkpoint()
+            time.sleep(POLL_S)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return os.waitstatus_to_exitcode(ended[1])
+
+
+def _child(work: Callable[[], bool], parent: int) -> NoReturn:
+    """A forked child: `work()` alone, then exit (never the parent's exit handlers)."""
+    code = 1
+    try:
+        sys.settrace(None)  # a hook that gives way (`GiveWay`), called at every frame: the parent's
+        # killed with its parent, never left building; unless the parent died before that was set
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            return
+        # inductor writes the callers' intra-op threads into its kernels; what runs here runs on
+        # one: OpenMP's threads and inductor's compile workers are the parent's, absent here
+        inductor_config.cpp.threads = torch.get_num_threads()
+        inductor_config.compile_threads = 1
+        torch.set_num_threads(1)
+        code = 0 if work() else 1
+    finally:
+        os._exit(code)
 
 
 def prune(folder: Path, in_use: set[Path], kept_bytes: int = KEPT_BYTES) -> None:

@@ -91,6 +91,14 @@ class TraceGate:
                     self._tracer = None
                 self._changed.notify_all()
 
+    @contextmanager
+    def held_whole(self) -> Iterator[None]:
+        """The trace and the gate's own lock, for a fork inside: a child forked there holds its
+        copy of the gate (its only thread has the forking thread's id) with no call in flight,
+        where a copy taken mid-call would wait forever for calls no thread of its own makes."""
+        with self.trace(), self._changed:
+            yield
+
 
 @cache
 def trace_gate() -> TraceGate:

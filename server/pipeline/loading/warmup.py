@@ -99,14 +99,15 @@ def compile_pipeline(
         return stats
     # keyed by every device compiled code runs on: each replica's stages, and the VAE's decoder
     devices = [*(d for shard in pipeline.replicas for d in shard.devices), pipeline.encoder_device]
-    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads, route, kept_bytes)
+    give_way = give_way or GiveWay()  # never told of work: never pauses
+    # a library building in its own process is waited for as a compile gives way: stopped with it
+    store = GraphStore(cache_dir, devices, stats, pipeline.lane_threads, route, kept_bytes, give_way.wait)
     # each its own, every expert's too; replicas (and experts: the module is an argument) share the graphs
     shards = [shard for deployment in pipeline.experts for shard in deployment.replicas]
     for shard in shards:
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
     # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
-    give_way = give_way or GiveWay()  # never told of work: never pauses
     warm = partial(
         _warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s, give_way
     )
