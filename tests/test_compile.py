@@ -186,7 +186,9 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weigh
 ) -> None:
     """`--compile auto` on one stage compiles the whole call, times the bucket's calls both ways,
     and serves it compiled only if that was faster. Its weights here are `--quantize int8`'s: on a
-    CPU they freeze too (inductor folds the quantized weights), and draw their eager images."""
+    CPU they freeze too (inductor folds the quantized weights), and draw their eager images. A
+    restart takes a clear verdict kept in the cache directory instead of timing again (here one
+    recorded as clearly slower: its graphs go unused), and times a close one again."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
     eager = _images(pipeline, [GUIDED])[0]
     with caplog.at_level(logging.WARNING, logger="diffshard"):
@@ -195,12 +197,29 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weigh
     assert "cannot freeze" not in caplog.text
     bucket, decoder = stats.buckets  # 2 rows at IMAGE_SIZE, and the decoder's one image
     assert bucket["bucket"] == f"{IMAGE_SIZE}px × 2 rows" and decoder["bucket"].startswith("decoder")
-    assert all(b["kept"] == (b["compiled_ms"] < b["eager_ms"]) for b in stats.buckets), stats.buckets
+    assert all(b["kept"] == (b["compiled_ms"] < b["eager_ms"]) and b["timed"] for b in stats.buckets)
     assert stats.frozen == sum(b["kept"] for b in stats.buckets)  # every graph kept is a frozen one
     assert np.abs(_images(pipeline, [GUIDED])[0] - eager).max() < TOLERANCE
     path = "compiled" if bucket["kept"] else "eager"
     steps = calls_of(pipeline, GUIDED)
     assert stats.calls[path] == steps and sum(stats.calls.values()) == steps, stats.calls
+
+    recorded = cache_dir / "compiled" / "verdicts.json"
+    verdicts = json.loads(recorded.read_text())  # this module's other buckets' too
+    figures = lambda b: (b["compiled_ms"], b["eager_ms"])  # noqa: E731
+    (slower,) = [k for k, v in verdicts.items() if figures(v) == figures(bucket)]
+    (close,) = [k for k, v in verdicts.items() if figures(v) == figures(decoder)]
+    verdicts[slower] = {"compiled_ms": 500.0, "eager_ms": 50.0, "at": 1}
+    verdicts[close] = {"compiled_ms": 97.0, "eager_ms": 100.0, "at": 1}
+    recorded.write_text(json.dumps(verdicts))
+    restarted = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
+    again = compile_pipeline(restarted, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
+    taken, timed = again.buckets
+    assert (*figures(taken), taken["kept"], taken["timed"]) == (500.0, 50.0, False, False), again.buckets
+    assert timed["timed"] and figures(timed) != (97.0, 100.0), again.buckets
+    assert again.frozen == int(timed["kept"])  # the bucket recorded slower holds no frozen copy
+    assert np.abs(_images(restarted, [GUIDED])[0] - eager).max() < TOLERANCE
+    assert again.calls["eager"] == steps, again.calls
 
 
 def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why(

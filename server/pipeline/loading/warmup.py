@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
@@ -54,6 +55,54 @@ BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's
 # each operator, waited up to the 5 ms default each time (a first request during a cold compile
 # took 24 s against 0.6 s): a shorter interval while it compiles
 SWITCH_WHILE_COMPILING = 0.0005
+CLEAR_MARGIN = 0.9  # a verdict is taken again only where one way took at most this of the other's time
+KEPT_VERDICTS = 4096  # in a cache directory, the most recent
+
+
+class Verdicts:
+    """`--compile auto`'s timings of each bucket, compiled against eager, kept in the cache
+    directory (`compiled/verdicts.json`) so a warm restart that loads its graphs need not time
+    them again (an SD-1.5-width UNet's 256² buckets: 13 s of a 31 s restart, on 2 cores). Only a
+    clear verdict is taken again (one way at most `CLEAR_MARGIN` of the other's time): a close
+    one is timed at every start, so a busy host's noise never decides for good. A verdict is
+    keyed by its graphs (the model's config, the inputs' shapes, whether frozen) and by what
+    every graph's key holds (torch, the device kind, the threads)."""
+
+    def __init__(self, store: GraphStore) -> None:
+        self.store = store
+        self.path = None if store.folder is None else store.folder / "compiled" / "verdicts.json"
+        self._known: dict[str, dict[str, float]] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self._known = dict(json.loads(self.path.read_text()))
+            except (OSError, ValueError, TypeError) as err:  # damaged: timed again, written anew
+                log.warning("compile verdicts %s are unusable (%s): buckets are timed again", self.path, err)
+
+    def key(self, model: torch.nn.Module, what: str, graphs: object, frozen: bool) -> str:
+        config = getattr(model, "config", None)
+        described = {"verdict": what, "class": type(model).__name__, "config": config}
+        return self.store.key({**described, "graphs": repr(graphs), "frozen": frozen})
+
+    def clear(self, key: str) -> dict[str, float] | None:
+        """The timing recorded for `key`, where its verdict was clear."""
+        known = self._known.get(key)
+        if known is None or not isinstance(known, dict):
+            return None
+        faster, slower = sorted((known.get("compiled_ms", 0.0), known.get("eager_ms", 0.0)))
+        return known if 0 < faster <= CLEAR_MARGIN * slower else None
+
+    def record(self, key: str, timing: dict[str, float]) -> None:
+        self._known[key] = {**timing, "at": round(time.time())}
+        if self.path is None:
+            return
+        newest = sorted(self._known.items(), key=lambda item: item[1].get("at", 0))[-KEPT_VERDICTS:]
+        self._known = dict(newest)
+        try:
+            written = self.path.with_name(f".verdicts-{os.getpid()}.tmp")
+            written.write_text(json.dumps(self._known))
+            written.replace(self.path)  # whole: a start reading it meanwhile sees the old or the new
+        except OSError as err:
+            log.warning("cannot keep compile verdicts in %s (%s): buckets are timed again", self.path, err)
 
 
 def compile_pipeline(
@@ -188,6 +237,7 @@ def _warm(
     bucket's kept only where its calls were faster than eager ones. Says how it ended: "ready",
     or "stopped" where `budget_s` ran out first."""
     stats, started = decoder.store.stats, time.perf_counter()
+    verdicts = Verdicts(decoder.store) if measured else None
     # The warm-up requests' tensors live as long as the compile (minutes): rented from the
     # service's pool they would read as its rented bytes all along, over its idle budget.
     pipeline = copy.copy(pipeline)
@@ -207,9 +257,10 @@ def _warm(
     def denoiser(size: int, count: int) -> None:
         with pipeline.pool.scope() as batch, torch.inference_mode():
             inputs = _rows_of(pipeline.stacked([states[size]], batch), count)
+            frozen = stats.frozen
             added = [(shard, shard.warm(inputs, count)) for shard in shards]
-            if measured:
-                _keep_if_faster(stats, added, inputs, size, count, give_way)
+            if verdicts is not None:
+                _keep_if_faster(stats, added, inputs, size, count, give_way, verdicts, stats.frozen > frozen)
         _said(stats, f"{size}px × {count} rows", started, on_progress)
 
     def decoding(size: int, count: int) -> None:  # tiled sizes decode eagerly (CompiledDecoder)
@@ -217,9 +268,11 @@ def _warm(
             states[size].latents.to(pipeline.encoder_device, pipeline.vae.dtype)
         )
         batch_latents = latents.expand(count, *latents.shape[1:]).contiguous()
+        frozen = stats.frozen
         key = decoder.warm(batch_latents)
-        if measured:
-            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size, give_way)
+        if verdicts is not None:
+            froze = stats.frozen > frozen
+            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size, give_way, verdicts, froze)
         _said(stats, f"decoder {size}px × {count}", started, on_progress)
 
     # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
@@ -267,6 +320,8 @@ def _keep_if_faster(
     size: int,
     rows: int,
     give_way: GiveWay,
+    verdicts: Verdicts,
+    frozen: bool,
 ) -> None:
     """`--compile auto`: time a bucket's call through its graphs against eagerly (on the first
     shard: the others hold the same graphs), and stop using the graphs where they were not faster
@@ -276,7 +331,9 @@ def _keep_if_faster(
     measured = replace(CallPlan.plain(rows), counted=False)  # the service's call counts are its own
     plans = {True: measured, False: replace(measured, compiled=False)}
     runs = {graphs: partial(shard.run, inputs, plan) for graphs, plan in plans.items()}
-    kept = _faster(stats, runs, shard.devices, f"{size}px × {rows} rows", give_way)
+    what = f"{size}px × {rows} rows"
+    key = verdicts.key(shard.model, what, added[0][1], frozen)
+    kept = _faster(stats, runs, shard.devices, what, give_way, verdicts, key)
     for each, keys in added if not kept else ():
         assert each.compiled is not None
         each.compiled.drop(keys)
@@ -289,12 +346,16 @@ def _keep_decoder_if_faster(
     key: tuple | None,
     size: int,
     give_way: GiveWay,
+    verdicts: Verdicts,
+    frozen: bool,
 ) -> None:
     """The same for a batch size's decoder graph."""
     if key is None:
         return
     runs = {True: partial(decoder, latents), False: partial(run_decoder, decoder.vae, latents)}
-    if not _faster(stats, runs, [str(latents.device)], f"decoder {size}px × {latents.shape[0]}", give_way):
+    what = f"decoder {size}px × {latents.shape[0]}"
+    recorded = verdicts.key(decoder.vae, what, key, frozen)
+    if not _faster(stats, runs, [str(latents.device)], what, give_way, verdicts, recorded):
         decoder.drop(key)
 
 
@@ -304,10 +365,34 @@ def _faster(
     devices: Sequence[str],
     what: str,
     give_way: GiveWay,
+    verdicts: Verdicts,
+    key: str,
 ) -> bool:
-    """Whether `runs[True]` (graphs) took less than `runs[False]` (eager): medians of TIMED_CALLS
-    each, in turn, after one of each; recorded in `stats.buckets` and said in the log. A call
-    paused for the step loops' work (`give_way`) is timed again."""
+    """Whether `runs[True]` (graphs) take less than `runs[False]` (eager), as a clear verdict
+    recorded at an earlier start says (`Verdicts`), else timed now (`_timed`) and recorded; in
+    `stats.buckets` and said in the log."""
+    timing = verdicts.clear(key)
+    timed = timing is None
+    if timing is None:
+        compiled_s, eager_s = _timed(runs, devices, give_way)
+        timing = {"compiled_ms": round(compiled_s * 1e3, 2), "eager_ms": round(eager_s * 1e3, 2)}
+        verdicts.record(key, timing)
+    compiled_ms, eager_ms = timing["compiled_ms"], timing["eager_ms"]
+    kept = compiled_ms < eager_ms
+    stats.buckets.append(
+        {"bucket": what, "compiled_ms": compiled_ms, "eager_ms": eager_ms, "kept": kept, "timed": timed}
+    )
+    verdict = "compiled" if kept else "kept eager: its graphs were not faster"
+    when = "" if timed else ", as timed at an earlier start"
+    log.info("compile: %s %s (%.1f ms compiled, %.1f ms eager%s)", what, verdict, compiled_ms, eager_ms, when)
+    return kept
+
+
+def _timed(
+    runs: dict[bool, Callable[[], object]], devices: Sequence[str], give_way: GiveWay
+) -> tuple[float, float]:
+    """Seconds a call of `runs[True]` and of `runs[False]` took: medians of TIMED_CALLS each, in
+    turn, after one of each. A call paused for the step loops' work (`give_way`) is timed again."""
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for turn in range(1 + TIMED_CALLS):
@@ -320,21 +405,7 @@ def _faster(
                     wait_for_queued(devices)  # this thread's work: the lanes' runs on
                 if turn:
                     times[graphs].append(time.perf_counter() - started)
-    compiled_s, eager_s = statistics.median(times[True]), statistics.median(times[False])
-    kept = compiled_s < eager_s
-    stats.buckets.append(
-        {
-            "bucket": what,
-            "compiled_ms": round(compiled_s * 1e3, 2),
-            "eager_ms": round(eager_s * 1e3, 2),
-            "kept": kept,
-        }
-    )
-    verdict = "compiled" if kept else "kept eager: its graphs were not faster"
-    log.info(
-        "compile: %s %s (%.1f ms compiled, %.1f ms eager)", what, verdict, compiled_s * 1e3, eager_s * 1e3
-    )
-    return kept
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def _hold_first_call(pipeline: Pipeline, state: RequestState) -> None:
