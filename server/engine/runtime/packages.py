@@ -165,17 +165,20 @@ def build(
     checkpoint: Callable[[], None] = lambda: None,
 ) -> tuple[Library, list[str]] | None:
     """`fn(*example)` (holding `model`) compiled with freezing into a library at `path`, loaded;
-    None where export or AOTInductor refuses it, or its build dies (said: the caller freezes just
-    in time). Built in a process forked from this one (`_forked`); `checkpoint` is called while
-    this thread waits for it, and what it raises (a compile told to stop) ends the build."""
+    None where export or AOTInductor refuses it or its build runs too long (said: the caller
+    freezes just in time). Built in a process forked from this one (`_forked`); `checkpoint` is
+    called while this thread waits for it, and what it raises (a compile told to stop) ends the
+    build. A build ended by a signal (the OOM killer's, a compiler's crash) raises: freezing the
+    same just in time, here, could end this process the same way."""
     try:
         code = _forked(partial(_write, path, fn, model, example, kernels), checkpoint)
         if code == 0:
             return _opened_library(path, json.loads(path.with_suffix(".json").read_text()))
-        if code < 0:  # else the build said why itself
-            raise RuntimeError(f"its build was ended by signal {-code}")
     except Exception as err:
         _cannot_keep(model, err)
+        return None
+    if code < 0:  # else the build said why itself
+        raise RuntimeError(f"its build was ended by signal {-code}")
     return None
 
 
@@ -262,6 +265,8 @@ def _child(work: Callable[[], bool], parent: int) -> NoReturn:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:
             return
+        with contextlib.suppress(OSError):  # short of memory, the kernel ends the build, not the server
+            Path("/proc/self/oom_score_adj").write_text("1000")
         # inductor writes the callers' intra-op threads into its kernels; what runs here runs on
         # one: OpenMP's threads and inductor's compile workers are the parent's, absent here
         inductor_config.cpp.threads = torch.get_num_threads()
