@@ -143,7 +143,12 @@ def compiled_after(server: Any, started: float, deadline_s: float = 1800) -> dic
     wait, ends = 0.05, time.monotonic() + deadline_s
     with httpx.Client(base_url=server.url, timeout=30) as client:
         while True:
-            view = client.get("/v1/stats").json()["compile"]
+            try:
+                view = client.get("/v1/stats").json()["compile"]
+            except httpx.TransportError:  # a kept-alive connection closed as this poll went out
+                if server.process.poll() is not None:
+                    raise
+                view = {"state": "compiling"}  # polled again, on a new connection
             if view["state"] in ("ready", "stopped", "failed", "off") or time.monotonic() > ends:
                 return {**view, "ready_after_s": round(time.perf_counter() - started, 2)}
             time.sleep(wait)  # polling a server's progress: no event to wait on across processes
