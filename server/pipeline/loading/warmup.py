@@ -65,8 +65,8 @@ class Verdicts:
     them again (an SD-1.5-width UNet's 256² buckets: 13 s of a 31 s restart, on 2 cores). Only a
     clear verdict is taken again (one way at most `CLEAR_MARGIN` of the other's time): a close
     one is timed at every start, so a busy host's noise never decides for good. A verdict is
-    keyed by its graphs (the model's config, the inputs' shapes, whether frozen) and by what
-    every graph's key holds (torch, the device kind, the threads)."""
+    keyed by its graphs (the model's config and its weights' kinds, the inputs' shapes, whether
+    frozen) and by what every graph's key holds (torch, the device kind, the threads)."""
 
     def __init__(self, store: GraphStore) -> None:
         self.store = store
@@ -80,7 +80,9 @@ class Verdicts:
 
     def key(self, model: torch.nn.Module, what: str, graphs: object, frozen: bool) -> str:
         config = getattr(model, "config", None)
-        described = {"verdict": what, "class": type(model).__name__, "config": config}
+        # quantized weights (`--quantize`) time otherwise under the same config
+        weights = sorted({f"{type(p).__name__} {p.dtype}" for p in model.parameters()})
+        described = {"verdict": what, "class": type(model).__name__, "config": config, "weights": weights}
         return self.store.key({**described, "graphs": repr(graphs), "frozen": frozen})
 
     def clear(self, key: str) -> dict[str, float] | None:
