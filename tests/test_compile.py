@@ -31,7 +31,7 @@ from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.engine.runtime.tracing import trace_gate
 from server.pipeline import Pipeline
 from server.pipeline.conditioning.adapters import Adapter, LoraPair
-from server.pipeline.loading.warmup import compile_pipeline
+from server.pipeline.loading.warmup import Verdicts, compile_pipeline
 from server.requests import Edit, GenerationRequest
 from server.requests.step_cache import StepCache
 from tests.support.tiny_pipelines import IMAGE_SIZE
@@ -220,6 +220,30 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weigh
     assert again.frozen == int(timed["kept"])  # the bucket recorded slower holds no frozen copy
     assert np.abs(_images(restarted, [GUIDED])[0] - eager).max() < TOLERANCE
     assert again.calls["eager"] == steps, again.calls
+
+
+def test_a_close_verdict_is_settled_once_starts_agree_on_it_and_a_damaged_file_is_timed_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A clear verdict is taken at the next start; a close one (0.95x) once two starts in a row
+    timed it the same way, and timed again from one that did not; a verdicts file that is not
+    JSON is said and written anew."""
+    store = GraphStore(tmp_path, ["cpu"], CompileStats("auto"))
+    verdicts = Verdicts(store)
+    verdicts.record("clear", {"compiled_ms": 50.0, "eager_ms": 100.0})
+    verdicts.record("close", {"compiled_ms": 95.0, "eager_ms": 100.0})
+    restarted = Verdicts(store)
+    assert restarted.settled("clear") is not None and restarted.settled("close") is None
+    restarted.record("close", {"compiled_ms": 96.0, "eager_ms": 100.0})  # faster again: agreed
+    assert Verdicts(store).settled("close")["compiled_ms"] == 96.0
+    restarted.record("close", {"compiled_ms": 101.0, "eager_ms": 100.0})  # the other way: open again
+    assert Verdicts(store).settled("close") is None
+    restarted.path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="diffshard"):
+        damaged = Verdicts(store)
+    assert "are unusable" in caplog.text and damaged.settled("clear") is None
+    damaged.record("clear", {"compiled_ms": 50.0, "eager_ms": 100.0})
+    assert Verdicts(store).settled("clear") is not None
 
 
 def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why(

@@ -56,15 +56,18 @@ BACKGROUND_NICE = 10  # a background compile yields the cores to the step loop's
 # took 24 s against 0.6 s): a shorter interval while it compiles
 SWITCH_WHILE_COMPILING = 0.0005
 CLEAR_MARGIN = 0.9  # a verdict is taken again only where one way took at most this of the other's time
+AGREEING = 2  # ... or where a close verdict came out the same way at this many starts in a row
 KEPT_VERDICTS = 4096  # in a cache directory, the most recent
 
 
 class Verdicts:
     """`--compile auto`'s timings of each bucket, compiled against eager, kept in the cache
     directory (`compiled/verdicts.json`) so a warm restart that loads its graphs need not time
-    them again (an SD-1.5-width UNet's 256² buckets: 13 s of a 31 s restart, on 2 cores). Only a
-    clear verdict is taken again (one way at most `CLEAR_MARGIN` of the other's time): a close
-    one is timed at every start, so a busy host's noise never decides for good. A verdict is
+    them again (an SD-1.5-width UNet's 256² buckets: 13 s of a 31 s restart, on 2 cores). A
+    verdict is taken again where it was clear (one way at most `CLEAR_MARGIN` of the other's
+    time) or where a close one came out the same way at `AGREEING` starts in a row (the
+    SD-1.5-width VAE's decode, 0.95x eager: 12 s of timing a restart): a busy host's noise never
+    decides for good. A verdict is
     keyed by its graphs (the model's config and its weights' kinds, the inputs' shapes, whether
     frozen) and by what every graph's key holds (torch, the device kind, the threads)."""
 
@@ -85,16 +88,22 @@ class Verdicts:
         described = {"verdict": what, "class": type(model).__name__, "config": config, "weights": weights}
         return self.store.key({**described, "graphs": repr(graphs), "frozen": frozen})
 
-    def clear(self, key: str) -> dict[str, float] | None:
-        """The timing recorded for `key`, where its verdict was clear."""
+    def settled(self, key: str) -> dict[str, float] | None:
+        """The timing recorded for `key`, where its verdict is settled: clear, or agreed on."""
         known = self._known.get(key)
-        if known is None or not isinstance(known, dict):
+        if not isinstance(known, dict):
             return None
         faster, slower = sorted((known.get("compiled_ms", 0.0), known.get("eager_ms", 0.0)))
-        return known if 0 < faster <= CLEAR_MARGIN * slower else None
+        clear = 0 < faster <= CLEAR_MARGIN * slower
+        return known if clear or known.get("agreeing", 1) >= AGREEING else None
 
     def record(self, key: str, timing: dict[str, float]) -> None:
-        self._known[key] = {**timing, "at": round(time.time())}
+        """`timing` (compiled_ms, eager_ms) timed now for `key`; counted as agreeing with the
+        verdict before it where it came out the same way."""
+        before, kept = self._known.get(key), timing["compiled_ms"] < timing["eager_ms"]
+        same = isinstance(before, dict) and (before.get("compiled_ms", 0) < before.get("eager_ms", 0)) == kept
+        agreeing = before.get("agreeing", 1) + 1 if same else 1
+        self._known[key] = {**timing, "agreeing": agreeing, "at": round(time.time())}
         if self.path is None:
             return
         newest = sorted(self._known.items(), key=lambda item: item[1].get("at", 0))[-KEPT_VERDICTS:]
@@ -370,10 +379,10 @@ def _faster(
     verdicts: Verdicts,
     key: str,
 ) -> bool:
-    """Whether `runs[True]` (graphs) take less than `runs[False]` (eager), as a clear verdict
-    recorded at an earlier start says (`Verdicts`), else timed now (`_timed`) and recorded; in
+    """Whether `runs[True]` (graphs) take less than `runs[False]` (eager), as a settled verdict
+    recorded at earlier starts says (`Verdicts`), else timed now (`_timed`) and recorded; in
     `stats.buckets` and said in the log."""
-    timing = verdicts.clear(key)
+    timing = verdicts.settled(key)
     timed = timing is None
     if timing is None:
         compiled_s, eager_s = _timed(runs, devices, give_way)
