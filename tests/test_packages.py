@@ -105,7 +105,7 @@ def test_a_build_that_dies_leaves_this_process_serving(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="its build was ended by signal 9"), torch.inference_mode():
         packages.build(tmp_path / f"graph{packages.SUFFIX}", dies, network, (sample,), [])
-    assert not list(tmp_path.glob(f"*{packages.SUFFIX}"))
+    assert not list(tmp_path.glob(f"*{packages.SUFFIX}")) and not list(tmp_path.glob(".building-*"))
 
 
 def test_a_build_told_to_stop_is_ended_and_its_process_reaped(tmp_path: Path) -> None:
@@ -125,6 +125,7 @@ def test_a_build_told_to_stop_is_ended_and_its_process_reaped(tmp_path: Path) ->
     (child,) = set(processes.read_text().split())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no zombie left
         os.kill(int(child), 0)
+    assert not list(tmp_path.glob(".building-*"))  # nor its folder
 
 
 def _until(condition: Callable[[], bool], what: str, deadline_s: float = 120) -> None:

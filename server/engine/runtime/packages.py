@@ -171,7 +171,9 @@ def build(
     build. A build ended by a signal (the OOM killer's, a compiler's crash) raises: freezing the
     same just in time, here, could end this process the same way."""
     try:
-        code = _forked(partial(_write, path, fn, model, example, kernels), checkpoint)
+        # the build's folder is this process's: removed however the build ends (stopped, killed)
+        with tempfile.TemporaryDirectory(prefix=".building-", dir=path.parent) as work:
+            code = _forked(partial(_write, path, Path(work), fn, model, example, kernels), checkpoint)
         if code == 0:
             return _opened_library(path, json.loads(path.with_suffix(".json").read_text()))
     except Exception as err:
@@ -182,33 +184,33 @@ def build(
     return None
 
 
-def _write(path: Path, fn: Callable[..., Any], model: nn.Module, example: tuple, kernels: list[str]) -> bool:
-    """`build`'s work: the library and its JSON written at `path`; False where refused (said)."""
+def _write(
+    path: Path, work: Path, fn: Callable[..., Any], model: nn.Module, example: tuple, kernels: list[str]
+) -> bool:
+    """`build`'s work, in the folder `work`: the library and its JSON written at `path`; False
+    where refused (said)."""
     try:
-        with tempfile.TemporaryDirectory(prefix=".building-", dir=path.parent) as work:
-            # Export runs outside inference mode (it refuses inference tensors: the warm-up's are
-            # cloned), and under the trace gate: it swaps the model's weights for traced ones
-            # while it traces, which a step loop's eager call must never see (where this runs in
-            # the serving process). Freezing applies only where gradients are off (inductor's
-            # compile_fx reads it).
-            with torch.inference_mode(False), torch.no_grad():
-                with trace_gate().trace():
-                    program = torch.export.export(
-                        _Holding(fn, model), tree_map(_cloned, example), strict=False
-                    )
-                # the shared library alone, where this build's folder is: a package (.pt2) copied
-                # its bytes into an archive, then out again
-                built = Path(work) / f"graph{SUFFIX}"
-                options = {"freezing": True, "aot_inductor.output_path": str(built)}
-                args, kwargs = program.example_inputs
-                aot_compile(program.module(check_guards=False), args, kwargs, options=options)
-            about = {
-                "attention": kernels,
-                "out_spec": treespec_dumps(program.call_spec.out_spec),
-                "sha256": _digest(built),
-            }
-            path.with_suffix(".json").write_text(json.dumps(about))
-            built.replace(path)  # last: a library on disk always has its JSON
+        # Export runs outside inference mode (it refuses inference tensors: the warm-up's are
+        # cloned), and under the trace gate: it swaps the model's weights for traced ones
+        # while it traces, which a step loop's eager call must never see (where this runs in
+        # the serving process). Freezing applies only where gradients are off (inductor's
+        # compile_fx reads it).
+        with torch.inference_mode(False), torch.no_grad():
+            with trace_gate().trace():
+                program = torch.export.export(_Holding(fn, model), tree_map(_cloned, example), strict=False)
+            # the shared library alone, where this build's folder is: a package (.pt2) copied
+            # its bytes into an archive, then out again
+            built = work / f"graph{SUFFIX}"
+            options = {"freezing": True, "aot_inductor.output_path": str(built)}
+            args, kwargs = program.example_inputs
+            aot_compile(program.module(check_guards=False), args, kwargs, options=options)
+        about = {
+            "attention": kernels,
+            "out_spec": treespec_dumps(program.call_spec.out_spec),
+            "sha256": _digest(built),
+        }
+        path.with_suffix(".json").write_text(json.dumps(about))
+        built.replace(path)  # last: a library on disk always has its JSON
         return True
     except Exception as err:  # export's and inductor's refusals have no common class
         _cannot_keep(model, err)
