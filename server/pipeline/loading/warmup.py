@@ -67,9 +67,9 @@ class Verdicts:
     verdict is taken again where it was clear (one way at most `CLEAR_MARGIN` of the other's
     time) or where a close one came out the same way at `AGREEING` starts in a row (the
     SD-1.5-width VAE's decode, 0.95x eager: 12 s of timing a restart): a busy host's noise never
-    decides for good. A verdict is
-    keyed by its graphs (the model's config and its weights' kinds, the inputs' shapes, whether
-    frozen) and by what every graph's key holds (torch, the device kind, the threads)."""
+    decides for good. A verdict is keyed by its graphs (the model's config and its weights'
+    kinds, the inputs' shapes, whether frozen) and by what every graph's key holds (torch, the
+    device kind, the threads)."""
 
     def __init__(self, store: GraphStore) -> None:
         self.store = store
