@@ -239,3 +239,19 @@ def test_an_outdated_ddim_config_is_stepped_as_stable_diffusion_pipeline_sets_it
     assert (config.clip_sample, config.steps_offset) == (False, 1)
     request = pipeline.resolve(IMAGE)
     assert differs(pipeline.generate([request])[0], theirs("sd15", folder, request)) < BOUND
+
+
+def test_the_openvino_peers_loop_makes_as_many_unet_calls_as_we_do(folders) -> None:
+    """`benchmarks.peers.openvino_served` runs OpenVINO's parts in diffusers' loop: it steps the
+    folder's own scheduler, as optimum-intel's pipeline does. DDIM over SD 1.5's PNDM config made
+    10 UNet calls of an image to our 11, a tenth of the work spared to the peer."""
+    from benchmarks.peers.openvino_served import folder_scheduler
+
+    pipeline = Pipeline.load(folders["sd15"], devices="cpu")
+    calls = []
+    request = GenerationRequest("a red circle", seed=1, steps=10)
+    pipeline.generate([pipeline.resolve(request)], on_step=lambda states: calls.append(len(states)))
+    scheduler = folder_scheduler(folders["sd15"])
+    scheduler.set_timesteps(10)
+    assert type(scheduler).__name__ == type(pipeline.components.scheduler).__name__ == "PNDMScheduler"
+    assert len(scheduler.timesteps) == len(calls) == 11

@@ -3,8 +3,8 @@ and 512², through our server over HTTP beside OpenVINO running the same weights
 
 The folder: SD-1.5's architecture with random weights (seed 0): its UNet
 (`SD.reference_configs["sd15"]`, 860M parameters), a CLIP text encoder of its size (12 layers,
-768 wide; the built-in tokenizer's vocabulary), SD's VAE and a DDIM schedule, saved as
-diffusers saves a pipeline, safetensors.
+768 wide; the built-in tokenizer's vocabulary), SD's VAE and SD-1.5's published PNDM schedule,
+saved as diffusers saves a pipeline, safetensors.
 
 Ours: `python -m server serve` on that folder at its defaults (`--dtype auto`, `--compile auto`,
 the planner's workers and threads), with `--compile-sizes 256,512` (the default compiles the
@@ -20,7 +20,8 @@ model, as optimum-intel's `load_in_8bit`) computing in bf16; on a CPU OpenVINO r
 on (BF16 missing from its OPTIMIZATION_CAPABILITIES: no avx512_bf16, no AMX), fp32 and int8
 weights computing in fp32, OpenVINO's own choice there. The loop around them is diffusers'
 (`StableDiffusionPipeline`'s: tokenize, encode the prompt and the empty prompt, the scheduler,
-classifier-free guidance, decode) and runs the same 10 steps; its image is PNG-encoded too.
+classifier-free guidance, decode) with the folder's own scheduler, as optimum-intel's pipeline
+loads it: PNDM's 10 steps are 11 UNet calls on both sides; its image is PNG-encoded too.
 
 Rounds are interleaved (every variant once a round at each size, the order rotating); medians.
 Then the server stops and starts again on the same cache directory: how soon a restart's graphs
@@ -50,10 +51,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import httpx
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from PIL import Image
 from transformers import CLIPTextModel
 
@@ -165,6 +168,13 @@ def openvino_variants() -> dict[str, tuple[str, str]]:
     return OPENVINO if "BF16" in native else OPENVINO_WITHOUT_BF16
 
 
+def folder_scheduler(folder: Path) -> SchedulerMixin:
+    """The scheduler the folder names, as a diffusers pipeline loads it: another class over the
+    same config would run another number of UNet calls (PNDM's 10 steps are 11, DDIM's 10)."""
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    return getattr(diffusers, config["_class_name"]).from_pretrained(folder / "scheduler")
+
+
 class OpenVinoImage:
     """diffusers' Stable Diffusion loop around three OpenVINO models at one precision."""
 
@@ -183,7 +193,7 @@ class OpenVinoImage:
             for name, path in paths.items()
         }
         self.tokenizer = build_tokenizer()
-        self.scheduler = DDIMScheduler.from_pretrained(folder / "scheduler")
+        self.scheduler = folder_scheduler(folder)
 
     def _run(self, part: str, *inputs: np.ndarray) -> np.ndarray:
         request = self.parts[part]
