@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import re
+import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -26,6 +27,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from server.engine import CallPlan
+from server.engine.runtime import graphs
 from server.engine.runtime.compile import CompileMode
 from server.engine.runtime.graphs import CompileStats, GraphStore
 from server.engine.runtime.tracing import trace_gate
@@ -244,6 +246,26 @@ def test_a_close_verdict_is_settled_once_starts_agree_on_it_and_a_damaged_file_i
     assert "are unusable" in caplog.text and damaged.settled("clear") is None
     damaged.record("clear", {"compiled_ms": 50.0, "eager_ms": 100.0})
     assert Verdicts(store).settled("clear") is not None
+
+
+def test_a_graph_kept_by_another_release_or_diffusers_is_never_loaded(tmp_path: Path, monkeypatch) -> None:
+    """Every graph's key (and every verdict's) holds a digest of the engine's and pipeline's
+    sources and diffusers' version: a changed family file, or another diffusers, keys apart."""
+    server = Path(graphs.__file__).parents[2]
+    release = tmp_path / "server"
+    for part in graphs.TRACED:
+        shutil.copytree(server / part, release / part)
+    assert graphs.traced_code(release) == graphs.traced_code()
+    family = next((release / "pipeline" / "families").glob("sd*.py"))
+    family.write_text(family.read_text() + "\n# fixed since\n")
+    assert graphs.traced_code.__wrapped__(release) != graphs.traced_code()
+    store = GraphStore(tmp_path / "cache", ["cpu"], CompileStats("auto"))
+    graph = {"graph": "denoiser", "inputs": "1x4x8x8"}
+    kept = store.key(graph)
+    monkeypatch.setattr(graphs.importlib.metadata, "version", lambda name: "0.0.1")
+    assert graphs.traced_code.__wrapped__() != graphs.traced_code()
+    monkeypatch.setattr(graphs, "traced_code", lambda: "another release")
+    assert store.key(graph) != kept
 
 
 def test_auto_compiles_nothing_without_a_cpp_compiler_or_for_groups_and_says_why(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -34,6 +36,21 @@ from server.engine.hardware.devices import device_kind
 from server.engine.runtime import packages
 
 log = logging.getLogger("diffshard")
+
+SERVER = Path(__file__).parents[2]
+TRACED = ("engine", "pipeline")  # of `server/`: the code a graph's trace runs (walker, families)
+
+
+@cache
+def traced_code(root: Path = SERVER) -> str:
+    """A digest of the code graphs are traced from: `root`'s engine and pipeline sources and
+    diffusers' version. In every graph's key, so a graph kept by another release (a family's
+    forward fixed since, say) is traced again, never loaded in place of what this code traces."""
+    digest = hashlib.sha256(importlib.metadata.version("diffusers").encode())
+    for source in sorted(file for part in TRACED for file in (root / part).rglob("*.py")):
+        digest.update(str(source.relative_to(root)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def compiled_for(device: torch.device) -> str:
@@ -177,6 +194,7 @@ class GraphStore:
         described = {
             **what,
             "torch": torch.__version__,
+            "code": traced_code(),
             "device": self.device_kind,
             "guards": None,
             "threads": self.threads,

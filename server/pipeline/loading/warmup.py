@@ -69,7 +69,7 @@ class Verdicts:
     SD-1.5-width VAE's decode, 0.95x eager: 12 s of timing a restart): a busy host's noise never
     decides for good. A verdict is keyed by its graphs (the model's config and its weights'
     kinds, the inputs' shapes, whether frozen) and by what every graph's key holds (torch, the
-    device kind, the threads)."""
+    device kind, the threads, the traced code: a release whose eager calls differ times again)."""
 
     def __init__(self, store: GraphStore) -> None:
         self.store = store
