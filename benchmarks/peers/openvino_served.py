@@ -27,8 +27,10 @@ Rounds are interleaved (every variant once a round at each size, the order rotat
 Then the server stops and starts again on the same cache directory: how soon a restart's graphs
 are ready (its frozen graphs load from their libraries, `server/engine/runtime/packages.py`).
 
-Target (`meets_target`): our served image ≤ 1.0× OpenVINO's best at 256², ≤ 1.1× at 512²; the
-background compile ready within 10 minutes of a cold start, and within 60 s of a warm restart.
+Target (`meets_target`): our served image ≤ 1.0× OpenVINO's best at full weights (fp32 or bf16)
+at 256², ≤ 1.1× at 512²; the background compile ready within 10 minutes of a cold start, and
+within 60 s of a warm restart. Its int8 weights draw another image from the same folder, a
+quality tier of their own, as our `--quantize int8` is: timed and given as a ratio, not a target.
 Printed too: the CPU's flags (AMX or not: OpenVINO's bf16 runs on AMX tiles where present), and
 what the server chose (dtype, compile mode, the buckets frozen).
 
@@ -71,7 +73,7 @@ STEPS = 10
 GUIDANCE = 7.5
 PROMPT = "a red circle"
 SEED = 7
-TARGETS = {256: 1.0, 512: 1.1}  # ours / OpenVINO's best, at most
+TARGETS = {256: 1.0, 512: 1.1}  # ours / OpenVINO's best at full weights, at most
 COLD_READY_S = 600  # from start to the background compile's end, an empty cache directory
 WARM_READY_S = 60  # ... a restart on the cache directory the first start filled
 OPENVINO = {  # name: (weights, inference precision)
@@ -80,6 +82,7 @@ OPENVINO = {  # name: (weights, inference precision)
     "openvino_int8_bf16": ("int8", "bf16"),
 }
 OPENVINO_WITHOUT_BF16 = {"openvino_fp32": ("fp32", "f32"), "openvino_int8_fp32": ("int8", "f32")}
+FULL_WEIGHTS = {n for n, (weights, _) in (OPENVINO | OPENVINO_WITHOUT_BF16).items() if weights == "fp32"}
 SD_VAE = {
     "block_out_channels": (128, 256, 512, 512),
     "down_block_types": ("DownEncoderBlock2D",) * 4,
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     meets = starts["compile_ready_cold_s"] <= COLD_READY_S and starts["compile_ready_warm_s"] <= WARM_READY_S
     for size, seconds in medians.items():
         peers = {n: s for n, s in seconds.items() if n.startswith("openvino_")}
-        best = min(peers, key=peers.get)
+        best = min(FULL_WEIGHTS & set(peers), key=peers.get)
         ratio = seconds["ours_served"] / peers[best]
         meets = meets and ratio <= TARGETS[size]
         summary[f"image_{size}"] = {
