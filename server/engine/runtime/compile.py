@@ -16,9 +16,9 @@ Two units (`--compile`):
 
 Warm starts. Each graph is compiled ahead of time (`torch.compile(...).aot_compile`,
 fullgraph) and saved as a precompiled function under the cache directory, keyed by the graph's
-code, its input signature, the versions of torch, diffusers and the code it traces (`traced_code`)
-and the device kind; inductor's compiled kernels
-live beside it (`TORCHINDUCTOR_CACHE_DIR`). The next start loads both and traces nothing: on
+code, its input signature, the versions of torch, diffusers and the code it traces
+(`graphs.traced_code`) and the device kind; inductor's compiled kernels live beside it
+(`TORCHINDUCTOR_CACHE_DIR`). The next start loads both and traces nothing: on
 the 2-core CPU image the built-in model's 2-row bucket loads in ~2 s where tracing and
 compiling it takes ~60 s. A precompiled file that cannot be read or no longer fits is
 ignored with a warning and compiled again.
