@@ -37,6 +37,7 @@ from server.pipeline.loading.warmup import Verdicts, compile_pipeline
 from server.requests import Edit, GenerationRequest
 from server.requests.step_cache import StepCache
 from tests.support.tiny_pipelines import IMAGE_SIZE
+from tests.support.waiting import wait_until
 
 TOLERANCE = 1e-3
 CACHES = {
@@ -190,7 +191,8 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weigh
     and serves it compiled only if that was faster. Its weights here are `--quantize int8`'s: on a
     CPU they freeze too (inductor folds the quantized weights), and draw their eager images. A
     restart takes a clear verdict kept in the cache directory instead of timing again (here one
-    recorded as clearly slower: its graphs go unused), and times a close one again."""
+    recorded as clearly slower: its graphs go unused), and times a close one again once every
+    graph is ready, serving through its graphs meanwhile."""
     pipeline = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
     eager = _images(pipeline, [GUIDED])[0]
     with caplog.at_level(logging.WARNING, logger="diffshard"):
@@ -215,10 +217,27 @@ def test_auto_keeps_a_buckets_graphs_only_where_its_calls_were_faster_int8_weigh
     verdicts[close] = {"compiled_ms": 97.0, "eager_ms": 100.0, "at": 1}
     recorded.write_text(json.dumps(verdicts))
     restarted = Pipeline.load(folders["sd15"], devices="cpu", quantize="int8")
-    again = compile_pipeline(restarted, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir)
-    taken, timed = again.buckets
+    again, said = CompileStats("auto"), []  # the decoder's verdicts as said, and whether ready then
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("compile: decoder") and "ms eager" in record.getMessage():
+                said.append((record.getMessage(), again.state))
+
+    logger, handler = logging.getLogger("diffshard"), Said()
+    logger.addHandler(handler)
+    try:
+        caplog.set_level(logging.INFO, logger="diffshard")
+        compile_pipeline(restarted, CompileMode.AUTO, [IMAGE_SIZE], 2, cache_dir, again, background=True)
+        taken, timed = wait_until(lambda: len(again.buckets) == 2 and again.buckets, 120, "both buckets")
+        wait_until(lambda: timed.get("timed"), 120, "the close verdict timed again")
+    finally:
+        logger.removeHandler(handler)
     assert (*figures(taken), taken["kept"], taken["timed"]) == (500.0, 50.0, False, False), again.buckets
-    assert timed["timed"] and figures(timed) != (97.0, 100.0), again.buckets
+    assert figures(timed) != (97.0, 100.0), again.buckets
+    (provisional, state), (settled, ready) = said
+    assert "compiled for now (97.0 ms compiled, 100.0 ms eager" in provisional and state == "compiling"
+    assert ready == "ready" and "97.0 ms" not in settled, said
     assert again.frozen == int(timed["kept"])  # the bucket recorded slower holds no frozen copy
     assert np.abs(_images(restarted, [GUIDED])[0] - eager).max() < TOLERANCE
     assert again.calls["eager"] == steps, again.calls
