@@ -173,20 +173,8 @@ def compile_pipeline(
     # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
     later: list[Callable[[], None]] = []  # close verdicts of earlier starts, timed again once ready
-    args = (
-        pipeline,
-        mode,
-        sizes,
-        max_rows,
-        decoder,
-        shards,
-        on_progress,
-        measured,
-        budget_s,
-        give_way,
-        later,
-    )
-    warm = partial(_as_lanes, pipeline.lane_threads, _warm, *args)
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s)
+    warm = partial(_as_lanes, pipeline.lane_threads, warm, give_way, later)
     settle = partial(_as_lanes, pipeline.lane_threads, _settle_all, later)
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
     if not background:
@@ -422,7 +410,7 @@ def _faster(
     entry: dict[str, Any] = {"bucket": what}
     stats.buckets.append(entry)
     if (timing := verdicts.settled(key)) is not None:
-        _judged(entry, timing, drop, "as timed at an earlier start")
+        _judged(entry, timing, drop, timed=False, when="as timed at an earlier start")
     elif (close := verdicts.recorded(key)) is not None:
         entry.update(compiled_ms=close["compiled_ms"], eager_ms=close["eager_ms"], kept=True, timed=False)
         log.info(
@@ -450,16 +438,19 @@ def _time_again(
     compiled_s, eager_s = _timed(runs, devices, give_way)
     timing = {"compiled_ms": round(compiled_s * 1e3, 2), "eager_ms": round(eager_s * 1e3, 2)}
     verdicts.record(key, timing)
-    _judged(entry, timing, drop, "")
-    entry["timed"] = True
+    _judged(entry, timing, drop, timed=True)
 
 
-def _judged(entry: dict[str, Any], timing: dict[str, float], drop: Callable[[], None], when: str) -> None:
+def _judged(
+    entry: dict[str, Any], timing: dict[str, float], drop: Callable[[], None], timed: bool, when: str = ""
+) -> None:
     """`entry` (in `stats.buckets`) by `timing`, said in the log; the graphs dropped where they
     were not faster."""
     compiled_ms, eager_ms = timing["compiled_ms"], timing["eager_ms"]
     kept = compiled_ms < eager_ms
-    entry.update(compiled_ms=compiled_ms, eager_ms=eager_ms, kept=kept, timed=False)
+    if not kept:
+        drop()
+    entry.update(compiled_ms=compiled_ms, eager_ms=eager_ms, kept=kept, timed=timed)
     verdict = "compiled" if kept else "kept eager: its graphs were not faster"
     when = f", {when}" if when else ""
     log.info(
@@ -470,8 +461,6 @@ def _judged(entry: dict[str, Any], timing: dict[str, float], drop: Callable[[], 
         eager_ms,
         when,
     )
-    if not kept:
-        drop()
 
 
 def _settle_all(later: list[Callable[[], None]]) -> None:
