@@ -177,11 +177,15 @@ def compile_pipeline(
     warm = partial(_as_lanes, pipeline.lane_threads, warm, give_way, later)
     settle = partial(_as_lanes, pipeline.lane_threads, _settle_all, later)
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
-    if not background:
+
+    def build() -> None:
         state = warm()
-        settle()
-        stats.finish(state)
         store.keep_artifacts()
+        stats.finish(state)  # every graph ready: calls run through them from now on
+        settle()
+
+    if not background:
+        build()
         return stats
 
     def run() -> None:
@@ -191,18 +195,15 @@ def compile_pipeline(
         sys.setswitchinterval(SWITCH_WHILE_COMPILING)
         try:
             with give_way.paused_while_serving():
-                state = warm()
-                store.keep_artifacts()
-                stats.finish(state)  # every graph ready: calls run through them from now on
-                settle()
+                build()
         except CompileStopped:
-            state = "stopped" if not stats.done.is_set() else state
+            state = "stopped"
             log.info("compile stopped: the server is shutting down")
         except Exception:
             log.exception("compile failed: calls its graphs do not hold yet keep running eagerly")
         finally:
             sys.setswitchinterval(switch)
-        if not stats.done.is_set():
+        if not stats.done.is_set():  # it ended before its graphs were ready
             stats.finish(state)
 
     stats.state = "compiling"
