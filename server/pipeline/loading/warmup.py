@@ -74,6 +74,7 @@ class Verdicts:
     def __init__(self, store: GraphStore) -> None:
         self.store = store
         self.path = None if store.folder is None else store.folder / "compiled" / "verdicts.json"
+        self.waiting: list[Callable[[], None]] = []  # close ones of earlier starts, timed once ready
         self._known: dict[str, dict[str, float]] = {}
         if self.path is not None and self.path.is_file():
             try:
@@ -172,10 +173,10 @@ def compile_pipeline(
         shard.compile(mode, store)  # refusals raise here, before anything is compiled
     # set now: lanes copy the pipeline when the service starts; it decodes eagerly until ready
     pipeline.decoder = decoder = CompiledDecoder(pipeline.vae, store)
-    later: list[Callable[[], None]] = []  # close verdicts of earlier starts, timed again once ready
-    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, measured, budget_s)
-    warm = partial(_as_lanes, pipeline.lane_threads, warm, give_way, later)
-    settle = partial(_as_lanes, pipeline.lane_threads, _settle_all, later)
+    verdicts = Verdicts(store) if measured else None
+    warm = partial(_warm, pipeline, mode, sizes, max_rows, decoder, shards, on_progress, verdicts, budget_s)
+    warm = partial(_as_lanes, pipeline.lane_threads, warm, give_way)
+    settle = partial(_as_lanes, pipeline.lane_threads, _time_waiting, verdicts)
     trace_gate()  # from now on a trace waits for the step loop's calls in flight, and they for it
 
     def build() -> None:
@@ -250,17 +251,15 @@ def _warm(
     decoder: CompiledDecoder,
     shards: list,
     on_progress: Callable[[CompileStats], None] | None,
-    measured: bool,
+    verdicts: Verdicts | None,
     budget_s: float | None,
     give_way: GiveWay,
-    later: list[Callable[[], None]],
 ) -> str:
-    """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); `measured`: each
-    bucket's kept only where its calls were faster than eager ones, a close verdict of an earlier
-    start's taken for now and its timing put on `later`. Says how it ended: "ready", or "stopped"
-    where `budget_s` ran out first."""
+    """Every bucket's graphs, from a real request's inputs (`compile_pipeline`); with `verdicts`
+    (`--compile auto`), each bucket's kept only where its calls were faster than eager ones, a
+    close verdict of an earlier start's taken for now (`Verdicts.waiting`). Says how it ended:
+    "ready", or "stopped" where `budget_s` ran out first."""
     stats, started = decoder.store.stats, time.perf_counter()
-    verdicts = Verdicts(decoder.store) if measured else None
     # The warm-up requests' tensors live as long as the compile (minutes): rented from the
     # service's pool they would read as its rented bytes all along, over its idle budget.
     pipeline = copy.copy(pipeline)
@@ -284,7 +283,7 @@ def _warm(
             added = [(shard, shard.warm(inputs, count)) for shard in shards]
             if verdicts is not None:
                 froze = stats.frozen > frozen
-                _keep_if_faster(stats, added, inputs, size, count, give_way, verdicts, froze, later)
+                _keep_if_faster(stats, added, inputs, size, count, give_way, verdicts, froze)
         _said(stats, f"{size}px × {count} rows", started, on_progress)
 
     def decoding(size: int, count: int) -> None:  # tiled sizes decode eagerly (CompiledDecoder)
@@ -296,9 +295,7 @@ def _warm(
         key = decoder.warm(batch_latents)
         if verdicts is not None:
             froze = stats.frozen > frozen
-            _keep_decoder_if_faster(
-                stats, decoder, batch_latents, key, size, give_way, verdicts, froze, later
-            )
+            _keep_decoder_if_faster(stats, decoder, batch_latents, key, size, give_way, verdicts, froze)
         _said(stats, f"decoder {size}px × {count}", started, on_progress)
 
     # a lone image's bucket at every size first: it is the first to freeze (`freeze_budget`)
@@ -348,7 +345,6 @@ def _keep_if_faster(
     give_way: GiveWay,
     verdicts: Verdicts,
     frozen: bool,
-    later: list[Callable[[], None]],
 ) -> None:
     """`--compile auto`: time a bucket's call through its graphs against eagerly (on the first
     shard: the others hold the same graphs), and stop using the graphs where they were not faster
@@ -367,7 +363,7 @@ def _keep_if_faster(
             assert each.compiled is not None
             each.compiled.drop(keys)
 
-    _faster(stats, runs, shard.devices, what, give_way, verdicts, key, drop, later)
+    _faster(stats, runs, shard.devices, what, give_way, verdicts, key, drop)
 
 
 def _keep_decoder_if_faster(
@@ -379,7 +375,6 @@ def _keep_decoder_if_faster(
     give_way: GiveWay,
     verdicts: Verdicts,
     frozen: bool,
-    later: list[Callable[[], None]],
 ) -> None:
     """The same for a batch size's decoder graph."""
     if key is None:
@@ -388,7 +383,7 @@ def _keep_decoder_if_faster(
     what = f"decoder {size}px × {latents.shape[0]}"
     recorded = verdicts.key(decoder.vae, what, key, frozen)
     drop = partial(decoder.drop, key)
-    _faster(stats, runs, [str(latents.device)], what, give_way, verdicts, recorded, drop, later)
+    _faster(stats, runs, [str(latents.device)], what, give_way, verdicts, recorded, drop)
 
 
 def _faster(
@@ -400,12 +395,11 @@ def _faster(
     verdicts: Verdicts,
     key: str,
     drop: Callable[[], None],
-    later: list[Callable[[], None]],
 ) -> None:
     """Keep the graphs where `runs[True]` (graphs) take less than `runs[False]` (eager), else
     `drop` them: as a settled verdict recorded at earlier starts says (`Verdicts`), else timed now
     (`_timed`) and recorded; in `stats.buckets` and said in the log. A close verdict of an earlier
-    start keeps the graphs for now and is timed again once every graph is ready (on `later`):
+    start keeps the graphs for now and waits to be timed again once every graph is ready:
     timed at a restart, it held the graphs' readiness back (an SD-1.5-width VAE's 512² decode: 8
     calls of 7 s on 2 cores) for a difference of a tenth at most."""
     entry: dict[str, Any] = {"bucket": what}
@@ -421,12 +415,12 @@ def _faster(
             close["compiled_ms"],
             close["eager_ms"],
         )
-        later.append(partial(_time_again, entry, runs, devices, give_way, verdicts, key, drop))
+        verdicts.waiting.append(partial(_time_now, entry, runs, devices, give_way, verdicts, key, drop))
     else:
-        _time_again(entry, runs, devices, give_way, verdicts, key, drop)
+        _time_now(entry, runs, devices, give_way, verdicts, key, drop)
 
 
-def _time_again(
+def _time_now(
     entry: dict[str, Any],
     runs: dict[bool, Callable[[], object]],
     devices: Sequence[str],
@@ -464,9 +458,10 @@ def _judged(
     )
 
 
-def _settle_all(later: list[Callable[[], None]]) -> None:
-    while later:
-        later.pop(0)()
+def _time_waiting(verdicts: Verdicts | None) -> None:
+    """The close verdicts taken for now (`_faster`), timed again."""
+    while verdicts is not None and verdicts.waiting:
+        verdicts.waiting.pop(0)()
 
 
 def _timed(
